@@ -1,0 +1,74 @@
+"""`moeserve` command line: one module per subcommand, each with ``register(subparsers)``.
+
+A subcommand module defines ``register(sub: argparse._SubParsersAction) -> None`` which adds its parser and
+sets ``func=run`` (``run(args) -> int``). Errors that are `MoeserveError` print one line and exit 1;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+from moeserve.errors import MoeserveError
+
+# Subcommand modules, in the order `moeserve --help` lists them. A module that fails to import (an optional
+# dependency missing) must not take the whole CLI down, so each is imported on its own.
+SUBCOMMANDS = [
+    "serve",
+    "generate",
+    "chat",
+    "inspect",
+    "plan",
+    "bench",
+    "simulate",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moeserve",
+        description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"moeserve.cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name == f"moeserve.cli.{name}":
+                continue  # subcommand not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = bool(getattr(args, "debug", False))
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except MoeserveError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
