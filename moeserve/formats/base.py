@@ -1,0 +1,60 @@
+"""The `Format` interface: how one stored weight is named on disk and turned into a dense tensor.
+
+A checkpoint stores each weight as one or more tensors, each with a role (``weight_packed``, ``weight_scale``,
+...). A Format names them for a given module prefix, reports the dense shape, and dequantizes into a tensor
+the caller owns. Callers go through this interface and never branch on the format.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+from torch import Tensor
+
+from moeserve.errors import CheckpointError
+
+
+class Format(ABC):
+    """One stored-weight format. Instances are immutable and cheap; parameters (block sizes) are fields."""
+
+    name: ClassVar[str]  # registry key, e.g. "nvfp4-ct"
+    roles: ClassVar[tuple[str, ...]]  # the stored tensors one weight needs, e.g. ("weight_packed", ...)
+    separator: ClassVar[str] = "."  # between prefix and role; gpt-oss experts use "_" (gate_up_proj_blocks)
+
+    def stored_name(self, prefix: str, role: str) -> str:
+        """Return the checkpoint name of tensor ``role`` for the weight at ``prefix``."""
+        return f"{prefix}{self.separator}{role}"
+
+    def tensor_names(self, prefix: str) -> tuple[str, ...]:
+        """Return the checkpoint names of every tensor the weight at ``prefix`` needs, in `roles` order."""
+        return tuple(self.stored_name(prefix, role) for role in self.roles)
+
+    def select(self, prefix: str, tensors_by_name: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Pick this weight's tensors out of a name -> tensor mapping and key them by role.
+
+        Raises `CheckpointError` naming the first missing tensor.
+        """
+        selected: dict[str, Tensor] = {}
+        for role in self.roles:
+            name = self.stored_name(prefix, role)
+            if name not in tensors_by_name:
+                raise CheckpointError(f"tensor '{name}' is missing ({self.name} weight '{prefix}' needs it)")
+            selected[role] = tensors_by_name[name]
+        return selected
+
+    @abstractmethod
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        """Return the dense shape of the weight held by ``tensors`` (keyed by role), e.g. ``(out, in)``.
+
+        Raises `CheckpointError` if the tensors do not fit together.
+        """
+
+    @abstractmethod
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        """Write the dense weight into ``out`` (contiguous, shape `dequantized_shape`, any float dtype).
+
+        ``tensors`` is keyed by role. Bit-exact with the format's reference decoder; allocates only bounded
+        temporaries (documented per format).
+        """

@@ -1,0 +1,162 @@
+"""Every stored-weight `Format` moeserve reads, and the registry that maps a format name to its class.
+
+The classes are thin adapters from roles to the pure functions in the per-format modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from torch import Tensor
+
+from moeserve.errors import CheckpointError, UnsupportedModelError
+from moeserve.formats.base import Format
+from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
+from moeserve.formats.int8 import dequantize_int8_per_channel
+from moeserve.formats.mxfp4 import dequantize_mxfp4, mxfp4_output_shape
+from moeserve.formats.nvfp4 import dequantize_nvfp4_ct, dequantize_nvfp4_modelopt, nvfp4_output_shape
+
+
+@dataclass(frozen=True)
+class DenseFormat(Format):
+    """An unquantized ``weight`` (any float dtype): dequantizing is a copy with a dtype cast."""
+
+    name = "dense"
+    roles = ("weight",)
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return tuple(tensors["weight"].shape)
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        out.copy_(tensors["weight"])
+
+
+@dataclass(frozen=True)
+class GptOssMxfp4Format(Format):
+    """gpt-oss HF experts: ``{prefix}_blocks`` uint8 ``[E, R, G, 16]`` + ``{prefix}_scales`` ``[E, R, G]``.
+
+    Dense shape ``[E, R, G*32]`` (out features x in features per expert, NOT transformers' ``[E, in, out]``).
+    """
+
+    name = "mxfp4-gpt-oss"
+    roles = ("blocks", "scales")
+    separator = "_"
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return mxfp4_output_shape(tensors["blocks"], tensors["scales"])
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_mxfp4(tensors["blocks"], tensors["scales"], out)
+
+
+@dataclass(frozen=True)
+class CompressedTensorsMxfp4Format(Format):
+    """compressed-tensors ``mxfp4-pack-quantized``: ``weight_packed`` ``[out, in/2]``, ``weight_scale`` E8M0."""
+
+    name = "mxfp4-ct"
+    roles = ("weight_packed", "weight_scale")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return mxfp4_output_shape(tensors["weight_packed"], tensors["weight_scale"])
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_mxfp4(tensors["weight_packed"], tensors["weight_scale"], out)
+
+
+@dataclass(frozen=True)
+class CompressedTensorsNvfp4Format(Format):
+    """compressed-tensors ``nvfp4-pack-quantized``; ``weight_global_scale`` is a divisor."""
+
+    name = "nvfp4-ct"
+    roles = ("weight_packed", "weight_scale", "weight_global_scale")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return nvfp4_output_shape(tensors["weight_packed"], tensors["weight_scale"])
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_nvfp4_ct(
+            tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], out
+        )
+
+
+@dataclass(frozen=True)
+class ModelOptNvfp4Format(Format):
+    """NVIDIA ModelOpt NVFP4: ``weight`` (packed uint8), ``weight_scale``; ``weight_scale_2`` is a multiplier."""
+
+    name = "nvfp4-modelopt"
+    roles = ("weight", "weight_scale", "weight_scale_2")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return nvfp4_output_shape(tensors["weight"], tensors["weight_scale"])
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_nvfp4_modelopt(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], out)
+
+
+@dataclass(frozen=True)
+class Fp8BlockFormat(Format):
+    """FP8-E4M3 ``weight`` with a ``weight_scale_inv`` multiplier per ``block_size`` block."""
+
+    name = "fp8-block"
+    roles = ("weight", "weight_scale_inv")
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE  # (rows, columns) per scale
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        weight, scale_inv = tensors["weight"], tensors["weight_scale_inv"]
+        if weight.dim() != 2:
+            raise CheckpointError(f"FP8 block weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+        expected = fp8_block_scale_shape((weight.shape[0], weight.shape[1]), self.block_size)
+        if tuple(scale_inv.shape) != expected:
+            raise CheckpointError(
+                f"FP8 weight {tuple(weight.shape)} needs weight_scale_inv {expected}, got {tuple(scale_inv.shape)}"
+            )
+        return tuple(weight.shape)
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_fp8_block(tensors["weight"], tensors["weight_scale_inv"], out, self.block_size)
+
+
+@dataclass(frozen=True)
+class Int8PerChannelFormat(Format):
+    """Our on-load int8: ``weight`` int8 ``[out, in]`` + ``weight_scale`` float32 ``[out]`` (multiplier)."""
+
+    name = "int8-per-channel"
+    roles = ("weight", "weight_scale")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return tuple(tensors["weight"].shape)
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_int8_per_channel(tensors["weight"], tensors["weight_scale"], out)
+
+
+# Format name -> class. Read-only: adding a format means adding a class above and listing it here.
+FORMATS: Mapping[str, type[Format]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (
+            DenseFormat,
+            GptOssMxfp4Format,
+            CompressedTensorsMxfp4Format,
+            CompressedTensorsNvfp4Format,
+            ModelOptNvfp4Format,
+            Fp8BlockFormat,
+            Int8PerChannelFormat,
+        )
+    }
+)
+
+
+def create_format(name: str, **options: Any) -> Format:
+    """Return the `Format` registered as ``name``, built with ``options`` (e.g. ``block_size=(128, 128)``).
+
+    Raises `UnsupportedModelError` for an unknown name, listing the known ones.
+    """
+    if name not in FORMATS:
+        raise UnsupportedModelError(
+            f"unknown weight format '{name}'; supported: {', '.join(sorted(FORMATS))}"
+        )
+    return FORMATS[name](**options)

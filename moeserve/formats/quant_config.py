@@ -1,0 +1,199 @@
+"""Read a model folder's quantization scheme into a frozen `QuantScheme`.
+
+Sources, in order: ``config.json`` ``quantization_config``; else ``hf_quant_config.json`` (NVIDIA ModelOpt);
+else the model is unquantized. Supported schemes (anything else raises `UnsupportedModelError`):
+- ``mxfp4`` (gpt-oss): experts as ``*_blocks``/``*_scales``; ``modules_to_not_convert`` stay dense;
+- ``compressed-tensors`` with format ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized``; ``ignore`` list;
+- ``modelopt`` with ``quant_algo`` ``NVFP4``; ``exclude_modules`` wildcards;
+- ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from moeserve.errors import CheckpointError, UnsupportedModelError
+from moeserve.formats.base import Format
+from moeserve.formats.catalog import (
+    CompressedTensorsMxfp4Format,
+    CompressedTensorsNvfp4Format,
+    DenseFormat,
+    Fp8BlockFormat,
+    GptOssMxfp4Format,
+    ModelOptNvfp4Format,
+)
+from moeserve.formats.module_match import ModuleMatcher
+
+UNQUANTIZED = "none"
+SUPPORTED_SCHEMES = (
+    "mxfp4 (gpt-oss)",
+    "compressed-tensors nvfp4-pack-quantized",
+    "compressed-tensors mxfp4-pack-quantized",
+    "modelopt NVFP4",
+    "fp8 with weight_block_size",
+)
+_CT_FORMATS: Mapping[str, Format] = {
+    "nvfp4-pack-quantized": CompressedTensorsNvfp4Format(),
+    "mxfp4-pack-quantized": CompressedTensorsMxfp4Format(),
+}
+_CT_GROUP_SIZES = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+_MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
+_DENSE = DenseFormat()
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Which modules of a model are quantized, and the `Format` their weights are stored in.
+
+    ``method`` is the config's ``quant_method`` (``"none"`` when unquantized). A module is quantized when it
+    matches ``targets`` and not ``excluded``; callers ask only about Linear-like weights (and gpt-oss
+    expert projections such as ``model.layers.0.mlp.experts.gate_up_proj``), never norms or embeddings.
+    """
+
+    method: str
+    weight_format: Format = field(default_factory=DenseFormat)
+    targets: ModuleMatcher = ModuleMatcher("compressed-tensors", ("Linear",))
+    excluded: ModuleMatcher = ModuleMatcher("transformers")
+
+    def is_quantized(self, module_name: str) -> bool:
+        """Return True if the weight of ``module_name`` is stored quantized in this checkpoint."""
+        if self.method == UNQUANTIZED:
+            return False
+        return self.targets.matches(module_name) and not self.excluded.matches(module_name)
+
+    def format_for(self, module_name: str) -> Format:
+        """Return the `Format` of ``module_name``'s weight: the scheme's format, or dense if not quantized."""
+        return self.weight_format if self.is_quantized(module_name) else _DENSE
+
+    def tensor_names(self, prefix: str) -> tuple[str, ...]:
+        """Return the checkpoint tensor names the weight at ``prefix`` is stored as."""
+        return self.format_for(prefix).tensor_names(prefix)
+
+    def dequantize(self, prefix: str, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        """Dequantize the weight at ``prefix`` from its tensors (keyed by role, see `Format.select`) into out."""
+        self.format_for(prefix).dequantize(tensors, out)
+
+
+def load_quant_scheme(model_dir: str | Path) -> QuantScheme:
+    """Read the quantization scheme of the model folder ``model_dir`` (see module docstring)."""
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json")
+    quant_config = config.get("quantization_config")
+    modelopt_file = model_dir / "hf_quant_config.json"
+    if quant_config is None and modelopt_file.is_file():
+        quant_config = {"quant_method": "modelopt", **_read_json(modelopt_file)}
+    return parse_quant_config(quant_config)
+
+
+def parse_quant_config(quant_config: Mapping[str, Any] | None) -> QuantScheme:
+    """Build a `QuantScheme` from a ``quantization_config`` dict (None means unquantized)."""
+    if quant_config is None:
+        return QuantScheme(method=UNQUANTIZED)
+    method = str(quant_config.get("quant_method", "")).lower()
+    parser = _PARSERS.get(method)
+    if parser is None:
+        raise _unsupported(f"quantization method '{method or '<missing quant_method>'}'")
+    return parser(quant_config)
+
+
+def _parse_gpt_oss_mxfp4(quant_config: Mapping[str, Any]) -> QuantScheme:
+    excluded = _string_list(quant_config, "modules_to_not_convert")
+    return QuantScheme("mxfp4", GptOssMxfp4Format(), excluded=ModuleMatcher("transformers", excluded))
+
+
+def _parse_compressed_tensors(quant_config: Mapping[str, Any]) -> QuantScheme:
+    groups = quant_config.get("config_groups") or {}
+    default_format = quant_config.get("format")
+    formats = {group.get("format") or default_format for group in groups.values()} or {default_format}
+    if len(formats) != 1:
+        raise _unsupported(f"compressed-tensors with mixed formats {sorted(map(str, formats))}")
+    ct_format = str(next(iter(formats)))
+    if ct_format not in _CT_FORMATS:
+        raise _unsupported(f"compressed-tensors format '{ct_format}'")
+    targets: list[str] = []
+    for group_name, group in groups.items():
+        _check_ct_weights(group_name, group.get("weights") or {}, ct_format)
+        targets += group.get("targets") or []
+    return QuantScheme(
+        "compressed-tensors",
+        _CT_FORMATS[ct_format],
+        targets=ModuleMatcher("compressed-tensors", tuple(targets) or ("Linear",)),
+        excluded=ModuleMatcher("compressed-tensors", _string_list(quant_config, "ignore")),
+    )
+
+
+def _check_ct_weights(group_name: str, weights: Mapping[str, Any], ct_format: str) -> None:
+    group_size = weights.get("group_size", _CT_GROUP_SIZES[ct_format])
+    if group_size != _CT_GROUP_SIZES[ct_format] or weights.get("symmetric", True) is False:
+        raise _unsupported(
+            f"compressed-tensors {ct_format} group '{group_name}' with group_size={group_size}, "
+            f"symmetric={weights.get('symmetric', True)}"
+        )
+
+
+def _parse_modelopt(quant_config: Mapping[str, Any]) -> QuantScheme:
+    # hf_quant_config.json nests the fields under "quantization"; config.json keeps them flat.
+    fields = quant_config.get("quantization") or quant_config
+    algo = str(fields.get("quant_algo"))
+    if algo.upper() not in _MODELOPT_NVFP4_ALGOS or fields.get("group_size", 16) != 16:
+        raise _unsupported(f"modelopt quant_algo '{algo}' with group_size {fields.get('group_size', 16)}")
+    excluded = _string_list(fields, "exclude_modules")
+    return QuantScheme("modelopt", ModelOptNvfp4Format(), excluded=ModuleMatcher("fnmatch", excluded))
+
+
+def _parse_fp8(quant_config: Mapping[str, Any]) -> QuantScheme:
+    block_size = quant_config.get("weight_block_size")
+    fmt = str(quant_config.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3" or not (
+        isinstance(block_size, list | tuple)
+        and len(block_size) == 2
+        and all(isinstance(size, int) and size > 0 for size in block_size)
+    ):
+        raise _unsupported(
+            f"fp8 with fmt '{fmt}' and weight_block_size {block_size} (per-tensor fp8 is not read)"
+        )
+    excluded = _string_list(quant_config, "modules_to_not_convert")
+    return QuantScheme(
+        "fp8",
+        Fp8BlockFormat(block_size=(block_size[0], block_size[1])),
+        excluded=ModuleMatcher("transformers", excluded),
+    )
+
+
+_PARSERS: Mapping[str, Callable[[Mapping[str, Any]], QuantScheme]] = {
+    "mxfp4": _parse_gpt_oss_mxfp4,
+    "compressed-tensors": _parse_compressed_tensors,
+    "modelopt": _parse_modelopt,
+    "fp8": _parse_fp8,
+}
+
+
+def _unsupported(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{what} is not supported; supported schemes: {', '.join(SUPPORTED_SCHEMES)}"
+    )
+
+
+def _string_list(config: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    values = config.get(key) or []
+    if not isinstance(values, list | tuple) or not all(isinstance(value, str) for value in values):
+        raise CheckpointError(f"quantization config '{key}' must be a list of strings, got {values!r}")
+    return tuple(values)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; a model folder needs a config.json") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path} cannot be read as JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return data
