@@ -1,0 +1,141 @@
+"""A Hugging Face model folder: config.json, generation_config.json, safetensors shards, tokenizer files.
+
+`open_checkpoint(model)` resolves a folder path, or a model id already in the local Hugging Face cache
+(``$HF_HUB_CACHE`` or ``~/.cache/huggingface/hub/models--org--name/snapshots/<rev>``) without any network
+access, reads the JSON files and every shard header, and validates them. Tensor data is not touched here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moeserve.checkpoint.safetensors_file import FileReader, TensorRef, parse_header
+from moeserve.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def hf_hub_cache() -> Path:
+    """The local Hugging Face hub cache folder, honouring HF_HUB_CACHE and HF_HOME."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local folder for `model` (a path, or an org/name id found in the local HF cache). Never downloads."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{model}: expected a model folder, got a file")
+    if "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
+        repo = hf_hub_cache() / ("models--" + model.replace("/", "--"))
+        snapshots = repo / "snapshots"
+        ref = repo / "refs" / "main"
+        if ref.is_file():
+            snap = snapshots / ref.read_text().strip()
+            if snap.is_dir():
+                return snap
+        if snapshots.is_dir():
+            candidates = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+            if candidates:
+                return candidates[-1]
+        raise CheckpointError(
+            f"{model}: not a folder and not in the local Hugging Face cache ({hf_hub_cache()}); "
+            "moeserve never downloads: fetch it first (e.g. `hf download {model}`) or pass a folder path"
+        )
+    raise CheckpointError(f"{model}: no such model folder")
+
+
+def read_json(path: Path, required: bool = True) -> dict[str, Any]:
+    """Parse a JSON object file; a missing optional file gives {}. Errors name the file."""
+    if not path.is_file():
+        if required:
+            raise CheckpointError(f"{path}: missing (a model folder needs config.json)")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: invalid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: invalid JSON (expected an object)")
+    return data
+
+
+@dataclass
+class Checkpoint:
+    """A validated model folder: parsed configs and a map of every tensor to its byte range."""
+
+    path: Path
+    config: dict[str, Any]
+    generation_config: dict[str, Any]
+    tensors: dict[str, TensorRef]
+    reader: FileReader = field(default_factory=FileReader, repr=False)
+
+    def ref(self, name: str, shape: tuple[int, ...] | None = None) -> TensorRef:
+        """The TensorRef of `name`; if `shape` is given, check it matches what the config implies."""
+        ref = self.tensors.get(name)
+        if ref is None:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
+        if shape is not None and tuple(ref.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{ref.path}: tensor '{name}' has shape {list(ref.shape)}, but config.json implies {list(shape)}"
+            )
+        return ref
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def stored_dtype(self) -> str:
+        """The dtype code most bytes are stored in (the checkpoint's dtype)."""
+        totals: dict[str, int] = {}
+        for ref in self.tensors.values():
+            totals[ref.dtype_code] = totals.get(ref.dtype_code, 0) + ref.nbytes
+        return max(totals, key=lambda k: totals[k]) if totals else "F32"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.tensors.values())
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def open_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
+    """Resolve and validate a model folder. Reads config files and shard headers only."""
+    path = resolve_model_path(str(model))
+    config = read_json(path / "config.json")
+    generation_config = read_json(path / "generation_config.json", required=False)
+    index_path = path / INDEX_FILE
+    if index_path.is_file():
+        index = read_json(index_path)
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: invalid index (no weight_map)")
+        shard_names = sorted(set(weight_map.values()))
+    elif (path / SINGLE_FILE).is_file():
+        weight_map, shard_names = None, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read)")
+
+    tensors: dict[str, TensorRef] = {}
+    for shard in shard_names:
+        shard_path = path / shard
+        if not shard_path.is_file():
+            raise CheckpointError(f"{shard_path}: shard named in {INDEX_FILE} is missing")
+        for name, ref in parse_header(shard_path).items():
+            if weight_map is not None and weight_map.get(name) not in (None, shard):
+                continue  # the index names another shard for this tensor: trust the index
+            tensors[name] = ref
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in tensors:
+                raise CheckpointError(f"{path / shard}: tensor '{name}' named in {INDEX_FILE} is not in that shard")
+    return Checkpoint(path=path, config=config, generation_config=generation_config, tensors=tensors)

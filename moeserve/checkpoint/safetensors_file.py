@@ -1,0 +1,198 @@
+"""One safetensors file: its header, validated up front, and reads of single tensors by byte range.
+
+Format: u64 little-endian header length N, N bytes of JSON header, then the data. Each header entry gives
+``dtype``, ``shape`` and ``data_offsets`` [begin, end) relative to byte 8 + N.
+
+We never map or read the whole file. A tensor is read with ``os.preadv`` straight into a caller-owned buffer
+(no intermediate bytes object), and the page cache of what was read is dropped with
+``posix_fadvise(DONTNEED)`` so the kernel's cache cannot push the machine past its budget.
+Every problem is a `CheckpointError` whose one-line message names the file (and tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moeserve.errors import CheckpointError
+
+# safetensors dtype code -> (torch dtype, bytes per element)
+DTYPES: dict[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8),
+    "F32": (torch.float32, 4),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I64": (torch.int64, 8),
+    "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2),
+    "I8": (torch.int8, 1),
+    "U8": (torch.uint8, 1),
+    "BOOL": (torch.bool, 1),
+    "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1),
+}
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes live: file, absolute byte offset, length, dtype and shape."""
+
+    name: str
+    path: Path
+    offset: int  # absolute offset in the file
+    nbytes: int
+    dtype: torch.dtype
+    dtype_code: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def row_slice(self, index: int) -> TensorRef:
+        """The sub-tensor ``t[index]`` of a tensor stacked along dim 0 (contiguous, so still one byte range)."""
+        if not self.shape or not 0 <= index < self.shape[0]:
+            raise IndexError(f"{self.name}: index {index} out of range for shape {self.shape}")
+        row_bytes = self.nbytes // self.shape[0]
+        return TensorRef(
+            name=f"{self.name}[{index}]",
+            path=self.path,
+            offset=self.offset + index * row_bytes,
+            nbytes=row_bytes,
+            dtype=self.dtype,
+            dtype_code=self.dtype_code,
+            shape=self.shape[1:],
+        )
+
+
+def parse_header(path: Path) -> dict[str, TensorRef]:
+    """Read and validate the header of `path`; returns name -> TensorRef. Reads only the header bytes."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: truncated safetensors file ({size} bytes, shorter than its 8-byte header length)"
+                )
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"{path}: broken safetensors header (header length {header_len} runs past the end of the "
+                    f"{size}-byte file); the file is truncated or not safetensors"
+                )
+            raw = f.read(header_len)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: broken safetensors header (invalid JSON: {err})") from None
+
+    data_start = 8 + header_len
+    refs: dict[str, TensorRef] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        refs[name] = _tensor_ref(path, name, entry, data_start, size)
+    return refs
+
+
+def _tensor_ref(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorRef:
+    try:
+        if not isinstance(entry, dict):
+            raise TypeError(name)
+        code = entry["dtype"]
+        shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(x) for x in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path}: broken safetensors header entry for tensor '{name}'") from None
+    if code not in DTYPES:
+        raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {code}")
+    dtype, itemsize = DTYPES[code]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if end - begin != numel * itemsize or begin < 0:
+        raise CheckpointError(
+            f"{path}: tensor '{name}' byte range [{begin}, {end}) does not match shape {list(shape)} {code}"
+        )
+    if data_start + end > file_size:
+        raise CheckpointError(
+            f"{path}: tensor '{name}' byte range runs past the end of the file "
+            f"(needs {data_start + end} bytes, file has {file_size}); the file is truncated, download it again"
+        )
+    return TensorRef(name, path, data_start + begin, end - begin, dtype, code, shape)
+
+
+class FileReader:
+    """Reads byte ranges of checkpoint files into caller-owned CPU buffers with pread.
+
+    Keeps one open descriptor per file. Thread-safe for concurrent reads (pread has no shared file position).
+    """
+
+    def __init__(self, drop_page_cache: bool = True) -> None:
+        self._fds: dict[Path, int] = {}
+        self.drop_page_cache = drop_page_cache
+        self.bytes_read = 0
+
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise CheckpointError(f"{path}: cannot open ({err.strerror})") from None
+            self._fds[path] = fd
+        return fd
+
+    def read_into(self, ref: TensorRef, out: torch.Tensor) -> None:
+        """Fill `out` (a contiguous CPU tensor of exactly ref.nbytes bytes) with the tensor's bytes."""
+        buf = out.view(-1).view(torch.uint8)
+        if buf.numel() != ref.nbytes or not out.is_contiguous() or out.device.type != "cpu":
+            raise ValueError(f"buffer for {ref.name} must be a contiguous CPU tensor of {ref.nbytes} bytes")
+        view = memoryview(buf.numpy())  # type: ignore[arg-type]
+        fd = self._fd(ref.path)
+        done = 0
+        while done < ref.nbytes:
+            try:
+                n = os.preadv(fd, [view[done:]], ref.offset + done)
+            except OSError as err:
+                raise CheckpointError(f"{ref.path}: read error in tensor '{ref.name}' ({err.strerror})") from None
+            if n == 0:
+                raise CheckpointError(
+                    f"{ref.path}: tensor '{ref.name}' ends early (file truncated while in use?)"
+                )
+            done += n
+        self.bytes_read += ref.nbytes
+        if self.drop_page_cache and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, ref.offset, ref.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def read(self, ref: TensorRef) -> torch.Tensor:
+        """A new CPU tensor holding the tensor, in its stored dtype and shape."""
+        out = torch.empty(ref.shape, dtype=ref.dtype)
+        self.read_into(ref, out)
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,183 @@
+"""One typed settings model for everything a user can set.
+
+The same fields feed three doors, so they can never drift apart:
+- Python keywords: ``LLM(model, dtype="bfloat16", expert_cache_gb=2)``
+- CLI flags: ``--dtype bfloat16 --expert-cache-gb 2`` (generated from the fields by `add_cli_arguments`)
+- environment: ``MOESERVE_DTYPE=bfloat16 MOESERVE_EXPERT_CACHE_GB=2``
+
+Precedence: explicit keyword / flag > environment > default. An unknown keyword or an unknown ``MOESERVE_*``
+variable is an error with a "did you mean" (a misspelt setting that is silently ignored is how a server ends up
+running a broken kernel for hours; see CONTEXT.md failure 5). Settings are frozen once built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moeserve.errors import ConfigError
+
+ENV_PREFIX = "MOESERVE_"
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+class EngineSettings(BaseModel):
+    """Settings of the engine (model, numerics, memory budgets, expert cache)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str | None = Field(None, description="model folder, or a Hugging Face id already in the local cache")
+    tokenizer: str | None = Field(None, description="tokenizer folder (default: the model folder)")
+    dtype: DType = Field("auto", description="compute dtype; auto = the checkpoint's dtype")
+    device: Device = Field("auto", description="where compute runs; auto = cuda if available, else cpu")
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length in tokens (default: the model's, capped by the KV budget)"
+    )
+    max_num_seqs: int = Field(8, ge=1, description="sequences decoded together in one batch")
+    kv_cache_gb: float | None = Field(
+        None, gt=0, description="KV cache budget in GiB (default: enough for max_num_seqs x max_model_len)"
+    )
+    seed: int = Field(0, description="seed of the default random generator")
+    threads: int | None = Field(None, ge=1, description="CPU threads for compute (default: all cores)")
+    skip_tokenizer_init: bool = Field(False, description="run without tokenizer files, on token-id prompts")
+    chat_template: str | None = Field(None, description="path of a jinja chat template overriding the model's")
+    expert_cache_gb: float | None = Field(
+        None, ge=0, description="fast-tier budget for experts in GiB (default: chosen from free memory)"
+    )
+    host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB")
+    cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
+    prefetch: bool = Field(True, description="predict and load the next layer's experts in the background")
+    quantization: Literal["none", "int8"] = Field(
+        "none", description="on-load weight quantization of 16-bit checkpoints"
+    )
+    record_trace: str | None = Field(None, description="write the experts each token used to this file")
+
+
+class ServerSettings(BaseModel):
+    """Settings of the OpenAI-compatible HTTP server (on top of EngineSettings)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    served_model_name: str | None = Field(None, description="model name clients use (default: folder name)")
+    api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints")
+    max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond max_num_seqs before 503")
+    shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
+
+
+# Every settings model whose fields may appear as MOESERVE_* variables. An env var must name a field of one.
+SETTINGS_MODELS: tuple[type[BaseModel], ...] = (EngineSettings, ServerSettings)
+
+# Variables that are ours but not settings (read elsewhere, documented in README).
+_EXTRA_ENV = frozenset({"MOESERVE_LOG_LEVEL"})
+
+
+def _all_field_names() -> list[str]:
+    return [name for cls in SETTINGS_MODELS for name in cls.model_fields]
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or a list of valid ones when nothing is close."""
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{close[0]}'?)"
+    return f" (valid: {', '.join(sorted(choices))})"
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ConfigError for any MOESERVE_* variable that names no setting."""
+    environ = os.environ if environ is None else environ
+    known = {ENV_PREFIX + f.upper() for f in _all_field_names()} | _EXTRA_ENV
+    for key in sorted(environ):
+        if key.startswith(ENV_PREFIX) and key not in known:
+            raise ConfigError(f"unknown environment variable {key}{did_you_mean(key, sorted(known))}")
+
+
+def _env_values(cls: type[BaseModel], environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in cls.model_fields:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw  # pydantic coerces "2.5", "true", "none" ... to the field type
+    return values
+
+
+def build_settings(
+    cls: type[BaseModel], overrides: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> Any:
+    """Build a frozen settings object: overrides (keywords/flags) over MOESERVE_* env over defaults.
+
+    Unknown override keys and unknown MOESERVE_* variables raise ConfigError with a "did you mean".
+    """
+    environ = os.environ if environ is None else environ
+    check_environment(environ)
+    fields = list(cls.model_fields)
+    for key in overrides:
+        if key not in fields:
+            raise ConfigError(f"unknown setting '{key}'{did_you_mean(key, fields)}")
+    values = _env_values(cls, environ)
+    values.update({k: v for k, v in overrides.items() if v is not None or k not in values})
+    try:
+        return cls(**values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConfigError(f"invalid setting {where}: {first['msg']} (got {first.get('input')!r})") from None
+
+
+def split_settings(
+    kwargs: Mapping[str, Any], classes: tuple[type[BaseModel], ...]
+) -> list[dict[str, Any]]:
+    """Route keywords to the settings model that owns them; unknown keywords raise ConfigError."""
+    parts: list[dict[str, Any]] = [{} for _ in classes]
+    all_names = [n for cls in classes for n in cls.model_fields]
+    for key, value in kwargs.items():
+        for i, cls in enumerate(classes):
+            if key in cls.model_fields:
+                parts[i][key] = value
+                break
+        else:
+            raise ConfigError(f"unknown setting '{key}'{did_you_mean(key, all_names)}")
+    return parts
+
+
+# ---------------------------------------------------------------------------------------------- CLI flags
+def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
+    """(argparse type, choices) for a field annotation such as `float | None` or `Literal[...]`."""
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if get_origin(annotation) is Literal:
+        return str, [str(a) for a in get_args(annotation)]
+    if args and get_origin(args[0]) is Literal:
+        return str, [str(a) for a in get_args(args[0])]
+    base = args[0] if args else annotation
+    return (base if base in (int, float, str) else str), None
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel], skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per field of `cls`. Defaults are None so that unset flags fall back to env/defaults."""
+    group = parser.add_argument_group(cls.__name__)
+    for name, field in cls.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{field.description} (env {ENV_PREFIX}{name.upper()}; default {field.default})"
+        if field.annotation is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        typ, choices = _flag_type(field.annotation)
+        group.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_text)
+
+
+def settings_from_args(cls: type[BaseModel], args: argparse.Namespace, **extra: Any) -> Any:
+    """Build `cls` from parsed CLI flags (only those given) plus `extra`, over env and defaults."""
+    given = {n: getattr(args, n) for n in cls.model_fields if getattr(args, n, None) is not None}
+    given.update({k: v for k, v in extra.items() if v is not None})
+    return build_settings(cls, given)

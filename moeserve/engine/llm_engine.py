@@ -1,0 +1,287 @@
+"""LLMEngine: load a model, then run `step()` = schedule -> forward -> sample -> update.
+
+Single-threaded by design: the HTTP server drives it from one background thread (see moeserve.server), the
+offline `LLM` drives it in a loop. Every choice made on the user's behalf is logged with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moeserve.checkpoint.folder import open_checkpoint
+from moeserve.config import EngineSettings
+from moeserve.engine.kv_cache import KVCache
+from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.sampler import Sampler
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.sequence import Sequence, Status
+from moeserve.errors import ConfigError, RequestError
+from moeserve.memory.budget import GiB, choose_expert_budget
+from moeserve.models.layers import ForwardBatch
+from moeserve.models.model import build_model, expert_plan
+from moeserve.models.registry import get_architecture
+from moeserve.tokenizer import Tokenizer
+
+log = logging.getLogger("moeserve")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CODE_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+def demo_model_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "demo_model"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    def output(self) -> RequestOutput:
+        finished = all(s.status == Status.FINISHED for s in self.seqs)
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [s.output() for s in self.seqs], finished, metrics)
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings) -> None:
+        t0 = time.monotonic()
+        self.settings = s = settings
+        model_path = s.model or str(demo_model_path())
+        if s.model is None:
+            log.info("model: none given, using the bundled demo model %s", model_path)
+        self.checkpoint = ckpt = open_checkpoint(model_path)
+        where = str(ckpt.path / "config.json")
+        self.arch = get_architecture(ckpt.config, where)
+        self.spec = spec = self.arch.spec(ckpt.config, where)
+        self.device = self._choose_device(s.device)
+        self.dtype = self._choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype())
+        self._choose_threads(s.threads)
+        self.max_model_len = self._choose_max_model_len(s.max_model_len, spec.max_position_embeddings)
+        self.tokenizer = None
+        if not s.skip_tokenizer_init:
+            self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
+        self.eos_token_ids = self._eos_ids()
+
+        plan = expert_plan(ckpt, self.arch, spec, self.dtype)
+        kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
+                                        spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)
+        if s.kv_cache_gb is not None and kv_bytes > s.kv_cache_gb * GiB:
+            raise ConfigError(
+                f"KV cache for max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len} needs "
+                f"{kv_bytes / GiB:.2f} GiB, more than kv_cache_gb={s.kv_cache_gb:g}: "
+                "lower max_model_len or max_num_seqs, or raise kv_cache_gb"
+            )
+        expert_refs = {id(r) for fs in plan.sources.values() for f in fs for r in f.refs}
+        nonexpert = sum(r.numel * self.dtype.itemsize for r in ckpt.tensors.values() if id(r) not in expert_refs)
+        total_experts = len(plan.sources)
+        budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes)
+        log.info("placement: %s", budget.reason)
+        log.info("KV cache: %d slots x %d tokens = %.1f MiB (%s)", s.max_num_seqs, self.max_model_len,
+                 kv_bytes / 2**20, self.dtype_name)
+
+        preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
+        load_bytes = nonexpert + preloaded
+        with _progress(load_bytes) as advance:
+            self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
+                                     plan, budget.capacity, s.cache_policy, advance)
+        self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
+                          spec.attention.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(s.max_num_seqs, self.kv.allocate, self.kv.release, lambda: self.kv.free_slots)
+        decode_token = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            decode_token = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        self.sampler = Sampler(decode_token)
+        self.requests: dict[str, Request] = {}
+        self._next_id = 0
+        self.load_seconds = time.monotonic() - t0
+        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB)",
+                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20)
+
+    # ---------------------------------------------------------------------------------------- choices
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def _choose_device(self, want: str) -> torch.device:
+        if want == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device=cuda but no CUDA device is available (use device=cpu or auto)")
+        if want == "auto":
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            log.info("device: %s (auto: %s)", dev, "CUDA available" if dev == "cuda" else "no CUDA device")
+            return torch.device(dev)
+        log.info("device: %s (set)", want)
+        return torch.device(want)
+
+    def _choose_dtype(self, want: str, config_dtype: str | None, stored_code: str) -> torch.dtype:
+        if want != "auto":
+            log.info("dtype: %s (set)", want)
+            return DTYPES[want]
+        name = config_dtype if config_dtype in DTYPES else _CODE_TO_NAME.get(stored_code, "bfloat16")
+        why = "config.json dtype" if config_dtype in DTYPES else f"most weights are stored as {stored_code}"
+        log.info("dtype: %s (auto: %s)", name, why)
+        return DTYPES[str(name)]
+
+    def _choose_threads(self, want: int | None) -> None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        n = want or cores
+        torch.set_num_threads(n)
+        log.info("threads: %d (%s)", n, "set" if want else f"auto: all {cores} usable cores")
+
+    def _choose_max_model_len(self, want: int | None, model_max: int) -> int:
+        if want is not None:
+            if want > model_max:
+                raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
+            log.info("max_model_len: %d (set)", want)
+            return want
+        n = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
+        why = "the model's limit" if n == model_max else (
+            f"the model allows {model_max}; capped at {DEFAULT_MAX_MODEL_LEN_CAP} to bound the KV cache, "
+            "set max_model_len for more")
+        log.info("max_model_len: %d (auto: %s)", n, why)
+        return n
+
+    def _eos_ids(self) -> set[int]:
+        gen = self.checkpoint.generation_config.get("eos_token_id")
+        cfg = self.checkpoint.config.get("eos_token_id")
+        for value in (gen, cfg):
+            if value is not None:
+                return set(value) if isinstance(value, list) else {int(value)}
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return {tok_eos} if tok_eos is not None else set()
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a prompt (text, or token ids). Raises RequestError if it cannot be served."""
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("text prompts need a tokenizer (skip_tokenizer_init=True was set): "
+                                   "pass {'prompt_token_ids': [...]}", param="prompt")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        self.check_prompt(ids)
+        seqs = [Sequence(request_id, i, ids, params, self.max_model_len, self.eos_token_ids)
+                for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, ids, seqs)
+        self.scheduler.add(seqs)
+        return request_id
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens, which leaves no room for a completion. Please reduce the length of the "
+                "prompt.", param="prompt", code="context_length_exceeded")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is out of range for vocabulary size {self.spec.vocab_size}",
+                               param="prompt")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV slots. Returns its final output, or None if unknown."""
+        self.scheduler.abort(request_id)
+        req = self.requests.pop(request_id, None)
+        return req.output() if req is not None else None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        batch = self._build_batch(seqs)
+        logits = self.model.forward(batch, self.kv)
+        samples = self.sampler(logits, seqs)
+        return self._update(seqs, samples)
+
+    def _build_batch(self, seqs: list[Sequence]) -> ForwardBatch:
+        tokens: list[int] = []
+        positions: list[int] = []
+        for seq in seqs:
+            new = seq.tokens_to_compute()
+            tokens += new
+            positions += range(seq.num_cached, seq.num_cached + len(new))
+        dev = self.device
+        batch = ForwardBatch(
+            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=[s.slot for s in seqs],
+            starts=[s.num_cached for s in seqs],
+            num_new=[s.length - s.num_cached for s in seqs],
+        )
+        if batch.decode_only:
+            batch.slots_t = torch.tensor(batch.slots, dtype=torch.long, device=dev)
+            batch.starts_t = torch.tensor(batch.starts, dtype=torch.long, device=dev)
+        return batch
+
+    def _update(self, seqs: list[Sequence], samples: list) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq, (token, logprobs) in zip(seqs, samples):
+            seq.num_cached = seq.length
+            req = self.requests[seq.request_id]
+            if req.first_token_time is None:
+                req.first_token_time = now
+            detok = None
+            if self.tokenizer is not None:
+                tok, skip = self.tokenizer, seq.params.skip_special_tokens
+                detok = lambda ids, tok=tok, skip=skip: tok.decode(ids, skip_special_tokens=skip)  # noqa: E731
+            seq.append(token, logprobs, detok)
+            if seq.status == Status.FINISHED:
+                self.scheduler.finish(seq)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            out = req.output()
+            if out.finished:
+                del self.requests[req.request_id]
+            outputs.append(out)
+        return outputs
+
+    def close(self) -> None:
+        self.model.store.close()
+
+
+class _progress:
+    """A tqdm bar over bytes actually read (context manager yielding the advance callback)."""
+
+    def __init__(self, total_bytes: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading weights",
+                        disable=None, leave=False)
+
+    def __enter__(self) -> Callable[[int], None]:
+        return self.bar.update
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.close()

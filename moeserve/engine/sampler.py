@@ -1,0 +1,86 @@
+"""Sampler: logits [B, V] -> one token per sequence, with vLLM's parameters and logprob semantics.
+
+Log-probabilities are those of the model's raw distribution (log-softmax of the logits before penalties and
+temperature), as vLLM reports by default. Greedy (temperature 0) is argmax; sampling draws from each sequence's
+own generator when it has a seed, so a seeded request gives the same tokens whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from moeserve.engine.outputs import Logprob
+from moeserve.engine.sequence import Sequence
+
+
+def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """Repetition (prompt + output, multiplicative), presence and frequency (output only) penalties."""
+    p = seq.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+        counts = torch.bincount(torch.tensor(seq.output_token_ids, device=logits.device),
+                                minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside top-k, outside the top-p nucleus, or below min_p x the top probability."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, decode_token: Callable[[int], str | None] | None = None) -> None:
+        self.decode_token = decode_token
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict[int, Logprob] | None]]:
+        """logits: fp32 [B, V], one row per sequence in `seqs`."""
+        logits = logits.float().cpu()
+        results = []
+        for row, seq in zip(logits, seqs):
+            token = self._sample_one(row.clone(), seq)
+            results.append((token, self._logprobs(row, token, seq.params.logprobs)))
+        return results
+
+    def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        logits = apply_penalties(logits, seq)
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+    def _logprobs(self, logits: torch.Tensor, token: int, k: int | None) -> dict[int, Logprob] | None:
+        if k is None:
+            return None
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = float(logp[token])
+        out: dict[int, Logprob] = {}
+        if k > 0:
+            top_vals, top_ids = torch.topk(logp, k)
+            for rank, (v, i) in enumerate(zip(top_vals.tolist(), top_ids.tolist()), start=1):
+                out[i] = Logprob(v, rank, self._decode(i))
+        if token not in out:
+            out[token] = Logprob(chosen, int((logp > logp[token]).sum()) + 1, self._decode(token))
+        return out
+
+    def _decode(self, token: int) -> str | None:
+        return self.decode_token(token) if self.decode_token is not None else None

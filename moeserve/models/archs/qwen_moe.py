@@ -1,0 +1,69 @@
+"""Qwen3-MoE (q/k RMSNorm per head, dense layers by mlp_only_layers / decoder_sparse_step) and
+Qwen2-MoE (qkv bias, a shared expert scaled by a sigmoid gate)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moeserve.models.registry import Architecture, register
+from moeserve.models.spec import (
+    ConfigReader,
+    ModelSpec,
+    MoeSpec,
+    base_attention,
+    moe_layer_pattern,
+    read_rope,
+)
+
+
+def _qwen_spec(name: str, config: dict[str, Any], where: str, *, qwen3: bool) -> ModelSpec:
+    c = ConfigReader(config, where)
+    num_layers = c.int("num_hidden_layers")
+    num_experts = c.int("num_experts", "num_local_experts")
+    if qwen3:
+        attention = base_attention(c, num_layers, qkv_bias=c.bool("attention_bias", default=False),
+                                   o_bias=c.bool("attention_bias", default=False), qk_norm="per_head")
+    else:
+        attention = base_attention(c, num_layers, qkv_bias=c.bool("qkv_bias", default=True))
+    return ModelSpec(
+        architecture=name,
+        model_type=str(c.get("model_type", default="")),
+        hidden_size=c.int("hidden_size"),
+        num_layers=num_layers,
+        vocab_size=c.int("vocab_size"),
+        rms_norm_eps=c.float("rms_norm_eps", default=1e-6),
+        max_position_embeddings=c.int("max_position_embeddings", default=32768),
+        tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+        dense_intermediate_size=c.int("intermediate_size"),
+        moe_layers=moe_layer_pattern(c, num_layers, num_experts),
+        attention=attention,
+        rope=read_rope(c),
+        moe=MoeSpec(
+            num_experts=num_experts,
+            top_k=c.int("num_experts_per_tok"),
+            intermediate_size=c.int("moe_intermediate_size"),
+            norm_topk_prob=c.bool("norm_topk_prob", default=qwen3),
+            routing="softmax_topk",
+            router_bias=False,
+            weights_in_fp32=False,
+            expert_kind="swiglu",
+            shared_intermediate_size=0 if qwen3 else c.int("shared_expert_intermediate_size", default=0),
+        ),
+        config_dtype=c.get("dtype", "torch_dtype", default=None),
+    )
+
+
+@register
+class Qwen3Moe(Architecture):
+    name = "Qwen3MoeForCausalLM"
+
+    def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
+        return _qwen_spec(self.name, config, where, qwen3=True)
+
+
+@register
+class Qwen2Moe(Architecture):
+    name = "Qwen2MoeForCausalLM"
+
+    def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
+        return _qwen_spec(self.name, config, where, qwen3=False)

@@ -1,0 +1,309 @@
+"""The shared layers every architecture is built from. Plain tensors and functions: no nn.Module state.
+
+Numerics follow Hugging Face transformers operation by operation (RMSNorm in fp32 then cast, RoPE tables in fp32
+cast to the compute dtype, router softmax in fp32, experts summed in ascending expert order), so tokens match it.
+
+Shapes: N = new tokens in the batch (all sequences flattened), H = hidden size, nh / nkv = query / key-value
+heads, d = head dim, E = experts, k = experts per token.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.engine.kv_cache import KVCache
+from moeserve.experts.store import ExpertStore, ExpertWeights
+from moeserve.models.spec import AttentionSpec, MoeSpec, RopeSpec
+
+
+@dataclass
+class ForwardBatch:
+    """The new tokens of one engine step, flattened over sequences, and where each sequence's KV lives."""
+
+    token_ids: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
+    slots: list[int]  # KV cache slot per sequence
+    starts: list[int]  # tokens already cached per sequence (= position of its first new token)
+    num_new: list[int]  # new tokens per sequence; sum == N
+    slots_t: torch.Tensor | None = None  # [B] slots on device (decode-only batches)
+    starts_t: torch.Tensor | None = None  # [B]
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new)
+
+    def last_token_index(self) -> list[int]:
+        """Index in the flattened batch of each sequence's last new token (the one whose logits we sample)."""
+        out, acc = [], 0
+        for n in self.num_new:
+            acc += n
+            out.append(acc - 1)
+        return out
+
+
+class Linear:
+    """y = x W^T (+ b). W [out, in] in the compute dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.weight.numel() * self.weight.element_size()
+        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, cast back, then scaled (transformers' order)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class Rotary:
+    """NeoX-style (half-split) rotary embedding with cos/sin tables [max_len, d] precomputed in fp32."""
+
+    def __init__(self, spec: RopeSpec, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        inv_freq, scaling = rope_inv_freq(spec, head_dim)
+        pos = torch.arange(max_len, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [L, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [L, d]
+        self.cos = (emb.cos() * scaling).to(dtype).to(device)
+        self.sin = (emb.sin() * scaling).to(dtype).to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, d] rotated at `positions` [N]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [d/2] (fp32) and the attention scaling factor for the rope type."""
+    base = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if spec.rope_type == "default":
+        return base, 1.0
+    if spec.rope_type == "linear":
+        return base / float(spec.param("factor", 1.0)), 1.0
+    # YaRN: blend interpolated and extrapolated frequencies over a ramp between two correction dims.
+    factor = float(spec.param("factor"))
+    original = float(spec.param("original_max_position_embeddings"))
+    beta_fast, beta_slow = float(spec.param("beta_fast", 32.0)), float(spec.param("beta_slow", 1.0))
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if spec.param("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (base / factor) * (1 - extrapolation_factor) + base * extrapolation_factor
+    mscale = spec.param("attention_factor")
+    if mscale is None:
+        mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, float(mscale)
+
+
+class Attention:
+    """Grouped-query attention over a slot-based KV cache; optional q/k norm, biases, sinks, sliding window."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        layer: int,
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+        rotary: Rotary,
+        eps: float,
+    ) -> None:
+        self.spec, self.layer = spec, layer
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
+        self.rotary, self.eps = rotary, eps
+        self.window = spec.sliding_window[layer]
+        self.scale = spec.head_dim**-0.5
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        s = self.spec
+        n = x.shape[0]
+        q, k, v = self.q(x), self.k(x), self.v(x)  # [N, nh*d], [N, nkv*d], [N, nkv*d]
+        if s.qk_norm == "full":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        if s.clip_qkv is not None:
+            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        q = q.view(n, s.num_heads, s.head_dim)
+        k = k.view(n, s.num_kv_heads, s.head_dim)
+        v = v.view(n, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == "per_head":
+            assert self.q_norm is not None and self.k_norm is not None
+            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+        q = self.rotary.apply(q, batch.positions)
+        k = self.rotary.apply(k, batch.positions)
+        if batch.decode_only and len(batch.slots) > 1:
+            out = self._decode_batched(q, k, v, batch, kv)
+        else:
+            out = self._per_sequence(q, k, v, batch, kv)
+        return self.o(out.reshape(n, s.num_heads * s.head_dim))
+
+    def _per_sequence(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Prefill or mixed batches: attend sequence by sequence against its cached prefix."""
+        kc, vc = kv.layer(self.layer)  # [slots, nkv, max_len, d]
+        outs, off = [], 0
+        for slot, start, num in zip(batch.slots, batch.starts, batch.num_new):
+            end = start + num
+            kc[slot, :, start:end] = k[off : off + num].transpose(0, 1)
+            vc[slot, :, start:end] = v[off : off + num].transpose(0, 1)
+            q_s = q[off : off + num].transpose(0, 1).unsqueeze(0)  # [1, nh, num, d]
+            lo = 0 if self.window is None else max(0, end - num - self.window + 1)
+            keys = kc[slot, :, lo:end].unsqueeze(0)  # [1, nkv, L, d]
+            values = vc[slot, :, lo:end].unsqueeze(0)
+            q_pos = torch.arange(start, end, device=q.device)[:, None]
+            k_pos = torch.arange(lo, end, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if self.window is not None:
+                visible &= k_pos > q_pos - self.window
+            outs.append(self._attend(q_s, keys, values, visible)[0].transpose(0, 1))  # [num, nh, d]
+            off += num
+        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+    def _decode_batched(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Every sequence adds one token: one padded attention call for the whole batch."""
+        kc, vc = kv.layer(self.layer)
+        assert batch.slots_t is not None and batch.starts_t is not None
+        slots, pos = batch.slots_t, batch.starts_t  # [B]
+        kc[slots, :, pos] = k  # k [B, nkv, d]
+        vc[slots, :, pos] = v
+        length = max(batch.starts) + 1
+        keys, values = kc[slots, :, :length], vc[slots, :, :length]  # [B, nkv, L, d]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        visible = k_pos <= pos[:, None]  # [B, L]
+        if self.window is not None:
+            visible &= k_pos > pos[:, None] - self.window
+        out = self._attend(q.unsqueeze(2), keys, values, visible[:, None, None, :])  # [B, nh, 1, d]
+        return out.squeeze(2)
+
+    def _attend(self, q, keys, values, visible: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T * scale + mask) v, with GQA; with sinks, an extra per-head logit joins the softmax."""
+        if self.sinks is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scale,
+                                                  enable_gqa=True)
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sinks = self.sinks.view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        combined = torch.cat([scores, sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        return torch.matmul(probs.to(values.dtype), values)
+
+
+class DenseMLP:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+# An expert kernel computes one expert's output for the tokens routed to it: (x [T, H], weights) -> [T, H].
+ExpertKernel = Callable[[torch.Tensor, ExpertWeights], torch.Tensor]
+
+
+def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]."""
+    gate_up, down = w[0], w[1]
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+class MoEBlock:
+    """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
+
+    def __init__(
+        self,
+        spec: MoeSpec,
+        layer: int,
+        router: Linear,
+        store: ExpertStore,
+        kernel: ExpertKernel,
+        shared: DenseMLP | None = None,
+        shared_gate: Linear | None = None,
+    ) -> None:
+        self.spec, self.layer, self.router, self.store = spec, layer, router, store
+        self.kernel, self.shared, self.shared_gate = kernel, shared, shared_gate
+        self.trace_hook: Callable[[int, torch.Tensor], None] | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert ids [N, k]) for the tokens x [N, H]."""
+        s = self.spec
+        logits = self.router(x)  # [N, E]
+        if s.routing == "topk_softmax":
+            top, ids = torch.topk(logits, s.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top if s.weights_in_fp32 else top.to(logits.dtype)), ids
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if self.trace_hook is not None:
+            self.trace_hook(self.layer, ids)
+        k = ids.shape[1]
+        flat = ids.reshape(-1)  # [N*k]
+        order = torch.argsort(flat, stable=True)  # groups (token, slot) pairs by expert, ascending
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the one host sync per layer
+        token_of = order // k
+        weight_of = weights.reshape(-1)[order]
+        bounds, start = {}, 0
+        for e, c in enumerate(counts):
+            if c:
+                bounds[e] = (start, start + c)
+                start += c
+        out = torch.zeros_like(x)
+        # Experts are added in ascending id order whatever the chunking, so offloading never changes a bit.
+        for chunk in self.store.experts(self.layer, list(bounds)):
+            for e, w in chunk:
+                lo, hi = bounds[e]
+                tokens = token_of[lo:hi]
+                y = self.kernel(x[tokens], w) * weight_of[lo:hi, None]
+                out.index_add_(0, tokens, y.to(out.dtype))
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+class DecoderLayer:
+    def __init__(self, attn: Attention, mlp: DenseMLP | MoEBlock, input_norm, post_norm, eps: float) -> None:
+        self.attn, self.mlp = attn, mlp
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), batch, kv)
+        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))

@@ -1,0 +1,186 @@
+"""MoeModel: embeddings, decoder layers and head built from a checkpoint; experts live in an ExpertStore.
+
+Loading streams one tensor at a time straight into its final buffer (a dtype conversion costs one tensor of
+transient memory, never more). Expert weights are not owned by the model: the store loads them (all of them in
+the resident case, a budgeted cache otherwise).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.checkpoint.folder import Checkpoint
+from moeserve.engine.kv_cache import KVCache
+from moeserve.experts.store import ExpertStore
+from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
+from moeserve.models.layers import (
+    Attention,
+    DecoderLayer,
+    DenseMLP,
+    ExpertKernel,
+    ForwardBatch,
+    Linear,
+    MoEBlock,
+    Rotary,
+    rms_norm,
+    swiglu_expert,
+)
+from moeserve.models.registry import Architecture
+from moeserve.models.spec import ModelSpec
+
+
+class WeightLoader:
+    """Reads named tensors from the checkpoint into the compute dtype on the compute device."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.ckpt, self.dtype, self.device, self.progress = ckpt, dtype, device, progress
+        self.resident_bytes = 0
+
+    def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        ref = self.ckpt.ref(name, shape)
+        dtype = dtype or self.dtype
+        if ref.dtype == dtype and self.device.type == "cpu":
+            out = torch.empty(ref.shape, dtype=dtype)
+            self.ckpt.reader.read_into(ref, out)  # straight into the final buffer: no transient
+        else:
+            out = self.ckpt.reader.read(ref).to(device=self.device, dtype=dtype)
+        if self.progress is not None:
+            self.progress(ref.nbytes)
+        self.resident_bytes += out.numel() * out.element_size()
+        return out
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
+        weight = self.tensor(prefix + ".weight", (out_features, in_features))
+        b = self.tensor(prefix + ".bias", (out_features,)) if bias else None
+        return Linear(weight, b)
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """How experts are laid out in units and computed: the layout, the kernel, and per-expert sources."""
+
+    layout: UnitLayout
+    kernel: ExpertKernel
+    sources: dict[tuple[int, int], tuple[FieldSources, ...]]
+
+
+def swiglu_expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """Per-expert gate/up/down Linears (Qwen, Mixtral, OLMoE): unit = gate_up [2I, H] + down [H, I]."""
+    names, h, i = arch.names, spec.hidden_size, spec.moe.intermediate_size
+    layout = UnitLayout.build([("gate_up", dtype, (2 * i, h)), ("down", dtype, (h, i))])
+    sources: dict[tuple[int, int], tuple[FieldSources, ...]] = {}
+    for layer in spec.moe_layer_ids:
+        for e in range(spec.moe.num_experts):
+            gate, up, down = (ckpt.ref(t.format(L=layer, E=e) + ".weight", shape) for t, shape in
+                              ((names.expert_gate, (i, h)), (names.expert_up, (i, h)), (names.expert_down, (h, i))))
+            sources[(layer, e)] = (FieldSources("gate_up", (gate, up)), FieldSources("down", (down,)))
+    return ExpertPlan(layout, swiglu_expert, sources)
+
+
+# Expert kind (from ModelSpec.moe.expert_kind) -> the function that plans its units. Formats and architectures
+# with other expert layouts register here; the model never branches on them.
+EXPERT_PLANNERS: dict[str, Callable[[Checkpoint, Architecture, ModelSpec, torch.dtype], ExpertPlan]] = {
+    "swiglu": swiglu_expert_plan,
+}
+
+
+def expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    return EXPERT_PLANNERS[spec.moe.expert_kind](ckpt, arch, spec, dtype)
+
+
+class MoeModel:
+    def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, store: ExpertStore, resident_bytes: int) -> None:
+        self.spec, self.embed, self.layers = spec, embed, layers
+        self.final_norm, self.lm_head, self.store = final_norm, lm_head, store
+        self.resident_bytes = resident_bytes  # non-expert weights
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
+        h = self.embed[batch.token_ids]  # [N, H]
+        for layer in self.layers:
+            h = layer(h, batch, kv)
+        last = h[batch.last_token_index()]  # [B, H]
+        last = rms_norm(last, self.final_norm, self.spec.rms_norm_eps)
+        return torch.nn.functional.linear(last, self.lm_head).float()
+
+    def set_trace_hook(self, hook: Callable[[int, torch.Tensor], None] | None) -> None:
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.trace_hook = hook
+
+
+def build_model(
+    ckpt: Checkpoint,
+    arch: Architecture,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_len: int,
+    plan: ExpertPlan,
+    expert_capacity: int,
+    cache_policy: str,
+    progress: Callable[[int], None] | None = None,
+) -> MoeModel:
+    """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier."""
+    load = WeightLoader(ckpt, dtype, device, progress)
+    names, h = arch.names, spec.hidden_size
+    store = ExpertStore(ExpertSource(ckpt, plan.layout, plan.sources), spec.moe_layer_ids, spec.moe.num_experts,
+                        expert_capacity, device, cache_policy, progress)
+    rotary = Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device)
+    embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
+    layers = [_build_layer(load, arch, spec, L, rotary, store, plan.kernel) for L in range(spec.num_layers)]
+    final_norm = load.tensor(names.final_norm, (h,))
+    if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
+        lm_head = embed
+    else:
+        lm_head = load.tensor(names.lm_head + ".weight", (spec.vocab_size, h))
+    return MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes)
+
+
+def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
+                 store: ExpertStore, kernel: ExpertKernel) -> DecoderLayer:
+    """Read layer L's resident weights (attention, norms, router, dense or shared MLP)."""
+    names, a, h = arch.names, spec.attention, spec.hidden_size
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    q_norm = k_norm = None
+    if a.qk_norm == "per_head":
+        q_norm, k_norm = load.tensor(n(names.q_norm), (a.head_dim,)), load.tensor(n(names.k_norm), (a.head_dim,))
+    elif a.qk_norm == "full":
+        q_norm = load.tensor(n(names.q_norm), (a.num_heads * a.head_dim,))
+        k_norm = load.tensor(n(names.k_norm), (a.num_kv_heads * a.head_dim,))
+    attn = Attention(
+        a, L,
+        q=load.linear(n(names.q_proj), a.num_heads * a.head_dim, h, a.qkv_bias),
+        k=load.linear(n(names.k_proj), a.num_kv_heads * a.head_dim, h, a.qkv_bias),
+        v=load.linear(n(names.v_proj), a.num_kv_heads * a.head_dim, h, a.qkv_bias),
+        o=load.linear(n(names.o_proj), h, a.num_heads * a.head_dim, a.o_bias),
+        q_norm=q_norm, k_norm=k_norm,
+        sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,
+        rotary=rotary, eps=spec.rms_norm_eps,
+    )
+    mlp: DenseMLP | MoEBlock
+    if spec.moe_layers[L]:
+        m = spec.moe
+        shared = shared_gate = None
+        if m.shared_intermediate_size:
+            si = m.shared_intermediate_size
+            shared = DenseMLP(load.linear(n(names.shared_gate), si, h), load.linear(n(names.shared_up), si, h),
+                              load.linear(n(names.shared_down), h, si))
+            shared_gate = load.linear(n(names.shared_expert_gate), 1, h)
+        router = load.linear(n(names.router), m.num_experts, h, m.router_bias)
+        mlp = MoEBlock(m, L, router, store, kernel, shared, shared_gate)
+    else:
+        di = spec.dense_intermediate_size
+        mlp = DenseMLP(load.linear(n(names.dense_gate), di, h), load.linear(n(names.dense_up), di, h),
+                       load.linear(n(names.dense_down), h, di))
+    return DecoderLayer(attn, mlp, load.tensor(n(names.input_norm), (h,)), load.tensor(n(names.post_norm), (h,)),
+                        spec.rms_norm_eps)

@@ -1,0 +1,94 @@
+"""Architecture registry: config.json "architectures" -> an `Architecture` (spec reader + checkpoint names).
+
+An architecture is data, not a model class: it turns config.json into a `ModelSpec` and says where each weight
+lives in the checkpoint. All architectures share one set of layers (`moeserve.models.layers`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from moeserve.errors import UnsupportedModelError
+from moeserve.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class WeightNames:
+    """Checkpoint tensor names. `{L}` is the layer index, `{E}` the expert index.
+
+    Linear entries are prefixes (``...q_proj``): the loader appends ``.weight`` / ``.bias`` (or the tensors of
+    a quantized format). Expert entries are templates of per-expert Linears.
+    """
+
+    embed: str = "model.embed_tokens.weight"
+    final_norm: str = "model.norm.weight"
+    lm_head: str = "lm_head"
+    input_norm: str = "model.layers.{L}.input_layernorm.weight"
+    post_norm: str = "model.layers.{L}.post_attention_layernorm.weight"
+    q_proj: str = "model.layers.{L}.self_attn.q_proj"
+    k_proj: str = "model.layers.{L}.self_attn.k_proj"
+    v_proj: str = "model.layers.{L}.self_attn.v_proj"
+    o_proj: str = "model.layers.{L}.self_attn.o_proj"
+    q_norm: str = "model.layers.{L}.self_attn.q_norm.weight"
+    k_norm: str = "model.layers.{L}.self_attn.k_norm.weight"
+    sinks: str = "model.layers.{L}.self_attn.sinks"
+    router: str = "model.layers.{L}.mlp.gate"
+    expert_gate: str = "model.layers.{L}.mlp.experts.{E}.gate_proj"
+    expert_up: str = "model.layers.{L}.mlp.experts.{E}.up_proj"
+    expert_down: str = "model.layers.{L}.mlp.experts.{E}.down_proj"
+    dense_gate: str = "model.layers.{L}.mlp.gate_proj"
+    dense_up: str = "model.layers.{L}.mlp.up_proj"
+    dense_down: str = "model.layers.{L}.mlp.down_proj"
+    shared_gate: str = "model.layers.{L}.mlp.shared_expert.gate_proj"
+    shared_up: str = "model.layers.{L}.mlp.shared_expert.up_proj"
+    shared_down: str = "model.layers.{L}.mlp.shared_expert.down_proj"
+    shared_expert_gate: str = "model.layers.{L}.mlp.shared_expert_gate"
+
+
+class Architecture(ABC):
+    """One model family as config.json names it (e.g. "Qwen3MoeForCausalLM")."""
+
+    name: ClassVar[str]
+    names: ClassVar[WeightNames] = WeightNames()
+
+    @abstractmethod
+    def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
+        """Read config.json into a ModelSpec; raise CheckpointError naming `where` on invalid values."""
+
+
+_REGISTRY: dict[str, Architecture] = {}
+
+
+def register(cls: type[Architecture]) -> type[Architecture]:
+    """Class decorator adding an architecture to the registry under its config.json name."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def supported_architectures() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def get_architecture(config: dict[str, Any], where: str) -> Architecture:
+    """The registered architecture named by config.json "architectures" (first match)."""
+    _load_all()
+    names = config.get("architectures") or []
+    if not isinstance(names, list) or not names:
+        raise UnsupportedModelError(
+            f"{where}: no 'architectures' entry; supported: {', '.join(sorted(_REGISTRY))}"
+        )
+    for name in names:
+        if name in _REGISTRY:
+            return _REGISTRY[name]
+    raise UnsupportedModelError(
+        f"{where}: architecture {', '.join(map(str, names))} is not supported; "
+        f"supported: {', '.join(sorted(_REGISTRY))}"
+    )
+
+
+def _load_all() -> None:
+    # Importing the family modules runs their @register decorators.
+    from moeserve.models import archs  # noqa: F401
