@@ -1,0 +1,370 @@
+"""Eviction policies for the expert cache: pure Python, no torch, no numpy.
+
+The cache is one global cache over all MoE layers; a key is ``(layer, expert)``. The expert store (and the
+simulator in `moeserve.bench.simulate`, which models the store exactly) drives a policy like this, once per
+``acquire(layer, expert_ids)`` (once per chunk when a layer needs more experts than the cache holds)::
+
+    policy.begin_layer(layer)
+    for key in needed keys already cached:  policy.on_hit(key)          # these are pinned first
+    for key in needed keys not cached:
+        if cache is full: victim = policy.choose_victim(pinned); evict it; policy.on_evict(victim)
+        load key; policy.on_insert(key)
+    (optional prefetch for the next layer: evict as above, load, policy.on_insert(key, prefetched=True))
+
+Every operation is O(1) or O(log n) amortised (OrderedDict, heaps with lazy deletion); LFRU's
+`choose_victim` also looks at one candidate per MoE layer (O(layers), never O(cache)). See docs/policies.md.
+"""
+
+from __future__ import annotations
+
+import difflib
+import heapq
+import math
+from abc import ABC, abstractmethod
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+from moeserve.errors import ConfigError, MoeserveError
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class NoVictimError(MoeserveError):
+    """Every cached expert is pinned: the caller asked for more experts at once than the cache holds."""
+
+
+class EvictionPolicy(ABC):
+    """Decides which cached expert leaves when the cache is full. Sees only keys, never weights."""
+
+    name: ClassVar[str]
+
+    def begin_layer(self, layer: int) -> None:  # noqa: B027 - an optional hook, a no-op by default
+        """Called once per acquire (per chunk) of ``layer``, before that call's hits and inserts.
+
+        It is the policy's logical clock: LFRU ages a layer's experts per visit of that layer, Belady steps
+        through its known future. Policies that need no clock ignore it.
+        """
+
+    @abstractmethod
+    def on_hit(self, key: Key) -> None:
+        """``key`` was needed and was already cached."""
+
+    @abstractmethod
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        """``key`` was loaded into the cache: after a miss (it is being used now) or, with ``prefetched``,
+        ahead of a predicted use (not a use yet; a later `on_hit` counts the use)."""
+
+    @abstractmethod
+    def on_evict(self, key: Key) -> None:
+        """``key`` left the cache (normally the key `choose_victim` just returned)."""
+
+    @abstractmethod
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        """A cached key not in ``pinned``, to evict next. Does not evict it (the caller calls `on_evict`).
+
+        Raises `NoVictimError` when every cached key is pinned.
+        """
+
+
+def _no_victim(policy: EvictionPolicy) -> NoVictimError:
+    return NoVictimError(f"{policy.name}: every cached expert is pinned; the cache is smaller than one layer call")
+
+
+def _first_unpinned(order: Iterable[Key], pinned: Container[Key]) -> Key | None:
+    # Pinned keys were just used, so in recency order they sit at the far end: this stops early.
+    for key in order:
+        if key not in pinned:
+            return key
+    return None
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used: evicts the key whose last use (or load) is oldest."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def on_hit(self, key: Key) -> None:
+        self._order.move_to_end(key)
+
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_evict(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        victim = _first_unpinned(self._order, pinned)
+        if victim is None:
+            raise _no_victim(self)
+        return victim
+
+
+class _LazyHeap:
+    """A min-heap of keys with changeable priorities: stale entries are skipped when they reach the top."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Key]] = []
+        self._live: dict[Key, int] = {}  # key -> sequence number of its valid entry
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def push(self, key: Key, priority: float) -> None:
+        self._seq += 1
+        self._live[key] = self._seq
+        heapq.heappush(self._heap, (priority, self._seq, key))
+        if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild, amortised O(1)
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+
+    def remove(self, key: Key) -> None:
+        self._live.pop(key, None)
+
+    def min_unpinned(self, pinned: Container[Key]) -> tuple[float, Key] | None:
+        """The lowest-priority key not in ``pinned`` (the heap is unchanged apart from dropping stale entries)."""
+        heap, live = self._heap, self._live
+        set_aside: list[tuple[float, int, Key]] = []
+        found: tuple[float, Key] | None = None
+        while heap:
+            prio, seq, key = heap[0]
+            if live.get(key) != seq:
+                heapq.heappop(heap)
+            elif key in pinned:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                found = (prio, key)
+                break
+        for entry in set_aside:
+            heapq.heappush(heap, entry)
+        return found
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used with dynamic ageing (LFU-DA).
+
+    Each cached key has priority ``age + uses`` where ``uses`` counts uses since it was loaded and ``age`` is
+    the cache's age when the key was last touched. Evicting a key raises the cache's age to that key's
+    priority. So a key that was popular long ago but is no longer used is overtaken by newcomers once the
+    age has grown past its old count: frequency ages without ever rescanning the cache.
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._uses: dict[Key, int] = {}
+        self._prio: dict[Key, float] = {}
+        self._heap = _LazyHeap()
+        self._age = 0.0
+
+    def _touch(self, key: Key, uses: int) -> None:
+        self._uses[key] = uses
+        self._prio[key] = self._age + uses
+        self._heap.push(key, self._prio[key])
+
+    def on_hit(self, key: Key) -> None:
+        self._touch(key, self._uses.get(key, 0) + 1)
+
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._touch(key, 0 if prefetched else 1)
+
+    def on_evict(self, key: Key) -> None:
+        prio = self._prio.pop(key, None)
+        if prio is not None:
+            self._age = max(self._age, prio)
+        self._uses.pop(key, None)
+        self._heap.remove(key)
+
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        found = self._heap.min_unpinned(pinned)
+        if found is None:
+            raise _no_victim(self)
+        return found[1]
+
+
+class LFRUPolicy(EvictionPolicy):
+    """Frequency-weighted recency, aged per visit of the key's own layer (the default policy).
+
+    Each expert (cached or not: there are only layers x experts of them) has a score
+    ``s = sum over its past uses of 2 ** (-(visits of its layer since that use) / half_life)``: an
+    exponentially decayed use count, i.e. an estimate of how likely the expert is to be used the next time
+    its layer runs. The victim is the cached, unpinned key with the lowest score; among equal scores, the key
+    whose layer ran most recently (its next chance of a hit is furthest away, as Belady would choose).
+
+    Age is counted in visits of the key's OWN layer, not in global time. With a global clock, keys of the
+    layer about to run look oldest (their last use was one full forward ago) and are evicted just before
+    they are needed, while keys of the layers that just ran look fresh: the layers early in the last forward
+    would crowd out the others. Per-layer ageing gives every layer the same footing: a key's score depends
+    only on how often its layer needed it.
+    """
+
+    name = "lfru"
+
+    def __init__(self, half_life: float = 16.0, remember_evicted: bool = True) -> None:
+        if half_life <= 0:
+            raise ConfigError(f"lfru: half_life={half_life} must be > 0 (layer visits)")
+        self._decay = math.log(2.0) / half_life  # log-score lost per visit of the key's layer
+        self._remember = remember_evicted
+        self._visits: dict[int, int] = {}  # layer -> visits so far
+        self._last_tick: dict[int, int] = {}  # layer -> global tick of its latest visit (tie-break)
+        self._tick = 0
+        # Per key: (log score, visit count of its layer when that log score was exact).
+        self._stats: dict[Key, tuple[float, int]] = {}
+        self._heaps: dict[int, _LazyHeap] = {}  # per layer; priority = log score + decay * visit
+
+    def begin_layer(self, layer: int) -> None:
+        self._tick += 1
+        self._visits[layer] = self._visits.get(layer, 0) + 1
+        self._last_tick[layer] = self._tick
+
+    def _log_score_now(self, key: Key) -> float:
+        log_s, visit = self._stats.get(key, (-math.inf, 0))
+        return log_s - self._decay * (self._visits.get(key[0], 0) - visit)
+
+    def _update(self, key: Key, add_use: bool) -> None:
+        layer = key[0]
+        visit = self._visits.get(layer, 0)
+        log_s = self._log_score_now(key)
+        if add_use:
+            log_s = math.log1p(math.exp(log_s)) if log_s > -math.inf else 0.0  # s + 1
+        self._stats[key] = (log_s, visit)
+        # Within one layer every key ages at the same rate, so this priority orders them for good.
+        self._heaps.setdefault(layer, _LazyHeap()).push(key, log_s + self._decay * visit)
+
+    def on_hit(self, key: Key) -> None:
+        self._update(key, add_use=True)
+
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._update(key, add_use=not prefetched)
+
+    def on_evict(self, key: Key) -> None:
+        heap = self._heaps.get(key[0])
+        if heap is not None:
+            heap.remove(key)
+        if not self._remember:
+            self._stats.pop(key, None)
+
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        best: tuple[float, int] | None = None
+        victim: Key | None = None
+        for layer, heap in self._heaps.items():  # one candidate per layer: O(layers * log n)
+            if not len(heap):
+                continue
+            found = heap.min_unpinned(pinned)
+            if found is None:
+                continue
+            log_now = found[0] - self._decay * self._visits.get(layer, 0)
+            rank = (round(log_now, 9), -self._last_tick.get(layer, 0))
+            if best is None or rank < best:
+                best, victim = rank, found[1]
+        if victim is None:
+            raise _no_victim(self)
+        return victim
+
+
+class StaticPolicy(EvictionPolicy):
+    """Keeps the ``num_pinned`` most frequent experts of a recorded trace; the other slots are LRU.
+
+    ``counts`` maps ``(layer, expert)`` to how often it was used (e.g. layer calls that needed it) in a
+    trace recorded earlier. Pinned-by-profile keys are loaded on first use like any other and then only
+    evicted when no other cached key is evictable.
+    """
+
+    name = "static"
+
+    def __init__(self, counts: Mapping[Key, float], num_pinned: int) -> None:
+        if num_pinned < 0:
+            raise ConfigError(f"static: num_pinned={num_pinned} must be >= 0")
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        self.static_keys: frozenset[Key] = frozenset(k for k, c in ranked[:num_pinned] if c > 0)
+        self._dynamic = LRUPolicy()
+        self._static = LRUPolicy()  # fallback order among cached static keys
+
+    def _part(self, key: Key) -> LRUPolicy:
+        return self._static if key in self.static_keys else self._dynamic
+
+    def on_hit(self, key: Key) -> None:
+        self._part(key).on_hit(key)
+
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._part(key).on_insert(key, prefetched=prefetched)
+
+    def on_evict(self, key: Key) -> None:
+        self._part(key).on_evict(key)
+
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        for part in (self._dynamic, self._static):
+            try:
+                return part.choose_victim(pinned)
+            except NoVictimError:
+                pass
+        raise _no_victim(self)
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Belady's MIN, the offline optimum for demand loading: evicts the key needed furthest in the future.
+
+    Simulator only: ``future`` is the whole sequence of acquire calls, one collection of keys per
+    `begin_layer` call, in the order they will happen (after chunking).
+    """
+
+    name = "belady"
+
+    def __init__(self, future: Sequence[Iterable[Key]]) -> None:
+        self._uses: dict[Key, list[int]] = {}  # key -> ascending indices of the calls that need it
+        for index, keys in enumerate(future):
+            for key in keys:
+                self._uses.setdefault(key, []).append(index)
+        self._now = -1
+        self._heap = _LazyHeap()  # priority = -(index of next use): the furthest next use on top
+
+    def begin_layer(self, layer: int) -> None:
+        self._now += 1
+
+    def _touch(self, key: Key) -> None:
+        uses = self._uses.get(key, [])
+        pos = bisect_right(uses, self._now)
+        next_use = uses[pos] if pos < len(uses) else math.inf
+        self._heap.push(key, -next_use)
+
+    def on_hit(self, key: Key) -> None:
+        self._touch(key)
+
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._touch(key)
+
+    def on_evict(self, key: Key) -> None:
+        self._heap.remove(key)
+
+    def choose_victim(self, pinned: Container[Key]) -> Key:
+        found = self._heap.min_unpinned(pinned)
+        if found is None:
+            raise _no_victim(self)
+        return found[1]
+
+
+_REGISTRY: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, LFRUPolicy, StaticPolicy, BeladyPolicy)
+}
+POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+ONLINE_POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "lfru", "static")  # usable by the engine
+DEFAULT_POLICY = "lfru"
+
+
+def make_policy(name: str, **options: Any) -> EvictionPolicy:
+    """Build a policy by name. ``static`` needs ``counts`` and ``num_pinned``; ``belady`` needs ``future``."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        close = difflib.get_close_matches(name, POLICY_NAMES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else f"; choose one of {', '.join(POLICY_NAMES)}"
+        raise ConfigError(f"unknown eviction policy {name!r}{hint}")
+    try:
+        return cls(**options)
+    except TypeError as err:
+        raise ConfigError(f"eviction policy {name!r}: bad options {sorted(options)} ({err})") from err
