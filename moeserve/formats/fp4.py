@@ -70,7 +70,7 @@ def dequantize_fp4_groups(
 
     ``packed`` (uint8, contiguous) holds ``out.numel() / 2`` bytes in output order; ``write_scales`` supplies
     float32 scales for groups in order. Each element is
-    ``round_to(out.dtype, float32(value * code_scale) * float32(scale))``, one rounding, as the references
+    ``cast(out.dtype, float32(value * code_scale) * float32(scale))``: a float32 product, then the cast, as the references
     compute it (``code_scale`` lets a caller move a power of two from the scale onto the codes). Temporaries: an int32 index buffer (`CHUNK_BYTES` entries at
     most) and a float32 scale buffer (``CHUNK_BYTES * 2 / group_size`` entries at most), reused across chunks.
     """
@@ -92,7 +92,7 @@ def dequantize_fp4_groups(
         chunk_out = out_groups[first : first + count]
         _unpack_span(packed_flat[byte_span], chunk_out.view(-1, 2), table, index)
         write_scales(first, count, scales[:count])
-        # In-place multiply by a float32 tensor computes in float32 and rounds once into out.dtype.
+        # In-place multiply by a float32 tensor computes in float32, then casts into out.dtype.
         chunk_out.mul_(scales[:count, None])
 
 

@@ -3,7 +3,7 @@
 Layout: ``weight`` float8_e4m3fn ``[out, in]`` and ``weight_scale_inv`` float32 or bfloat16
 ``[ceil(out/bo), ceil(in/bi)]`` for block size ``(bo, bi)`` (normally 128 x 128). Edge blocks are partial;
 nothing is padded on disk. Despite its name the scale is the dequantization MULTIPLIER:
-``W[i, j] = float32(fp8[i, j]) * float32(scale[i // bo, j // bi])``, rounded once into out's dtype.
+``W[i, j] = float32(fp8[i, j]) * float32(scale[i // bo, j // bi])``, computed in float32, cast to out's dtype.
 The block size comes from the config, never from ``out / scale_rows`` (that guess is wrong for edge blocks).
 """
 
@@ -31,7 +31,7 @@ def dequantize_fp8_block(
 
     ``weight`` is float8_e4m3fn ``[out, in]``; ``scale_inv`` float32 or bfloat16 with shape
     `fp8_block_scale_shape`. The fp8 values are copied into ``out`` (exact in bf16/fp16/fp32), then each block
-    is multiplied in float32 and rounded once. Temporary: a float32 copy of the scale grid (tiny).
+    is multiplied in float32 and cast back. Temporary: a float32 copy of the scale grid (tiny).
     """
     _check_layout(weight, scale_inv, block_size)
     if out.shape != weight.shape:
@@ -45,7 +45,7 @@ def dequantize_fp8_block(
     for row_block in range(scales.shape[0]):
         rows = out[row_block * block_rows : (row_block + 1) * block_rows]  # [<=bo, in]
         if full_col_blocks:
-            # [<=bo, full_col_blocks, bi] * [1, full_col_blocks, 1]: mul_ by float32 rounds once into out.dtype.
+            # [<=bo, full_col_blocks, bi] * [1, full_col_blocks, 1]: mul_ by float32 computes in float32.
             full = rows[:, :full_cols].unflatten(1, (full_col_blocks, block_cols))
             full.mul_(scales[row_block, :full_col_blocks, None])
         if full_cols < col_count:

@@ -30,7 +30,7 @@ def quantize_int8_per_channel(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequantize_int8_per_channel(q: Tensor, scale: Tensor, out: Tensor) -> None:
-    """Write ``float32(q) * scale[:, None]`` into ``out`` ``[out, in]``, rounded once into out's dtype.
+    """Write ``float32(q) * scale[:, None]`` into ``out`` ``[out, in]`` (float32 product, cast to out's dtype).
 
     No temporary: the codes are copied into ``out`` (exact in any float dtype) and scaled in place.
     """
@@ -41,4 +41,4 @@ def dequantize_int8_per_channel(q: Tensor, scale: Tensor, out: Tensor) -> None:
     if out.shape != q.shape:
         raise ValueError(f"out has shape {tuple(out.shape)}, int8 codes need {tuple(q.shape)}")
     out.copy_(q)
-    out.mul_(scale.to(out.device)[:, None])  # float32 multiply, one rounding into out.dtype
+    out.mul_(scale.to(out.device)[:, None])  # float32 multiply, then cast into out.dtype

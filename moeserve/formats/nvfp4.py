@@ -7,7 +7,7 @@ The two conventions differ only in what the scalar means:
   ``W = code * (float32(fp8_scale) / weight_global_scale)``;
 - NVIDIA ModelOpt (``weight``, ``weight_scale``, ``weight_scale_2``): the scalar is a MULTIPLIER,
   ``W = code * (float32(fp8_scale) * weight_scale_2)``.
-Each is computed in float32 and rounded once into out's dtype, exactly as compressed-tensors' decompressor and
+Each is computed in float32 and then cast to out's dtype, exactly as compressed-tensors' decompressor and
 torchao's ``NVFP4Tensor.dequantize`` do. Fused shards (q/k/v, gate/up) each keep their own scalar: dequantize
 each shard with its own, never with a max across shards.
 """

@@ -47,7 +47,9 @@ def mxfp4_float32(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return product.reshape(*scales.shape[:-1], scales.shape[-1] * 32)
 
 
-def nvfp4_float32(packed: np.ndarray, scale_bits: np.ndarray, tensor_scale: float, divide: bool) -> np.ndarray:
+def nvfp4_float32(
+    packed: np.ndarray, scale_bits: np.ndarray, tensor_scale: float, divide: bool
+) -> np.ndarray:
     """NVFP4 packed [out, in/2] + e4m3 bits [out, in/16] -> float32 [out, in], float32 arithmetic throughout."""
     codes = decode_e2m1(unpack_nibbles(packed)).astype(np.float32)
     group = decode_e4m3fn(scale_bits).astype(np.float32)
