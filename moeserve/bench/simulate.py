@@ -209,9 +209,9 @@ def affinity_predictions(
             predicted: tuple[Key, ...] = ()
             if index + 1 < len(step):
                 nxt = step[index + 1].layer
-                table = cond.get((call.layer, nxt))
-                if table is not None:
-                    scores = table[list(call.expert_ids)].sum(axis=0)  # [E]
+                given = cond.get((call.layer, nxt))  # [E, E] P(j | i)
+                if given is not None:
+                    scores = given[list(call.expert_ids)].sum(axis=0)  # [E]
                     best = np.argsort(-scores, kind="stable")[:width]
                     predicted = tuple((nxt, int(e)) for e in best)
             calls.append(LayerCall(call.layer, call.expert_ids, predicted))
@@ -280,7 +280,9 @@ def run_grid(
                 options = dict((policy_options or {}).get(policy, {}))
                 if policy == "static":
                     options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
-                result = simulate(replay, policy, capacity, "predicted" if prefetch == "affinity" else prefetch, options)
+                result = simulate(
+                    replay, policy, capacity, "predicted" if prefetch == "affinity" else prefetch, options
+                )
                 result.prefetch = prefetch
                 results.append(result)
     return GridResult(results, fit_steps=len(fit), eval_steps=len(evaluate))

@@ -69,7 +69,9 @@ class EvictionPolicy(ABC):
 
 
 def _no_victim(policy: EvictionPolicy) -> NoVictimError:
-    return NoVictimError(f"{policy.name}: every cached expert is pinned; the cache is smaller than one layer call")
+    return NoVictimError(
+        f"{policy.name}: every cached expert is pinned; the cache is smaller than one layer call"
+    )
 
 
 def _first_unpinned(order: Iterable[Key], pinned: Container[Key]) -> Key | None:

@@ -171,7 +171,9 @@ class TraceWriter:
         if arr.ndim == 1:
             arr = arr.reshape(1, -1)  # a flat set of ids is one row
         if arr.ndim != 2 or (arr.size and arr.dtype.kind not in "iu"):
-            raise TraceError(f"layer {layer}: expert ids must be an integer array [tokens, k], got {arr.shape}")
+            raise TraceError(
+                f"layer {layer}: expert ids must be an integer array [tokens, k], got {arr.shape}"
+            )
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.header.num_experts):
             raise TraceError(f"layer {layer}: expert id out of range 0..{self.header.num_experts - 1}")
         tokens, k = arr.shape
@@ -235,7 +237,9 @@ def _read_steps(f: BinaryIO, path: Path, header: TraceHeader) -> Iterator[Step]:
             step = []
             continue
         if rec_type not in (REC_LAYER, REC_PREDICTED):
-            raise TraceError(f"{path}: unknown record type {rec_type:#04x} at byte {offset}; the file is corrupt")
+            raise TraceError(
+                f"{path}: unknown record type {rec_type:#04x} at byte {offset}; the file is corrupt"
+            )
         head = f.read(_LAYER_HEAD.size)
         if len(head) < _LAYER_HEAD.size:
             break  # a record cut short by a crash while writing: keep what came before

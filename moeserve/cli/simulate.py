@@ -1,0 +1,145 @@
+"""`moeserve simulate TRACE`: replay a routing trace through the eviction policies; table, plot, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from moeserve.bench.flame import is_flame_dir, load_flame
+from moeserve.bench.simulate import PREFETCH_MODES, GridResult, LayerCall, calls_from_steps, run_grid
+from moeserve.errors import ConfigError
+from moeserve.experts.policies import ONLINE_POLICY_NAMES, POLICY_NAMES
+from moeserve.experts.trace import TraceHeader, read_trace
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay a routing trace through the expert-cache eviction policies",
+        description="Hit rate of each eviction policy and cache capacity on a recorded routing trace, with "
+        "Belady (the offline optimum) as the bound. TRACE is a moeserve trace file or a FLAME-MoE CSV folder.",
+    )
+    p.add_argument("trace", metavar="TRACE", help="trace file (--record-trace) or FLAME-MoE Layer_N/ folder")
+    p.add_argument("--policy", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
+    p.add_argument("--capacity", default="32,64,128,256", help="comma-separated cache sizes, in experts")
+    p.add_argument("--prefetch", default="none", help=f"comma-separated: {', '.join(PREFETCH_MODES)}")
+    p.add_argument(
+        "--warmup-fraction",
+        "--static-warmup-fraction",
+        dest="warmup_fraction",
+        type=float,
+        default=0.5,
+        help="with static or affinity: fit on this first fraction of steps, evaluate ALL on the rest",
+    )
+    p.add_argument("--affinity-width", type=int, default=None, help="experts prefetched per layer (affinity)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rate vs capacity")
+    p.add_argument("--json", type=Path, default=None, help="write all results as JSON")
+    p.set_defaults(func=run)
+
+
+def _split(text: str, what: str, choices: tuple[str, ...]) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    for item in items:
+        if item not in choices:
+            raise ConfigError(f"--{what} {item!r}: choose from {', '.join(choices)}")
+    if not items:
+        raise ConfigError(f"--{what}: give at least one value")
+    return items
+
+
+def _capacities(text: str) -> list[int]:
+    try:
+        caps = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError as err:
+        raise ConfigError(f"--capacity {text!r}: expected comma-separated integers") from err
+    if not caps or caps[0] < 1:
+        raise ConfigError(f"--capacity {text!r}: capacities must be >= 1 expert")
+    return caps
+
+
+def load_calls(path: str | Path) -> tuple[TraceHeader, list[list[LayerCall]]]:
+    """A trace file or a FLAME-MoE CSV folder -> header and the layer calls of every step."""
+    if Path(path).is_dir() and is_flame_dir(path):
+        header, steps = load_flame(path)
+        return header, calls_from_steps(steps)
+    trace = read_trace(path)
+    return trace.header, calls_from_steps(trace)
+
+
+def run(args: argparse.Namespace) -> int:
+    policies = _split(args.policy, "policy", POLICY_NAMES)
+    prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
+    capacities = _capacities(args.capacity)
+    header, steps = load_calls(args.trace)
+    grid = run_grid(steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width)
+    total = header.num_experts * len(header.moe_layers)
+    print(
+        f"{header.model}: {len(header.moe_layers)} MoE layers x {header.num_experts} experts = {total}; "
+        f"fitted on {grid.fit_steps} steps, evaluated on {grid.eval_steps}"
+    )
+    print(format_table(grid, policies, capacities, prefetches))
+    if args.json:
+        args.json.write_text(json.dumps(_json(header, grid), indent=1))
+    if args.plot:
+        plot(grid, policies, capacities, prefetches, args.plot, header.model)
+    return 0
+
+
+def format_table(grid: GridResult, policies: list[str], capacities: list[int], prefetches: list[str]) -> str:
+    """Hit rate per policy x capacity, per prefetch mode; then best online / Belady."""
+    lines = []
+    for prefetch in prefetches:
+        lines.append(f"\nprefetch={prefetch}   hit rate (reads per needed expert)")
+        lines.append(f"{'policy':<8}" + "".join(f"{c:>14}" for c in capacities))
+        for policy in policies:
+            cells = []
+            for c in capacities:
+                r = grid.get(policy, c, prefetch)
+                cells.append(f"{r.hit_rate:.3f} ({r.reads / max(r.accesses, 1):.2f})" if r else "-")
+            lines.append(f"{policy:<8}" + "".join(f"{x:>14}" for x in cells))
+        if "belady" in policies and any(p in ONLINE_POLICY_NAMES for p in policies):
+            cells = []
+            for c in capacities:
+                bound = grid.get("belady", c, prefetch)
+                online = [grid.get(p, c, prefetch) for p in policies if p in ONLINE_POLICY_NAMES]
+                best = max((r for r in online if r), key=lambda r: r.hit_rate)
+                ratio = best.hit_rate / bound.hit_rate if bound and bound.hit_rate else float("nan")
+                cells.append(f"{best.policy} {ratio:.2f}")
+            lines.append(f"{'best/MIN':<8}" + "".join(f"{x:>14}" for x in cells))
+    return "\n".join(lines)
+
+
+def _json(header: TraceHeader, grid: GridResult) -> dict[str, Any]:
+    return {
+        "header": header.to_json(),
+        "fit_steps": grid.fit_steps,
+        "eval_steps": grid.eval_steps,
+        "results": [r.to_json() for r in grid.results],
+    }
+
+
+def plot(
+    grid: GridResult, policies: list[str], capacities: list[int], prefetches: list[str], out: Path, title: str
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = ["-", "--", ":", "-."]
+    for i, prefetch in enumerate(prefetches):
+        for policy in policies:
+            rates = [r.hit_rate if (r := grid.get(policy, c, prefetch)) else float("nan") for c in capacities]
+            ax.plot(capacities, rates, styles[i % len(styles)], marker="o", label=f"{policy} ({prefetch})")
+    ax.set_xlabel("cache capacity (experts, one cache for all layers)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{title}: expert cache hit rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
