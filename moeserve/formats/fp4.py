@@ -53,7 +53,7 @@ def unpack_fp4(packed: Tensor, out: Tensor) -> None:
     packed_flat = packed.reshape(-1)
     out_pairs = out.view(-1, 2)  # [bytes, 2]: element 2j and 2j+1 of byte j
     table = e2m1_byte_table(out.dtype, out.device)
-    index = torch.empty(min(packed_flat.numel(), CHUNK_BYTES), dtype=torch.int32, device=packed.device)
+    index = torch.empty(min(packed_flat.numel(), CHUNK_BYTES), dtype=torch.int32, device=out.device)
     for start in range(0, packed_flat.numel(), CHUNK_BYTES):
         stop = min(start + CHUNK_BYTES, packed_flat.numel())
         _unpack_span(packed_flat[start:stop], out_pairs[start:stop], table, index)
