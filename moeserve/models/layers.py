@@ -70,6 +70,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the (fp32) weight applied in fp32 before the cast back (gpt-oss, transformers' order)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(dtype)
+
+
+# ModelSpec.norm_style -> the norm function and the dtype its weight is kept in (None = the compute dtype).
+RMS_NORMS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], torch.dtype | None]] = {
+    "cast_then_scale": (rms_norm, None),
+    "scale_in_fp32": (rms_norm_fp32_scale, torch.float32),
+}
+
+
 class Rotary:
     """NeoX-style (half-split) rotary embedding with cos/sin tables [max_len, d] precomputed in fp32."""
 
@@ -241,6 +256,25 @@ def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return F.linear(F.silu(gate) * up, down)
 
 
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up) -> [T, I].
+
+    gate is clamped above only, up on both sides; out = gate * sigmoid(alpha * gate) * (up + 1).
+    """
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: torch.Tensor,
+                        down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """One gpt-oss expert, operation by operation as transformers: x [T, H] @ gate_up_t [H, 2I] + bias,
+    clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views."""
+    gate_up = x @ gate_up_t + gate_up_bias
+    return clamped_swiglu(gate_up, limit, alpha) @ down_t + down_bias
+
+
 class MoEBlock:
     """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
 
@@ -256,7 +290,10 @@ class MoEBlock:
     ) -> None:
         self.spec, self.layer, self.router, self.store = spec, layer, router, store
         self.kernel, self.shared, self.shared_gate = kernel, shared, shared_gate
-        self.trace_hook: Callable[[int, torch.Tensor], None] | None = None
+        # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
+        self.trace_hook: Callable[[int, torch.Tensor, list[int] | None], None] | None = None
+        # (next MoE layer, its router): set when the store prefetches, so this block can predict that layer
+        self.predict_next: tuple[int, Linear] | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) for the tokens x [N, H]."""
@@ -271,10 +308,21 @@ class MoEBlock:
             top = top / top.sum(dim=-1, keepdim=True)
         return (top if s.weights_in_fp32 else top.to(logits.dtype)), ids
 
+    def predict(self, x: torch.Tensor) -> list[int]:
+        """The next MoE layer's experts for x [N, H], most often chosen first: its router applied to this
+        layer's input (hidden states change little from one layer to the next). A guess; only costs I/O."""
+        assert self.predict_next is not None
+        router = self.predict_next[1]
+        top = torch.topk(router(x), self.spec.top_k, dim=-1).indices  # [N, k]
+        counts = torch.bincount(top.reshape(-1), minlength=self.spec.num_experts)  # [E]
+        order = torch.argsort(counts, descending=True, stable=True)
+        return order[counts[order] > 0].tolist()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        predicted = self.predict(x) if self.predict_next is not None else None
         if self.trace_hook is not None:
-            self.trace_hook(self.layer, ids)
+            self.trace_hook(self.layer, ids, predicted)
         k = ids.shape[1]
         flat = ids.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)  # groups (token, slot) pairs by expert, ascending
@@ -288,7 +336,8 @@ class MoEBlock:
                 start += c
         out = torch.zeros_like(x)
         # Experts are added in ascending id order whatever the chunking, so offloading never changes a bit.
-        for chunk in self.store.experts(self.layer, list(bounds)):
+        hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
+        for chunk in self.store.experts(self.layer, list(bounds), prefetch=hint):
             for e, w in chunk:
                 lo, hi = bounds[e]
                 tokens = token_of[lo:hi]
@@ -300,10 +349,11 @@ class MoEBlock:
 
 
 class DecoderLayer:
-    def __init__(self, attn: Attention, mlp: DenseMLP | MoEBlock, input_norm, post_norm, eps: float) -> None:
+    def __init__(self, attn: Attention, mlp: DenseMLP | MoEBlock, input_norm, post_norm, eps: float,
+                 norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm) -> None:
         self.attn, self.mlp = attn, mlp
-        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+        self.input_norm, self.post_norm, self.eps, self.norm = input_norm, post_norm, eps, norm
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        h = h + self.attn(rms_norm(h, self.input_norm, self.eps), batch, kv)
-        return h + self.mlp(rms_norm(h, self.post_norm, self.eps))
+        h = h + self.attn(self.norm(h, self.input_norm, self.eps), batch, kv)
+        return h + self.mlp(self.norm(h, self.post_norm, self.eps))

@@ -14,9 +14,10 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.engine.kv_cache import KVCache
-from moeserve.experts.store import ExpertStore
+from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.models.layers import (
+    RMS_NORMS,
     Attention,
     DecoderLayer,
     DenseMLP,
@@ -25,9 +26,9 @@ from moeserve.models.layers import (
     Linear,
     MoEBlock,
     Rotary,
-    rms_norm,
     swiglu_expert,
 )
+from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
 
@@ -39,6 +40,8 @@ class WeightLoader:
                  progress: Callable[[int], None] | None = None) -> None:
         self.ckpt, self.dtype, self.device, self.progress = ckpt, dtype, device, progress
         self.resident_bytes = 0
+        self.scheme = checkpoint_scheme(ckpt)
+        self.dequantized_linears: list[str] = []  # quantized dense Linears, dequantized at load
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
         ref = self.ckpt.ref(name, shape)
@@ -53,8 +56,22 @@ class WeightLoader:
         self.resident_bytes += out.numel() * out.element_size()
         return out
 
+    def linear_weight(self, prefix: str, out_features: int, in_features: int) -> torch.Tensor:
+        """The [out, in] weight of the Linear at `prefix` in the compute dtype; a quantized one (per the
+        checkpoint's quantization scheme) is read in its format and dequantized here, once, at load."""
+        fmt = self.scheme.format_for(prefix)
+        if is_stored_dense(fmt):
+            return self.tensor(prefix + ".weight", (out_features, in_features))
+        weight, stored_nbytes = dequantize_at_load(self.ckpt, fmt, prefix, (out_features, in_features), self.dtype)
+        weight = weight.to(self.device)
+        self.dequantized_linears.append(prefix)
+        if self.progress is not None:
+            self.progress(stored_nbytes)
+        self.resident_bytes += weight.numel() * weight.element_size()
+        return weight
+
     def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
-        weight = self.tensor(prefix + ".weight", (out_features, in_features))
+        weight = self.linear_weight(prefix, out_features, in_features)
         b = self.tensor(prefix + ".bias", (out_features,)) if bias else None
         return Linear(weight, b)
 
@@ -66,6 +83,7 @@ class ExpertPlan:
     layout: UnitLayout
     kernel: ExpertKernel
     sources: dict[tuple[int, int], tuple[FieldSources, ...]]
+    description: str = "experts in the compute dtype"  # for the start-up log: format in each tier, kernel
 
 
 def swiglu_expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
@@ -89,6 +107,8 @@ EXPERT_PLANNERS: dict[str, Callable[[Checkpoint, Architecture, ModelSpec, torch.
 
 
 def expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    from moeserve.models import expert_plans  # noqa: F401  (registers the quantized and gpt-oss planners)
+
     return EXPERT_PLANNERS[spec.moe.expert_kind](ckpt, arch, spec, dtype)
 
 
@@ -98,6 +118,8 @@ class MoeModel:
         self.spec, self.embed, self.layers = spec, embed, layers
         self.final_norm, self.lm_head, self.store = final_norm, lm_head, store
         self.resident_bytes = resident_bytes  # non-expert weights
+        self.norm = RMS_NORMS[spec.norm_style][0]
+        self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -106,13 +128,21 @@ class MoeModel:
         for layer in self.layers:
             h = layer(h, batch, kv)
         last = h[batch.last_token_index()]  # [B, H]
-        last = rms_norm(last, self.final_norm, self.spec.rms_norm_eps)
+        last = self.norm(last, self.final_norm, self.spec.rms_norm_eps)
         return torch.nn.functional.linear(last, self.lm_head).float()
 
-    def set_trace_hook(self, hook: Callable[[int, torch.Tensor], None] | None) -> None:
+    def set_trace_hook(self, hook: Callable[[int, torch.Tensor, list[int] | None], None] | None) -> None:
+        """Call `hook(layer, topk_ids [N, k], predicted next-layer experts or None)` in every MoE layer."""
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.trace_hook = hook
+
+
+def link_prefetch(layers: list[DecoderLayer]) -> None:
+    """Give each MoE block the router of the next MoE block, so it can predict that layer's experts."""
+    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
+    for block, nxt in zip(blocks, blocks[1:]):
+        block.predict_next = (nxt.layer, nxt.router)
 
 
 def build_model(
@@ -126,21 +156,27 @@ def build_model(
     expert_capacity: int,
     cache_policy: str,
     progress: Callable[[int], None] | None = None,
+    store_options: StoreOptions | None = None,
 ) -> MoeModel:
     """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier."""
     load = WeightLoader(ckpt, dtype, device, progress)
     names, h = arch.names, spec.hidden_size
     store = ExpertStore(ExpertSource(ckpt, plan.layout, plan.sources), spec.moe_layer_ids, spec.moe.num_experts,
-                        expert_capacity, device, cache_policy, progress)
+                        expert_capacity, device, cache_policy, progress,
+                        store_options or StoreOptions(policy=cache_policy))
     rotary = Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device)
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     layers = [_build_layer(load, arch, spec, L, rotary, store, plan.kernel) for L in range(spec.num_layers)]
-    final_norm = load.tensor(names.final_norm, (h,))
+    if store.prefetcher is not None:
+        link_prefetch(layers)
+    final_norm = load.tensor(names.final_norm, (h,), RMS_NORMS[spec.norm_style][1])
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
         lm_head = embed
     else:
-        lm_head = load.tensor(names.lm_head + ".weight", (spec.vocab_size, h))
-    return MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes)
+        lm_head = load.linear_weight(names.lm_head, spec.vocab_size, h)
+    model = MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes)
+    model.dequantized_linears = load.dequantized_linears
+    return model
 
 
 def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
@@ -182,5 +218,6 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         di = spec.dense_intermediate_size
         mlp = DenseMLP(load.linear(n(names.dense_gate), di, h), load.linear(n(names.dense_up), di, h),
                        load.linear(n(names.dense_down), h, di))
-    return DecoderLayer(attn, mlp, load.tensor(n(names.input_norm), (h,)), load.tensor(n(names.post_norm), (h,)),
-                        spec.rms_norm_eps)
+    norm, norm_dtype = RMS_NORMS[spec.norm_style]
+    return DecoderLayer(attn, mlp, load.tensor(n(names.input_norm), (h,), norm_dtype),
+                        load.tensor(n(names.post_norm), (h,), norm_dtype), spec.rms_norm_eps, norm)

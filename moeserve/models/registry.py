@@ -45,6 +45,9 @@ class WeightNames:
     shared_up: str = "model.layers.{L}.mlp.shared_expert.up_proj"
     shared_down: str = "model.layers.{L}.mlp.shared_expert.down_proj"
     shared_expert_gate: str = "model.layers.{L}.mlp.shared_expert_gate"
+    # Experts stacked along dim 0 in one tensor per projection (gpt-oss): prefixes, biases are `<prefix>_bias`.
+    stacked_gate_up: str = "model.layers.{L}.mlp.experts.gate_up_proj"
+    stacked_down: str = "model.layers.{L}.mlp.experts.down_proj"
 
 
 class Architecture(ABC):

@@ -17,6 +17,10 @@ QKNorm = Literal["none", "per_head", "full"]
 #   topk_softmax: top-k of the raw logits, then softmax over the k selected - gpt-oss
 Routing = Literal["softmax_topk", "topk_softmax"]
 ExpertKind = Literal["swiglu", "gpt_oss"]
+# How RMSNorm applies its weight:
+#   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
+#   scale_in_fp32:   weight kept in fp32, normalise and scale in fp32, then cast (gpt-oss)
+NormStyle = Literal["cast_then_scale", "scale_in_fp32"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class ModelSpec:
     rope: RopeSpec
     moe: MoeSpec
     config_dtype: str | None
+    norm_style: NormStyle = "cast_then_scale"
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -1,0 +1,261 @@
+"""Expert plans for quantized experts and for gpt-oss, registered in `EXPERT_PLANNERS`.
+
+A plan says what one ExpertUnit holds and which kernel computes it. Quantized experts stay in their STORED
+format in every tier: the unit holds the stored tensors of every projection (packed codes, block scales,
+global scales) plus the biases, so a 4-bit expert is 4-bit on disk, in host memory and in the cache, and a
+miss moves exactly its stored bytes. The kernel dequantizes each projection at use into a buffer it owns and
+reuses for every call (one per projection and device), then runs the expert's math on the dense weights.
+
+Fused projections keep one shard per stored weight: Qwen's gate and up become rows [0, I) and [I, 2I) of one
+gate_up buffer, each shard dequantized with its own scales (NVFP4 global scales are never merged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from moeserve.checkpoint.folder import Checkpoint
+from moeserve.checkpoint.safetensors_file import TensorRef
+from moeserve.errors import UnsupportedModelError
+from moeserve.experts.store import ExpertWeights
+from moeserve.experts.unit import FieldSources, UnitLayout
+from moeserve.formats import Format, QuantScheme
+from moeserve.models.layers import gpt_oss_expert_math, swiglu_expert
+from moeserve.models.model import EXPERT_PLANNERS, ExpertPlan, swiglu_expert_plan
+from moeserve.models.quantized import check_dense_shape, checkpoint_scheme
+from moeserve.models.registry import Architecture
+from moeserve.models.spec import ModelSpec
+
+# (x [T, H], dense weights [out, in] per projection, bias per projection or None) -> [T, H]
+ExpertMath = Callable[[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ProjectionSource:
+    """Where one projection of an expert is stored. Templates take {L} (layer) and {E} (expert)."""
+
+    name: str  # "gate_up" / "down"
+    shape: tuple[int, int]  # dense [out, in]
+    shard_prefixes: tuple[str, ...]  # one Linear prefix per shard; each fills out / len(shards) rows
+    stacked: bool  # all experts of a layer along dim 0 of one tensor (gpt-oss), else one tensor per expert
+    bias: str | None = None  # tensor name template of the bias [out], or None
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One stored weight of a projection: its format, its rows of the dense buffer, its unit fields by role."""
+
+    fmt: Format
+    rows: tuple[int, int]
+    role_fields: tuple[tuple[str, int], ...]  # (role, index into the unit's field views)
+
+
+@dataclass(frozen=True)
+class Projection:
+    shape: tuple[int, int]
+    shards: tuple[Shard, ...]
+    bias_field: int | None
+
+
+class DequantizingKernel:
+    """An ExpertKernel over units in stored format: dequantize each projection into a reused buffer, then math.
+
+    The buffers (one per projection, in the compute dtype, allocated on first use per device) are shared by
+    every layer: a kernel call finishes with them before the next call starts (one forward at a time).
+    """
+
+    def __init__(self, projections: Sequence[Projection], dtype: torch.dtype, math: ExpertMath) -> None:
+        self.projections, self.dtype, self.math = tuple(projections), dtype, math
+        self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        bufs = self._buffers.get(device)
+        if bufs is None:
+            bufs = tuple(torch.empty(p.shape, dtype=self.dtype, device=device) for p in self.projections)
+            self._buffers[device] = bufs
+        return bufs
+
+    def dequantize(self, w: ExpertWeights) -> tuple[torch.Tensor, ...]:
+        """Dense [out, in] weights of the unit `w` (views of this kernel's buffers, valid until the next call)."""
+        bufs = self.buffers(w[0].device)
+        for proj, buf in zip(self.projections, bufs):
+            for shard in proj.shards:
+                tensors = {role: w[index] for role, index in shard.role_fields}
+                shard.fmt.dequantize(tensors, buf[shard.rows[0] : shard.rows[1]])
+        return bufs
+
+    def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        biases = tuple(None if p.bias_field is None else w[p.bias_field] for p in self.projections)
+        return self.math(x, self.dequantize(w), biases)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return sum(p.shape[0] * p.shape[1] for p in self.projections) * self.dtype.itemsize
+
+
+def stored_format_plan(
+    ckpt: Checkpoint,
+    scheme: QuantScheme,
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    projections: Sequence[ProjectionSource],
+    math: ExpertMath,
+    what: str,
+) -> ExpertPlan:
+    """A plan whose units hold each projection's stored tensors (any `Format`) and biases in `dtype`."""
+    layers = spec.moe_layer_ids
+    field_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    field_names: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection)
+    built: list[Projection] = []
+    formats: set[str] = set()
+    for p in projections:
+        rows = p.shape[0] // len(p.shard_prefixes)
+        shards = []
+        for s, template in enumerate(p.shard_prefixes):
+            fmt = _one_format(scheme, template, layers)
+            formats.add(fmt.name)
+            prefix = template.format(L=layers[0], E=0)
+            if p.stacked:  # the stored tensors hold every expert: check the shape of the whole stack
+                check_dense_shape(ckpt, fmt, prefix, (spec.moe.num_experts, rows, p.shape[1]))
+            else:
+                check_dense_shape(ckpt, fmt, prefix, (rows, p.shape[1]))
+            role_fields = []
+            for role in fmt.roles:
+                ref = _ref(ckpt, fmt.stored_name(template, role), layers[0], 0, p.stacked)
+                field = f"{p.name}.{s}.{role}"
+                role_fields.append((role, len(field_specs)))
+                field_specs.append((field, ref.dtype, ref.shape))  # stored dtype: nothing is converted
+                field_names.append((field, fmt.stored_name(template, role), p))
+            shards.append(Shard(fmt, (s * rows, (s + 1) * rows), tuple(role_fields)))
+        bias_field = None
+        if p.bias is not None:
+            bias_field = len(field_specs)
+            field_specs.append((f"{p.name}.bias", dtype, (p.shape[0],)))
+            field_names.append((f"{p.name}.bias", p.bias, p))
+        built.append(Projection(p.shape, tuple(shards), bias_field))
+    layout = UnitLayout.build(field_specs)
+    sources: dict[tuple[int, int], tuple[FieldSources, ...]] = {}
+    for layer in layers:
+        for e in range(spec.moe.num_experts):
+            sources[(layer, e)] = tuple(
+                FieldSources(field, (_ref(ckpt, template, layer, e, p.stacked),))
+                for field, template, p in field_names
+            )
+    kernel = DequantizingKernel(built, dtype, math)
+    stored = sum(r.nbytes for f in sources[(layers[0], 0)] for r in f.refs)
+    description = (
+        f"{what} stored as {'/'.join(sorted(formats))} in every tier ({stored / 2**10:.1f} KiB per "
+        f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); dequantized at use into reused "
+        f"{kernel.buffer_nbytes / 2**10:.1f} KiB {str(dtype).removeprefix('torch.')} buffers"
+    )
+    return ExpertPlan(layout, kernel, sources, description)
+
+
+def _one_format(scheme: QuantScheme, template: str, layers: Sequence[int]) -> Format:
+    """The format of a projection; every MoE layer must store it the same way (one unit layout per model)."""
+    fmts = {scheme.format_for(template.format(L=layer, E=0)) for layer in layers}
+    if len(fmts) != 1:
+        raise UnsupportedModelError(
+            f"experts '{template}' are stored in different formats across layers "
+            f"({', '.join(sorted(f.name for f in fmts))}); one format per expert projection is supported"
+        )
+    return fmts.pop()
+
+
+def _ref(ckpt: Checkpoint, template: str, layer: int, expert: int, stacked: bool) -> TensorRef:
+    ref = ckpt.ref(template.format(L=layer, E=expert))
+    return ref.row_slice(expert) if stacked else ref
+
+
+# ------------------------------------------------------------------------------------------ SwiGLU (Qwen...)
+def _swiglu_math(
+    x: torch.Tensor, dense: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
+    return swiglu_expert(x, dense)
+
+
+def swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """Per-expert gate/up/down Linears: units in compute dtype if unquantized, else in the stored format."""
+    scheme = checkpoint_scheme(ckpt)
+    names, h, i = arch.names, spec.hidden_size, spec.moe.intermediate_size
+    first = names.expert_gate.format(L=spec.moe_layer_ids[0], E=0)
+    if not scheme.is_quantized(first):
+        return swiglu_expert_plan(ckpt, arch, spec, dtype)
+    projections = (
+        ProjectionSource("gate_up", (2 * i, h), (names.expert_gate, names.expert_up), stacked=False),
+        ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
+    )
+    return stored_format_plan(ckpt, scheme, spec, dtype, projections, _swiglu_math, "experts")
+
+
+# -------------------------------------------------------------------------------------------------- gpt-oss
+def _gpt_oss_stored_math(
+    limit: float,
+    alpha: float,
+    x: torch.Tensor,
+    dense: tuple[torch.Tensor, ...],
+    biases: tuple[torch.Tensor | None, ...],
+) -> torch.Tensor:
+    gate_up, down = dense  # [2I, H], [H, I] (output-major, as stored)
+    gate_up_bias, down_bias = biases
+    assert gate_up_bias is not None and down_bias is not None
+    return gpt_oss_expert_math(x, gate_up.t(), gate_up_bias, down.t(), down_bias, limit, alpha)
+
+
+def _gpt_oss_dense_kernel(limit: float, alpha: float, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    gate_up_t, gate_up_bias, down_t, down_bias = w  # [H, 2I], [2I], [I, H], [H] (input-major, as stored)
+    return gpt_oss_expert_math(x, gate_up_t, gate_up_bias, down_t, down_bias, limit, alpha)
+
+
+def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """gpt-oss stacked experts: bf16 layout -> units in compute dtype; MXFP4 layout -> units in MXFP4."""
+    scheme = checkpoint_scheme(ckpt)
+    names, h, i, m = arch.names, spec.hidden_size, spec.moe.intermediate_size, spec.moe
+    assert m.swiglu_limit is not None and m.swiglu_alpha is not None
+    layer0 = spec.moe_layer_ids[0]
+    if scheme.is_quantized(names.stacked_gate_up.format(L=layer0)):
+        projections = (
+            ProjectionSource(
+                "gate_up",
+                (2 * i, h),
+                (names.stacked_gate_up,),
+                stacked=True,
+                bias=names.stacked_gate_up + "_bias",
+            ),
+            ProjectionSource(
+                "down", (h, i), (names.stacked_down,), stacked=True, bias=names.stacked_down + "_bias"
+            ),
+        )
+        math = partial(_gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha)
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, math, "gpt-oss experts")
+    fields = (
+        ("gate_up", names.stacked_gate_up, (h, 2 * i)),
+        ("gate_up_bias", names.stacked_gate_up + "_bias", (2 * i,)),
+        ("down", names.stacked_down, (i, h)),
+        ("down_bias", names.stacked_down + "_bias", (h,)),
+    )
+    layout = UnitLayout.build([(name, dtype, shape) for name, _, shape in fields])
+    for _, template, shape in fields:
+        ckpt.ref(template.format(L=layer0), (m.num_experts, *shape))  # checks the stacked shape
+    sources = {
+        (layer, e): tuple(
+            FieldSources(name, (_ref(ckpt, template, layer, e, True),)) for name, template, _ in fields
+        )
+        for layer in spec.moe_layer_ids
+        for e in range(m.num_experts)
+    }
+    kernel = partial(_gpt_oss_dense_kernel, m.swiglu_limit, m.swiglu_alpha)
+    return ExpertPlan(layout, kernel, sources, f"gpt-oss experts in {str(dtype).removeprefix('torch.')}")
+
+
+def expert_plan_for(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """The plan of `spec`'s expert kind (same as `moeserve.models.model.expert_plan`)."""
+    return EXPERT_PLANNERS[spec.moe.expert_kind](ckpt, arch, spec, dtype)
+
+
+EXPERT_PLANNERS["swiglu"] = swiglu_plan
+EXPERT_PLANNERS["gpt_oss"] = gpt_oss_plan
