@@ -80,6 +80,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
+        log.info("experts: %s", plan.description)
         kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
                                         spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)
         if s.kv_cache_gb is not None and kv_bytes > s.kv_cache_gb * GiB:
@@ -114,6 +115,9 @@ class LLMEngine:
         self.load_seconds = time.monotonic() - t0
         log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB)",
                  self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20)
+        if self.model.dequantized_linears:
+            log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
+                     len(self.model.dequantized_linears), self.dtype_name)
 
     # ---------------------------------------------------------------------------------------- choices
     @property
