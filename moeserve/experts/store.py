@@ -5,23 +5,37 @@
             ...
 
 The store keeps a pool of `capacity` slots in the fast tier, each one ExpertUnit. A needed expert that is cached
-is a hit; otherwise it is read from the slower tier into a free slot (or the slot of a victim chosen by the
-eviction policy). Experts of the chunk being computed are pinned: never evicted under it. When a layer needs more
-experts than there are slots, they come in several chunks, in ascending expert order, so the MoE layer adds their
-outputs in the same order as when everything is resident: placement never changes a bit of the result.
+is a hit; otherwise it is loaded from a slower tier (see `tiers.Loader`) into a free slot or the slot of a victim
+chosen by the eviction policy. Experts of the chunk being computed are pinned: never evicted under it. When a layer
+needs more experts than there are slots, they come in several chunks, in ascending expert order, so the MoE layer
+adds their outputs in the same order as when everything is resident: placement never changes a bit of the result.
 
 "Everything resident" is the case capacity >= number of experts: all units are loaded at start-up and every
 access is a hit. There is no second code path.
+
+Threads: the compute thread calls `experts`; a `Prefetcher` thread may load predicted experts meanwhile. One
+condition variable guards the maps, the policy and the statistics. A slot being filled belongs to its loader
+alone (it is in `_loading`, neither free nor mapped), so no thread ever reads a half-written unit. The policy is
+driven exactly as `moeserve.bench.simulate` models it (begin_layer per chunk, hits before misses).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import logging
+import threading
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from moeserve.errors import ExpertLoadError, MoeserveError
+from moeserve.experts.policies import NoVictimError, make_policy
+from moeserve.experts.tiers import HostTier, Loader, Tier
+from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
 from moeserve.experts.unit import ExpertSource
+
+log = logging.getLogger("moeserve")
 
 Key = tuple[int, int]  # (layer, expert)
 ExpertWeights = tuple[torch.Tensor, ...]  # views of one unit's fields, in layout order
@@ -31,16 +45,22 @@ ExpertWeights = tuple[torch.Tensor, ...]  # views of one unit's fields, in layou
 class LayerStats:
     hits: int = 0
     misses: int = 0
-    bytes_read: int = 0
+    bytes_from_disk: int = 0
+    bytes_from_host: int = 0
+    prefetched: int = 0  # units loaded ahead of a predicted use (their bytes are in bytes_from_*)
+    prefetch_used: int = 0  # prefetched units that were needed before being evicted
+
+    @property
+    def bytes_read(self) -> int:
+        return self.bytes_from_disk + self.bytes_from_host
 
 
 @dataclass
 class StoreStats:
-    """Counters since start-up; per layer and in total."""
+    """Counters since start-up; per layer and in total. Hits and misses count needed experts per layer call."""
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
-    prefetched: int = 0
-    prefetch_used: int = 0
+    load_errors: int = 0
 
     def layer(self, layer: int) -> LayerStats:
         st = self.layers.get(layer)
@@ -48,26 +68,62 @@ class StoreStats:
             st = self.layers[layer] = LayerStats()
         return st
 
-    @property
-    def hits(self) -> int:
-        return sum(s.hits for s in self.layers.values())
+    def _total(self, name: str) -> int:
+        return sum(getattr(s, name) for s in self.layers.values())
 
-    @property
-    def misses(self) -> int:
-        return sum(s.misses for s in self.layers.values())
-
-    @property
-    def bytes_read(self) -> int:
-        return sum(s.bytes_read for s in self.layers.values())
+    hits = property(lambda self: self._total("hits"))
+    misses = property(lambda self: self._total("misses"))
+    bytes_from_disk = property(lambda self: self._total("bytes_from_disk"))
+    bytes_from_host = property(lambda self: self._total("bytes_from_host"))
+    bytes_read = property(lambda self: self._total("bytes_read"))
+    prefetched = property(lambda self: self._total("prefetched"))
+    prefetch_used = property(lambda self: self._total("prefetch_used"))
 
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses
         return self.hits / total if total else 1.0
 
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        """Share of prefetched units that were used before eviction (None before any prefetch)."""
+        return self.prefetch_used / self.prefetched if self.prefetched else None
+
+
+def format_stats(stats: StoreStats) -> str:
+    """A per-layer table of hits, misses, MiB read per tier and prefetch use, then the totals."""
+    head = f"{'layer':>5} {'hits':>8} {'misses':>8} {'hit%':>6} {'disk MiB':>9} {'host MiB':>9} " \
+           f"{'prefetch':>8} {'used':>6}"
+    rows = [head]
+
+    def row(name: str, s: Any) -> str:
+        total = s.hits + s.misses
+        rate = 100.0 * s.hits / total if total else 100.0
+        return (f"{name:>5} {s.hits:>8} {s.misses:>8} {rate:>6.1f} {s.bytes_from_disk / 2**20:>9.1f} "
+                f"{s.bytes_from_host / 2**20:>9.1f} {s.prefetched:>8} {s.prefetch_used:>6}")
+
+    for layer in sorted(stats.layers):
+        rows.append(row(str(layer), stats.layers[layer]))
+    rows.append(row("all", stats))
+    accuracy = stats.prefetch_accuracy
+    rows.append(f"hit rate {100 * stats.hit_rate:.1f}%, prefetch accuracy "
+                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}, load errors {stats.load_errors}")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How the store is built beyond its capacity: the policy, the host tier, prefetch, the device ops."""
+
+    policy: str = "lfru"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    host_capacity: int = 0  # units in the host RAM tier (CUDA machines); 0 = none
+    prefetch: bool = False
+    ops: DeviceOps | None = None  # None: CudaOps on a CUDA device, nothing on CPU (tests pass a fake)
+
 
 class ExpertStore:
-    """A budgeted cache of expert units in the fast tier, backed by an ExpertSource (the checkpoint on disk)."""
+    """A budgeted cache of expert units in the fast tier, backed by slower tiers (host RAM, the checkpoint)."""
 
     def __init__(
         self,
@@ -78,7 +134,9 @@ class ExpertStore:
         device: torch.device,
         policy: str = "lfru",
         progress: Callable[[int], None] | None = None,
+        options: StoreOptions | None = None,
     ) -> None:
+        opts = options or StoreOptions(policy=policy)
         self.source = source
         self.layout = source.layout
         self.layers = list(layers)
@@ -86,20 +144,33 @@ class ExpertStore:
         self.total_experts = len(self.layers) * num_experts
         self.capacity = max(1, min(capacity, self.total_experts))
         self.device = device
+        self.resident = self.capacity >= self.total_experts
         self.stats = StoreStats()
+        self._cond = threading.Condition()
         # [capacity, unit_nbytes] uint8: one row per slot. Views per slot are built once (nothing per call).
         self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
         self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
-        self._slot_of: dict[Key, int] = {}
+        self._slot_of: dict[Key, int] = {}  # units ready in a slot
+        self._loading: dict[Key, int] = {}  # units being written into a slot (by either thread)
         self._free_slots = list(range(self.capacity - 1, -1, -1))
-        self.resident = self.capacity >= self.total_experts
+        self._pinned: set[Key] = set()  # the compute thread's current chunk
+        self._prefetch_unused: set[Key] = set()
+        ops = opts.ops if opts.ops is not None else (CudaOps(device) if device.type == "cuda" else None)
+        self.copier = HostToDevice(ops, self.capacity, self.layout.nbytes) if ops is not None else None
+        host = None
+        if opts.host_capacity > 0 and not self.resident:
+            host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
+        self.loader = Loader(source, device, self.copier, host)
         self.policy = None
-        if not self.resident:
-            from moeserve.experts.policies import make_policy
-
-            self.policy = make_policy(policy)
-        else:
+        self.prefetcher = None
+        if self.resident:
             self._load_everything(progress)
+        else:
+            self.policy = make_policy(opts.policy, **opts.policy_options)
+            if opts.prefetch:
+                from moeserve.experts.prefetch import Prefetcher
+
+                self.prefetcher = Prefetcher(self)
 
     # ------------------------------------------------------------------------------------------- public
     @property
@@ -110,73 +181,193 @@ class ExpertStore:
     def cache_nbytes(self) -> int:
         return self.capacity * self.layout.nbytes
 
-    def experts(self, layer: int, expert_ids: Sequence[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    @property
+    def host_nbytes(self) -> int:
+        return self.loader.host.nbytes if self.loader.host is not None else 0
+
+    def describe(self) -> str:
+        """One line for the start-up log: tiers, sizes, transfer mode, policy, prefetch."""
+        parts = [f"fast tier ({self.device.type}) {self.capacity} of {self.total_experts} experts "
+                 f"({self.cache_nbytes / 2**20:.1f} MiB)"]
+        if self.loader.host is not None:
+            pinned = "pinned" if self.loader.host.pinned else "pageable"
+            parts.append(f"host tier {self.loader.host.capacity} experts ({self.host_nbytes / 2**20:.1f} MiB, "
+                         f"{pinned})")
+        if self.copier is not None:
+            parts.append(f"transfers: {self.copier.mode.reason}")
+        if self.resident:
+            parts.append("all experts resident")
+        else:
+            assert self.policy is not None
+            parts.append(f"policy {self.policy.name}, prefetch {'on' if self.prefetcher else 'off'}")
+        return "; ".join(parts)
+
+    def experts(self, layer: int, expert_ids: Sequence[int],
+                prefetch: tuple[int, Sequence[int]] | None = None) -> Iterator[list[tuple[int, ExpertWeights]]]:
         """Yield the needed experts in chunks that fit the cache, ascending by expert id.
 
         Each chunk's experts are pinned until the next chunk is requested (or the generator ends).
+        `prefetch` = (next layer, predicted expert ids, most likely first): once this layer's experts are in,
+        the prefetcher starts loading them (only when this layer fits in one chunk, so it cannot evict any of
+        this layer's experts). A load failure raises ExpertLoadError; the store stays consistent.
         """
         if self.resident:
-            st = self.stats.layer(layer)
-            st.hits += len(expert_ids)
+            with self._cond:
+                self.stats.layer(layer).hits += len(expert_ids)
             yield [(e, self._slot_views[self._slot_of[(layer, e)]]) for e in expert_ids]
             return
-        chunk_size = self.capacity
-        for start in range(0, len(expert_ids), chunk_size):
-            chunk = list(expert_ids[start : start + chunk_size])
-            pinned = {(layer, e) for e in chunk}
-            yield [(e, self._slot_views[self._ensure((layer, e), pinned)]) for e in chunk]
+        ids = list(expert_ids)
+        chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
+        for chunk in chunks:
+            keys = [(layer, e) for e in chunk]
+            slots = self._acquire(layer, keys)
+            try:
+                if prefetch is not None and len(chunks) == 1 and self.prefetcher is not None:
+                    self.prefetcher.submit(prefetch[0], prefetch[1])
+                if self.copier is not None:
+                    for slot in slots:
+                        self.copier.before_use(slot)
+                yield [(e, self._slot_views[s]) for e, s in zip(chunk, slots)]
+            finally:
+                if self.copier is not None:
+                    self.copier.after_use(slots)
+                with self._cond:
+                    self._pinned.difference_update(keys)
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
-        """A hint that `layer` will soon need `expert_ids`. The resident store has nothing to do."""
+        """A hint that `layer` will soon need `expert_ids` (most likely first). No-op when resident or off."""
+        if self.prefetcher is not None:
+            self.prefetcher.submit(layer, expert_ids)
+
+    def cached_keys(self) -> set[Key]:
+        """The (layer, expert) units ready in the fast tier now."""
+        with self._cond:
+            return set(self._slot_of)
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         self.source.checkpoint.close()
 
     # ------------------------------------------------------------------------------------------ internals
-    def _ensure(self, key: Key, pinned: set[Key]) -> int:
-        """Slot of `key`, loading it (and evicting an unpinned victim) on a miss."""
+    def _acquire(self, layer: int, keys: list[Key]) -> list[int]:
+        """Pin `keys`, wait for any of them in flight, count hits, load the misses; their slots in order."""
         assert self.policy is not None
-        st = self.stats.layer(key[0])
-        slot = self._slot_of.get(key)
-        if slot is not None:
-            st.hits += 1
-            self.policy.on_hit(key)
-            return slot
-        st.misses += 1
-        if self._free_slots:
-            slot = self._free_slots.pop()
-        else:
-            victim = self.policy.choose_victim(pinned)
+        with self._cond:
+            if self.prefetcher is not None:
+                self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
+            self.policy.begin_layer(layer)
+            self._pinned.update(keys)
+            while any(k in self._loading for k in keys):
+                self._cond.wait()
+            st = self.stats.layer(layer)
+            missing = []
+            for key in keys:
+                if key in self._slot_of:
+                    st.hits += 1
+                    self.policy.on_hit(key)
+                    if key in self._prefetch_unused:
+                        self._prefetch_unused.discard(key)
+                        st.prefetch_used += 1
+                else:
+                    missing.append(key)
+        try:
+            for key in missing:
+                self._load(key, prefetched=False)
+        except BaseException:
+            with self._cond:
+                self._pinned.difference_update(keys)
+            raise
+        with self._cond:
+            return [self._slot_of[k] for k in keys]
+
+    def _take_slot(self, key: Key, pinned: Collection[Key], wait: bool) -> int | None:
+        """(Lock held.) A slot for `key`, marked loading: free, or an evicted unpinned victim's.
+
+        When every cached unit is pinned, wait for in-flight loads to land (compute thread) or give up (None).
+        """
+        assert self.policy is not None
+        while True:
+            if self._free_slots:
+                slot = self._free_slots.pop()
+                break
+            try:
+                victim = self.policy.choose_victim(pinned)
+            except NoVictimError:
+                if not wait or not self._loading:
+                    if wait:
+                        raise MoeserveError("expert cache: no evictable slot although nothing is loading; "
+                                            "this is a bug in the store") from None
+                    return None
+                self._cond.wait()  # slots held by prefetches in flight: they become evictable when done
+                continue
             slot = self._slot_of.pop(victim)
             self.policy.on_evict(victim)
-        try:
-            self._read(key, slot)
-        except Exception:
-            self._free_slots.append(slot)  # the slot holds garbage now: nothing maps to it
-            raise
-        self._slot_of[key] = slot
-        self.policy.on_insert(key)
-        st.bytes_read += self.source.stored_nbytes
+            self._prefetch_unused.discard(victim)
+            break
+        self._loading[key] = slot
         return slot
 
-    def _read(self, key: Key, slot: int) -> None:
-        if self.device.type == "cpu":
-            self.source.read_unit(key[0], key[1], self._pool[slot])
-        else:  # pragma: no cover - exercised on GPU machines
-            staging = torch.empty(self.layout.nbytes, dtype=torch.uint8)
-            self.source.read_unit(key[0], key[1], staging)
-            self._pool[slot].copy_(staging)
+    def _load(self, key: Key, prefetched: bool, protect: Collection[Key] = (),
+              wanted: Callable[[], bool] | None = None) -> bool:
+        """Load `key` into a slot: a demand miss, or a prefetch (False when it found no room or is no longer
+        `wanted`). Victims are never pinned by the compute thread nor in `protect`."""
+        with self._cond:
+            if wanted is not None and not wanted():
+                return False
+            pinned = self._pinned | set(protect) if protect else self._pinned
+            slot = self._take_slot(key, pinned, wait=not prefetched)
+            if slot is None:
+                return False
+            if not prefetched:
+                self.stats.layer(key[0]).misses += 1
+        try:
+            tier = self.loader.load(key, slot, self._pool[slot])
+        except Exception as err:
+            with self._cond:
+                del self._loading[key]
+                self._free_slots.append(slot)  # the slot holds garbage now: nothing maps to it
+                self.stats.load_errors += 1
+                self._cond.notify_all()
+            if prefetched:
+                raise
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
+        with self._cond:
+            del self._loading[key]
+            self._slot_of[key] = slot
+            assert self.policy is not None
+            self.policy.on_insert(key, prefetched=prefetched)
+            st = self.stats.layer(key[0])
+            if tier is Tier.HOST:
+                st.bytes_from_host += self.layout.nbytes
+            else:
+                st.bytes_from_disk += self.source.stored_nbytes
+            if prefetched:
+                st.prefetched += 1
+                self._prefetch_unused.add(key)
+            self._cond.notify_all()
+        return True
 
     def _load_everything(self, progress: Callable[[int], None] | None) -> None:
-        staging = None if self.device.type == "cpu" else torch.empty(self.layout.nbytes, dtype=torch.uint8)
+        """Resident case: every unit into its slot, streaming one unit at a time."""
         for layer in self.layers:
             for e in range(self.num_experts):
                 slot = self._free_slots.pop()
-                if staging is None:
-                    self.source.read_unit(layer, e, self._pool[slot])
-                else:  # pragma: no cover - exercised on GPU machines
-                    self.source.read_unit(layer, e, staging)
-                    self._pool[slot].copy_(staging)
+                self.loader.load((layer, e), slot, self._pool[slot])
                 self._slot_of[(layer, e)] = slot
                 if progress is not None:
                     progress(self.source.stored_nbytes)
+        if self.copier is not None:
+            for slot in range(self.capacity):
+                self.copier.before_use(slot)
+
+
+def static_policy_options(trace_path: str, capacity: int) -> dict[str, Any]:
+    """Options of the `static` policy from a recorded routing trace: pin the most used experts, leaving enough
+    slots to LRU for the largest set one layer call needed (as the cache simulator does)."""
+    from moeserve.bench.simulate import calls_from_steps, static_reserve, usage_counts
+    from moeserve.experts.trace import read_trace
+
+    calls = calls_from_steps(read_trace(trace_path))
+    return {"counts": usage_counts(calls), "num_pinned": max(0, capacity - static_reserve(calls))}

@@ -1,0 +1,158 @@
+"""Host -> device copies of expert units: asynchronous only from pinned memory, synchronous otherwise.
+
+A CUDA copy with ``non_blocking=True`` from pageable (unpinned) host memory is undefined behaviour in practice: the
+source can be reused before the DMA reads it (CONTEXT.md failure 4c). So the choice is made once, at start-up:
+
+- pinning works: units are staged in pinned memory and copied on a side stream; an event recorded after each copy
+  is what the compute stream waits on before a kernel reads the slot, and what the next reuse of the staging
+  buffer waits on;
+- pinning fails or is unavailable (WSL, some containers, locked-memory limits): plain synchronous copies, and the
+  reason is logged once.
+
+All CUDA calls go through `DeviceOps`, so the choice and the event discipline are exercised on CPU with a fake.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("moeserve")
+
+
+class DeviceOps(ABC):
+    """The few device operations a copier needs. `CudaOps` is the real one; tests pass a fake."""
+
+    @abstractmethod
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        """A page-locked copy of `host` (raises RuntimeError when pinning is unavailable)."""
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Any:
+        """Enqueue dst <- src on the side stream; returns an event that fires when the copy is done."""
+
+    @abstractmethod
+    def side_wait(self, event: Any) -> None:
+        """Make the side (copy) stream wait for `event` before its next copy."""
+
+    @abstractmethod
+    def compute_wait(self, event: Any) -> None:
+        """Make the compute stream wait for `event` (a copy) before its next kernel."""
+
+    @abstractmethod
+    def compute_event(self) -> Any:
+        """An event recorded now on the compute stream (marks: kernels enqueued so far are done when it fires)."""
+
+    @abstractmethod
+    def synchronize(self, event: Any) -> None:
+        """Block the host until `event` has fired."""
+
+
+class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device; tests/gpu exercise it
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def pin(self, host: torch.Tensor) -> torch.Tensor:
+        return host.pin_memory()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Any:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=non_blocking)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def side_wait(self, event: Any) -> None:
+        self.stream.wait_event(event)
+
+    def compute_wait(self, event: Any) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def compute_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+
+@dataclass(frozen=True)
+class CopyMode:
+    asynchronous: bool
+    reason: str
+
+
+def try_pin(ops: DeviceOps, host: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+    """(`host` pinned, None) or (`host` itself, why pinning failed)."""
+    try:
+        return ops.pin(host), None
+    except RuntimeError as err:  # torch raises RuntimeError for every pinning failure
+        return host, str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+class HostToDevice:
+    """Copies units from host buffers into device slots, tracking the events that make reuse safe.
+
+    Per device slot: the event of the last copy INTO it (the compute stream waits on it before use) and the event
+    of the compute work that last READ it (the side stream waits on it before overwriting). Per pinned host
+    buffer: the event of the last copy FROM it (the host waits on it before refilling that buffer).
+    Thread-safe: the compute thread and the prefetch thread both copy (one lock; copies are short to enqueue).
+    """
+
+    def __init__(self, ops: DeviceOps, num_slots: int, unit_nbytes: int) -> None:
+        self.ops = ops
+        self._lock = threading.Lock()
+        staging, why_not = try_pin(ops, torch.empty(unit_nbytes, dtype=torch.uint8))
+        self.staging = staging
+        if why_not is None:
+            self.mode = CopyMode(True, "pinned staging buffer, asynchronous copies on a side stream with events")
+        else:
+            self.mode = CopyMode(False, f"pinned memory unavailable ({why_not}): synchronous copies")
+        self._filled: list[Any] = [None] * num_slots  # event of the last copy into each slot
+        self._read: list[Any] = [None] * num_slots  # compute-stream event after the last use of each slot
+        self._source_busy: dict[int, Any] = {}  # data_ptr of a pinned source -> event of its last copy
+
+    def wait_source_free(self, src: torch.Tensor) -> None:
+        """Block until no copy from `src` (pinned host buffer) is in flight: call before refilling it."""
+        with self._lock:
+            event = self._source_busy.pop(src.data_ptr(), None)
+        if event is not None:
+            self.ops.synchronize(event)
+
+    def copy_in(self, slot: int, dst: torch.Tensor, src: torch.Tensor, src_pinned: bool) -> None:
+        """dst (device slot `slot`) <- src (host). Asynchronous only when `src` is pinned and pinning works."""
+        asynchronous = self.mode.asynchronous and src_pinned
+        with self._lock:
+            released = self._read[slot]
+            if released is not None:
+                self.ops.side_wait(released)  # the kernels that read the old unit must finish first
+                self._read[slot] = None
+            event = self.ops.copy(dst, src, non_blocking=asynchronous)
+            if asynchronous:
+                self._filled[slot] = event
+                self._source_busy[src.data_ptr()] = event
+            else:
+                self.ops.synchronize(event)
+                self._filled[slot] = None
+
+    def before_use(self, slot: int) -> None:
+        """Called by the compute thread before kernels read `slot`."""
+        with self._lock:
+            event = self._filled[slot]
+            self._filled[slot] = None
+        if event is not None:
+            self.ops.compute_wait(event)
+
+    def after_use(self, slots: list[int]) -> None:
+        """Called by the compute thread when the kernels reading `slots` are enqueued (the pins are released)."""
+        event = self.ops.compute_event()
+        with self._lock:
+            for slot in slots:
+                self._read[slot] = event

@@ -1,0 +1,240 @@
+"""ExpertStore on hand-made access sequences, with a fake source whose units encode their (layer, expert).
+
+Checks: hits/misses per layer, pins (an expert a chunk needs is never evicted under it), chunking when a layer
+needs more experts than the cache holds, agreement with the cache simulator (which models the store), prefetch
+bookkeeping, a failing read leaving the store consistent, and the statistics table.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from moeserve.bench.simulate import LayerCall, simulate
+from moeserve.errors import ExpertLoadError
+from moeserve.experts.store import ExpertStore, StoreOptions, format_stats
+from moeserve.experts.unit import UnitLayout
+
+WIDTH = 8  # floats per fake unit
+
+
+class FakeCheckpoint:
+    def close(self) -> None:
+        pass
+
+
+class FakeSource:
+    """Unit (layer, expert) = WIDTH floats all equal to 100 * layer + expert. Can fail or be slow on demand."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.layout = UnitLayout.build([("w", torch.float32, (WIDTH,))])
+        self.checkpoint = FakeCheckpoint()
+        self.reads: list[tuple[int, int]] = []
+        self.fail: set[tuple[int, int]] = set()
+        self.delay_s = delay_s
+        self._lock = threading.Lock()
+
+    @property
+    def stored_nbytes(self) -> int:
+        return WIDTH * 4
+
+    def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
+        if (layer, expert) in self.fail:
+            unit_bytes.fill_(0xFF)  # a half-done read leaves garbage behind
+            raise OSError(f"fake read error in expert {expert}")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        unit_bytes.view(torch.float32).fill_(100.0 * layer + expert)
+        with self._lock:
+            self.reads.append((layer, expert))
+
+
+def make_store(capacity: int, policy: str = "lru", layers=(0, 1), num_experts: int = 8, **options) -> ExpertStore:
+    src = FakeSource(options.pop("delay_s", 0.0))
+    opts = StoreOptions(policy=policy, **options)
+    return ExpertStore(src, list(layers), num_experts, capacity, torch.device("cpu"), options=opts)  # type: ignore[arg-type]
+
+
+def use(store: ExpertStore, layer: int, ids, prefetch=None) -> list[int]:
+    """Run one layer call; checks every yielded unit holds the right expert; returns experts per chunk."""
+    sizes = []
+    for chunk in store.experts(layer, ids, prefetch=prefetch):
+        sizes.append(len(chunk))
+        for e, (w,) in chunk:
+            assert torch.all(w == 100.0 * layer + e), f"slot of ({layer}, {e}) holds another unit"
+    return sizes
+
+
+def test_resident_store_loads_everything_once_and_only_hits():
+    store = make_store(capacity=100)
+    assert store.resident and len(store.source.reads) == 16
+    use(store, 0, [1, 3, 5])
+    use(store, 1, [0, 7])
+    assert (store.stats.hits, store.stats.misses, store.stats.bytes_read) == (5, 0, 0)
+    assert len(store.source.reads) == 16
+
+
+def test_lru_sequence_hits_and_victims_by_hand():
+    store = make_store(capacity=3, policy="lru")
+    use(store, 0, [0, 1])  # misses 0, 1
+    use(store, 0, [1, 2])  # hit 1, miss 2 -> cache {0, 1, 2}
+    use(store, 0, [3])  # miss 3 evicts LRU = 0
+    assert store.cached_keys() == {(0, 1), (0, 2), (0, 3)}
+    use(store, 0, [0, 3])  # hit 3; miss 0 evicts LRU = 1 (2 was used after 1)
+    assert store.cached_keys() == {(0, 2), (0, 3), (0, 0)}
+    st = store.stats.layer(0)
+    assert (st.hits, st.misses) == (2, 5)
+    assert st.bytes_from_disk == 5 * WIDTH * 4 and st.bytes_from_host == 0
+    assert store.source.reads == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 0)]
+
+
+def test_layer_needing_more_than_the_cache_runs_in_ascending_chunks():
+    store = make_store(capacity=2)
+    assert use(store, 1, [0, 2, 4, 5, 7]) == [2, 2, 1]
+    assert store.stats.layer(1).misses == 5
+    # Only the last chunk is left in the cache (plus one unit of the chunk before: capacity 2, last chunk 1).
+    assert (1, 7) in store.cached_keys() and len(store.cached_keys()) == 2
+
+
+def test_pinned_chunk_is_never_evicted_under_the_consumer():
+    store = make_store(capacity=2)
+    gen = store.experts(0, [3, 4])
+    chunk = next(gen)
+    # Another access while the chunk is pinned must not take its slots (cache of 2: nothing is evictable).
+    store.prefetch(1, [5])  # prefetch is off: a no-op
+    assert {e for e, _ in chunk} == {3, 4}
+    assert store._pinned == {(0, 3), (0, 4)}
+    gen.close()
+    assert store._pinned == set()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("capacity", [1, 3, 6])
+def test_store_counts_match_the_cache_simulator(policy, capacity):
+    rng = random.Random(capacity)
+    steps = []
+    for _ in range(30):
+        steps.append([LayerCall(layer, tuple(sorted(rng.sample(range(8), rng.randint(1, 4))))) for layer in (0, 1)])
+    expected = simulate(steps, policy, capacity)
+    store = make_store(capacity, policy)
+    for step in steps:
+        for call in step:
+            use(store, call.layer, list(call.expert_ids))
+    assert (store.stats.hits, store.stats.misses) == (expected.hits, expected.misses)
+
+
+def test_failed_read_leaves_store_consistent_and_next_call_works():
+    store = make_store(capacity=2)
+    use(store, 0, [0, 1])
+    store.source.fail.add((0, 5))
+    with pytest.raises(ExpertLoadError, match="expert 5 of layer 0") as err:
+        use(store, 0, [5])
+    assert "\n" not in str(err.value)
+    assert store._pinned == set() and not store._loading
+    assert (0, 5) not in store.cached_keys()
+    assert store.stats.load_errors == 1
+    # The slot that held garbage was freed, not mapped: every remaining unit is right, and the store still works.
+    use(store, 0, [0, 1])
+    store.source.fail.clear()
+    use(store, 0, [5, 6])
+    assert store.cached_keys() == {(0, 5), (0, 6)}
+
+
+def test_prefetch_loads_in_the_background_and_counts_accuracy():
+    store = make_store(capacity=4, prefetch=True)
+    try:
+        use(store, 0, [0, 1], prefetch=(1, [2, 3]))  # after layer 0's experts are in, guess layer 1 = {2, 3}
+        deadline = time.monotonic() + 5
+        while {(1, 2), (1, 3)} - store.cached_keys() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert {(1, 2), (1, 3)} <= store.cached_keys()
+        use(store, 1, [3, 4])  # 3 was guessed right (a hit), 4 is a miss; 2 was a wrong guess
+        st = store.stats
+        assert st.prefetched == 2 and st.prefetch_used == 1 and st.prefetch_accuracy == 0.5
+        assert st.layer(1).hits == 1 and st.layer(1).misses == 1
+        # Prefetched bytes count as read from disk for the layer they were prefetched for.
+        assert st.layer(1).bytes_from_disk == 3 * WIDTH * 4
+    finally:
+        store.close()
+
+
+def test_prefetch_never_evicts_the_pinned_chunk():
+    store = make_store(capacity=2, prefetch=True)
+    try:
+        gen = store.experts(0, [0, 1], prefetch=(1, [5, 6]))
+        chunk = next(gen)  # the chunk fills the whole cache: the prefetch finds no evictable slot
+        time.sleep(0.1)
+        for e, (w,) in chunk:
+            assert torch.all(w == e)
+        assert store.cached_keys() == {(0, 0), (0, 1)}
+        gen.close()
+    finally:
+        store.close()
+
+
+def test_compute_thread_never_sees_a_half_written_unit_under_concurrent_prefetch():
+    store = make_store(capacity=5, policy="lfru", layers=(0, 1, 2), prefetch=True, delay_s=0.002)
+    rng = random.Random(0)
+    try:
+        for _ in range(40):
+            for layer in (0, 1, 2):
+                ids = sorted(rng.sample(range(8), 2))
+                guess = (layer + 1, rng.sample(range(8), 3)) if layer < 2 else None
+                use(store, layer, ids, prefetch=guess)  # asserts every unit's contents
+        assert store.stats.prefetched > 0
+        assert not store._loading and not store._pinned
+    finally:
+        store.close()
+
+
+def test_host_tier_serves_evicted_units_without_disk_reads():
+    from moeserve.experts.transfer import DeviceOps
+
+    class NoPinOps(DeviceOps):  # a CPU stand-in: pinning unavailable, synchronous copies
+        def pin(self, host):
+            raise RuntimeError("no pinning here")
+
+        def copy(self, dst, src, non_blocking):
+            assert not non_blocking
+            dst.copy_(src)
+
+        def side_wait(self, event):
+            pass
+
+        def compute_wait(self, event):
+            pass
+
+        def compute_event(self):
+            return None
+
+        def synchronize(self, event):
+            pass
+
+    store = make_store(capacity=2, host_capacity=8, ops=NoPinOps())
+    use(store, 0, [0, 1])
+    use(store, 0, [2, 3])  # evicts 0, 1 from the fast tier; they stay in the host tier
+    use(store, 0, [0, 1])
+    st = store.stats.layer(0)
+    assert st.misses == 6
+    assert st.bytes_from_disk == 4 * WIDTH * 4
+    assert st.bytes_from_host == 2 * store.unit_nbytes
+    assert store.source.reads == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert "host tier 8 experts" in store.describe() and "synchronous" in store.describe()
+
+
+def test_format_stats_lists_layers_and_totals():
+    store = make_store(capacity=2)
+    use(store, 0, [0, 1])
+    use(store, 1, [0])
+    use(store, 0, [1])
+    text = format_stats(store.stats)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["layer", "hits", "misses"]
+    assert lines[1].split()[:3] == ["0", "1", "2"]
+    assert lines[2].split()[:3] == ["1", "0", "1"]
+    assert lines[3].split()[:3] == ["all", "1", "3"]
+    assert "hit rate 25.0%" in text and "prefetch accuracy n/a" in text
