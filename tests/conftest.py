@@ -1,0 +1,150 @@
+"""Shared fixtures: tiny checkpoints written by transformers' own save_pretrained (the independent reference).
+
+`tiny_checkpoint(arch, dtype="float32", **config_overrides)` returns the folder of a random-init model of that
+architecture, built once per test session per argument set. `tiny_tokenizer_dir` is a byte-level BPE tokenizer
+(trained here with the `tokenizers` library) with a ChatML chat template, for tests that need text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# Base configs per architecture: tiny, but with every switch the engine must honour.
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+        num_experts_per_tok=2, vocab_size=300, mlp_only_layers=[1], norm_topk_prob=True,
+        max_position_embeddings=512,
+    ),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=8, num_experts_per_tok=2, vocab_size=300, max_position_embeddings=512,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=300,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    ),
+    "olmoe": dict(
+        model_type="olmoe", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=300,
+        max_position_embeddings=512, eos_token_id=2, pad_token_id=1,
+    ),
+}
+ARCHS = tuple(TINY_CONFIGS)
+
+# Larger-than-default init spreads the logits, so greedy decoding of a random model has no near-ties.
+INIT_RANGE = 0.08
+
+
+def write_tiny_checkpoint(folder: Path, arch: str, dtype: str = "float32", seed: int = 0,
+                          **overrides: Any) -> Path:
+    """Random-init `arch` model saved by transformers' save_pretrained into `folder` (no tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**TINY_CONFIGS[arch], "initializer_range": INIT_RANGE, **overrides}
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, dtype: str = "float32", seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([arch, dtype, seed, overrides], sort_keys=True)
+        if key not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny_{arch}_{dtype}")
+            cache[key] = write_tiny_checkpoint(folder, arch, dtype, seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture
+def copy_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
+    """A private copy of a checkpoint folder that a test may corrupt."""
+
+    def copy(src: Path) -> Path:
+        dst = tmp_path / "model"
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy
+
+
+TRAIN_TEXT = [
+    "Once upon a time there was a little fox who lived in the forest.",
+    "The fox liked to run and play with the birds in the morning sun.",
+    "One day the fox found a shiny stone near the river and took it home.",
+    "Hello, how are you? I am fine, thank you. What is your name?",
+    "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:",
+]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+    " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
+    """Byte-level BPE trained on a few sentences; eos '<|im_end|>'; ChatML template in tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TRAIN_TEXT * 20, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "chat_template": CHATML_TEMPLATE,
+    }))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE checkpoint with a tokenizer and chat template (random weights)."""
+    folder = tmp_path_factory.mktemp("tiny_text_model")
+    write_tiny_tokenizer(folder)
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    eos = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("<|im_end|>")
+    write_tiny_checkpoint(folder, "qwen3_moe", vocab_size=vocab, eos_token_id=eos)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return folder
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda():
+            item.add_marker(skip_gpu)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
