@@ -58,6 +58,9 @@ class EngineSettings(BaseModel):
         "none", description="on-load weight quantization of 16-bit checkpoints"
     )
     record_trace: str | None = Field(None, description="write the experts each token used to this file")
+    cache_trace: str | None = Field(
+        None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
+    )
 
 
 class ServerSettings(BaseModel):

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.config import EngineSettings
+from moeserve.config import EngineSettings, did_you_mean
 from moeserve.engine.kv_cache import KVCache
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampler import Sampler
@@ -24,7 +25,11 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.errors import ConfigError, RequestError
-from moeserve.memory.budget import GiB, choose_expert_budget
+from moeserve.experts.policies import ONLINE_POLICY_NAMES
+from moeserve.experts.store import StoreOptions, static_policy_options
+from moeserve.experts.trace import TraceHeader, TraceWriter
+from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
+from moeserve.memory.topology import detect_topology
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import build_model, expert_plan
 from moeserve.models.registry import get_architecture
@@ -92,8 +97,15 @@ class LLMEngine:
         expert_refs = {id(r) for fs in plan.sources.values() for f in fs for r in f.refs}
         nonexpert = sum(r.numel * self.dtype.itemsize for r in ckpt.tensors.values() if id(r) not in expert_refs)
         total_experts = len(plan.sources)
-        budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes)
+        topology = detect_topology(self.device)
+        log.info("memory: %s", topology.reason)
+        budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes,
+                                      topology.fast_free_bytes)
         log.info("placement: %s", budget.reason)
+        host = choose_host_budget(s.host_cache_gb, plan.layout.nbytes, total_experts, budget.capacity,
+                                  self.device.type, topology.unified)
+        log.info("host tier: %s", host.reason)
+        store_options = self._store_options(s, budget.capacity, host.capacity)
         log.info("KV cache: %d slots x %d tokens = %.1f MiB (%s)", s.max_num_seqs, self.max_model_len,
                  kv_bytes / 2**20, self.dtype_name)
 
@@ -101,7 +113,9 @@ class LLMEngine:
         load_bytes = nonexpert + preloaded
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
-                                     plan, budget.capacity, s.cache_policy, advance)
+                                     plan, budget.capacity, s.cache_policy, advance, store_options)
+        log.info("expert store: %s", self.model.store.describe())
+        self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
                           spec.attention.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(s.max_num_seqs, self.kv.allocate, self.kv.release, lambda: self.kv.free_slots)
@@ -171,6 +185,32 @@ class LLMEngine:
         tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         return {tok_eos} if tok_eos is not None else set()
 
+    def _store_options(self, s: EngineSettings, capacity: int, host_capacity: int) -> StoreOptions:
+        if s.cache_policy not in ONLINE_POLICY_NAMES:
+            hint = did_you_mean(s.cache_policy, list(ONLINE_POLICY_NAMES))
+            raise ConfigError(f"unknown cache_policy '{s.cache_policy}'{hint}")
+        options: dict[str, Any] = {}
+        if s.cache_policy == "static":
+            if s.cache_trace is None:
+                raise ConfigError("cache_policy=static pins the most used experts of a recorded trace: set "
+                                  "cache_trace=FILE (record one with record_trace=FILE)")
+            options = static_policy_options(s.cache_trace, capacity)
+        return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
+                            prefetch=s.prefetch)
+
+    def _open_trace(self, path: str | None, model_path: str) -> TraceWriter | None:
+        """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""
+        if path is None:
+            return None
+        spec = self.spec
+        header = TraceHeader(model=Path(model_path).name, num_layers=spec.num_layers,
+                             num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
+                             moe_layers=tuple(spec.moe_layer_ids))
+        writer = TraceWriter(path, header)
+        self.model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
+        log.info("record_trace: writing routing of every step to %s", path)
+        return writer
+
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queue a prompt (text, or token ids). Raises RequestError if it cannot be served."""
@@ -224,6 +264,8 @@ class LLMEngine:
             return []
         batch = self._build_batch(seqs)
         logits = self.model.forward(batch, self.kv)
+        if self.trace is not None:
+            self.trace.end_step()
         samples = self.sampler(logits, seqs)
         return self._update(seqs, samples)
 
@@ -273,6 +315,8 @@ class LLMEngine:
 
     def close(self) -> None:
         self.model.store.close()
+        if self.trace is not None:
+            self.trace.close()
 
 
 class _progress:
