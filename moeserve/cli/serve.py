@@ -1,0 +1,156 @@
+"""`moeserve serve MODEL`: the OpenAI-compatible HTTP server.
+
+The socket opens first and the model loads in the engine thread meanwhile (/health answers 503 "Loading model"
+until it is ready, as llama.cpp does). Uvicorn's "Uvicorn running on ..." and "Application startup complete" lines
+are held back until the model is loaded, so the log reads in order: model, placement and budgets with reasons,
+"Loading weights took ...", the listening address, "Application startup complete". SIGTERM stops accepting
+requests (503 while draining), lets in-flight ones finish for up to --shutdown-timeout seconds, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import threading
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
+
+log = logging.getLogger("moeserve")
+
+_HELD_UVICORN_LINES = ("Uvicorn running on", "Application startup complete")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("serve", help="serve a model over the OpenAI API (HTTP)",
+                            description="Serve MODEL over the OpenAI API: /v1/models, /v1/completions, "
+                            "/v1/chat/completions, /health, /metrics, /tokenize, /detokenize.")
+    parser.add_argument("model_path", metavar="MODEL", nargs="?", default=None,
+                        help="model folder or cached Hugging Face id (default: the bundled demo model)")
+    add_cli_arguments(parser, ServerSettings)
+    add_cli_arguments(parser, EngineSettings, skip=("model",))
+    parser.set_defaults(func=run)
+
+
+class _HoldUntilLoaded(logging.Filter):
+    """Holds uvicorn's 'startup complete' and 'running on' records until the model is loaded, then lets them out
+    in reading order: the listening address, then "Application startup complete"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loaded = False
+        self.released = False
+        self.held: list[logging.LogRecord] = []
+        self._lock = threading.RLock()  # records come from the server thread, the load signal from the engine's
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.released or not record.getMessage().startswith(_HELD_UVICORN_LINES):
+            return True
+        with self._lock:
+            self.held.append(record)
+            self._maybe_release()
+        return False
+
+    def model_loaded(self) -> None:
+        with self._lock:
+            self.loaded = True
+            self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        # uvicorn logs "running on" last, once the socket is open: wait for it and for the model.
+        if self.released or not self.loaded or not any(r.getMessage().startswith(_HELD_UVICORN_LINES[0])
+                                                       for r in self.held):
+            return
+        self.released = True
+        for record in sorted(self.held, key=lambda r: not r.getMessage().startswith(_HELD_UVICORN_LINES[0])):
+            logging.getLogger(record.name).handle(record)
+        self.held.clear()
+
+
+def served_name(settings: ServerSettings, model: str | None) -> str:
+    """The name clients put in `model`: --served-model-name, else the model folder's name."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    return Path(model).name if model else "moeserve-demo"
+
+
+def describe_model(engine: Any) -> str:
+    spec = engine.spec
+    moe = spec.moe
+    return (f"{spec.architecture} (model_type {spec.model_type}): {spec.num_layers} layers, "
+            f"{len(spec.moe_layer_ids)} MoE layers x {moe.num_experts} experts, top-{moe.top_k}; "
+            f"weights stored as {engine.checkpoint.stored_dtype()}, computed in {engine.dtype_name}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeserve.engine.async_engine import AsyncEngine
+    from moeserve.engine.llm_engine import LLMEngine
+    from moeserve.server.app import build_app
+    from moeserve.server.metrics import ServerMetrics
+    from moeserve.server.state import ServerState
+
+    engine_settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model_path)
+    server_settings: ServerSettings = settings_from_args(ServerSettings, args)
+    name = served_name(server_settings, engine_settings.model)
+    log.info("serving %s as model '%s'; API key %s; at most %d requests in flight (max_num_seqs %d + "
+             "max_queued_requests %d)", engine_settings.model or "the bundled demo model", name,
+             "required" if server_settings.api_key else "not required",
+             engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
+             server_settings.max_queued_requests)
+
+    hold = _HoldUntilLoaded()
+    logging.getLogger("uvicorn.error").addFilter(hold)
+    outcome: dict[str, int] = {"exit_code": 0}
+    server: DrainingServer | None = None
+    state: ServerState | None = None
+
+    def on_loaded(err: BaseException | None) -> None:
+        if err is not None:
+            log.error("error: %s", err)
+            outcome["exit_code"] = 1
+            if server is not None:
+                server.should_exit = True
+            return
+        assert state is not None
+        llm = state.engine.engine
+        log.info("model: %s", describe_model(llm))
+        log.info("chat format: %s", _chat_format_name(state))
+        hold.model_loaded()
+
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
+                               engine_settings.max_num_seqs + server_settings.max_queued_requests, on_loaded)
+    state = ServerState(async_engine, server_settings, name, ServerMetrics(name))
+    app = build_app(state)
+    config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
+                            timeout_graceful_shutdown=math.ceil(server_settings.shutdown_timeout))
+    server = DrainingServer(config, state)
+    server.run()
+    if outcome["exit_code"] == 0:
+        log.info("server stopped")
+    return outcome["exit_code"]
+
+
+def _chat_format_name(state: Any) -> str:
+    try:
+        return str(state.chat_format().name)
+    except Exception as err:  # a model without a usable chat format still serves completions
+        return f"none ({err}); /v1/chat/completions will answer 400"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose signal handler first marks the app as draining (new requests get 503)."""
+
+    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.state.draining:
+            self.state.draining = True
+            log.info("shutting down: no new requests; waiting up to %gs for %d in flight",
+                     self.state.settings.shutdown_timeout, self.state.engine.num_in_flight)
+        super().handle_exit(sig, frame)

@@ -1,0 +1,137 @@
+"""The FastAPI application: routes, API-key check, lifespan. Built around a ServerState, so it can be tested with a
+fake engine (anything with LLMEngine's add_request / abort_request / step / has_unfinished_requests).
+
+    state = ServerState(AsyncEngine(make_engine, max_in_flight), server_settings, "my-model", ServerMetrics(...))
+    app = build_app(state)        # uvicorn.run(app, ...)
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from moeserve.engine.async_engine import State
+from moeserve.server.chat import create_chat_completion
+from moeserve.server.completions import create_completion
+from moeserve.server.errors import APIError, install_error_handlers
+from moeserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from moeserve.server.state import ServerState
+
+log = logging.getLogger("moeserve.server")
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 503)
+}
+
+
+def _api_key_check(state: ServerState) -> Any:
+    expected = state.settings.api_key
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise APIError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
+
+    return Depends(check)
+
+
+def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
+    """The app. With `manage_engine`, startup starts the engine thread (the model loads in the background while
+    /health answers 503) and shutdown stops it."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if manage_engine:
+            state.engine.start()
+        try:
+            yield
+        finally:
+            if manage_engine:
+                state.engine.shutdown()
+
+    app = FastAPI(title="moeserve", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server for Mixture-of-Experts models larger than memory.")
+    app.state.server = state
+    install_error_handlers(app)
+    auth = [_api_key_check(state)]
+
+    @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if state.draining:
+            return APIError(503, "shutting down", "server_error", code="shutting_down").response()
+        if state.engine.state == State.LOADING:
+            return APIError(503, "Loading model", "server_error", code="model_loading",
+                            headers={"Retry-After": "5"}).response()
+        if state.engine.state == State.DEAD:
+            return APIError(503, f"the engine has stopped: {state.engine.error}", "server_error",
+                            code="engine_dead").response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        return PlainTextResponse(state.metrics.render(state.engine),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=ERROR_RESPONSES)
+    async def models() -> ModelList:
+        max_len = state.max_model_len if state.engine.state == State.READY else None
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=max_len)])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(body, raw, state)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
+              responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(body, raw, state)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        state.accept(body.model, body)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            ids = state.chat_format().render(body.messages, body.add_generation_prompt).token_ids
+        else:
+            if state.tokenizer is None:
+                raise APIError(400, "this server runs without a tokenizer", param="prompt")
+            ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        state.accept(body.model, body)
+        if state.tokenizer is None:
+            raise APIError(400, "this server runs without a tokenizer", param="tokens")
+        vocab = int(state.tokenizer.vocab_size)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+    return app

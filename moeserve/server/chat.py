@@ -1,0 +1,175 @@
+"""POST /v1/chat/completions: render the conversation with the model's chat format, generate, split the output
+into reasoning / content / tool calls; streamed (SSE) or not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moeserve.engine.outputs import Logprob, RequestOutput
+from moeserve.server.chat_format import OutputParser
+from moeserve.server.errors import from_exception
+from moeserve.server.metrics import RequestTimer
+from moeserve.server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ResponseMessage,
+    ResponseToolCall,
+    UsageInfo,
+)
+from moeserve.server.request_params import check_context, sampling_params
+from moeserve.server.state import ServerState
+from moeserve.server.streaming import SSE_DONE, DeltaTracker, cancel_on_disconnect, sse
+
+
+def _token_entry(lp: Logprob) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top_k: int) -> dict[str, Any]:
+    """The chat logprobs object: per token its logprob and the top_k alternatives."""
+    content = []
+    for token_id, entry in zip(token_ids, logprobs):
+        top = sorted((lp for lp in entry.values() if lp.rank <= top_k), key=lambda lp: lp.rank)[:top_k]
+        content.append({**_token_entry(entry[token_id]), "top_logprobs": [_token_entry(lp) for lp in top]})
+    return {"content": content}
+
+
+def _finish_reason(reason: str | None, tool_calls: list[Any]) -> str | None:
+    # A max_tokens cut inside the reasoning is "length" too; the message then has reasoning and content null.
+    if reason == "stop" and tool_calls:
+        return "tool_calls"
+    return reason
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+    state.accept(req.model, req)
+    chat_format = state.chat_format()
+    prompt = chat_format.render(req)
+    max_tokens = check_context(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
+                               state.max_model_len)
+    state.validate_prompt(prompt.token_ids)
+    top_k = req.top_logprobs or 0
+    params = sampling_params(req, max_tokens, state.max_num_seqs, top_k if req.logprobs else None,
+                             chat_format.stop_token_ids())
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    timer = state.metrics.request_timer()
+    try:
+        stream = state.engine.submit(prompt.token_ids, params, request_id)
+    except Exception as err:
+        state.metrics.rejected.inc(1, type(err).__name__)
+        raise from_exception(err) from None
+    job = _Chat(req, state, request_id, len(prompt.token_ids), timer)
+    if req.stream:
+        return StreamingResponse(job.stream(stream), media_type="text/event-stream")
+    result = await cancel_on_disconnect(raw, job.collect(stream))
+    return JSONResponse(result.model_dump())
+
+
+class _Chat:
+    def __init__(self, req: ChatCompletionRequest, state: ServerState, request_id: str, prompt_tokens: int,
+                 timer: RequestTimer) -> None:
+        self.req, self.state, self.request_id = req, state, request_id
+        self.prompt_tokens, self.timer = prompt_tokens, timer
+        self.created = int(time.time())
+        self.parsers = [state.chat_format().new_parser() for _ in range(req.n)]
+        self.top_k = req.top_logprobs or 0
+
+    def _finish(self, final: RequestOutput | None) -> UsageInfo:
+        comps = final.outputs if final is not None else []
+        completion_tokens = sum(len(c.token_ids) for c in comps)
+        self.timer.finish(self.prompt_tokens, completion_tokens, [c.finish_reason for c in comps])
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=self.prompt_tokens + completion_tokens)
+
+    def _tool_calls(self, parser: OutputParser) -> list[ResponseToolCall]:
+        return [ResponseToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function={"name": name, "arguments": args})
+                for name, args in parser.tool_calls()]
+
+    async def collect(self, stream: AsyncIterator[RequestOutput]) -> ChatCompletionResponse:
+        final: RequestOutput | None = None
+        seen = 0
+        async for out in stream:
+            total = sum(len(c.token_ids) for c in out.outputs)
+            self.timer.on_tokens(total - seen)
+            seen, final = total, out
+        assert final is not None  # a stream ends with a finished output or raises
+        tracker = DeltaTracker()
+        choices = []
+        for comp in final.outputs:
+            parser = self.parsers[comp.index]
+            d = parser.feed(tracker.delta(comp))
+            calls = self._tool_calls(parser)
+            content = d.content if parser.has_content() or not d.reasoning else None
+            message = ResponseMessage(content=content, reasoning=d.reasoning or None,
+                                      reasoning_content=d.reasoning or None, tool_calls=calls)
+            logprobs = None
+            if self.req.logprobs and comp.logprobs is not None:
+                logprobs = chat_logprobs(comp.logprobs, comp.token_ids, self.top_k)
+            choices.append(ChatChoice(index=comp.index, message=message, logprobs=logprobs,
+                                      finish_reason=_finish_reason(comp.finish_reason, calls),
+                                      stop_reason=comp.stop_reason))
+        return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
+                                      choices=choices, usage=self._finish(final))
+
+    async def stream(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        tracker = DeltaTracker()
+        done: set[int] = set()
+        final: RequestOutput | None = None
+        try:
+            for index in range(self.req.n):  # the first chunk of each choice names the role
+                yield sse(self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], include_usage))
+            async for out in outputs:
+                new_tokens = 0
+                for comp in out.outputs:
+                    if comp.index in done:
+                        continue
+                    d = tracker.delta(comp)
+                    new_tokens += len(d.token_ids)
+                    parser = self.parsers[comp.index]
+                    parsed = parser.feed(d)
+                    delta: dict[str, Any] = {}
+                    if parsed.reasoning:
+                        delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning
+                    if parsed.content:
+                        delta["content"] = parsed.content
+                    finish = None
+                    if d.finish_reason is not None:
+                        done.add(comp.index)
+                        calls = self._tool_calls(parser)
+                        if calls:
+                            delta["tool_calls"] = [{"index": k, **c.model_dump()} for k, c in enumerate(calls)]
+                        finish = _finish_reason(d.finish_reason, calls)
+                    elif not delta:
+                        continue
+                    logprobs = None
+                    if self.req.logprobs and d.logprobs is not None:
+                        logprobs = chat_logprobs(d.logprobs, d.token_ids, self.top_k)
+                    choice = {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    if finish is not None:
+                        choice["stop_reason"] = d.stop_reason
+                    yield sse(self._chunk([choice], include_usage))
+                self.timer.on_tokens(new_tokens)
+                final = out
+            usage = self._finish(final)
+            if include_usage:
+                yield sse({**self._chunk([], False), "usage": usage.model_dump()})
+        except Exception as err:  # the status line is already sent: report in the stream (as vLLM does)
+            yield sse(from_exception(err).body())
+        yield SSE_DONE
+
+    def _chunk(self, choices: list[dict[str, Any]], with_null_usage: bool) -> dict[str, Any]:
+        chunk: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                                 "model": self.state.model_name, "choices": choices}
+        if with_null_usage:
+            chunk["usage"] = None
+        return chunk

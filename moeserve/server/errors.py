@@ -1,0 +1,101 @@
+"""Engine and request failures -> OpenAI error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Status codes: 400 malformed request or too long for the context, 401 wrong API key, 404 unknown model or path,
+503 (+ Retry-After) while loading, when the queue is full, while draining, or when the engine has died, 500 for
+anything unexpected. Messages are cut to MAX_MESSAGE_CHARS: a validation error must never echo a huge input back
+(vLLM once answered a few-KB request with a 114 MB error body).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeserve.engine.async_engine import EngineDeadError, EngineLoadingError, QueueFullError
+from moeserve.errors import MoeserveError, RequestError
+
+log = logging.getLogger("moeserve.server")
+
+MAX_MESSAGE_CHARS = 1000
+MAX_VALIDATION_ERRORS = 3
+
+
+class APIError(Exception):
+    """An error with its HTTP status and OpenAI error fields, raised by request handlers."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        message = self.message if len(self.message) <= MAX_MESSAGE_CHARS else \
+            self.message[:MAX_MESSAGE_CHARS] + "... (truncated)"
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def from_exception(err: BaseException) -> APIError:
+    """Map any exception raised while serving a request to an APIError."""
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, RequestError):
+        return APIError(400, str(err), param=err.param, code=err.code)
+    if isinstance(err, QueueFullError):
+        return APIError(503, str(err), "server_error", code="server_busy", headers={"Retry-After": "1"})
+    if isinstance(err, EngineLoadingError):
+        return APIError(503, str(err), "server_error", code="model_loading", headers={"Retry-After": "5"})
+    if isinstance(err, EngineDeadError):
+        return APIError(503, str(err), "server_error", code="engine_dead")
+    if isinstance(err, MoeserveError):
+        return APIError(400, str(err))
+    log.error("internal error while serving a request", exc_info=err)
+    return APIError(500, f"internal server error: {type(err).__name__}", "server_error", code="internal_error")
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    first_param: str | None = None
+    for item in err.errors()[:MAX_VALIDATION_ERRORS]:
+        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "body"
+        first_param = first_param or where
+        parts.append(f"{where}: {item.get('msg', 'invalid')}")  # never the input itself: it may be huge
+    more = len(err.errors()) - MAX_VALIDATION_ERRORS
+    if more > 0:
+        parts.append(f"and {more} more")
+    return "invalid request: " + "; ".join(parts), first_param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error the app can produce leaves in the OpenAI shape."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(err)
+        return APIError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return APIError(err.status_code, str(err.detail), kind, headers=dict(err.headers or {})).response()
+
+    @app.exception_handler(APIError)
+    async def _api(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, err: Exception) -> JSONResponse:
+        return from_exception(err).response()

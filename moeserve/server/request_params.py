@@ -1,0 +1,56 @@
+"""OpenAI request fields -> engine SamplingParams, with the checks that must answer 400 before queueing."""
+
+from __future__ import annotations
+
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.server.errors import APIError
+from moeserve.server.protocol import SamplingFields
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The number of tokens to generate: `max_tokens`, or all the context left when it is None.
+
+    Raises a 400 with OpenAI's wording (which clients parse to trim history) when the prompt plus the completion
+    do not fit in the context."""
+    if prompt_tokens >= max_model_len:
+        raise APIError(
+            400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the "
+            "prompt.", param="messages", code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_model_len:
+        raise APIError(
+            400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, logprobs: int | None,
+                    extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
+    """Build SamplingParams; unset fields take vLLM's defaults (temperature 1, top_p 1, no top_k)."""
+    if req.n > max_num_seqs:
+        raise APIError(400, f"n={req.n} is more than this server decodes at once (max_num_seqs={max_num_seqs})",
+                       param="n")
+    stop_ids = list(req.stop_token_ids or []) + list(extra_stop_token_ids or [])
+    return SamplingParams(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=req.stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
+        max_tokens=max_tokens,
+        min_tokens=min(req.min_tokens, max_tokens),
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )

@@ -1,0 +1,176 @@
+"""The official `openai` client against a live server on 127.0.0.1 (tiny Qwen3-MoE with a ChatML tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.server.conftest import MODEL_NAME, ThreadServer
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "system", "content": "You are a fox."}, {"role": "user", "content": "Hello, how are you?"}]
+
+
+def _hf_tokenizer(folder: Path):  # noqa: ANN202 - transformers tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _hf_chat_ids(folder: Path, messages: list[dict]) -> list[int]:
+    out = _hf_tokenizer(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out if isinstance(out, list) else out["input_ids"])  # transformers 5 returns a BatchEncoding
+
+
+def test_models_lists_the_served_name(live_server: ThreadServer) -> None:
+    models = live_server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_completion_stream_equals_non_stream_and_usage(live_server: ThreadServer, tiny_text_model: Path) -> None:
+    client = live_server.client()
+    prompt = "Once upon a time there was"
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text
+    assert full.choices[0].finish_reason == "length"
+    prompt_tokens = len(_hf_tokenizer(tiny_text_model)(prompt)["input_ids"])
+    assert full.usage is not None
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (prompt_tokens, 12)
+    assert full.usage.total_tokens == prompt_tokens + 12
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_equals_non_stream_and_prompt_matches_transformers(live_server: ThreadServer,
+                                                                       tiny_text_model: Path) -> None:
+    client = live_server.client()
+    full = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert full.usage.prompt_tokens == len(_hf_chat_ids(tiny_text_model, MESSAGES))
+    assert full.usage.completion_tokens == 10
+    assert chunks[-1].usage == full.usage
+
+
+def test_tokenize_chat_matches_transformers_template(live_server: ThreadServer, tiny_text_model: Path) -> None:
+    got = httpx.post(live_server.url + "/tokenize", json={"messages": MESSAGES}).json()
+    assert got["tokens"] == _hf_chat_ids(tiny_text_model, MESSAGES)
+    text = httpx.post(live_server.url + "/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+    assert text.startswith("<|im_start|>system\nYou are a fox.<|im_end|>")
+
+
+def test_stop_string_cuts_the_text(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    prompt = "The fox liked to run"
+    text = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, **GREEDY).choices[0].text
+    # A stop string from the middle of the greedy text, made of plain characters.
+    at = next(i for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i)
+    stop = text[at:at + 2]
+    cut = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, stop=[stop], **GREEDY)
+    assert cut.choices[0].text == text[:at]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, stop=stop, stream=True,
+                                         **GREEDY)
+    assert "".join(c.choices[0].text for c in streamed) == text[:at]
+
+
+def test_n_samples_and_seeded_sampling_is_reproducible(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    kwargs = dict(model=MODEL_NAME, prompt="Hello", max_tokens=8, n=3, temperature=1.0, seed=1234,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 24
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=5, n=2, seed=7,
+                                          extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in chat.choices) == [0, 1]
+    assert chat.usage.completion_tokens == 10
+
+
+def _reference_logprobs(folder: Path, ids: list[int]) -> torch.Tensor:
+    """log-softmax of transformers' next-token logits after `ids`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+
+
+def test_logprobs_match_transformers(live_server: ThreadServer, tiny_text_model: Path) -> None:
+    client = live_server.client()
+    prompt = "The quick brown fox"
+    ref = _reference_logprobs(tiny_text_model, _hf_tokenizer(tiny_text_model)(prompt)["input_ids"])
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1, logprobs=3, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs[0] == pytest.approx(float(ref.max()), abs=1e-4)
+    # Legacy format: one entry per distinct token text, so tokens decoding alike collapse into the likeliest.
+    assert 1 <= len(lp.top_logprobs[0]) <= 3
+    assert max(lp.top_logprobs[0].values()) == pytest.approx(float(ref.max()), abs=1e-4)
+
+    chat_ref = _reference_logprobs(tiny_text_model, _hf_chat_ids(tiny_text_model, MESSAGES))
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=3, logprobs=True,
+                                          top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert [t.logprob for t in content[0].top_logprobs] == pytest.approx(chat_ref.topk(2).values.tolist(),
+                                                                          abs=1e-4)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = the top one
+
+
+def test_unknown_fields_are_ignored(live_server: ThreadServer) -> None:
+    out = live_server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                                  extra_body={"not_a_field": 1, "ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+def _error(exc: openai.APIStatusError) -> dict:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_unknown_model_is_404(live_server: ThreadServer) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        live_server.client().completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    err = _error(info.value)
+    assert err["code"] == "model_not_found" and "no-such-model" in err["message"]
+
+
+def test_prompt_longer_than_context_is_400(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=[5] * 600, max_tokens=2)
+    err = _error(info.value)
+    assert err["code"] == "context_length_exceeded"
+    assert err["message"].startswith("This model's maximum context length is 512 tokens.")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=500)
+    err = _error(info.value)
+    assert err["code"] == "context_length_exceeded" and "in the completion" in err["message"]
+
+
+def test_malformed_requests_are_400_with_bounded_bodies(live_server: ThreadServer) -> None:
+    url = live_server.url
+    with pytest.raises(openai.BadRequestError) as info:
+        live_server.client().completions.create(model=MODEL_NAME, prompt="Hi", temperature=-1)
+    assert _error(info.value)["param"] == "temperature"
+    bad_json = httpx.post(url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()
+    huge = {"model": MODEL_NAME, "messages": [{"role": "nobody", "content": "x" * 10_000}] * 500}
+    resp = httpx.post(url + "/v1/chat/completions", json=huge)
+    assert resp.status_code == 400
+    assert len(resp.content) < 2_000  # the 5 MB input is not echoed back
+    assert httpx.get(url + "/v1/nothing-here").json()["error"]["type"] == "not_found_error"
