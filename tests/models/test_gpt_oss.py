@@ -1,0 +1,105 @@
+"""gpt-oss against transformers on tiny checkpoints it wrote: the bf16 HF layout and the MXFP4 layout (experts
+packed by our test packer into the real `_blocks`/`_scales` tensors; transformers dequantizes them on CPU).
+
+Prompts are longer than the sliding window (4), so the windowed layer 0 and the full layer 1 both matter; the
+checkpoint has non-zero expert biases and sinks, so every bias path is exercised.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.models.layers import rope_inv_freq
+from moeserve.models.registry import get_architecture
+from tests.models.checkpoints import write_gpt_oss, write_gpt_oss_mxfp4
+
+STEPS = 16
+PROMPTS = [[5], [11, 42, 7, 99, 3, 8], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200], list(range(40, 63))]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    bf16 = write_gpt_oss(root / "bf16")
+    return {"bf16": bf16, "mxfp4": write_gpt_oss_mxfp4(bf16, root / "mxfp4")}
+
+
+@functools.cache
+def hf_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def hf_greedy(folder: Path, prompt: list[int], dtype: torch.dtype) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' own forward, no cache: argmax token and the full log-softmax at each step."""
+    model = hf_model(folder, dtype)
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(STEPS):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logps.append(torch.log_softmax(logits, dim=-1))
+            ids.append(int(torch.argmax(logits)))
+    return ids[len(prompt) :], logps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_matches_transformers(gpt_oss_folders, layout: str, dtype: str) -> None:
+    folder = gpt_oss_folders[layout]
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype=dtype)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    for prompt, out in zip(PROMPTS, outs):
+        ours = out.outputs[0]
+        ref_tokens, ref_logps = hf_greedy(folder, prompt, getattr(torch, dtype))
+        assert ours.token_ids == ref_tokens, f"{layout} {dtype} prompt len {len(prompt)}"
+        for step, (lp, ref) in enumerate(zip(ours.logprobs, ref_logps)):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < tol, (layout, dtype, step, token_id)
+
+
+def test_mxfp4_experts_stay_mxfp4_in_the_cache(gpt_oss_folders) -> None:
+    llm = LLM(str(gpt_oss_folders["mxfp4"]), skip_tokenizer_init=True, dtype="bfloat16")
+    layout = llm.engine.model.store.layout
+    dtypes = {f.name: f.dtype for f in layout.fields}
+    assert dtypes["gate_up.0.blocks"] == dtypes["gate_up.0.scales"] == torch.uint8
+    assert dtypes["down.0.blocks"] == torch.uint8
+    h = i = 64
+    bf16_expert_bytes = (2 * i * h + h * i + 2 * i + h) * 2
+    # 4.25 bits per weight (+ bf16 biases and alignment): well under a third of the bf16 expert.
+    assert layout.nbytes < bf16_expert_bytes / 3
+
+
+def test_spec_reads_windows_sinks_router_and_yarn(gpt_oss_folders) -> None:
+    config = json.loads((gpt_oss_folders["bf16"] / "config.json").read_text())
+    spec = get_architecture(config, "config.json").spec(config, "config.json")
+    assert spec.attention.sliding_window == (4, None)
+    assert spec.attention.sinks and spec.attention.qkv_bias and spec.attention.o_bias
+    assert spec.moe.routing == "topk_softmax" and spec.moe.router_bias
+    assert (spec.moe.swiglu_limit, spec.moe.swiglu_alpha) == (7.0, 1.702)
+    assert spec.rope.rope_type == "yarn" and spec.rope.param("truncate") is False
+
+
+def test_yarn_matches_transformers_at_real_gpt_oss_size() -> None:
+    """gpt-oss-20b rope (head_dim 64, factor 32, truncate false): same inv_freq and attention factor."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = AutoConfig.for_model("gpt_oss")  # defaults = the released model's rope
+    ref_inv_freq, ref_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    config = {**hf_config.to_dict(), "architectures": ["GptOssForCausalLM"]}
+    spec = get_architecture(config, "c").spec(config, "c")
+    inv_freq, scaling = rope_inv_freq(spec.rope, spec.attention.head_dim)
+    assert torch.equal(inv_freq, ref_inv_freq)
+    assert scaling == pytest.approx(ref_scaling, rel=0, abs=0) and scaling == pytest.approx(
+        1.3465735902799727
+    )
