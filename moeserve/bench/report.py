@@ -1,0 +1,99 @@
+"""Turn timed runs into the figures the benchmark prints and writes: tokens/s, ceiling, fraction of it, peak RSS,
+expert hit rate, bytes per token from each tier, and ratios to moeserve."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from moeserve.bench import ceilings
+from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, paired_ratio
+
+# Weight bytes per parameter as each engine stores them (Q8_0: 32 int8 + one fp16 scale per block of 32).
+BYTES_PER_PARAM = {"moeserve": 2.0, "moeserve-int8": 1.0, "transformers": 2.0, "accelerate": 2.0,
+                   "llama.cpp": 2.0, "llama.cpp-q8": 34 / 32}
+
+
+def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: float, tokens_per_step: int,
+                          store: dict[str, float], steps: int) -> ceilings.StepBytes:
+    """Bytes of one step, with expert traffic measured by moeserve's store (hits from memory, misses from disk)."""
+    shape = cfg.shape
+    accesses = (store.get("hits", 0) + store.get("misses", 0)) / max(steps, 1)  # distinct experts per step
+    miss_share = store.get("misses", 0) / max(store.get("hits", 0) + store.get("misses", 0), 1)
+    expert_bytes = accesses * shape.expert_params * bytes_per_param
+    dense = ceilings.dense_bytes_per_step(shape, bytes_per_param, tokens_per_step)
+    return ceilings.StepBytes(dense, expert_bytes * (1 - miss_share), expert_bytes * miss_share)
+
+
+def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped],
+              bandwidths: dict[str, float], machine: dict[str, Any],
+              load_rss: dict[str, int]) -> dict[str, Any]:
+    """The whole benchmark as one JSON-ready dict; rows are one per (case, engine)."""
+    by_key = {(r.case, r.engine): r for r in results}
+    rows = []
+    for r in results:
+        ours = by_key.get((r.case, "moeserve"))
+        ref_run = _median_run(ours) if ours else _median_run(r)
+        tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
+        engine_key = r.engine + ("-int8" if r.engine == "moeserve" and cfg.quantization == "int8" else "")
+        bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, 2.0))
+        store = ref_run.get("store") or {}
+        steps = int(ref_run["steps"])
+        if store:
+            step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps)
+        else:
+            step = ceilings.resident_step_bytes(cfg.shape, bpp, tokens_per_step)
+        ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"],
+                                                     bandwidths["disk_bytes_per_s"], tokens_per_step)
+        tps = r.median_tokens_per_s
+        mine = _median_run(r).get("store") or {}
+        accesses = mine.get("hits", 0) + mine.get("misses", 0)
+        tokens = statistics.median(run["tokens"] for run in r.runs)
+        rows.append({
+            "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
+            "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": ceilings.fraction_of_ceiling(tps, ceiling),
+            "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
+            "load_peak_rss_bytes": load_rss.get(r.engine),
+            "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
+            "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
+            "bytes_per_token_disk": (mine.get("bytes_read", 0) / tokens) if mine else step.expert_bytes_disk
+            / tokens_per_step,
+            # how many times faster moeserve is than this engine, paired run by run
+            "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
+        })
+    return {"shape": cfg.shape.name, "checkpoint": str(cfg.checkpoint), "machine": machine,
+            "bandwidths": bandwidths, "settings": _settings(cfg), "rows": rows,
+            "skipped": [{"engine": s.engine, "reason": s.reason} for s in skipped]}
+
+
+def _median_run(r: CaseResult) -> dict[str, Any]:
+    order = sorted(range(len(r.runs)), key=lambda i: r.runs[i]["tokens"] / max(r.runs[i]["seconds"], 1e-12))
+    return r.runs[order[len(order) // 2]]
+
+
+def _settings(cfg: BenchConfig) -> dict[str, Any]:
+    return {"cases": list(cfg.cases), "peers": list(cfg.peers), "new_tokens": cfg.new_tokens,
+            "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
+            "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads}
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """A fixed-width table of the rows, bandwidths and skipped peers."""
+    bw = summary["bandwidths"]
+    m = summary["machine"]
+    lines = [f"shape {summary['shape']}  |  {m['cpu']}, {m['cores']} cores, torch {m['torch']}",
+             f"memory bandwidth {bw['memory_bytes_per_s'] / 1e9:.1f} GB/s, disk read {bw['disk_bytes_per_s'] / 1e9:.2f} "
+             "GB/s (best of runs before and after)"]
+    header = (f"{'case':<10} {'engine':<32} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'ours/it':>7} "
+              f"{'peak RSS':>9} {'hit rate':>8} {'MB/tok mem':>10} {'MB/tok disk':>11}")
+    lines += [header, "-" * len(header)]
+    for row in summary["rows"]:
+        hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
+        vs = "-" if row["moeserve_speedup"] is None else f"{row['moeserve_speedup']:.2f}x"
+        lines.append(
+            f"{row['case']:<10} {row['engine']:<32} {row['tokens_per_s']:>8.2f} {row['ceiling_tokens_per_s']:>8.1f} "
+            f"{row['fraction_of_ceiling']:>7.0%} {vs:>7} {row['peak_rss_bytes'] / 2**20:>7.0f}Mi {hit:>8} "
+            f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {row['bytes_per_token_disk'] / 1e6:>11.1f}")
+    for s in summary["skipped"]:
+        lines.append(f"skipped {s['engine']}: {s['reason']}")
+    return "\n".join(lines)

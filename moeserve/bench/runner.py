@@ -1,0 +1,173 @@
+"""The benchmark run: probes, then each case on moeserve and its peers alternately (A B A B), then the ceilings.
+
+Cases: "decode-b1" (one sequence), "decode-b8" (eight sequences decoded together), "prefill" (one prompt).
+Repeats alternate engines so that drift of a shared machine hits every engine alike; a ratio between two
+engines is the median of the ratios of adjacent runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moeserve.bench import ceilings, probes
+from moeserve.bench.shapes import BenchShape
+from moeserve.bench.worker import BenchWorkerError, Worker
+
+log = logging.getLogger("moeserve.bench")
+
+CASES = ("decode-b1", "decode-b8", "prefill")
+PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    shape: BenchShape
+    checkpoint: Path
+    cases: tuple[str, ...] = ("decode-b1", "decode-b8", "prefill")
+    peers: tuple[str, ...] = ("transformers",)
+    new_tokens: int = 32
+    prompt_len: int = 32
+    prefill_len: int = 256
+    repeats: int = 3
+    expert_cache_gb: float | None = None
+    quantization: str = "none"
+    threads: int | None = None
+    seed: int = 0
+
+
+@dataclass
+class CaseResult:
+    engine: str
+    case: str
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> list[float]:
+        return [r["tokens"] / r["seconds"] for r in self.runs if r["seconds"] > 0]
+
+    @property
+    def median_tokens_per_s(self) -> float:
+        return statistics.median(self.tokens_per_s) if self.runs else 0.0
+
+
+@dataclass
+class Skipped:
+    engine: str
+    reason: str
+
+
+def make_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Deterministic random token ids (ids 0-2 left out: they are the synthetic model's special tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _batch_of(case: str) -> int:
+    return int(case.removeprefix("decode-b")) if case.startswith("decode-b") else 1
+
+
+def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker], list[Skipped]]:
+    """Start moeserve and each available peer in its own process. Unavailable peers are skipped with a reason."""
+    workers: dict[str, Worker] = {}
+    skipped: list[Skipped] = []
+    model = str(cfg.checkpoint)
+    cache_gb = cfg.expert_cache_gb
+    workers["moeserve"] = Worker("moeserve", model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
+                                 quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
+                                 max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
+    for peer in cfg.peers:
+        try:
+            workers[peer] = _start_peer(peer, cfg, cache_dir)
+        except (ImportError, BenchWorkerError, OSError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            skipped.append(Skipped(peer, reason))
+            log.warning("peer %s skipped: %s", peer, reason)
+    return workers, skipped
+
+
+def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
+    import importlib.util
+
+    model = str(cfg.checkpoint)
+    if peer == "transformers":
+        if importlib.util.find_spec("transformers") is None:
+            raise ImportError("transformers is not installed (pip install 'moeserve[dev]')")
+        return Worker("transformers", model=model, threads=cfg.threads)
+    if peer == "accelerate":
+        if importlib.util.find_spec("accelerate") is None:
+            raise ImportError("accelerate is not installed (pip install 'moeserve[dev]')")
+        offload = cache_dir / f"offload-{cfg.shape.name}-{os.getpid()}"
+        # The same fast-tier budget moeserve has: non-expert weights plus the expert cache.
+        dense = ceilings.dense_bytes_per_step(cfg.shape, 2) + cfg.shape.vocab_size * cfg.shape.hidden_size * 2
+        cache = int((cfg.expert_cache_gb or 0) * 2**30)
+        return Worker("transformers", model=model, threads=cfg.threads, offload_folder=str(offload),
+                      max_cpu_memory_bytes=dense + cache)
+    if peer in ("llama.cpp", "llama.cpp-q8"):
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise ImportError("llama-cpp-python is not installed (optional: pip install 'moeserve[llamacpp]', "
+                              "which compiles llama.cpp, ~7 minutes)")
+        from moeserve.bench.gguf_export import ensure_gguf
+
+        kind = "q8_0" if peer.endswith("q8") else "bf16"
+        path = ensure_gguf(cfg.checkpoint, cfg.shape, kind)
+        return Worker("llama.cpp", gguf_path=str(path), threads=cfg.threads,
+                      n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
+    raise ValueError(f"unknown peer {peer!r} (valid: {', '.join(PEERS)})")
+
+
+def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:
+    """Each case, `repeats` times, engines alternating. One untimed warm-up per engine and case first."""
+    results = {(name, case): CaseResult(name, case) for name in workers for case in cfg.cases}
+    for case in cfg.cases:
+        batch = _batch_of(case)
+        for rep in range(-1, cfg.repeats):  # rep -1 is the warm-up
+            for name, w in workers.items():
+                if case == "prefill":
+                    prompt = make_prompts(1, cfg.prefill_len, cfg.shape.vocab_size, cfg.seed + 1000 + rep)[0]
+                    args: tuple[Any, ...] = ("prefill", prompt)
+                else:
+                    prompts = make_prompts(batch, cfg.prompt_len, cfg.shape.vocab_size, cfg.seed + rep)
+                    args = ("decode", prompts, cfg.new_tokens if rep >= 0 else 2)
+                try:
+                    run = w.call(*args)
+                except BenchWorkerError as err:
+                    log.warning("%s %s: %s", name, case, err)
+                    break
+                if rep >= 0:
+                    results[(name, case)].runs.append(run)
+    return [r for r in results.values() if r.runs]
+
+
+def paired_ratio(a: CaseResult, b: CaseResult) -> float | None:
+    """Median over repeats of (a tokens/s) / (b tokens/s), pairing the runs made next to each other (the
+    i-th run of every engine is made in the same round), so slow drift of the machine cancels in each pair."""
+    pairs = list(zip(a.tokens_per_s, b.tokens_per_s))
+    return statistics.median(x / y for x, y in pairs) if pairs and all(y > 0 for _, y in pairs) else None
+
+
+def machine_info() -> dict[str, Any]:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"cpu": model, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def measure_bandwidths(checkpoint: Path) -> dict[str, float]:
+    shards = sorted(checkpoint.glob("*.safetensors"))
+    return {"memory_bytes_per_s": probes.memory_bandwidth(),
+            "disk_bytes_per_s": probes.disk_read_bandwidth(shards)}

@@ -1,0 +1,146 @@
+"""Named synthetic benchmark shapes: Qwen3-MoE configurations with random weights, sized for a purpose.
+
+A shape knows its Hugging Face config and every tensor name and shape of the checkpoint it implies, so the
+synthetic writer, the ceiling arithmetic and the peers all agree on one description of the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from moeserve.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """A Qwen3-MoE shape (every layer sparse, untied head, per-head q/k norm)."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_experts: int
+    moe_intermediate_size: int
+    top_k: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    purpose: str = ""
+
+    def hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
+        """config.json as transformers writes it for Qwen3MoeForCausalLM."""
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": 4 * self.moe_intermediate_size,  # dense MLP size (unused: every layer is MoE)
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+            "initializer_range": 0.02,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "dtype": dtype,
+        }
+
+    # ------------------------------------------------------------------------------------------ tensors
+    def layer_tensors(self, layer: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every tensor of decoder layer `layer`, experts last."""
+        h, d, i = self.hidden_size, self.head_dim, self.moe_intermediate_size
+        p = f"model.layers.{layer}."
+        out: list[tuple[str, tuple[int, ...]]] = [
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+            (p + "self_attn.q_proj.weight", (self.num_heads * d, h)),
+            (p + "self_attn.k_proj.weight", (self.num_kv_heads * d, h)),
+            (p + "self_attn.v_proj.weight", (self.num_kv_heads * d, h)),
+            (p + "self_attn.o_proj.weight", (h, self.num_heads * d)),
+            (p + "self_attn.q_norm.weight", (d,)),
+            (p + "self_attn.k_norm.weight", (d,)),
+            (p + "mlp.gate.weight", (self.num_experts, h)),
+        ]
+        for e in range(self.num_experts):
+            q = f"{p}mlp.experts.{e}."
+            out += [(q + "gate_proj.weight", (i, h)), (q + "up_proj.weight", (i, h)), (q + "down_proj.weight", (h, i))]
+        return out
+
+    def outer_tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Embeddings, final norm and LM head."""
+        v, h = self.vocab_size, self.hidden_size
+        return [("model.embed_tokens.weight", (v, h)), ("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+
+    # ------------------------------------------------------------------------------------ element counts
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one expert (gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention projections (norm vectors excluded)."""
+        h, d = self.hidden_size, self.head_dim
+        return h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
+
+    @property
+    def layer_dense_params(self) -> int:
+        """Per-layer parameters that every token reads: attention, router, norms."""
+        return self.attention_params + self.num_experts * self.hidden_size + 2 * self.hidden_size + 2 * self.head_dim
+
+    @property
+    def total_params(self) -> int:
+        outer = 2 * self.vocab_size * self.hidden_size + self.hidden_size
+        return outer + self.num_layers * (self.layer_dense_params + self.num_experts * self.expert_params)
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_layers * self.num_experts
+
+
+# The shapes `moeserve bench --shape` accepts. "small" is the issue's reference model (~1.8 GB in bf16);
+# "large" has ~7 GB of experts, several times the expert cache the benchmark gives it by default.
+SHAPES: dict[str, BenchShape] = {
+    s.name: s
+    for s in (
+        BenchShape("tiny", hidden_size=64, num_layers=2, num_experts=8, moe_intermediate_size=32, top_k=2,
+                   vocab_size=256, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                   purpose="CI smoke test (~0.2 MB)"),
+        BenchShape("small", hidden_size=1024, num_layers=16, num_experts=32, moe_intermediate_size=512, top_k=4,
+                   vocab_size=32000, num_heads=16, num_kv_heads=4, head_dim=64,
+                   purpose="resident decode (~1.8 GB bf16)"),
+        BenchShape("large", hidden_size=1536, num_layers=24, num_experts=64, moe_intermediate_size=512, top_k=4,
+                   vocab_size=32000, num_heads=24, num_kv_heads=4, head_dim=64,
+                   purpose="offloaded decode (~7.5 GB bf16, experts >= 4x the default bench cache)"),
+    )
+}
+
+# Expert cache the benchmark gives each shape unless --expert-cache-gb says otherwise (None = all resident).
+DEFAULT_EXPERT_CACHE_GB: dict[str, float | None] = {"tiny": None, "small": None, "large": 1.5}
+
+
+def get_shape(name: str) -> BenchShape:
+    """The named shape, or ConfigError listing the valid names."""
+    try:
+        return SHAPES[name]
+    except KeyError:
+        raise ConfigError(f"unknown benchmark shape '{name}' (valid: {', '.join(SHAPES)})") from None

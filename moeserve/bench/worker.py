@@ -1,0 +1,96 @@
+"""Each engine under test lives in its own process, loaded once and driven over a pipe.
+
+Separate processes keep the engines from sharing an allocator, threads or page cache accounting, and give each
+its own peak RSS (VmHWM). The runner alternates calls between workers (A B A B) while the idle ones wait.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import asdict
+from multiprocessing.connection import Connection
+from typing import Any
+
+from moeserve.errors import MoeserveError
+
+
+class BenchWorkerError(MoeserveError):
+    """An engine failed inside its worker process."""
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _serve(conn: Connection, engine_name: str, kwargs: dict[str, Any]) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    from moeserve.bench.engines import ENGINE_CLASSES
+
+    try:
+        engine = ENGINE_CLASSES[engine_name](**kwargs)
+        conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes(), "name": engine.name}))
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
+        conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"))
+        return
+    while True:
+        msg = conn.recv()
+        if msg[0] == "close":
+            engine.close()
+            conn.send(("ok", None))
+            return
+        try:
+            method, args = msg
+            timing = getattr(engine, method)(*args)
+            result = asdict(timing)
+            result["peak_rss_bytes"] = peak_rss_bytes()
+            conn.send(("ok", result))
+        except Exception as err:  # noqa: BLE001
+            conn.send(("error", f"{type(err).__name__}: {err}"))
+
+
+class Worker:
+    """A handle on one engine's process: `call("decode", prompts, n)` returns the Timing as a dict."""
+
+    def __init__(self, engine_name: str, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, engine_name, kwargs), daemon=True)
+        self.process.start()
+        child.close()
+        info = self._receive()
+        self.name: str = info["name"]
+        self.load_peak_rss_bytes: int = info["peak_rss_bytes"]
+
+    def _receive(self) -> Any:
+        try:
+            status, payload = self.conn.recv()
+        except EOFError:
+            self.process.join(5)
+            raise BenchWorkerError(f"benchmark worker died (exit code {self.process.exitcode}); "
+                                   "rerun with --debug, or check free memory") from None
+        if status != "ok":
+            raise BenchWorkerError(str(payload).splitlines()[0])
+        return payload
+
+    def call(self, method: str, *args: Any) -> dict[str, Any]:
+        self.conn.send((method, args))
+        return self._receive()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("close",))
+                self.conn.recv()
+            except (EOFError, BrokenPipeError, OSError):
+                pass
+            self.process.join(30)
+        if self.process.is_alive():
+            self.process.terminate()

@@ -1,0 +1,86 @@
+"""`moeserve bench`: build a synthetic model (cached), probe the machine, time moeserve and its peers side by side."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from moeserve.errors import ConfigError
+
+log = logging.getLogger("moeserve.bench")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from moeserve.bench.runner import CASES, PEERS
+    from moeserve.bench.shapes import SHAPES
+
+    p = sub.add_parser("bench", help="benchmark decode and prefill against the hardware ceiling and peers",
+                       description="Build (once, cached) a synthetic Qwen3-MoE of a named shape, measure memory "
+                       "and disk bandwidth, and time moeserve and its peers alternately on the same prompts.")
+    shapes = ", ".join(f"{s.name} ({s.purpose})" for s in SHAPES.values())
+    p.add_argument("--shape", default="small", choices=list(SHAPES), help=f"model shape: {shapes}")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    p.add_argument("--peers", default="transformers,llama.cpp",
+                   help=f"comma-separated, of: {', '.join(PEERS)}; or 'none'")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decode")
+    p.add_argument("--prefill-len", type=int, default=256, help="prompt tokens of the prefill case")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine and case (after one warm-up)")
+    p.add_argument("--expert-cache-gb", type=float, default=None,
+                   help="expert cache for moeserve (and accelerate's CPU budget); default per shape")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"], help="moeserve's on-load quantization")
+    p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="where synthetic models are cached "
+                   "(default ~/.cache/moeserve/bench)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
+    p.add_argument("--build-only", action="store_true", help="build the synthetic model and exit")
+    p.set_defaults(func=run)
+
+
+def _csv(value: str, valid: tuple[str, ...], what: str) -> tuple[str, ...]:
+    items = tuple(v.strip() for v in value.split(",") if v.strip() and v.strip() != "none")
+    bad = [v for v in items if v not in valid]
+    if bad:
+        raise ConfigError(f"unknown {what} '{bad[0]}' (valid: {', '.join(valid)})")
+    return items
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeserve.bench import report, runner
+    from moeserve.bench.shapes import DEFAULT_EXPERT_CACHE_GB, get_shape
+    from moeserve.bench.synth import default_cache_dir, ensure_checkpoint
+
+    shape = get_shape(args.shape)
+    cases = _csv(args.cases, runner.CASES, "case")
+    peers = _csv(args.peers, runner.PEERS, "peer")
+    if args.tokens < 1 or args.repeats < 1:
+        raise ConfigError("--tokens and --repeats must be at least 1")
+    cache_dir = args.cache_dir or default_cache_dir()
+    log.info("model: synthetic %s (%.2f GB bf16) in %s", shape.name, shape.total_params * 2 / 1e9, cache_dir)
+    checkpoint = ensure_checkpoint(shape, cache_dir)
+    if args.build_only:
+        print(checkpoint)
+        return 0
+    cache_gb = args.expert_cache_gb if args.expert_cache_gb is not None else DEFAULT_EXPERT_CACHE_GB[shape.name]
+    cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
+                             args.repeats, cache_gb, args.quantization, args.threads)
+    before = runner.measure_bandwidths(checkpoint)
+    workers, skipped = runner.start_engines(cfg, cache_dir)
+    try:
+        load_rss = {w.name: w.load_peak_rss_bytes for w in workers.values()}
+        results = runner.run_cases(cfg, workers)
+    finally:
+        for w in workers.values():
+            w.close()
+    after = runner.measure_bandwidths(checkpoint)
+    # Best of before and after: the ceiling is what the hardware gives when undisturbed.
+    bandwidths = {k: max(before[k], after[k]) for k in before}
+    bandwidths.update({f"{k}_before": before[k] for k in before} | {f"{k}_after": after[k] for k in after})
+    summary = report.summarize(cfg, results, skipped, bandwidths, runner.machine_info(), load_rss)
+    print(report.format_table(summary))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2))
+        log.info("wrote %s", args.json)
+    return 0

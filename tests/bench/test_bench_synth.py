@@ -1,0 +1,82 @@
+"""The synthetic checkpoint writer: real HF layout (transformers loads it and agrees with moeserve), cached,
+deterministic; the GGUF export holds the same weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moeserve.bench.shapes import SHAPES, get_shape
+from moeserve.bench.synth import ensure_checkpoint, synthetic_tensor
+from moeserve.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return ensure_checkpoint(SHAPES["tiny"], tmp_path_factory.mktemp("bench_cache"))
+
+
+def test_checkpoint_reads_back_with_safetensors(tiny_dir):
+    from safetensors import safe_open
+
+    index = json.loads((tiny_dir / "model.safetensors.index.json").read_text())
+    names = [n for n, _ in SHAPES["tiny"].outer_tensors()] + [n for n, _ in SHAPES["tiny"].layer_tensors(1)]
+    assert set(names) <= set(index["weight_map"])
+    for name in names[:5] + names[-3:]:
+        with safe_open(str(tiny_dir / index["weight_map"][name]), "pt") as f:
+            t = f.get_tensor(name)
+        assert t.dtype == torch.bfloat16
+        assert torch.equal(t, synthetic_tensor(name, tuple(t.shape), torch.bfloat16, 0))
+
+
+def test_cache_is_reused_and_deterministic(tiny_dir):
+    shard = sorted(tiny_dir.glob("*.safetensors"))[1]
+    mtime = shard.stat().st_mtime_ns
+    again = ensure_checkpoint(SHAPES["tiny"], tiny_dir.parent)
+    assert again == tiny_dir and shard.stat().st_mtime_ns == mtime
+    a = synthetic_tensor("model.layers.0.mlp.gate.weight", (8, 64), torch.bfloat16, 0)
+    b = synthetic_tensor("model.layers.1.mlp.gate.weight", (8, 64), torch.bfloat16, 0)
+    assert torch.equal(a, synthetic_tensor("model.layers.0.mlp.gate.weight", (8, 64), torch.bfloat16, 0))
+    assert not torch.equal(a, b)
+
+
+def test_transformers_loads_it_and_greedy_tokens_match_moeserve(tiny_dir):
+    transformers = pytest.importorskip("transformers")
+    from moeserve.engine.llm import LLM
+    from moeserve.engine.sampling_params import SamplingParams
+
+    prompt = [5, 17, 42, 99, 7]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32)
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+    llm = LLM(str(tiny_dir), skip_tokenizer_init=True, dtype="float32")
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert list(got[0].outputs[0].token_ids) == want
+
+
+@pytest.mark.parametrize("kind", ["bf16", "q8_0"])
+def test_gguf_holds_the_same_weights(tiny_dir, kind):
+    gguf = pytest.importorskip("gguf")
+    from moeserve.bench.gguf_export import ensure_gguf
+
+    reader = gguf.GGUFReader(ensure_gguf(tiny_dir, SHAPES["tiny"], kind))
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 3 + 2 * 12
+    down = tensors["blk.1.ffn_down_exps.weight"]
+    assert list(down.shape) == [32, 64, 8]  # GGUF order: (I, H, E)
+    values = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type).copy()).float()  # [E, H, I]
+    want = synthetic_tensor("model.layers.1.mlp.experts.3.down_proj.weight", (64, 32), torch.bfloat16, 0).float()
+    if kind == "bf16":
+        assert torch.equal(values[3], want)
+    else:  # Q8_0: one fp16 scale per 32 values; error half a step, plus up to 127 x the scale's fp16 rounding
+        step = want.abs().amax(dim=-1, keepdim=True) / 127
+        assert ((values[3] - want).abs() <= step * (0.5 + 127 * 2**-11) + 1e-6).all()
+        assert not torch.equal(values[3], want)
+    norm = tensors["blk.0.attn_norm.weight"]
+    assert norm.tensor_type == gguf.GGMLQuantizationType.F32
+
+
+def test_unknown_shape_is_a_config_error():
+    with pytest.raises(ConfigError, match="valid: tiny"):
+        get_shape("huge")

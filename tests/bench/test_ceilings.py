@@ -1,0 +1,75 @@
+"""Ceiling arithmetic against answers computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.bench import ceilings
+from moeserve.bench.report import step_bytes_from_store
+from moeserve.bench.runner import BenchConfig, CaseResult, paired_ratio
+from moeserve.bench.shapes import SHAPES
+
+
+def test_shape_parameter_counts_by_hand():
+    tiny = SHAPES["tiny"]  # H=64, d=16, 4 heads, 2 kv heads, 8 experts of 32, 2 layers, vocab 256
+    assert tiny.attention_params == 64 * 64 + 32 * 64 + 32 * 64 + 64 * 64  # q, k, v, o = 12288
+    assert tiny.expert_params == 3 * 64 * 32  # 6144
+    assert tiny.layer_dense_params == 12288 + 8 * 64 + 2 * 64 + 2 * 16  # + router + 2 norms + q/k norm = 12960
+    # embed + lm_head + final norm + 2 layers x (dense + 8 experts)
+    assert tiny.total_params == 2 * 256 * 64 + 64 + 2 * (12960 + 8 * 6144)
+
+
+def test_small_shape_is_the_issue_reference_model():
+    small = SHAPES["small"]
+    assert (small.hidden_size, small.num_layers, small.num_experts, small.moe_intermediate_size,
+            small.top_k, small.vocab_size) == (1024, 16, 32, 512, 4, 32000)
+    assert 1.7e9 < small.total_params * 2 < 1.9e9  # ~1.8 GB in bf16
+
+
+def test_dense_bytes_per_step_by_hand():
+    # 2 layers x 12960 + lm_head 256x64 + final norm 64 + one embedding row 64 = 42432 params, x2 bytes
+    assert ceilings.dense_bytes_per_step(SHAPES["tiny"], 2) == 84864
+    # a batch of 3 reads 3 embedding rows
+    assert ceilings.dense_bytes_per_step(SHAPES["tiny"], 2, batch=3) == 84864 + 2 * 64 * 2
+
+
+def test_expected_unique_experts_by_hand():
+    assert ceilings.expected_unique_experts(4, 2, 1) == pytest.approx(2.0)  # one token: exactly top_k
+    assert ceilings.expected_unique_experts(4, 2, 2) == pytest.approx(3.0)  # 4 * (1 - (1/2)^2)
+    assert ceilings.expected_unique_experts(8, 8, 5) == pytest.approx(8.0)  # every expert, every time
+
+
+def test_resident_step_bytes_small_batch1():
+    step = ceilings.resident_step_bytes(SHAPES["small"], 2, batch=1)
+    assert step.expert_bytes_fast == pytest.approx(16 * 4 * 3 * 1024 * 512 * 2)  # 201,326,592
+    assert step.expert_bytes_disk == 0
+
+
+def test_ceiling_memory_only_and_with_disk():
+    # 1 GB from memory at 10 GB/s: 0.1 s per token -> 10 tokens/s
+    assert ceilings.tokens_per_second_ceiling(ceilings.StepBytes(10**9, 0, 0), 10e9) == pytest.approx(10.0)
+    # 2 GB from memory (0.2 s) + 0.5 GB from disk at 1 GB/s (0.5 s) = 0.7 s per step of 7 tokens -> 10 tokens/s
+    step = ceilings.StepBytes(10**9, 10**9, 5 * 10**8)
+    assert ceilings.tokens_per_second_ceiling(step, 10e9, 1e9, tokens_per_step=7) == pytest.approx(10.0)
+    with pytest.raises(ValueError):
+        ceilings.tokens_per_second_ceiling(step, 10e9, None)
+    assert ceilings.fraction_of_ceiling(8.5, 10.0) == pytest.approx(0.85)
+
+
+def test_step_bytes_from_store_counters_by_hand():
+    cfg = BenchConfig(SHAPES["tiny"], checkpoint=None)  # type: ignore[arg-type]
+    # 2 steps, 6 hits + 2 misses: 4 distinct experts per step, a quarter of them from disk.
+    step = step_bytes_from_store(cfg, 2.0, 1, {"hits": 6, "misses": 2}, steps=2)
+    expert_bytes = 4 * 6144 * 2  # 49152 per step
+    assert step.expert_bytes_fast == pytest.approx(expert_bytes * 0.75)
+    assert step.expert_bytes_disk == pytest.approx(expert_bytes * 0.25)
+    assert step.dense_bytes == 84864
+
+
+def test_paired_ratio_is_median_of_adjacent_pairs():
+    def result(tps: list[float]) -> CaseResult:
+        return CaseResult("x", "decode-b1", [{"tokens": t, "seconds": 1.0} for t in tps])
+
+    # pairs: 10/5=2, 20/5=4, 30/10=3 -> median 3 (the ratio of medians would be 20/5 = 4)
+    assert paired_ratio(result([10, 20, 30]), result([5, 5, 10])) == pytest.approx(3.0)
+    assert paired_ratio(result([]), result([1])) is None
