@@ -52,7 +52,8 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(_prompt_input(prompt), p))
+                text = prompt.get("prompt") if isinstance(prompt, dict) else None
+                ids.append(self.engine.add_request(_prompt_input(prompt), p, prompt_text=text))
             return self._run(ids)
         except BaseException:
             for rid in ids:

@@ -212,14 +212,16 @@ class LLMEngine:
         return writer
 
     # ------------------------------------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a prompt (text, or token ids). Raises RequestError if it cannot be served."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_text: str | None = None) -> str:
+        """Queue a prompt (text, or token ids with optionally the text they came from, for reporting).
+        Raises RequestError if it cannot be served."""
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", param="request_id")
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) else prompt_text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("text prompts need a tokenizer (skip_tokenizer_init=True was set): "

@@ -1,0 +1,77 @@
+"""`moeserve generate MODEL --prompt TEXT`: one-shot generation, printed to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moeserve.cli.common import (
+    add_engine_arguments,
+    add_model_argument,
+    add_sampling_arguments,
+    engine_settings,
+    sampling_params,
+)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a completion for a prompt")
+    add_model_argument(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable: prompts run as one batch)")
+    src.add_argument("--prompt-token-ids", help="comma-separated token ids (works without a tokenizer)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--json", action="store_true", help="print results as JSON lines")
+    p.add_argument("--stats", action="store_true", help="print expert-cache statistics after generating")
+    add_sampling_arguments(p)
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeserve.engine.llm import LLM
+
+    settings = engine_settings(args)
+    llm = LLM(**settings.model_dump())
+    params = sampling_params(args)
+    if args.prompt_token_ids:
+        try:
+            ids = [int(t) for t in args.prompt_token_ids.split(",") if t.strip()]
+        except ValueError:
+            print("error: --prompt-token-ids takes comma-separated integers", file=sys.stderr)
+            return 2
+        outputs = llm.generate({"prompt_token_ids": ids}, params)
+    else:
+        prompts = args.prompt or ["Once upon a time"]
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
+    for out in outputs:
+        for sample in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "text": sample.text, "token_ids": sample.token_ids,
+                                  "finish_reason": sample.finish_reason}))
+            else:
+                print(f"{out.prompt or ''}{sample.text}" if not args.chat else sample.text)
+            if args.logprobs is not None and sample.logprobs:
+                for step, lp in enumerate(sample.logprobs):
+                    chosen = sample.token_ids[step]
+                    tops = ", ".join(f"{v.decoded_token!r}:{v.logprob:.3f}" for _, v in
+                                     sorted(lp.items(), key=lambda kv: kv[1].rank))
+                    print(f"  [{step}] {chosen} {lp[chosen].logprob:.4f} | {tops}")
+    if args.stats:
+        print(_stats_text(llm))
+    return 0
+
+
+def _stats_text(llm) -> str:  # noqa: ANN001
+    from moeserve.experts import store as store_mod
+
+    formatter = getattr(store_mod, "format_stats", None)
+    stats = llm.stats
+    if formatter is not None:
+        return str(formatter(stats))
+    return (f"expert cache: hits {stats.hits}, misses {stats.misses}, hit rate {stats.hit_rate:.3f}, "
+            f"bytes read {stats.bytes_read}")
