@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from pydantic import ValidationError
 
 from moeserve.config import (
     EngineSettings,
@@ -44,7 +45,7 @@ def test_invalid_value_is_one_line() -> None:
 
 def test_settings_are_frozen() -> None:
     s = build_settings(EngineSettings, {}, environ={})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         s.dtype = "float32"  # type: ignore[misc]
 
 
