@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -154,3 +155,6 @@ class DrainingServer(uvicorn.Server):
             log.info("shutting down: no new requests; waiting up to %gs for %d in flight",
                      self.state.settings.shutdown_timeout, self.state.engine.num_in_flight)
         super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals after shutdown (the process would die "by SIGTERM"); a completed
+        # drain is a clean exit, so SIGTERM ends with status 0.
+        self._captured_signals = [s for s in self._captured_signals if s != signal.SIGTERM]
