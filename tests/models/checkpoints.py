@@ -26,7 +26,12 @@ GPT_OSS_TINY: dict[str, Any] = dict(
     head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=300, sliding_window=4,
     max_position_embeddings=512, initializer_range=0.08,
 )  # fmt: skip
-GPT_OSS_NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+GPT_OSS_NOT_CONVERTED = [
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+]
 
 # StoredWeights: checkpoint tensors of one quantized Linear, keyed by full name.
 Quantizer = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
@@ -58,7 +63,9 @@ def write_gpt_oss_mxfp4(src: Path, folder: Path) -> Path:
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2).contiguous())  # [E, out, in]: rows = outputs
+            blocks, scales = quantize_mxfp4(
+                tensor.transpose(1, 2).contiguous()
+            )  # [E, out, in]: rows = outputs
             out[name + "_blocks"], out[name + "_scales"] = blocks, scales
         else:
             out[name] = tensor
@@ -76,8 +83,13 @@ def is_quantized_linear(name: str) -> bool:
     return name.endswith("_proj.weight")
 
 
-def quantize_checkpoint(src: Path, folder: Path, quantize: Quantizer, quant_config: dict[str, Any] | None,
-                        extra_files: dict[str, Any] | None = None) -> Path:
+def quantize_checkpoint(
+    src: Path,
+    folder: Path,
+    quantize: Quantizer,
+    quant_config: dict[str, Any] | None,
+    extra_files: dict[str, Any] | None = None,
+) -> Path:
     """Copy `src` with every `is_quantized_linear` weight replaced by `quantize(module prefix, weight)`."""
     state = load_file(src / "model.safetensors")
     out: dict[str, torch.Tensor] = {}
@@ -92,20 +104,25 @@ def quantize_checkpoint(src: Path, folder: Path, quantize: Quantizer, quant_conf
     return folder
 
 
-def dequantized_reference(src: Path, quantized: Path, folder: Path, reference: Reference) -> Path:
+def dequantized_reference(
+    src: Path, quantized: Path, folder: Path, reference: Reference, dtype: torch.dtype = torch.bfloat16
+) -> Path:
     """`src` with each quantized Linear replaced by `reference`'s dequantization of the stored bytes in
-    `quantized` (bf16), written under the original names so transformers loads it as an ordinary model."""
+    `quantized` (cast to `dtype`), written under the original names so transformers loads it as an ordinary
+    model."""
     stored = load_file(quantized / "model.safetensors")
     state = load_file(src / "model.safetensors")
     for name in list(state):
         if is_quantized_linear(name):
             prefix = name.removesuffix(".weight")
             mine = {k: v for k, v in stored.items() if k.rsplit(".", 1)[0] == prefix}
-            state[name] = reference(prefix, mine).to(torch.bfloat16).contiguous()
+            state[name] = reference(prefix, mine).to(dtype).contiguous()
     return _write(src, folder, state, None)
 
 
-def _write(src: Path, folder: Path, state: dict[str, torch.Tensor], quant_config: dict[str, Any] | None) -> Path:
+def _write(
+    src: Path, folder: Path, state: dict[str, torch.Tensor], quant_config: dict[str, Any] | None
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
@@ -138,7 +155,10 @@ def nvfp4_ct_quantize(prefix: str, weight: torch.Tensor) -> dict[str, torch.Tens
     scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=global_scale)
     state = {"weight": weight, "weight_scale": scale, "weight_global_scale": global_scale}
     compressed = NVFP4PackedCompressor.compress(state, scheme)
-    return {f"{prefix}.{role}": compressed[role] for role in ("weight_packed", "weight_scale", "weight_global_scale")}
+    return {
+        f"{prefix}.{role}": compressed[role]
+        for role in ("weight_packed", "weight_scale", "weight_global_scale")
+    }
 
 
 def nvfp4_ct_reference(prefix: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -172,8 +192,9 @@ def nvfp4_modelopt_reference(prefix: str, stored: dict[str, torch.Tensor]) -> to
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor
 
     roles = {k.rsplit(".", 1)[1]: v for k, v in stored.items()}
-    tensor = NVFP4Tensor(roles["weight"], roles["weight_scale"], 16, torch.bfloat16,
-                         per_tensor_scale=roles["weight_scale_2"])
+    tensor = NVFP4Tensor(
+        roles["weight"], roles["weight_scale"], 16, torch.bfloat16, per_tensor_scale=roles["weight_scale_2"]
+    )
     return tensor.dequantize(torch.bfloat16)
 
 
