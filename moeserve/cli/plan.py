@@ -1,0 +1,152 @@
+"""`moeserve plan MODEL [--memory-gb N]`: will it fit, how, and how fast can it go? Loads no weights.
+
+Reads config.json and the shard headers, sizes resident weights, KV cache and expert tiers, probes RAM and disk
+bandwidth for a fraction of a second (skip with --no-probe), and prints the decode speed ceilings that follow.
+Refuses (exit 1, one line) when even the resident part does not fit in --memory-gb.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from moeserve.cli.common import add_engine_arguments, add_model_argument, engine_settings
+from moeserve.config import EngineSettings
+from moeserve.memory.plan import MemoryPlan, ModelFootprint, decode_ceiling, make_plan
+
+MiB = 2**20
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print the memory plan and speed ceilings of a model (loads nothing)")
+    add_model_argument(p)
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="total memory moeserve may use, GiB (default: size the expert cache from free memory)")
+    p.add_argument("--no-probe", action="store_true", help="skip the RAM/disk bandwidth probes")
+    add_engine_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moeserve.checkpoint.folder import open_checkpoint
+    from moeserve.engine.llm_engine import demo_model_path
+    from moeserve.memory.topology import detect_topology
+    from moeserve.models.registry import get_architecture
+
+    s = engine_settings(args)
+    ckpt = open_checkpoint(s.model or str(demo_model_path()))
+    where = str(ckpt.path / "config.json")
+    arch = get_architecture(ckpt.config, where)
+    spec = arch.spec(ckpt.config, where)
+    device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    footprint, dtype_name, max_len, expert_refs = _footprint(ckpt, arch, spec, s)
+    topology = detect_topology(device)
+    plan = make_plan(footprint, args.memory_gb, s.expert_cache_gb, s.host_cache_gb, device.type, topology.unified,
+                     topology.fast_free_bytes)
+    print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
+    print(f"memory: {topology.reason}")
+    for line in _sizes(plan, s, max_len):
+        print(line)
+    fast_bw = host_bw = disk_bw = None
+    if not args.no_probe:
+        from moeserve.memory.bandwidth import (
+            disk_read_bandwidth,
+            host_to_device_bandwidth,
+            ram_copy_bandwidth,
+        )
+
+        ram = ram_copy_bandwidth()
+        disk = disk_read_bandwidth(expert_refs)
+        fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
+        disk_bw = disk.bytes_per_s if disk is not None else None
+        if device.type == "cuda" and not topology.unified:  # pragma: no cover - needs a GPU
+            host_bw = host_to_device_bandwidth(device).bytes_per_s
+        print(f"bandwidth: RAM copy {ram.gb_per_s:.1f} GB/s"
+              + (f"; disk read {disk.gb_per_s:.2f} GB/s (cold, {disk.nbytes / MiB:.0f} MiB{_note(disk.note)})"
+                 if disk is not None else "")
+              + (f"; host->GPU {host_bw / 1e9:.1f} GB/s" if host_bw else ""))
+    for line in _ceilings(plan, fast_bw, host_bw, disk_bw, device.type):
+        print(line)
+    ckpt.close()
+    return 0
+
+
+def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
+    """(ModelFootprint, dtype name, max_model_len, expert TensorRefs) as the engine would choose them."""
+    from moeserve.engine.kv_cache import KVCache
+    from moeserve.engine.llm_engine import _CODE_TO_NAME, DEFAULT_MAX_MODEL_LEN_CAP, DTYPES
+    from moeserve.models.model import expert_plan
+
+    dtype_name: str
+    if s.dtype != "auto":
+        dtype_name = s.dtype
+    elif spec.config_dtype in DTYPES:
+        dtype_name = str(spec.config_dtype)
+    else:
+        dtype_name = _CODE_TO_NAME.get(ckpt.stored_dtype(), "bfloat16")
+    dtype = DTYPES[dtype_name]
+    max_len = s.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    plan = expert_plan(ckpt, arch, spec, dtype)
+    refs = [r for fs in plan.sources.values() for f in fs for r in f.refs]
+    expert_ids = {id(r) for r in refs}
+    nonexpert = sum(r.numel * dtype.itemsize for r in ckpt.tensors.values() if id(r) not in expert_ids)
+    kv = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, max_len, spec.attention.num_kv_heads,
+                              spec.attention.head_dim, dtype)
+    first = next(iter(plan.sources.values()))
+    footprint = ModelFootprint(
+        resident_bytes=nonexpert,
+        embed_bytes=spec.vocab_size * spec.hidden_size * dtype.itemsize,
+        hidden_bytes=spec.hidden_size * dtype.itemsize,
+        kv_bytes=kv,
+        unit_nbytes=plan.layout.nbytes,
+        stored_unit_nbytes=sum(r.nbytes for f in first for r in f.refs),
+        num_moe_layers=len(spec.moe_layer_ids),
+        num_experts=spec.moe.num_experts,
+        top_k=spec.moe.top_k,
+    )
+    return footprint, dtype_name, max_len, refs
+
+
+def _sizes(plan: MemoryPlan, s: EngineSettings, max_len: int) -> list[str]:
+    f = plan.footprint
+    from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
+
+    lines = [
+        f"resident weights   {f.resident_bytes / MiB:>10.1f} MiB  (everything but the experts)",
+        f"KV cache           {f.kv_bytes / MiB:>10.1f} MiB  ({s.max_num_seqs} seqs x {max_len} tokens)",
+    ]
+    if plan.memory_bytes is not None:
+        lines.append(f"runtime            {RUNTIME_OVERHEAD_BYTES / MiB:>10.1f} MiB  (interpreter, torch, "
+                     f"activations; of --memory-gb {plan.memory_bytes / 2**30:g})")
+    lines += [
+        f"experts            {f.total_experts * f.unit_nbytes / MiB:>10.1f} MiB  ({f.num_moe_layers} MoE layers x "
+        f"{f.num_experts} experts of {f.unit_nbytes / MiB:.2f} MiB; top-{f.top_k} per token)",
+        f"expert cache       {plan.cache_bytes / MiB:>10.1f} MiB  ({plan.capacity} experts = "
+        f"{plan.experts_per_layer:.1f} per layer of {f.num_experts}): {plan.cache_reason}",
+        f"host tier          {plan.host.cache_bytes / MiB:>10.1f} MiB  ({plan.host.reason})",
+        f"bytes per token: fast tier {plan.fast_bytes_per_token / MiB:.1f} MiB; worst case from host "
+        f"{plan.worst_host_bytes_per_token / MiB:.1f} MiB, from disk {plan.worst_disk_bytes_per_token / MiB:.1f} MiB",
+    ]
+    return lines
+
+
+def _ceilings(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, disk_bw: float | None,
+              device_type: str) -> list[str]:
+    def fmt(x: float | None) -> str:
+        return "not measured" if x is None else f"{x:.1f} tok/s"
+
+    hit = plan.uniform_hit_rate
+    all_hits = decode_ceiling(plan, fast_bw, host_bw, disk_bw, 0.0)
+    uniform = decode_ceiling(plan, fast_bw, host_bw, disk_bw, 1.0 - hit)
+    worst = decode_ceiling(plan, fast_bw, host_bw, disk_bw, 1.0)
+    lines = [f"decode ceiling (batch 1): every expert a hit {fmt(all_hits)}; uniform routing "
+             f"(hit rate {100 * hit:.0f}%) {fmt(uniform)}; every expert missed {fmt(worst)}"]
+    if fast_bw is None and device_type == "cuda":
+        lines.append("  (GPU memory bandwidth is not probed: the ceilings need it)")
+    return lines
+
+
+def _note(note: str) -> str:
+    return f"; {note}" if note else ""
