@@ -193,3 +193,20 @@ def test_describe_formats_reports_groups_and_bytes_per_token(folders) -> None:
     nonexpert = ckpt.total_bytes - experts - ckpt.ref("model.embed_tokens.weight").nbytes
     moe_layers = 2  # 3 layers, layer 1 dense (mlp_only_layers)
     assert report.bytes_per_token == nonexpert + moe_layers * 2 * stored
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4-ct", "gpt-oss-mxfp4"])
+def test_cuda_offloaded_equals_resident_and_matches_cpu_tokens(folders, fmt: str) -> None:
+    """On CUDA the unit (codes, scales, global scales, biases) moves as one copy and is dequantized on device."""
+    folder, _ = folders(fmt)
+    resident = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda")
+    offloaded = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cuda", expert_cache_gb=1e-9)
+    cpu = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", device="cpu")
+    a, b, c = greedy(offloaded), greedy(resident), greedy(cpu)
+    assert offloaded.engine.model.store.stats.misses > 0
+    for x, y, z in zip(a, b, c):
+        assert x.token_ids == y.token_ids == z.token_ids
+        assert [{t: e.logprob for t, e in lp.items()} for lp in x.logprobs] == [
+            {t: e.logprob for t, e in lp.items()} for lp in y.logprobs
+        ]
