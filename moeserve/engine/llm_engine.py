@@ -30,6 +30,7 @@ from moeserve.experts.store import StoreOptions, static_policy_options
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
 from moeserve.memory.topology import detect_topology
+from moeserve.models.expert_plans import int8_expert_plan
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import build_model, expert_plan
 from moeserve.models.registry import get_architecture
@@ -85,7 +86,9 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
-        log.info("experts: %s", plan.description)
+        if s.quantization == "int8":
+            plan = int8_expert_plan(plan, self.dtype)
+        log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
         kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
                                         spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)
         if s.kv_cache_gb is not None and kv_bytes > s.kv_cache_gb * GiB:

@@ -12,6 +12,7 @@ gate_up buffer, each shard dequantized with its own scales (NVFP4 global scales 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -20,11 +21,12 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.checkpoint.safetensors_file import TensorRef
-from moeserve.errors import UnsupportedModelError
+from moeserve.errors import ConfigError, UnsupportedModelError
 from moeserve.experts.store import ExpertWeights
-from moeserve.experts.unit import FieldSources, UnitLayout
+from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
-from moeserve.models.layers import gpt_oss_expert_math, swiglu_expert
+from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
+from moeserve.models.layers import ExpertKernel, gpt_oss_expert_math, swiglu_expert
 from moeserve.models.model import EXPERT_PLANNERS, ExpertPlan, swiglu_expert_plan
 from moeserve.models.quantized import check_dense_shape, checkpoint_scheme
 from moeserve.models.registry import Architecture
@@ -259,3 +261,106 @@ def expert_plan_for(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype
 
 EXPERT_PLANNERS["swiglu"] = swiglu_plan
 EXPERT_PLANNERS["gpt_oss"] = gpt_oss_plan
+
+
+# ------------------------------------------------------------------------------------- on-load int8 (optional)
+class Int8ExpertSource(ExpertSource):
+    """Reads an expert of a 16/32-bit checkpoint through the dense plan, then quantizes every matrix field to
+    int8 with one float32 scale per row, into a unit of the int8 layout. The result is deterministic, so a
+    re-read after eviction gives the same bytes and offloading stays bit-exact."""
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        dense: ExpertPlan,
+        int8_layout: UnitLayout,
+        targets: tuple[tuple[int, int | None], ...],
+    ) -> None:
+        super().__init__(ckpt, int8_layout, dense.sources)
+        self.dense_source = ExpertSource(ckpt, dense.layout, dense.sources)
+        self.targets = (
+            targets  # per dense field: (int8 field index, scale field index or None = copied as is)
+        )
+        self._scratch = torch.empty(dense.layout.nbytes, dtype=torch.uint8)
+        self._scratch_lock = threading.Lock()
+
+    def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
+        with self._scratch_lock:
+            self.dense_source.read_unit(layer, expert, self._scratch)
+            out = self.layout.views(unit_bytes)
+            for dense, (index, scale_index) in zip(
+                self.dense_source.layout.views(self._scratch), self.targets
+            ):
+                if scale_index is None:
+                    out[index].copy_(dense)
+                else:
+                    codes, scale = quantize_int8_per_channel(dense)
+                    out[index].copy_(codes)
+                    out[scale_index].copy_(scale)
+
+
+class Int8Kernel:
+    """Dequantizes the int8 matrices of a unit into reused buffers and runs the dense plan's kernel on them."""
+
+    def __init__(
+        self,
+        dense_kernel: ExpertKernel,
+        dense_layout: UnitLayout,
+        targets: tuple[tuple[int, int | None], ...],
+        dtype: torch.dtype,
+    ) -> None:
+        self.dense_kernel, self.targets, self.dtype = dense_kernel, targets, dtype
+        self.shapes = tuple(f.shape for f in dense_layout.fields)
+        self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
+
+    def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        bufs = self._buffers.get(w[0].device)
+        if bufs is None:
+            bufs = [
+                None if s is None else torch.empty(shape, dtype=self.dtype, device=w[0].device)
+                for shape, (_, s) in zip(self.shapes, self.targets)
+            ]
+            self._buffers[w[0].device] = bufs
+        dense = []
+        for buf, (index, scale_index) in zip(bufs, self.targets):
+            if buf is None or scale_index is None:
+                dense.append(w[index])
+            else:
+                dequantize_int8_per_channel(w[index], w[scale_index], buf)
+                dense.append(buf)
+        return self.dense_kernel(x, tuple(dense))
+
+
+def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype) -> ExpertPlan:
+    """`dense` with every 2-D field held as int8 + per-row float32 scales in every tier (1-D fields, the
+    biases, stay as they are). For `quantization="int8"` on a 16/32-bit checkpoint."""
+    if isinstance(dense.kernel, DequantizingKernel):
+        raise ConfigError(
+            "quantization=int8 quantizes 16/32-bit experts on load, but this checkpoint's experts "
+            "are already quantized: leave quantization at none"
+        )
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    targets: list[tuple[int, int | None]] = []
+    for f in dense.layout.fields:
+        specs.append((f.name, torch.int8 if len(f.shape) == 2 else f.dtype, f.shape))
+        if len(f.shape) == 2:
+            specs.append((f.name + ".scale", torch.float32, (f.shape[0],)))
+            targets.append((len(specs) - 2, len(specs) - 1))
+        else:
+            targets.append((len(specs) - 1, None))
+    layout = UnitLayout.build(specs)
+    frozen_targets = tuple(targets)
+    kernel = Int8Kernel(dense.kernel, dense.layout, frozen_targets, dtype)
+    description = (
+        f"experts quantized on load to int8 with per-row scales, in every cache tier (unit "
+        f"{layout.nbytes / 2**10:.1f} KiB instead of {dense.layout.nbytes / 2**10:.1f} KiB); "
+        f"dequantized at use into reused {str(dtype).removeprefix('torch.')} buffers; "
+        "a miss reads the checkpoint's 16/32-bit expert and quantizes it"
+    )
+    return ExpertPlan(
+        layout,
+        kernel,
+        dense.sources,
+        description,
+        make_source=lambda ckpt: Int8ExpertSource(ckpt, dense, layout, frozen_targets),
+    )

@@ -84,6 +84,13 @@ class ExpertPlan:
     kernel: ExpertKernel
     sources: dict[tuple[int, int], tuple[FieldSources, ...]]
     description: str = "experts in the compute dtype"  # for the start-up log: format in each tier, kernel
+    # Builds the unit reader; None = a plain ExpertSource (stored bytes copied, float dtypes converted).
+    make_source: Callable[[Checkpoint], ExpertSource] | None = None
+
+    def source(self, ckpt: Checkpoint) -> ExpertSource:
+        if self.make_source is not None:
+            return self.make_source(ckpt)
+        return ExpertSource(ckpt, self.layout, self.sources)
 
 
 def swiglu_expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
@@ -161,7 +168,7 @@ def build_model(
     """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier."""
     load = WeightLoader(ckpt, dtype, device, progress)
     names, h = arch.names, spec.hidden_size
-    store = ExpertStore(ExpertSource(ckpt, plan.layout, plan.sources), spec.moe_layer_ids, spec.moe.num_experts,
+    store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
     rotary = Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device)
