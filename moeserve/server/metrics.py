@@ -136,19 +136,29 @@ def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:
     if store is None:
         return []
     layer_stats = list(store.stats.layers.values())  # a copy: the engine thread may add layers meanwhile
-    hits = sum(s.hits for s in layer_stats)
-    misses = sum(s.misses for s in layer_stats)
-    bytes_read = sum(s.bytes_read for s in layer_stats)
-    fast_tier = str(getattr(store, "device", "device"))
+
+    def total(name: str) -> int:
+        return sum(getattr(s, name, 0) for s in layer_stats)
+
+    fast_tier = getattr(getattr(store, "device", None), "type", "device")
     lines: list[str] = []
-    lines += _gauge("expert_cache_hits_total", "Expert lookups served from the fast-tier cache.", hits, labels,
-                    "counter")
-    lines += _gauge("expert_cache_misses_total", "Expert lookups that had to load from a slower tier.", misses,
+    lines += _gauge("expert_cache_hits_total", "Expert lookups served from the fast-tier cache.", total("hits"),
                     labels, "counter")
-    lines += _gauge("expert_bytes_read_total", "Expert bytes loaded into the fast tier, by source tier.",
-                    bytes_read, {**labels, "tier": "disk"}, "counter")
-    lines += _gauge("expert_cache_capacity_bytes", "Bytes of expert slots, by tier.", store.cache_nbytes,
-                    {**labels, "tier": fast_tier})
+    lines += _gauge("expert_cache_misses_total", "Expert lookups that had to load from a slower tier.",
+                    total("misses"), labels, "counter")
+    name = PREFIX + "expert_bytes_loaded_total"
+    lines += [f"# HELP {name} Expert bytes loaded into the fast tier, by the tier they came from.",
+              f"# TYPE {name} counter"]
+    for tier in ("host", "disk"):
+        lines.append(f"{name}{_labels({**labels, 'tier': tier})} {_fmt(total('bytes_from_' + tier))}")
+    name = PREFIX + "expert_cache_capacity_bytes"
+    lines += [f"# HELP {name} Bytes of expert slots, by tier.", f"# TYPE {name} gauge",
+              f"{name}{_labels({**labels, 'tier': fast_tier})} {_fmt(store.cache_nbytes)}"]
+    host_bytes = getattr(store, "host_nbytes", 0)
+    if host_bytes:
+        lines.append(f"{name}{_labels({**labels, 'tier': 'host'})} {_fmt(host_bytes)}")
+    lines += _gauge("expert_prefetched_total", "Expert units loaded ahead of a predicted use.", total("prefetched"),
+                    labels, "counter")
     return lines
 
 

@@ -1,0 +1,67 @@
+"""/metrics: Prometheus text format, token counters equal to usage, latency histograms, expert-cache counters."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
+
+SAMPLE = re.compile(r'^[a-zA-Z_:][a-zA-Z0-9_:]*(\{([a-zA-Z_]+="[^"]*",?)*\})? -?[0-9.e+-]+$|^[a-zA-Z_:].* \+?Inf$')
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Parse the exposition text (asserting every line is well formed): 'name{labels}' -> value."""
+    resp = httpx.get(url + "/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in resp.text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) moeserve:\w+ ", line), line
+            continue
+        assert SAMPLE.match(line), line
+        key, value = line.rsplit(" ", 1)
+        samples[key] = float(value)
+    return samples
+
+
+def total(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k.split("{")[0] == "moeserve:" + name)
+
+
+def test_counters_follow_usage(live_server: ThreadServer) -> None:
+    before = scrape(live_server.url)
+    stream = live_server.client().completions.create(
+        model=MODEL_NAME, prompt="The fox", max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    usage = [c.usage for c in stream if c.usage is not None][0]
+    after = scrape(live_server.url)
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert delta("prompt_tokens_total") == usage.prompt_tokens
+    assert delta("generation_tokens_total") == usage.completion_tokens == 6
+    assert delta("time_to_first_token_seconds_count") == 1
+    assert delta("inter_token_latency_seconds_count") == 5  # one gap between each pair of the 6 tokens
+    assert delta("e2e_request_latency_seconds_count") == 1
+    label = f'moeserve:request_success_total{{finished_reason="length",model_name="{MODEL_NAME}"}}'
+    assert after[label] - before.get(label, 0) == 1
+    assert total(after, "num_requests_running") == 0
+    assert total(after, "expert_cache_hits_total") > total(before, "expert_cache_hits_total")
+
+
+def test_expert_cache_counters_match_the_store(thread_server: Any, tiny_text_model: Path) -> None:
+    # A fast tier far smaller than the experts: every step misses and reads from disk.
+    server: ThreadServer = thread_server(make_state(engine_factory(tiny_text_model, expert_cache_gb=1e-6)))
+    server.client().completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0)
+    samples = scrape(server.url)
+    stats = server.state.llm.model.store.stats
+    assert stats.misses > 0
+    assert total(samples, "expert_cache_misses_total") == stats.misses
+    assert total(samples, "expert_cache_hits_total") == stats.hits
+    disk = f'moeserve:expert_bytes_loaded_total{{model_name="{MODEL_NAME}",tier="disk"}}'
+    assert samples[disk] == stats.bytes_from_disk > 0
