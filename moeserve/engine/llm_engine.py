@@ -33,6 +33,7 @@ from moeserve.memory.topology import detect_topology
 from moeserve.models.expert_plans import int8_expert_plan
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import build_model, expert_plan
+from moeserve.models.quantized import resident_nbytes
 from moeserve.models.registry import get_architecture
 from moeserve.tokenizer import Tokenizer
 
@@ -97,8 +98,7 @@ class LLMEngine:
                 f"{kv_bytes / GiB:.2f} GiB, more than kv_cache_gb={s.kv_cache_gb:g}: "
                 "lower max_model_len or max_num_seqs, or raise kv_cache_gb"
             )
-        expert_refs = {id(r) for fs in plan.sources.values() for f in fs for r in f.refs}
-        nonexpert = sum(r.numel * self.dtype.itemsize for r in ckpt.tensors.values() if id(r) not in expert_refs)
+        nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
         total_experts = len(plan.sources)
         topology = detect_topology(self.device)
         log.info("memory: %s", topology.reason)

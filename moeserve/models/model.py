@@ -28,7 +28,7 @@ from moeserve.models.layers import (
     Rotary,
     swiglu_expert,
 )
-from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense
+from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense, linear_format
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
 
@@ -59,7 +59,7 @@ class WeightLoader:
     def linear_weight(self, prefix: str, out_features: int, in_features: int) -> torch.Tensor:
         """The [out, in] weight of the Linear at `prefix` in the compute dtype; a quantized one (per the
         checkpoint's quantization scheme) is read in its format and dequantized here, once, at load."""
-        fmt = self.scheme.format_for(prefix)
+        fmt = linear_format(self.ckpt, self.scheme, prefix)
         if is_stored_dense(fmt):
             return self.tensor(prefix + ".weight", (out_features, in_features))
         weight, stored_nbytes = dequantize_at_load(self.ckpt, fmt, prefix, (out_features, in_features), self.dtype)

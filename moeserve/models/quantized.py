@@ -9,7 +9,9 @@ its tensors and calls it, never branching on which format it is.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,10 +20,34 @@ from moeserve.errors import CheckpointError
 from moeserve.formats import Format, QuantScheme, load_quant_scheme
 from moeserve.formats.catalog import DenseFormat
 
+_DENSE = DenseFormat()
+
+if TYPE_CHECKING:
+    from moeserve.models.model import ExpertPlan
+
 
 def checkpoint_scheme(ckpt: Checkpoint) -> QuantScheme:
     """The quantization scheme of a checkpoint (config.json quantization_config or hf_quant_config.json)."""
     return load_quant_scheme(ckpt.path)
+
+
+def linear_format(ckpt: Checkpoint, scheme: QuantScheme, prefix: str) -> Format:
+    """The format the Linear at `prefix` is stored in. A module the scheme would quantize but whose checkpoint
+    holds a plain float `weight` and none of the format's other tensors is read as dense: producers leave
+    lm_head and similar output layers unconverted without always listing them (transformers does the same)."""
+    fmt = scheme.format_for(prefix)
+    if is_stored_dense(fmt):
+        return fmt
+    stored = fmt.tensor_names(prefix)
+    plain = ckpt.tensors.get(prefix + ".weight")
+    if (
+        plain is not None
+        and plain.dtype.is_floating_point
+        and plain.dtype.itemsize >= 2
+        and not any(n in ckpt.tensors for n in stored if n != plain.name)
+    ):
+        return _DENSE
+    return fmt
 
 
 def is_stored_dense(fmt: Format) -> bool:
@@ -60,6 +86,34 @@ def dequantize_at_load(
     out = torch.empty(shape, dtype=dtype)
     fmt.dequantize(stored, out)
     return out, sum(r.nbytes for r in refs.values())
+
+
+def expert_tensor_names(plan: ExpertPlan) -> set[str]:
+    """Checkpoint names of the tensors that hold experts (a stacked tensor once, whatever slices it gives)."""
+    # Row slices are named "<tensor>[<expert>]" (TensorRef.row_slice).
+    return {r.name.partition("[")[0] for fs in plan.sources.values() for f in fs for r in f.refs}
+
+
+def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> int:
+    """Bytes the non-expert weights take once loaded in `dtype`: quantized Linears count at their dequantized
+    size (they are dequantized at load), every other tensor at its element count times the dtype size."""
+    scheme = checkpoint_scheme(ckpt)
+    experts = expert_tensor_names(plan)
+    total, seen_modules = 0, set()
+    for name, ref in ckpt.tensors.items():
+        if name in experts:
+            continue
+        module = _quantized_module(scheme, name, ckpt.tensors)
+        if module is None:
+            total += ref.numel * dtype.itemsize
+        elif module not in seen_modules:
+            seen_modules.add(module)
+            fmt = scheme.format_for(module)
+            numel = 1
+            for d in fmt.dequantized_shape(meta_tensors(ckpt, fmt, module)):
+                numel *= d
+            total += numel * dtype.itemsize
+    return total
 
 
 @dataclass(frozen=True)
@@ -101,12 +155,12 @@ def describe_formats(ckpt: Checkpoint) -> FormatReport:
     spec = arch.spec(ckpt.config, where)
     groups: dict[tuple[str, str], list[int]] = {}
     for name, ref in ckpt.tensors.items():
-        key = (_INDEX.sub(".*", name), _format_of(scheme, name, ref.dtype_code))
+        key = (_INDEX.sub(".*", name), _format_of(scheme, name, ref.dtype_code, ckpt.tensors))
         entry = groups.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += ref.nbytes
     plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)
-    expert_names = {r.name.split("[")[0] for fs in plan.sources.values() for f in fs for r in f.refs}
+    expert_names = expert_tensor_names(plan)
     one_expert = sum(r.nbytes for f in next(iter(plan.sources.values())) for r in f.refs)
     nonexpert = sum(
         r.nbytes for n, r in ckpt.tensors.items() if n not in expert_names and n != arch.names.embed
@@ -118,12 +172,22 @@ def describe_formats(ckpt: Checkpoint) -> FormatReport:
     return FormatReport(rows, scheme.method, one_expert, per_token)
 
 
-def _format_of(scheme: QuantScheme, name: str, dtype_code: str) -> str:
+def _format_of(scheme: QuantScheme, name: str, dtype_code: str, names: Collection[str]) -> str:
+    module = _quantized_module(scheme, name, names)
+    return dtype_code if module is None else scheme.format_for(module).name
+
+
+def _quantized_module(scheme: QuantScheme, name: str, names: Collection[str]) -> str | None:
+    """The quantized module whose stored tensors (all present in `names`) include `name`, or None."""
     for module in _candidate_modules(name):
         fmt = scheme.format_for(module)
-        if not is_stored_dense(fmt) and name in fmt.tensor_names(module):
-            return fmt.name
-    return dtype_code
+        if is_stored_dense(fmt):
+            continue
+        stored = fmt.tensor_names(module)
+        # "embed_tokens.weight" is named like a ModelOpt/FP8 weight, but without its scales it is a plain tensor.
+        if name in stored and all(n in names for n in stored):
+            return module
+    return None
 
 
 def _candidate_modules(name: str) -> list[str]:

@@ -21,6 +21,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.errors import UnsupportedModelError
 from moeserve.models.expert_plans import DequantizingKernel
+from moeserve.models.model import expert_plan
 from moeserve.models.quantized import describe_formats
 from tests.models import checkpoints as C
 
@@ -210,3 +211,28 @@ def test_cuda_offloaded_equals_resident_and_matches_cpu_tokens(folders, fmt: str
         assert [{t: e.logprob for t, e in lp.items()} for lp in x.logprobs] == [
             {t: e.logprob for t, e in lp.items()} for lp in y.logprobs
         ]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_resident_estimate_equals_what_the_loader_holds(folders, fmt: str) -> None:
+    """The budget's non-expert bytes count quantized Linears at their dequantized size, experts not at all."""
+    from moeserve.models.quantized import resident_nbytes
+
+    folder, _ = folders(fmt)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    engine = llm.engine
+    plan = expert_plan(engine.checkpoint, engine.arch, engine.spec, torch.bfloat16)
+    assert resident_nbytes(engine.checkpoint, plan, torch.bfloat16) == engine.model.resident_bytes
+
+
+def test_unlisted_plain_lm_head_is_read_as_stored(folders, copy_checkpoint) -> None:
+    """FP8 configs may omit lm_head from modules_to_not_convert; a plain bf16 lm_head is still read as is."""
+    folder = copy_checkpoint(folders("fp8-block")[0])
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["mlp.gate"]
+    (folder / "config.json").write_text(json.dumps(config))
+    model = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16").engine.model
+    assert "lm_head" not in model.dequantized_linears
+    assert "model.layers.0.self_attn.q_proj" in model.dequantized_linears
+    ckpt = open_checkpoint(folder)
+    assert torch.equal(model.lm_head, ckpt.reader.read(ckpt.ref("lm_head.weight")))
