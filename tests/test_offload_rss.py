@@ -29,7 +29,7 @@ SYNTH_CONFIG = dict(
     dtype="bfloat16", eos_token_id=0, bos_token_id=1,
 )
 EXPERT_CACHE_GB = 0.5
-# Beyond what the engine keeps: activations of a short prompt, the Python objects describing ~25k tensors
+# Beyond what the engine keeps: activations of a short prompt, the Python objects describing ~1.6k tensors
 # (header refs, expert source lists), the slot views, glibc/torch allocator slack. Staging is 0 here (the stored
 # dtype is the compute dtype, so reads go straight into their final buffers).
 OVERHEAD_BYTES = 96 * 2**20  # measured: ~10 MiB at load, ~35 MiB after generating
