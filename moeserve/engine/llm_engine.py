@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,6 +211,7 @@ class LLMEngine:
                              num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
                              moe_layers=tuple(spec.moe_layer_ids))
         writer = TraceWriter(path, header)
+        weakref.finalize(self, writer.close)  # flushed at exit even when nobody calls close()
         self.model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
         log.info("record_trace: writing routing of every step to %s", path)
         return writer
