@@ -174,3 +174,37 @@ def test_malformed_requests_are_400_with_bounded_bodies(live_server: ThreadServe
     assert resp.status_code == 400
     assert len(resp.content) < 2_000  # the 5 MB input is not echoed back
     assert httpx.get(url + "/v1/nothing-here").json()["error"]["type"] == "not_found_error"
+
+
+def test_streamed_n_samples_equal_non_streamed(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_completion_tokens=6, n=3, temperature=0.8, seed=99,
+                  extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                assert choice.index not in finish  # each choice finishes exactly once
+                finish[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert full.usage.completion_tokens == 18  # max_completion_tokens is honoured
+
+
+def test_several_prompts_in_one_completion_request(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    prompts = ["Hello", "The fox"]
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=5, **GREEDY).choices[0].text
+             for p in prompts]
+    both = client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, n=2, **GREEDY)
+    by_index = {c.index: c.text for c in both.choices}
+    assert by_index == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}  # index = prompt * n + sample
+    assert both.usage.completion_tokens == 20
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=prompts, max_tokens=5, stream=True, **GREEDY):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: alone[0], 1: alone[1]}
