@@ -145,9 +145,9 @@ def base_attention(c: ConfigReader, num_layers: int, **switches: Any) -> Attenti
     hidden = c.int("hidden_size")
     heads = c.int("num_attention_heads")
     head_dim = c.int("head_dim", default=hidden // heads)
-    window = c.get("sliding_window", default=None)
-    windows: tuple[int | None, ...] = tuple(window if switches.pop("use_window", False) else None
-                                             for _ in range(num_layers))
+    use_window = switches.pop("use_window", False)
+    window = c.get("sliding_window", default=None) if use_window else None
+    windows: tuple[int | None, ...] = tuple(window for _ in range(num_layers))
     return AttentionSpec(
         num_heads=heads,
         num_kv_heads=c.int("num_key_value_heads", default=heads),

@@ -102,3 +102,44 @@ def test_dense_layer_and_sparse_step_are_honoured(tiny_checkpoint) -> None:
                                                                           ignore_eos=True))
     ref, _ = hf_greedy(hf_model(folder, torch.float32), PROMPTS[2], STEPS)
     assert out[0].outputs[0].token_ids == ref
+
+
+# Other shapes: each exercises a switch the base configs leave off.
+VARIANTS = {
+    "qwen3_tied_mqa_top4": ("qwen3_moe", dict(tie_word_embeddings=True, num_key_value_heads=1, num_experts=16,
+                                              num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[])),
+    "mixtral_sliding_window": ("mixtral", dict(sliding_window=6)),
+    "olmoe_clip_qkv_norm_topk": ("olmoe", dict(clip_qkv=0.5, norm_topk_prob=True)),
+    "qwen2_sparse_step_2": ("qwen2_moe", dict(decoder_sparse_step=2, num_hidden_layers=3,
+                                              shared_expert_intermediate_size=16)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_shape_variants_match_transformers(tiny_checkpoint, variant: str) -> None:
+    arch, overrides = VARIANTS[variant]
+    folder = tiny_checkpoint(arch, **overrides)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    prompts = [PROMPTS[1], PROMPTS[3]]  # the second is longer than the sliding window
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    ref_model = hf_model(folder, torch.float32)
+    for prompt, out in zip(prompts, outs):
+        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
+        assert out.outputs[0].token_ids == ref_tokens, variant
+        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < 1e-4
+
+
+def test_float16_compute_matches_transformers_float16(tiny_checkpoint) -> None:
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float16")
+    out = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(temperature=0, max_tokens=STEPS,
+                                                                          ignore_eos=True, logprobs=1))[0]
+    ref_tokens, ref_logps = hf_greedy(hf_model(folder, torch.float16), PROMPTS[2], STEPS)
+    steps = _matching_prefix(out.outputs[0].token_ids, ref_tokens)
+    assert steps >= STEPS // 2  # fp16 keeps 11 significant bits: any parting must come late, at a near-tie
+    for lp, ref in zip(out.outputs[0].logprobs[:steps], ref_logps):
+        for token_id, entry in lp.items():
+            assert abs(entry.logprob - float(ref[token_id])) < 0.05

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeserve.errors import UnsupportedModelError
 from moeserve.models.registry import Architecture, register
 from moeserve.models.spec import (
     ConfigReader,
@@ -18,6 +19,9 @@ from moeserve.models.spec import (
 
 def _qwen_spec(name: str, config: dict[str, Any], where: str, *, qwen3: bool) -> ModelSpec:
     c = ConfigReader(config, where)
+    if c.bool("use_sliding_window", default=False):
+        # Released Qwen MoE checkpoints never set it; refusing beats silently attending over the full context.
+        raise UnsupportedModelError(f"{where}: use_sliding_window=true is not supported for {name}")
     num_layers = c.int("num_hidden_layers")
     num_experts = c.int("num_experts", "num_local_experts")
     if qwen3:
