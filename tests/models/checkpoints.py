@@ -250,3 +250,67 @@ MXFP4_CT_CONFIG = {
         "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True}}},
     "ignore": ["lm_head", "re:.*mlp.gate$"],
 }  # fmt: skip
+
+
+# ------------------------------------------------------------------ header-only checkpoints with real shapes
+_DTYPE_BYTES = {"BF16": 2, "U8": 1, "F32": 4}
+
+
+def write_header_only(folder: Path, shapes: dict[str, tuple[str, list[int]]], config: dict[str, Any]) -> Path:
+    """A safetensors file with a real header and a sparse (unwritten) data section: real sizes, ~no disk use.
+    For tests of planning and reporting that never read the data."""
+    import struct
+
+    header, offset = {}, 0
+    for name, (dtype, shape) in shapes.items():
+        nbytes = _DTYPE_BYTES[dtype]
+        for dim in shape:
+            nbytes *= dim
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        f.truncate(8 + len(encoded) + offset)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def gpt_oss_20b_header_only(folder: Path) -> Path:
+    """gpt-oss-20b's MXFP4 HF layout (shapes and config as docs/formats.md gives them), without the data."""
+    E, H, I, L, V, nh, nkv, d = 32, 2880, 2880, 24, 201088, 64, 8, 64  # noqa: E741 (the paper's names)
+    shapes: dict[str, tuple[str, list[int]]] = {
+        "model.embed_tokens.weight": ("BF16", [V, H]), "lm_head.weight": ("BF16", [V, H]),
+        "model.norm.weight": ("BF16", [H]),
+    }  # fmt: skip
+    for layer in range(L):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": ("BF16", [H]), p + "post_attention_layernorm.weight": ("BF16", [H]),
+            p + "self_attn.q_proj.weight": ("BF16", [nh * d, H]), p + "self_attn.q_proj.bias": ("BF16", [nh * d]),
+            p + "self_attn.k_proj.weight": ("BF16", [nkv * d, H]), p + "self_attn.k_proj.bias": ("BF16", [nkv * d]),
+            p + "self_attn.v_proj.weight": ("BF16", [nkv * d, H]), p + "self_attn.v_proj.bias": ("BF16", [nkv * d]),
+            p + "self_attn.o_proj.weight": ("BF16", [H, nh * d]), p + "self_attn.o_proj.bias": ("BF16", [H]),
+            p + "self_attn.sinks": ("BF16", [nh]),
+            p + "mlp.router.weight": ("BF16", [E, H]), p + "mlp.router.bias": ("BF16", [E]),
+            p + "mlp.experts.gate_up_proj_blocks": ("U8", [E, 2 * I, H // 32, 16]),
+            p + "mlp.experts.gate_up_proj_scales": ("U8", [E, 2 * I, H // 32]),
+            p + "mlp.experts.gate_up_proj_bias": ("BF16", [E, 2 * I]),
+            p + "mlp.experts.down_proj_blocks": ("U8", [E, H, I // 32, 16]),
+            p + "mlp.experts.down_proj_scales": ("U8", [E, H, I // 32]),
+            p + "mlp.experts.down_proj_bias": ("BF16", [E, H]),
+        })  # fmt: skip
+    config = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": H, "intermediate_size": I,
+        "num_hidden_layers": L, "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": d,
+        "num_local_experts": E, "experts_per_token": 4, "vocab_size": V, "sliding_window": 128,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000, "swiglu_limit": 7.0,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": GPT_OSS_NOT_CONVERTED},
+    }  # fmt: skip
+    return write_header_only(folder, shapes, config)

@@ -103,3 +103,31 @@ def test_yarn_matches_transformers_at_real_gpt_oss_size() -> None:
     assert scaling == pytest.approx(ref_scaling, rel=0, abs=0) and scaling == pytest.approx(
         1.3465735902799727
     )
+
+
+def test_gpt_oss_20b_shapes_plan_and_report(tmp_path: Path) -> None:
+    """Real gpt-oss-20b shapes (header only, nothing read): the expert unit is exactly its stored MXFP4 bytes,
+    and describe_formats gives the stored bytes a decoded token reads."""
+    from moeserve.checkpoint.folder import open_checkpoint
+    from moeserve.models.expert_plans import expert_plan_for
+    from moeserve.models.quantized import describe_formats
+    from tests.models.checkpoints import gpt_oss_20b_header_only
+
+    ckpt = open_checkpoint(gpt_oss_20b_header_only(tmp_path / "gpt-oss-20b"))
+    arch = get_architecture(ckpt.config, "c")
+    spec = arch.spec(ckpt.config, "c")
+    assert spec.attention.sliding_window[:2] == (128, None) and spec.moe.top_k == 4
+    plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)
+    h = i = 2880
+    gate_up = 2 * i * (h // 32) * 16 + 2 * i * (h // 32) + 2 * i * 2  # blocks + E8M0 scales + bf16 bias
+    down = h * (i // 32) * 16 + h * (i // 32) + h * 2
+    assert plan.layout.nbytes == gate_up + down == 13_236_480  # 3.76x smaller than the bf16 expert
+    report = describe_formats(ckpt)
+    assert report.scheme == "mxfp4" and report.expert_stored_bytes == gate_up + down
+    formats = {g.group: g.format for g in report.groups}
+    assert formats["model.layers.*.mlp.experts.gate_up_proj_blocks"] == "mxfp4-gpt-oss"
+    assert formats["model.layers.*.mlp.experts.down_proj_scales"] == "mxfp4-gpt-oss"
+    assert formats["model.layers.*.self_attn.q_proj.weight"] == "BF16"
+    experts = sum(r.nbytes for n, r in ckpt.tensors.items() if ".experts." in n)
+    nonexpert = ckpt.total_bytes - experts - ckpt.ref("model.embed_tokens.weight").nbytes
+    assert report.bytes_per_token == nonexpert + 24 * 4 * (gate_up + down)
