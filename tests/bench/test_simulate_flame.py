@@ -10,8 +10,10 @@ from moeserve.bench.flame import convert_flame, load_flame
 from moeserve.bench.simulate import calls_from_steps, layer_only, per_expert_calls, simulate
 from moeserve.experts.trace import read_trace
 
-FLAME = Path("/work/shared/traces/flame-moe-290m")
-needs_flame = pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME sample traces not present")
+# shared/ sits beside the checkout (in CI too); /work/shared is where the development machines mount it.
+_CANDIDATES = [Path(__file__).resolve().parents[3] / "shared", Path("/work/shared")]
+FLAME = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0]) / "traces" / "flame-moe-290m"
+needs_flame = pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME sample traces not present beside the checkout")
 
 
 @needs_flame
