@@ -131,3 +131,16 @@ def test_gpt_oss_20b_shapes_plan_and_report(tmp_path: Path) -> None:
     experts = sum(r.nbytes for n, r in ckpt.tensors.items() if ".experts." in n)
     nonexpert = ckpt.total_bytes - experts - ckpt.ref("model.embed_tokens.weight").nbytes
     assert report.bytes_per_token == nonexpert + 24 * 4 * (gate_up + down)
+
+
+def test_clamped_swiglu_matches_transformers_beyond_the_limit() -> None:
+    """Values up to +-30 so the clamp (limit 7, gate above only, up both sides) really acts."""
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from moeserve.models.layers import clamped_swiglu
+
+    experts = GptOssExperts(AutoConfig.for_model("gpt_oss", hidden_size=8, intermediate_size=8))
+    gate_up = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 15
+    assert (gate_up.abs() > 7).any()
+    assert torch.equal(clamped_swiglu(gate_up, 7.0, 1.702), experts._apply_gate(gate_up))
