@@ -77,7 +77,8 @@ class DequantizingKernel:
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         bufs = self._buffers.get(device)
         if bufs is None:
-            bufs = tuple(torch.empty(p.shape, dtype=self.dtype, device=device) for p in self.projections)
+            with torch.inference_mode(False):  # ordinary tensors: writable inside and outside inference mode
+                bufs = tuple(torch.empty(p.shape, dtype=self.dtype, device=device) for p in self.projections)
             self._buffers[device] = bufs
         return bufs
 
@@ -316,10 +317,11 @@ class Int8Kernel:
     def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         bufs = self._buffers.get(w[0].device)
         if bufs is None:
-            bufs = [
-                None if s is None else torch.empty(shape, dtype=self.dtype, device=w[0].device)
-                for shape, (_, s) in zip(self.shapes, self.targets)
-            ]
+            with torch.inference_mode(False):
+                bufs = [
+                    None if s is None else torch.empty(shape, dtype=self.dtype, device=w[0].device)
+                    for shape, (_, s) in zip(self.shapes, self.targets)
+                ]
             self._buffers[w[0].device] = bufs
         dense = []
         for buf, (index, scale_index) in zip(bufs, self.targets):
