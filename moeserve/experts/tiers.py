@@ -18,7 +18,7 @@ from enum import StrEnum
 import torch
 
 from moeserve.experts.policies import LRUPolicy
-from moeserve.experts.transfer import HostToDevice, try_pin
+from moeserve.experts.transfer import HostToDevice, host_buffer
 from moeserve.experts.unit import ExpertSource
 
 Key = tuple[int, int]  # (layer, expert)
@@ -34,12 +34,13 @@ class HostTier:
 
     def __init__(self, capacity: int, unit_nbytes: int, copier: HostToDevice | None) -> None:
         self.capacity = capacity
-        pool = torch.empty(capacity, unit_nbytes, dtype=torch.uint8)
         self.pinned = False
         if copier is not None:
-            pool, why_not = try_pin(copier.ops, pool)
+            flat, why_not = host_buffer(copier.ops, capacity * unit_nbytes)
             self.pinned = why_not is None
-        self.pool = pool
+        else:
+            flat = torch.empty(capacity * unit_nbytes, dtype=torch.uint8)
+        self.pool = flat.view(capacity, unit_nbytes)  # [capacity, unit_nbytes]: one row per host slot
         self._slot_of: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._lru = LRUPolicy()

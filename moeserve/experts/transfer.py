@@ -29,8 +29,8 @@ class DeviceOps(ABC):
     """The few device operations a copier needs. `CudaOps` is the real one; tests pass a fake."""
 
     @abstractmethod
-    def pin(self, host: torch.Tensor) -> torch.Tensor:
-        """A page-locked copy of `host` (raises RuntimeError when pinning is unavailable)."""
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """A new page-locked uint8 host buffer (raises RuntimeError when pinning is unavailable)."""
 
     @abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Any:
@@ -58,8 +58,8 @@ class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device; tests/gpu e
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def pin(self, host: torch.Tensor) -> torch.Tensor:
-        return host.pin_memory()
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # pinned from the start: no 2x transient
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Any:
         with torch.cuda.stream(self.stream):
@@ -89,12 +89,13 @@ class CopyMode:
     reason: str
 
 
-def try_pin(ops: DeviceOps, host: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-    """(`host` pinned, None) or (`host` itself, why pinning failed)."""
+def host_buffer(ops: DeviceOps, nbytes: int) -> tuple[torch.Tensor, str | None]:
+    """(a pinned uint8 buffer of `nbytes`, None) or (a pageable one, why pinning failed)."""
     try:
-        return ops.pin(host), None
+        return ops.empty_pinned(nbytes), None
     except RuntimeError as err:  # torch raises RuntimeError for every pinning failure
-        return host, str(err).splitlines()[0] if str(err) else type(err).__name__
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return torch.empty(nbytes, dtype=torch.uint8), why
 
 
 class HostToDevice:
@@ -109,7 +110,7 @@ class HostToDevice:
     def __init__(self, ops: DeviceOps, num_slots: int, unit_nbytes: int) -> None:
         self.ops = ops
         self._lock = threading.Lock()
-        staging, why_not = try_pin(ops, torch.empty(unit_nbytes, dtype=torch.uint8))
+        staging, why_not = host_buffer(ops, unit_nbytes)
         self.staging = staging
         if why_not is None:
             self.mode = CopyMode(True, "pinned staging buffer, asynchronous copies on a side stream with events")

@@ -195,7 +195,7 @@ def test_host_tier_serves_evicted_units_without_disk_reads():
     from moeserve.experts.transfer import DeviceOps
 
     class NoPinOps(DeviceOps):  # a CPU stand-in: pinning unavailable, synchronous copies
-        def pin(self, host):
+        def empty_pinned(self, nbytes):
             raise RuntimeError("no pinning here")
 
         def copy(self, dst, src, non_blocking):

@@ -26,10 +26,10 @@ class FakeOps(DeviceOps):
         self._events += 1
         return f"ev{self._events}"
 
-    def pin(self, host):
+    def empty_pinned(self, nbytes):
         if not self.can_pin:
             raise RuntimeError("cudaHostRegister failed: operation not supported (WSL)\nmore detail")
-        out = host.clone()
+        out = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned_ptrs.add(out.data_ptr())
         return out
 
