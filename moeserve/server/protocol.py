@@ -43,7 +43,7 @@ class SamplingFields(RequestModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0, le=100)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)  # tiny values overflow the logits
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)

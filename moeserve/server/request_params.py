@@ -6,6 +6,9 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import SamplingFields
 
+# Temperatures below this are greedy (as in vLLM): dividing logits by a subnormal number overflows to inf/nan.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """The number of tokens to generate: `max_tokens`, or all the context left when it is None.
@@ -35,9 +38,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, log
         raise APIError(400, f"n={req.n} is more than this server decodes at once (max_num_seqs={max_num_seqs})",
                        param="n")
     stop_ids = list(req.stop_token_ids or []) + list(extra_stop_token_ids or [])
+    temperature = 1.0 if req.temperature is None else req.temperature
     return SamplingParams(
         n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,

@@ -208,3 +208,16 @@ def test_several_prompts_in_one_completion_request(live_server: ThreadServer) ->
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + choice.text
     assert streamed == {0: alone[0], 1: alone[1]}
+
+
+def test_extreme_sampling_values_cannot_kill_the_engine(live_server: ThreadServer) -> None:
+    """Found by the fuzzer: a subnormal temperature or penalty overflowed the logits and crashed the engine."""
+    client = live_server.client()
+    greedy = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, **GREEDY)
+    tiny = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=1e-300,
+                                     extra_body={"ignore_eos": True})
+    assert tiny.choices[0].text == greedy.choices[0].text  # below 1e-5 the temperature means greedy
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
+                                  extra_body={"repetition_penalty": 1e-300})
+    assert httpx.get(live_server.url + "/health").status_code == 200
