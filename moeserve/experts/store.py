@@ -223,7 +223,7 @@ class ExpertStore:
             slots = self._acquire(layer, keys)
             try:
                 if prefetch is not None and len(chunks) == 1 and self.prefetcher is not None:
-                    self.prefetcher.submit(prefetch[0], prefetch[1])
+                    self.prefetcher.submit(prefetch[0], prefetch[1], protect=keys)
                 if self.copier is not None:
                     for slot in slots:
                         self.copier.before_use(slot)

@@ -162,6 +162,32 @@ def test_prefetch_loads_in_the_background_and_counts_accuracy():
         store.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("capacity", [2, 5])
+def test_store_with_prefetch_matches_the_simulator_when_each_prefetch_completes(policy, capacity):
+    rng = random.Random(7 * capacity)
+    steps = []
+    for _ in range(25):
+        calls = [tuple(sorted(rng.sample(range(8), rng.randint(1, 2)))) for _ in (0, 1, 2)]
+        # Each call guesses the next layer's experts: some right, some wrong (the last layer guesses nothing).
+        steps.append([LayerCall(layer, ids, tuple((layer + 1, e) for e in rng.sample(range(8), 3)) if layer < 2
+                                else ()) for layer, ids in enumerate(calls)])
+    expected = simulate(steps, policy, capacity, prefetch="predicted")
+    store = make_store(capacity, policy, layers=(0, 1, 2), prefetch=True)
+    try:
+        for step in steps:
+            for call in step:
+                guess = (call.layer + 1, [e for _, e in call.predicted]) if call.predicted else None
+                use(store, call.layer, list(call.expert_ids), prefetch=guess)
+                assert store.prefetcher is not None and store.prefetcher.wait_idle()
+        st = store.stats
+        assert (st.hits, st.misses, st.prefetched, st.prefetch_used) == (
+            expected.hits, expected.misses, expected.prefetched, expected.prefetch_used)
+        assert st.prefetched > 0
+    finally:
+        store.close()
+
+
 def test_prefetch_never_evicts_the_pinned_chunk():
     store = make_store(capacity=2, prefetch=True)
     try:
