@@ -128,3 +128,23 @@ def test_non_streaming_disconnect_aborts_the_request(thread_server: Any, tiny_te
     assert server.state.engine.num_in_flight == 0
     assert not server.state.llm.has_unfinished_requests()
     assert server.state.llm.kv.free_slots == 2
+
+
+def test_draining_server_refuses_new_work(live_server: ThreadServer) -> None:
+    live_server.state.draining = True
+    try:
+        health = httpx.get(live_server.url + "/health")
+        work = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi"})
+    finally:
+        live_server.state.draining = False
+    assert health.status_code == 503
+    assert work.status_code == 503 and work.json()["error"]["code"] == "shutting_down"
+    assert "retry-after" in work.headers
+
+
+def test_unknown_fields_are_logged(live_server: ThreadServer, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="moeserve.server"):
+        resp = httpx.post(live_server.url + "/v1/completions",
+                          json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "best_of_luck": 3})
+    assert resp.status_code == 200
+    assert "ignored request fields: best_of_luck" in caplog.text
