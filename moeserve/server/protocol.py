@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moeserve.errors import RequestError
+
 MAX_N = 64  # also capped by max_num_seqs at run time
 MAX_STOP_STRINGS = 16
 SEED_MAX = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i in torch's int64 range
@@ -92,12 +94,16 @@ class ChatMessage(RequestModel):
     reasoning_content: str | None = None
 
     def text(self) -> str:
-        """The content as one string (text parts joined; other part types are not supported)."""
+        """The content as one string (text parts joined). Raises RequestError for other part types (images...)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text or "" for part in self.content if part.type == "text")
+        other = [part.type for part in self.content if part.type != "text"]
+        if other:
+            raise RequestError(f"content parts of type {other[0]!r} are not supported (text only)",
+                               param="messages")
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -221,3 +221,16 @@ def test_extreme_sampling_values_cannot_kill_the_engine(live_server: ThreadServe
         client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4,
                                   extra_body={"repetition_penalty": 1e-300})
     assert httpx.get(live_server.url + "/health").status_code == 200
+
+
+def test_content_parts(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello, "}, {"type": "text", "text": "fox"}]}]
+    joined = [{"role": "user", "content": "Hello, fox"}]
+    a = client.chat.completions.create(model=MODEL_NAME, messages=parts, max_tokens=3, **GREEDY)
+    b = client.chat.completions.create(model=MODEL_NAME, messages=joined, max_tokens=3, **GREEDY)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model=MODEL_NAME, messages=image, max_tokens=3)
