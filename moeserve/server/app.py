@@ -7,6 +7,7 @@ fake engine (anything with LLMEngine's add_request / abort_request / step / has_
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -20,6 +21,7 @@ from moeserve.engine.async_engine import State
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.errors import APIError, install_error_handlers
+from moeserve.server.metrics import StatsLogger
 from moeserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -57,17 +59,29 @@ def _api_key_check(state: ServerState) -> Any:
     return Depends(check)
 
 
+async def _log_stats(stats: StatsLogger) -> None:
+    while True:
+        await asyncio.sleep(stats.interval_s)
+        line = stats.line()
+        if line is not None:
+            log.info("%s", line)
+
+
 def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     """The app. With `manage_engine`, startup starts the engine thread (the model loads in the background while
     /health answers 503) and shutdown stops it."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats_task = None
         if manage_engine:
             state.engine.start()
+            stats_task = asyncio.ensure_future(_log_stats(StatsLogger(state.metrics, state.engine)))
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
             if manage_engine:
                 state.engine.shutdown()
 

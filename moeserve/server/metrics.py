@@ -112,6 +112,7 @@ class ServerMetrics:
                                        label="finished_reason")
         self.rejected = Counter("request_rejected_total", "Requests refused with a 4xx/5xx status, by reason.",
                                 label="reason")
+        self.tokens_streamed = 0  # every token as it is produced (the periodic log's throughput)
 
     def request_timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -174,6 +175,7 @@ class RequestTimer:
         if num_new <= 0:
             return
         now = time.monotonic()
+        self.metrics.tokens_streamed += num_new
         if self.last_token_time is None:
             self.metrics.ttft.observe(now - self.arrival)
         else:
@@ -186,3 +188,29 @@ class RequestTimer:
         self.metrics.generation_tokens.inc(generation_tokens)
         for reason in finish_reasons:
             self.metrics.request_success.inc(1, reason or "abort")
+
+
+class StatsLogger:
+    """One log line every `interval_s` while the server is busy: load, throughput, expert-cache behaviour."""
+
+    def __init__(self, metrics: ServerMetrics, engine: Any, interval_s: float = 10.0) -> None:
+        self.metrics, self.engine, self.interval_s = metrics, engine, interval_s
+        self._last = (time.monotonic(), 0, 0, 0)  # time, tokens, expert hits, expert misses
+
+    def line(self) -> str | None:
+        """The line for the period since the previous call, or None if nothing happened."""
+        now = time.monotonic()
+        store = getattr(getattr(getattr(self.engine, "engine", None), "model", None), "store", None)
+        layer_stats = list(store.stats.layers.values()) if store is not None else []
+        hits = sum(s.hits for s in layer_stats)
+        misses = sum(s.misses for s in layer_stats)
+        tokens = self.metrics.tokens_streamed
+        t0, tokens0, hits0, misses0 = self._last
+        self._last = (now, tokens, hits, misses)
+        running, waiting = self.engine.num_running, self.engine.num_waiting
+        if tokens == tokens0 and not running and not waiting:
+            return None
+        lookups = (hits - hits0) + (misses - misses0)
+        rate = f"{100 * (hits - hits0) / lookups:.1f}%" if lookups else "n/a"
+        return (f"engine: {running} running, {waiting} waiting; generation {(tokens - tokens0) / (now - t0):.1f} "
+                f"tok/s; expert cache hit rate {rate} ({misses - misses0} misses)")

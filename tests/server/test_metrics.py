@@ -65,3 +65,15 @@ def test_expert_cache_counters_match_the_store(thread_server: Any, tiny_text_mod
     assert total(samples, "expert_cache_hits_total") == stats.hits
     disk = f'moeserve:expert_bytes_loaded_total{{model_name="{MODEL_NAME}",tier="disk"}}'
     assert samples[disk] == stats.bytes_from_disk > 0
+
+
+def test_periodic_stats_line(live_server: ThreadServer) -> None:
+    from moeserve.server.metrics import StatsLogger
+
+    stats = StatsLogger(live_server.state.metrics, live_server.state.engine)
+    live_server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=5, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    line = stats.line()
+    assert line is not None and line.startswith("engine: 0 running, 0 waiting; generation ")
+    assert "expert cache hit rate 100.0% (0 misses)" in line  # everything is resident in this server
+    assert stats.line() is None  # idle: nothing to say
