@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-from collections import defaultdict
 from typing import Any
 
 from moeserve.cli.common import add_model_argument
@@ -24,39 +22,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def inspect_checkpoint(model: str) -> dict[str, Any]:
-    """The report as a dict (used by tests and --json)."""
+def inspect_checkpoint(model: str | None) -> dict[str, Any]:
+    """The report as a dict (used by tests and --json). Reads config files and shard headers only."""
+    import torch
+
     from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.engine.llm_engine import demo_model_path
+    from moeserve.models.expert_plans import expert_plan_for
+    from moeserve.models.quantized import describe_formats, expert_tensor_names
     from moeserve.models.registry import get_architecture
 
     ckpt = open_checkpoint(model or str(demo_model_path()))
     where = str(ckpt.path / "config.json")
     arch = get_architecture(ckpt.config, where)
     spec = arch.spec(ckpt.config, where)
-    expert_re = re.compile(r"\.experts\.")
-    expert_bytes = expert_params = other_bytes = other_params = 0
-    groups: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for name, ref in ckpt.tensors.items():
-        is_expert = bool(expert_re.search(name))
-        if is_expert:
-            expert_bytes += ref.nbytes
-            expert_params += ref.numel
-        else:
-            other_bytes += ref.nbytes
-            other_params += ref.numel
-        group = re.sub(r"\.\d+\.", ".N.", name)
-        group = re.sub(r"\.\d+\.", ".N.", group)
-        groups[group][ref.dtype_code] += ref.nbytes
+    plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)  # the dtype only matters for unquantized units
+    experts = expert_tensor_names(plan)
+    expert_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name in experts)
+    other_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name not in experts)
+    report = describe_formats(ckpt)
     num_moe = len(spec.moe_layer_ids)
-    total_experts = num_moe * spec.moe.num_experts
-    per_expert = expert_bytes // max(total_experts, 1)
-    embed_bytes = ckpt.tensors[arch.names.embed].nbytes if arch.names.embed in ckpt.tensors else 0
-    # One decoded token reads every non-expert weight except the embedding table (one row of it), plus top_k
-    # experts in each MoE layer.
-    row = embed_bytes // max(spec.vocab_size, 1)
-    per_token = other_bytes - embed_bytes + row + num_moe * spec.moe.top_k * per_expert
-    quant = ckpt.config.get("quantization_config")
     return {
         "path": str(ckpt.path),
         "architecture": spec.architecture,
@@ -64,16 +49,24 @@ def inspect_checkpoint(model: str) -> dict[str, Any]:
         "moe_layers": num_moe,
         "experts_per_layer": spec.moe.num_experts,
         "experts_per_token": spec.moe.top_k,
-        "params_total": expert_params + other_params,
-        "params_expert": expert_params,
-        "params_active_per_token": other_params + num_moe * spec.moe.top_k * expert_params // max(total_experts, 1),
+        "params_expert": expert_param_count(spec),
+        "params_non_expert": sum(r.numel for n, r in ckpt.tensors.items() if n not in experts),
         "bytes_expert": expert_bytes,
         "bytes_non_expert": other_bytes,
-        "bytes_per_expert": per_expert,
-        "bytes_read_per_token": per_token,
-        "quantization": quant.get("quant_method") if isinstance(quant, dict) else None,
-        "formats": {g: dict(d) for g, d in sorted(groups.items())},
+        "bytes_per_expert": report.expert_stored_bytes,
+        "bytes_read_per_token": report.bytes_per_token,
+        "quantization": report.scheme,
+        "formats": [{"group": g.group, "format": g.format, "tensors": g.tensors, "bytes": g.stored_bytes}
+                    for g in report.groups],
     }
+
+
+def expert_param_count(spec: Any) -> int:
+    """Parameters in all experts, from the shapes the spec implies (packed 4-bit storage does not halve them):
+    gate, up and down projections, plus gpt-oss's two biases."""
+    h, i = spec.hidden_size, spec.moe.intermediate_size
+    per_expert = 3 * h * i + (2 * i + h if spec.moe.expert_kind == "gpt_oss" else 0)
+    return per_expert * spec.moe.num_experts * len(spec.moe_layer_ids)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,15 +77,16 @@ def run(args: argparse.Namespace) -> int:
     r = report
     print(f"model:            {r['path']}")
     print(f"architecture:     {r['architecture']} ({r['layers']} layers, {r['moe_layers']} MoE)")
-    print(f"experts:          {r['experts_per_layer']} per layer, {r['experts_per_token']} per token")
-    print(f"parameters:       {r['params_total'] / 1e6:.2f} M total, {r['params_expert'] / 1e6:.2f} M in experts, "
-          f"{r['params_active_per_token'] / 1e6:.2f} M active per token")
-    print(f"expert weights:   {r['bytes_expert'] / GiB:.3f} GiB ({r['bytes_per_expert'] / 2**20:.3f} MiB each)")
-    print(f"other weights:    {r['bytes_non_expert'] / GiB:.3f} GiB (resident)")
-    print(f"read per token:   {r['bytes_read_per_token'] / 2**20:.2f} MiB (stored format)")
-    print(f"quantization:     {r['quantization'] or 'none'}")
-    print("formats (tensor group: dtype bytes):")
-    for group, dtypes in r["formats"].items():
-        desc = ", ".join(f"{code} {n / 2**20:.2f} MiB" for code, n in dtypes.items())
-        print(f"  {group}: {desc}")
+    print(f"experts:          {r['experts_per_layer']} per layer, {r['experts_per_token']} per token, "
+          f"{r['params_expert'] / 1e6:.2f} M expert parameters")
+    print(f"other parameters: {r['params_non_expert'] / 1e6:.2f} M (stored elements)")
+    print(f"expert weights:   {r['bytes_expert'] / GiB:.3f} GiB stored ({r['bytes_per_expert'] / 2**20:.3f} MiB "
+          "per expert)")
+    print(f"other weights:    {r['bytes_non_expert'] / GiB:.3f} GiB stored (resident)")
+    print(f"read per token:   {r['bytes_read_per_token'] / 2**20:.2f} MiB in stored format "
+          "(non-expert weights + top-k experts per MoE layer)")
+    print(f"quantization:     {r['quantization']}")
+    print("formats (tensor group: format, tensors, stored size):")
+    for g in r["formats"]:
+        print(f"  {g['group']}: {g['format']}, {g['tensors']}, {g['bytes'] / 2**20:.2f} MiB")
     return 0

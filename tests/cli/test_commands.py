@@ -38,6 +38,8 @@ def test_inspect_counts_by_hand(tiny_checkpoint, capsys) -> None:
     assert r["bytes_per_expert"] == 3 * h * i * 4  # gate, up, down in float32
     assert r["bytes_expert"] == moe_layers * e * 3 * h * i * 4
     embed = cfg["vocab_size"] * h * 4
-    assert r["bytes_read_per_token"] == r["bytes_non_expert"] - embed + h * 4 + moe_layers * k * 3 * h * i * 4
+    assert r["bytes_read_per_token"] == r["bytes_non_expert"] - embed + moe_layers * k * 3 * h * i * 4
+    assert {"group": "model.layers.*.mlp.experts.*.up_proj.weight", "format": "F32", "tensors": moe_layers * e,
+            "bytes": moe_layers * e * h * i * 4} in r["formats"]
     assert main(["inspect", str(tiny_checkpoint("qwen3_moe"))]) == 0
     assert "Qwen3MoeForCausalLM" in capsys.readouterr().out
