@@ -9,19 +9,21 @@ from typing import Any
 from moeserve.bench import ceilings
 from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, paired_ratio
 
-# Weight bytes per parameter as each engine stores them (Q8_0: 32 int8 + one fp16 scale per block of 32).
-BYTES_PER_PARAM = {"moeserve": 2.0, "moeserve-int8": 1.0, "transformers": 2.0, "accelerate": 2.0,
-                   "llama.cpp": 2.0, "llama.cpp-q8": 34 / 32}
+# (dense, expert) weight bytes per parameter as each engine stores them. moeserve's int8 quantizes experts only
+# (per-output-channel scales, negligible); Q8_0 is 32 int8 + one fp16 scale per block of 32, dense and experts.
+BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
+    "moeserve": (2.0, 2.0), "moeserve-int8": (2.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
+    "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32)}
 
 
-def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: float, tokens_per_step: int,
+def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: tuple[float, float], tokens_per_step: int,
                           store: dict[str, float], steps: int) -> ceilings.StepBytes:
     """Bytes of one step, with expert traffic measured by moeserve's store (hits from memory, misses from disk)."""
     shape = cfg.shape
     accesses = (store.get("hits", 0) + store.get("misses", 0)) / max(steps, 1)  # distinct experts per step
     miss_share = store.get("misses", 0) / max(store.get("hits", 0) + store.get("misses", 0), 1)
-    expert_bytes = accesses * shape.expert_params * bytes_per_param
-    dense = ceilings.dense_bytes_per_step(shape, bytes_per_param, tokens_per_step)
+    expert_bytes = accesses * shape.expert_params * bytes_per_param[1]
+    dense = ceilings.dense_bytes_per_step(shape, bytes_per_param[0], tokens_per_step)
     return ceilings.StepBytes(dense, expert_bytes * (1 - miss_share), expert_bytes * miss_share)
 
 
@@ -36,13 +38,13 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
         ref_run = _median_run(ours) if ours else _median_run(r)
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
         engine_key = r.engine + ("-int8" if r.engine == "moeserve" and cfg.quantization == "int8" else "")
-        bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, 2.0))
+        bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
         store = ref_run.get("store") or {}
         steps = int(ref_run["steps"])
         if store:
             step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps)
         else:
-            step = ceilings.resident_step_bytes(cfg.shape, bpp, tokens_per_step)
+            step = ceilings.resident_step_bytes(cfg.shape, bpp[0], tokens_per_step)
         ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"],
                                                      bandwidths["disk_bytes_per_s"], tokens_per_step)
         tps = r.median_tokens_per_s

@@ -145,6 +145,8 @@ def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:
                     break
                 if rep >= 0:
                     results[(name, case)].runs.append(run)
+                    log.info("%s %s run %d/%d: %.2f tokens/s", case, name, rep + 1, cfg.repeats,
+                             run["tokens"] / max(run["seconds"], 1e-12))
     return [r for r in results.values() if r.runs]
 
 

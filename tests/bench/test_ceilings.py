@@ -59,11 +59,14 @@ def test_ceiling_memory_only_and_with_disk():
 def test_step_bytes_from_store_counters_by_hand():
     cfg = BenchConfig(SHAPES["tiny"], checkpoint=None)  # type: ignore[arg-type]
     # 2 steps, 6 hits + 2 misses: 4 distinct experts per step, a quarter of them from disk.
-    step = step_bytes_from_store(cfg, 2.0, 1, {"hits": 6, "misses": 2}, steps=2)
+    step = step_bytes_from_store(cfg, (2.0, 2.0), 1, {"hits": 6, "misses": 2}, steps=2)
     expert_bytes = 4 * 6144 * 2  # 49152 per step
     assert step.expert_bytes_fast == pytest.approx(expert_bytes * 0.75)
     assert step.expert_bytes_disk == pytest.approx(expert_bytes * 0.25)
     assert step.dense_bytes == 84864
+    # int8 experts: half the expert bytes, dense weights unchanged
+    int8 = step_bytes_from_store(cfg, (2.0, 1.0), 1, {"hits": 6, "misses": 2}, steps=2)
+    assert int8.expert_bytes_fast == pytest.approx(expert_bytes * 0.75 / 2) and int8.dense_bytes == 84864
 
 
 def test_paired_ratio_is_median_of_adjacent_pairs():
