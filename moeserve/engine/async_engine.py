@@ -192,10 +192,9 @@ class AsyncEngine:
                 commands, self._commands = self._commands, []
             for kind, arg in commands:
                 self._apply(kind, arg)
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                self._deliver(outputs)
-            self._publish_load()
+            outputs = engine.step() if engine.has_unfinished_requests() else []
+            self._publish_load()  # before delivering: a client that saw its last token also sees the gauge drop
+            self._deliver(outputs)
 
     def _apply(self, kind: str, arg: Any) -> None:
         if kind == "abort":
