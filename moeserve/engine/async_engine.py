@@ -179,7 +179,10 @@ class AsyncEngine:
 
     def _notify_loaded(self, err: BaseException | None) -> None:
         if self._on_loaded is not None:
-            self._on_loaded(err)
+            try:
+                self._on_loaded(err)
+            except Exception:  # a failing observer must not stop the engine thread before its loop
+                log.exception("on_loaded callback failed")
 
     def _loop(self) -> None:
         engine = self.engine
