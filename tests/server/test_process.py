@@ -1,4 +1,5 @@
-"""`moeserve serve` as a real process: start-up log, 16 concurrent streams with disconnects, RSS, SIGTERM drain."""
+"""Concurrency and lifecycle: `moeserve serve` as a real process (start-up log, 16 streams with disconnects, RSS,
+SIGTERM drain, bad model path) and an offloaded server under disconnects (tokens equal the resident server's)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,27 @@ def test_bad_model_path_exits_1_with_one_line(tmp_path: Path) -> None:
     out: Any = _stop(proc) if proc.wait(timeout=120) is not None else ""
     assert proc.returncode == 1
     assert "error:" in out and "Traceback" not in out
+
+
+def test_offloaded_server_with_disconnects_matches_resident(thread_server: Any, tiny_text_model: Path,
+                                                            live_server: Any) -> None:
+    """Same streams against an expert cache far smaller than the experts (misses, prefetch, evictions) while
+    half the clients walk away: the completed streams get exactly the resident server's tokens."""
+    from tests.server.conftest import engine_factory, make_state
+
+    offloaded = thread_server(make_state(engine_factory(tiny_text_model, expert_cache_gb=1e-6, max_num_seqs=4)))
+    reference = asyncio.run(alone(live_server.url, PROMPTS[0:8:2]))
+
+    async def mixed() -> list[list[str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            keep = [stream_tokens(client, offloaded.url, p, KEEP_TOKENS) for p in PROMPTS[0:8:2]]
+            drop = [stream_tokens(client, offloaded.url, p, DROP_MAX_TOKENS, DROP_AFTER_CHUNKS)
+                    for p in PROMPTS[1:8:2]]
+            results = await asyncio.gather(*keep, *drop)
+        return list(results[:4])
+
+    assert asyncio.run(mixed()) == reference
+    after = wait_idle(offloaded.url)
+    assert after["num_requests_running"] == 0 and after["expert_cache_misses_total"] > 0
+    llm = offloaded.state.llm
+    assert not llm.has_unfinished_requests() and llm.kv.free_slots == 4
