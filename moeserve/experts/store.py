@@ -146,6 +146,8 @@ class ExpertStore:
         self.device = device
         self.resident = self.capacity >= self.total_experts
         self.stats = StoreStats()
+        for layer in self.layers:  # every entry exists up front: readers on other threads never see the dict grow
+            self.stats.layer(layer)
         self._cond = threading.Condition()
         # [capacity, unit_nbytes] uint8: one row per slot. Views per slot are built once (nothing per call).
         self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
