@@ -106,6 +106,8 @@ class _Chat:
         for comp in final.outputs:
             parser = self.parsers[comp.index]
             d = parser.feed(tracker.delta(comp))
+            rest = parser.flush()
+            d.reasoning, d.content = d.reasoning + rest.reasoning, d.content + rest.content
             calls = self._tool_calls(parser)
             content = d.content if parser.has_content() or not d.reasoning else None
             message = ResponseMessage(content=content, reasoning=d.reasoning or None,
@@ -137,6 +139,10 @@ class _Chat:
                     new_tokens += len(d.token_ids)
                     parser = self.parsers[comp.index]
                     parsed = parser.feed(d)
+                    if d.finish_reason is not None:
+                        rest = parser.flush()
+                        parsed.reasoning += rest.reasoning
+                        parsed.content += rest.content
                     delta: dict[str, Any] = {}
                     if parsed.reasoning:
                         delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning

@@ -39,6 +39,10 @@ class OutputParser(ABC):
     def feed(self, delta: Delta) -> ChatDelta:
         """Reasoning and content gained with this delta."""
 
+    def flush(self) -> ChatDelta:
+        """What is left to return once the output has finished (called once, before tool_calls)."""
+        return ChatDelta()
+
     def tool_calls(self) -> list[tuple[str, str]]:
         """(function name, arguments) of the tool calls in the whole output; call once it finished."""
         return []
@@ -119,6 +123,10 @@ class _HarmonyParser(OutputParser):
 
     def feed(self, delta: Delta) -> ChatDelta:
         d = self.inner.feed(delta.token_ids)
+        return ChatDelta(reasoning=d.reasoning, content=d.content)
+
+    def flush(self) -> ChatDelta:
+        d = self.inner.flush()
         return ChatDelta(reasoning=d.reasoning, content=d.content)
 
     def tool_calls(self) -> list[tuple[str, str]]:

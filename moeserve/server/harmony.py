@@ -29,6 +29,9 @@ from moeserve.errors import CheckpointError, RequestError
 from moeserve.server.protocol import ChatMessage
 
 VOCAB_FILE = "o200k_base.tiktoken"
+# A harmony header ("<|channel|>commentary to=functions.x <|constrain|>json") is a few tokens; text that runs
+# longer without <|message|> is not harmony.
+MAX_HEADER_TOKENS = 48
 VOCAB_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"  # harmony's expected_hash
 
 
@@ -152,11 +155,15 @@ class HarmonyOutputParser:
     calls (commentary to functions.NAME). Output that is not valid harmony is returned as content, never lost."""
 
     def __init__(self, encoding: Any) -> None:
-        from openai_harmony import Role, StreamableParser
+        from openai_harmony import Role, StreamableParser, StreamState
 
         self.encoding = encoding
         self._parser = StreamableParser(encoding, role=Role.ASSISTANT, strict=False)
+        self._HEADER, self._EXPECT_START = StreamState.HEADER, StreamState.EXPECT_START
         self.broken = False
+        self._raw_ids: list[int] = []  # tokens after the output stopped being valid harmony
+        self._raw_shown = 0  # characters of their text already returned
+        self._header_ids: list[int] = []  # tokens of the message header being read
         self.saw_final = False
 
     @property
@@ -167,18 +174,64 @@ class HarmonyOutputParser:
         delta = HarmonyDelta()
         for token in token_ids:
             if self.broken:
-                delta.content += self.encoding.decode_utf8([token]) if not self._special(token) else ""
+                self._keep_raw([token])
                 continue
+            was_header = self._parser.state == self._HEADER
             try:
                 self._parser.process(token)
             except Exception:  # HarmonyError: the model left the format; keep its text as content
-                self.broken = True
+                self._break([token])
                 continue
+            if was_header and self._parser.state == self._EXPECT_START:
+                # A stop token right after header text: the library keeps that text as a message of its own.
+                self._header_ids = []
+                self._route_message(self._parser.messages[-1], delta)
+                continue
+            if self._parser.state == self._HEADER:
+                # Text without <|message|> stays "header" forever: past any real header's length it is content.
+                self._header_ids.append(token)
+                if len(self._header_ids) > MAX_HEADER_TOKENS:
+                    self._break(self._header_ids)
+                continue
+            self._header_ids = []
             self._route(self._parser.last_content_delta or "", delta)
+        if self.broken:
+            delta.content += self._raw_text_delta()
         return delta
+
+    def flush(self) -> HarmonyDelta:
+        """At the end of the output: a dangling header that never became a message is returned as content."""
+        if not self.broken and self._header_ids:
+            self._break(self._header_ids)
+            return HarmonyDelta(content=self._raw_text_delta())
+        return HarmonyDelta()
+
+    def _break(self, token_ids: list[int]) -> None:
+        self.broken = True
+        self._keep_raw(token_ids)
+
+    def _keep_raw(self, token_ids: list[int]) -> None:
+        self._raw_ids += [t for t in token_ids if not self._special(t)]
+
+    def _raw_text_delta(self) -> str:
+        """New text of the tokens after the format broke; a trailing partial UTF-8 character waits for the
+        token that completes it (a single token may hold part of a character)."""
+        text = self.encoding.decode(self._raw_ids).rstrip("\ufffd")
+        new, self._raw_shown = text[self._raw_shown:], max(self._raw_shown, len(text))
+        return new
 
     def _special(self, token: int) -> bool:
         return bool(self.encoding.is_special_token(token))
+
+    def _route_message(self, message: Any, delta: HarmonyDelta) -> None:
+        if (message.recipient or "").startswith("functions."):
+            return
+        text = "".join(getattr(part, "text", "") for part in message.content)
+        if message.channel in ("analysis", "commentary"):
+            delta.reasoning += text
+        else:  # final, or no channel at all: the answer
+            self.saw_final = True
+            delta.content += text
 
     def _route(self, text: str, delta: HarmonyDelta) -> None:
         recipient = self._parser.current_recipient

@@ -208,3 +208,25 @@ def test_gpt_oss_server_runs_with_networking_off(tiny_gpt_oss: Path, tmp_path: P
     assert out["usage"]["prompt_tokens"] == len(prompt.token_ids)
     message = out["choices"][0]["message"]
     assert message["content"] is not None or message["reasoning"] is not None
+
+
+def test_output_that_is_not_harmony_is_kept_as_content(harmony: HarmonyChat) -> None:
+    short = "plain text: héllo 😀"
+    parser = harmony.new_parser()
+    streamed = "".join(parser.feed(Delta("", [t], None, None, None)).content for t in harmony.encoding.encode(short))
+    assert streamed == ""  # could still be a header: held back ...
+    assert parser.flush().content == short and parser.has_content()  # ... and returned at the end
+
+    long = "The model forgot its format and just talks. " * 8
+    parser = harmony.new_parser()
+    streamed = "".join(parser.feed(Delta("", [t], None, None, None)).content for t in harmony.encoding.encode(long))
+    assert streamed + parser.flush().content == long
+    assert len(streamed) > len(long) // 2  # streamed as it comes once it cannot be a header
+
+    # A token holding part of a character waits for the rest of it.
+    parser = harmony.new_parser()
+    parser.feed(Delta("", harmony.encoding.encode(long), None, None, None))
+    emoji = harmony.encoding.encode("😀")
+    partial = [t for t in range(200, 256) if harmony.encoding.decode([t]) == "\ufffd"][:1]
+    assert "\ufffd" not in parser.feed(Delta("", partial, None, None, None)).content
+    assert parser.feed(Delta("", emoji, None, None, None)).content.endswith("😀")

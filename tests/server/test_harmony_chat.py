@@ -110,3 +110,12 @@ def test_tool_call(thread_server: Any, encoding: Any, tmp_path: Path) -> None:
     assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
         ("get_weather", "{\"city\": \"Paris\"}")]
     assert choice.message.model_dump()["reasoning"] == "Need weather."
+
+
+def test_output_without_harmony_structure_is_content(thread_server: Any, encoding: Any, tmp_path: Path) -> None:
+    server, _ = serve(thread_server, encoding, tmp_path, "Just an answer without channels.<|return|>")
+    out = server.client().chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=100)
+    assert out.choices[0].message.content == "Just an answer without channels."
+    streamed = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=100, stream=True))
+    assert streamed == "Just an answer without channels."
