@@ -161,8 +161,7 @@ class HarmonyOutputParser:
         self._parser = StreamableParser(encoding, role=Role.ASSISTANT, strict=False)
         self._HEADER, self._EXPECT_START = StreamState.HEADER, StreamState.EXPECT_START
         self.broken = False
-        self._raw_ids: list[int] = []  # tokens after the output stopped being valid harmony
-        self._raw_shown = 0  # characters of their text already returned
+        self._raw_ids: list[int] = []  # tokens after the output stopped being valid harmony, not returned yet
         self._header_ids: list[int] = []  # tokens of the message header being read
         self.saw_final = False
 
@@ -200,11 +199,13 @@ class HarmonyOutputParser:
         return delta
 
     def flush(self) -> HarmonyDelta:
-        """At the end of the output: a dangling header that never became a message is returned as content."""
+        """At the end of the output: what is still held back, and a dangling header that never became a message,
+        returned as content."""
         if not self.broken and self._header_ids:
             self._break(self._header_ids)
-            return HarmonyDelta(content=self._raw_text_delta())
-        return HarmonyDelta()
+        text = self.encoding.decode(self._raw_ids) if self.broken else ""  # all that is left, even partial
+        self._raw_ids = []
+        return HarmonyDelta(content=text)
 
     def _break(self, token_ids: list[int]) -> None:
         self.broken = True
@@ -214,11 +215,13 @@ class HarmonyOutputParser:
         self._raw_ids += [t for t in token_ids if not self._special(t)]
 
     def _raw_text_delta(self) -> str:
-        """New text of the tokens after the format broke; a trailing partial UTF-8 character waits for the
-        token that completes it (a single token may hold part of a character)."""
-        text = self.encoding.decode(self._raw_ids).rstrip("\ufffd")
-        new, self._raw_shown = text[self._raw_shown:], max(self._raw_shown, len(text))
-        return new
+        """Text of the raw tokens not returned yet. Only those are decoded (no quadratic re-decoding); a trailing
+        partial UTF-8 character waits (up to 3 more tokens) for the token that completes it."""
+        text = self.encoding.decode(self._raw_ids)
+        if text.endswith("\ufffd") and len(self._raw_ids) < 4:
+            return ""
+        self._raw_ids = []
+        return text
 
     def _special(self, token: int) -> bool:
         return bool(self.encoding.is_special_token(token))
