@@ -66,6 +66,9 @@ class Sampler:
             return int(torch.argmax(logits))
         logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = torch.softmax(logits, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            # Extreme parameters can overflow; never let one request's numbers kill the engine.
+            return int(torch.argmax(logits))
         return int(torch.multinomial(probs, 1, generator=seq.generator))
 
     def _logprobs(self, logits: torch.Tensor, token: int, k: int | None) -> dict[int, Logprob] | None:

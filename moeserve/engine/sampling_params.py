@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from moeserve.errors import RequestError
 
+# Temperatures below this are greedy (vLLM's rule): dividing logits by ~0 overflows to inf and NaN.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -39,7 +42,7 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be -1 (disabled) or positive"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be positive"),
+            (0.01 <= self.repetition_penalty <= 100, "repetition_penalty", "must be in [0.01, 100]"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
@@ -53,4 +56,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

@@ -145,3 +145,15 @@ def test_chat_uses_template(llm: LLM) -> None:
     msgs = [{"role": "user", "content": "Hello"}]
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert out.prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_extreme_parameters_do_not_break_the_engine(llm: LLM) -> None:
+    """A temperature of 1e-300 is greedy (vLLM's rule), not a division overflow that kills every request."""
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    tiny = llm.generate(PROMPT, SamplingParams(temperature=1e-300, max_tokens=6, ignore_eos=True))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    hot = llm.generate(PROMPT, SamplingParams(temperature=1e-4, repetition_penalty=100, max_tokens=6,
+                                              ignore_eos=True, seed=0))
+    assert len(hot[0].outputs[0].token_ids) == 6
+    with pytest.raises(RequestError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=1e-300)
