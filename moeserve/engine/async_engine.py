@@ -8,7 +8,8 @@
 
 One background thread owns the LLMEngine: it builds it, then loops apply commands (add, abort) -> step() ->
 hand outputs to the asyncio side with `loop.call_soon_threadsafe`. Requests therefore join and leave the running
-batch only at step boundaries. Any exception in the thread marks the engine dead: every open stream receives
+batch only at step boundaries. A MoeserveError raised by a step (an expert read error, say) fails only the
+requests of that batch. Any other exception in the thread marks the engine dead: every open stream receives
 EngineDeadError and `health()` says so, so the server answers 503 instead of hanging (the failure users report
 as "health is 200 but nothing comes back").
 """
@@ -195,7 +196,13 @@ class AsyncEngine:
                 commands, self._commands = self._commands, []
             for kind, arg in commands:
                 self._apply(kind, arg)
-            outputs = engine.step() if engine.has_unfinished_requests() else []
+            try:
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+            except MoeserveError as err:
+                # A user-level failure inside one step (an expert read error during a miss, say) fails the
+                # requests of that batch; the store and KV cache stay consistent, so the engine goes on.
+                self._fail_batch(err)
+                outputs = []
             self._publish_load()  # before delivering: a client that saw its last token also sees the gauge drop
             self._deliver(outputs)
 
@@ -214,6 +221,21 @@ class AsyncEngine:
             with self._cv:
                 self._streams.pop(request_id, None)
             stream.put(err)
+
+    def _fail_batch(self, err: MoeserveError) -> None:
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None:
+            ids = {seq.request_id for seq in scheduler.running}
+        else:  # an engine without a visible batch: fail everything in flight
+            with self._cv:
+                ids = set(self._streams)
+        log.error("a step failed; failing its %d request(s): %s", len(ids), err)
+        for request_id in ids:
+            self.engine.abort_request(request_id)
+            with self._cv:
+                stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(err)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._cv:

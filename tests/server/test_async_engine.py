@@ -154,3 +154,32 @@ def test_loading_then_failed_load() -> None:
     assert engine.state == State.DEAD and isinstance(loaded[0], OSError)
     with pytest.raises(EngineDeadError, match="no such file"):
         engine.check_ready()
+
+
+class FlakyStepEngine(FakeEngine):
+    """Raises an ExpertLoadError on one step (a disk read error during a miss), then works again."""
+
+    def step(self) -> list[RequestOutput]:
+        from moeserve.errors import ExpertLoadError
+
+        if self.steps == 1 and not getattr(self, "failed", False):  # the second step fails, once
+            self.failed = True
+            raise ExpertLoadError("model-00002.safetensors: read error in expert (3, 7)")
+        return super().step()
+
+
+def test_a_failed_step_fails_its_batch_and_the_engine_goes_on() -> None:
+    from moeserve.errors import ExpertLoadError
+
+    fake = FlakyStepEngine()
+    engine = started(fake)
+
+    async def first() -> None:
+        with pytest.raises(ExpertLoadError, match="read error"):
+            await collect(engine.submit([1], SamplingParams(max_tokens=5), "x"))
+
+    asyncio.run(first())
+    assert engine.state == State.READY and "x" in fake.aborted
+    outs = asyncio.run(collect(engine.submit([1], SamplingParams(max_tokens=2), "y")))
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [100, 101]
+    engine.shutdown()
