@@ -180,6 +180,9 @@ def test_a_failed_step_fails_its_batch_and_the_engine_goes_on() -> None:
 
     asyncio.run(first())
     assert engine.state == State.READY and "x" in fake.aborted
-    outs = asyncio.run(collect(engine.submit([1], SamplingParams(max_tokens=2), "y")))
+    async def second() -> list[RequestOutput]:
+        return await collect(engine.submit([1], SamplingParams(max_tokens=2), "y"))
+
+    outs = asyncio.run(second())
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == [100, 101]
     engine.shutdown()
