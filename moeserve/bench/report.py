@@ -76,7 +76,8 @@ def _median_run(r: CaseResult) -> dict[str, Any]:
 def _settings(cfg: BenchConfig) -> dict[str, Any]:
     return {"cases": list(cfg.cases), "peers": list(cfg.peers), "new_tokens": cfg.new_tokens,
             "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
-            "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads}
+            "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads,
+            "prefetch": cfg.prefetch}
 
 
 def format_table(summary: dict[str, Any]) -> str:

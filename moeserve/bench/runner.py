@@ -43,6 +43,7 @@ class BenchConfig:
     quantization: str = "none"
     threads: int | None = None
     seed: int = 0
+    prefetch: bool | None = None  # None: the engine's default
 
 
 @dataclass
@@ -84,6 +85,7 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     cache_gb = cfg.expert_cache_gb
     workers["moeserve"] = Worker("moeserve", model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
                                  quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
+                                 **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}),
                                  max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     for peer in cfg.peers:
         try:

@@ -31,6 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="expert cache for moeserve (and accelerate's CPU budget); default per shape")
     p.add_argument("--quantization", default="none", choices=["none", "int8"], help="moeserve's on-load quantization")
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                   help="moeserve's expert prefetch (default: the engine's default)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where synthetic models are cached "
                    "(default ~/.cache/moeserve/bench)")
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cache_gb = args.expert_cache_gb if args.expert_cache_gb is not None else DEFAULT_EXPERT_CACHE_GB[shape.name]
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
-                             args.repeats, cache_gb, args.quantization, args.threads)
+                             args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch)
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:
