@@ -78,6 +78,7 @@ def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - i
     from moeserve.engine.kv_cache import KVCache
     from moeserve.engine.llm_engine import _CODE_TO_NAME, DEFAULT_MAX_MODEL_LEN_CAP, DTYPES
     from moeserve.models.model import expert_plan
+    from moeserve.models.quantized import resident_nbytes
 
     dtype_name: str
     if s.dtype != "auto":
@@ -90,8 +91,8 @@ def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - i
     max_len = s.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
     plan = expert_plan(ckpt, arch, spec, dtype)
     refs = [r for fs in plan.sources.values() for f in fs for r in f.refs]
-    expert_ids = {id(r) for r in refs}
-    nonexpert = sum(r.numel * dtype.itemsize for r in ckpt.tensors.values() if id(r) not in expert_ids)
+    # Stacked expert tensors (gpt-oss) and quantized dense Linears counted as the engine counts them.
+    nonexpert = resident_nbytes(ckpt, plan, dtype)
     kv = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, max_len, spec.attention.num_kv_heads,
                               spec.attention.head_dim, dtype)
     first = next(iter(plan.sources.values()))
