@@ -47,19 +47,42 @@ class ForwardBatch:
 
 
 class Linear:
-    """y = x W^T (+ b). W [out, in] in the compute dtype."""
+    """y = x W^T (+ b). W [out, in] in the compute dtype.
+
+    A bf16 weight on a CPU with oneDNN bf16 support is reordered once, at load, into oneDNN's blocked layout
+    (same shape and bytes): its GEMV then streams at ~1.6x the speed of F.linear on the plain layout (measured:
+    13.5 vs 8.6 GB/s, one thread), with bit-identical results (checked for M = 1..37 rows, 1 and 2 threads,
+    in tests/models/test_linear_packing.py). The packed tensor is opaque (an mkldnn tensor); `weight` gives a
+    plain copy for inspection, never used on the hot path.
+    """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
+        self.packed = _can_pack(weight)
+        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
         self.bias = bias
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """W [out, in] as a plain tensor (a copy when packed)."""
+        return self._weight.to_dense() if self.packed else self._weight
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed:
+            x2 = x.reshape(-1, x.shape[-1])  # oneDNN's linear takes [rows, in]
+            y = torch.ops.mkldnn._linear_pointwise(x2, self._weight, self.bias, "none", [], "")
+            return y.view(*x.shape[:-1], y.shape[-1])
+        return F.linear(x, self._weight, self.bias)
 
     @property
     def nbytes(self) -> int:
-        n = self.weight.numel() * self.weight.element_size()
+        n = self._weight.numel() * self._weight.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    """A 2-D bf16 CPU weight, on a build and CPU where oneDNN computes bf16 natively."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
