@@ -123,7 +123,11 @@ class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
                  lm_head: torch.Tensor, store: ExpertStore, resident_bytes: int) -> None:
         self.spec, self.embed, self.layers = spec, embed, layers
-        self.final_norm, self.lm_head, self.store = final_norm, lm_head, store
+        self.final_norm, self.store = final_norm, store
+        # An untied head is a Linear (bf16 GEMV packed at load, see Linear); a tied one shares the embedding's
+        # plain tensor, which lookups need as it is.
+        self._head = Linear(lm_head) if lm_head is not embed else None
+        self._tied_head = lm_head if self._head is None else None
         self.resident_bytes = resident_bytes  # non-expert weights
         self.norm = RMS_NORMS[spec.norm_style][0]
         self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
@@ -136,7 +140,14 @@ class MoeModel:
             h = layer(h, batch, kv)
         last = h[batch.last_token_index()]  # [B, H]
         last = self.norm(last, self.final_norm, self.spec.rms_norm_eps)
-        return torch.nn.functional.linear(last, self.lm_head).float()
+        if self._head is not None:
+            return self._head(last).float()
+        return torch.nn.functional.linear(last, self.embed).float()  # tied: the head is the embedding
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head weight [vocab, H] as a plain tensor (a copy when packed)."""
+        return self._head.weight if self._head is not None else self._tied_head  # type: ignore[return-value]
 
     def set_trace_hook(self, hook: Callable[[int, torch.Tensor, list[int] | None], None] | None) -> None:
         """Call `hook(layer, topk_ids [N, k], predicted next-layer experts or None)` in every MoE layer."""
