@@ -13,7 +13,7 @@ from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, p
 # (per-output-channel scales, negligible); Q8_0 is 32 int8 + one fp16 scale per block of 32, dense and experts.
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "moeserve": (2.0, 2.0), "moeserve-int8": (2.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
-    "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32)}
+    "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0)}
 
 
 def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: tuple[float, float], tokens_per_step: int,
@@ -58,8 +58,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "load_peak_rss_bytes": load_rss.get(r.engine),
             "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
             "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
-            "bytes_per_token_disk": (mine.get("bytes_read", 0) / tokens) if mine else step.expert_bytes_disk
-            / tokens_per_step,
+            # measured by moeserve's store; unknown for peers (None)
+            "bytes_per_token_disk": (mine.get("bytes_read", 0) / tokens) if mine else None,
             # how many times faster moeserve is than this engine, paired run by run
             "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
         })
@@ -93,10 +93,11 @@ def format_table(summary: dict[str, Any]) -> str:
     for row in summary["rows"]:
         hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
         vs = "-" if row["moeserve_speedup"] is None else f"{row['moeserve_speedup']:.2f}x"
+        disk = "-" if row["bytes_per_token_disk"] is None else f"{row['bytes_per_token_disk'] / 1e6:.1f}"
         lines.append(
             f"{row['case']:<10} {row['engine']:<32} {row['tokens_per_s']:>8.2f} {row['ceiling_tokens_per_s']:>8.1f} "
             f"{row['fraction_of_ceiling']:>7.0%} {vs:>7} {row['peak_rss_bytes'] / 2**20:>7.0f}Mi {hit:>8} "
-            f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {row['bytes_per_token_disk'] / 1e6:>11.1f}")
+            f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {disk:>11}")
     for s in summary["skipped"]:
         lines.append(f"skipped {s['engine']}: {s['reason']}")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from moeserve.bench.worker import BenchWorkerError, Worker
 log = logging.getLogger("moeserve.bench")
 
 CASES = ("decode-b1", "decode-b8", "prefill")
-PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8")
+PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", "moeserve-no-prefetch")
 
 
 @dataclass(frozen=True)
@@ -83,11 +83,14 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     skipped: list[Skipped] = []
     model = str(cfg.checkpoint)
     cache_gb = cfg.expert_cache_gb
-    workers["moeserve"] = Worker("moeserve", model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
-                                 quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
-                                 **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}),
-                                 max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
+    ours: dict[str, Any] = dict(model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
+                                quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
+                                max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
+    workers["moeserve"] = Worker("moeserve", **ours, **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
     for peer in cfg.peers:
+        if peer == "moeserve-no-prefetch":  # moeserve against itself: the gain from prefetch, paired
+            workers[peer] = Worker("moeserve", **ours, prefetch=False)
+            continue
         try:
             workers[peer] = _start_peer(peer, cfg, cache_dir)
         except (ImportError, BenchWorkerError, OSError) as err:
