@@ -145,9 +145,9 @@ def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:
                     args = ("decode", prompts, cfg.new_tokens if rep >= 0 else 2)
                 try:
                     run = w.call(*args)
-                except BenchWorkerError as err:
+                except BenchWorkerError as err:  # e.g. a peer without batched decode: skip it for this case
                     log.warning("%s %s: %s", name, case, err)
-                    break
+                    continue
                 if rep >= 0:
                     results[(name, case)].runs.append(run)
                     log.info("%s %s run %d/%d: %.2f tokens/s", case, name, rep + 1, cfg.repeats,
