@@ -172,14 +172,20 @@ class LlamaCppEngine(BenchEngine):
         if len(prompts) != 1:
             raise NotImplementedError("llama-cpp-python's Llama API decodes one sequence at a time")
         llm = self.llm
+        vocab = llm.n_vocab()
+
+        def last_logits() -> np.ndarray:
+            # Without logits_all the binding keeps no scores: read the context's last-token logits directly.
+            return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
         llm.reset()
         llm.eval(prompts[0])
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = int(np.argmax(last_logits()))
         out = [nxt]
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             llm.eval([nxt])
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            nxt = int(np.argmax(last_logits()))
             out.append(nxt)
         seconds = time.perf_counter() - t0
         return Timing(seconds, new_tokens, new_tokens, [out])

@@ -80,3 +80,15 @@ def test_gguf_holds_the_same_weights(tiny_dir, kind):
 def test_unknown_shape_is_a_config_error():
     with pytest.raises(ConfigError, match="valid: tiny"):
         get_shape("huge")
+
+
+def test_llama_cpp_on_the_gguf_agrees_with_moeserve(tiny_dir):
+    """Optional peer: llama.cpp greedy tokens on the exported GGUF equal moeserve's (fp32) on the checkpoint."""
+    pytest.importorskip("llama_cpp")
+    from moeserve.bench.engines import LlamaCppEngine, MoeserveEngine
+    from moeserve.bench.gguf_export import ensure_gguf
+
+    prompt = [5, 17, 42, 99, 7, 8, 9, 10]
+    theirs = LlamaCppEngine(str(ensure_gguf(tiny_dir, SHAPES["tiny"], "bf16")), threads=1, n_ctx=64)
+    ours = MoeserveEngine(str(tiny_dir), dtype="float32", threads=1, max_model_len=64)
+    assert theirs.decode([prompt], 6).token_ids == ours.decode([prompt], 6).token_ids
