@@ -111,7 +111,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
     if peer == "accelerate":
         if importlib.util.find_spec("accelerate") is None:
             raise ImportError("accelerate is not installed (pip install 'moeserve[dev]')")
-        offload = cache_dir / f"offload-{cfg.shape.name}-{os.getpid()}"
+        offload = offload_dir(cfg, cache_dir)
         # The same fast-tier budget moeserve has: non-expert weights plus the expert cache.
         dense = ceilings.dense_bytes_per_step(cfg.shape, 2) + cfg.shape.vocab_size * cfg.shape.hidden_size * 2
         cache = int((cfg.expert_cache_gb or 0) * 2**30)
@@ -128,6 +128,11 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
         return Worker("llama.cpp", gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     raise ValueError(f"unknown peer {peer!r} (valid: {', '.join(PEERS)})")
+
+
+def offload_dir(cfg: BenchConfig, cache_dir: Path) -> Path:
+    """Where this run's accelerate peer offloads weights (removed when the run ends)."""
+    return cache_dir / f"offload-{cfg.shape.name}-{os.getpid()}"
 
 
 def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:

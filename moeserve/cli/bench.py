@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from moeserve.errors import ConfigError
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for w in workers.values():
             w.close()
+        # accelerate's offload folder holds a copy of the offloaded weights: gigabytes, useless after the run
+        shutil.rmtree(runner.offload_dir(cfg, cache_dir), ignore_errors=True)
     after = runner.measure_bandwidths(checkpoint)
     # Best of before and after: the ceiling is what the hardware gives when undisturbed.
     bandwidths = {k: max(before[k], after[k]) for k in before}

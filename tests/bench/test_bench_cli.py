@@ -48,6 +48,14 @@ def test_bench_smoke_with_transformers_peer_and_offload(tmp_path):
     assert rows["transformers"]["moeserve_speedup"] > 0
 
 
+@pytest.mark.slow
+def test_bench_accelerate_offload_peer_runs_and_cleans_up(tmp_path):
+    pytest.importorskip("accelerate")
+    summary = _bench(tmp_path, "--peers", "accelerate", "--cases", "decode-b1")
+    assert {r["engine"] for r in summary["rows"]} == {"moeserve", "accelerate"}
+    assert not list((tmp_path / "cache").glob("offload-*"))  # the offloaded copy is removed after the run
+
+
 def test_bench_rejects_unknown_peer(tmp_path, capsys):
     assert main(["bench", "--shape", "tiny", "--peers", "vllm", "--cache-dir", str(tmp_path)]) == 1
     assert "unknown peer 'vllm'" in capsys.readouterr().err
