@@ -87,6 +87,32 @@ class LLMEngine:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
         self.eos_token_ids = self._eos_ids()
 
+        plan, budget, store_options, load_bytes = self._plan_memory(ckpt, spec, s)
+        with _progress(load_bytes) as advance:
+            self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
+                                     plan, budget.capacity, s.cache_policy, advance, store_options)
+        log.info("expert store: %s", self.model.store.describe())
+        self.trace = self._open_trace(s.record_trace, model_path)
+        self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
+                          spec.attention.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(s.max_num_seqs, self.kv.allocate, self.kv.release, lambda: self.kv.free_slots)
+        decode_token = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+            decode_token = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
+        self.sampler = Sampler(decode_token)
+        self.requests: dict[str, Request] = {}
+        self._next_id = 0
+        self.load_seconds = time.monotonic() - t0
+        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB)",
+                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20)
+        if self.model.dequantized_linears:
+            log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
+                     len(self.model.dequantized_linears), self.dtype_name)
+
+    # ---------------------------------------------------------------------------------------- choices
+    def _plan_memory(self, ckpt, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal
+        """Expert plan, fast-tier budget, store options and bytes to load, each choice logged with its reason."""
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
         if s.quantization == "int8":
             plan = int8_expert_plan(plan, self.dtype)
@@ -115,29 +141,8 @@ class LLMEngine:
 
         preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
         load_bytes = nonexpert + preloaded
-        with _progress(load_bytes) as advance:
-            self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
-                                     plan, budget.capacity, s.cache_policy, advance, store_options)
-        log.info("expert store: %s", self.model.store.describe())
-        self.trace = self._open_trace(s.record_trace, model_path)
-        self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
-                          spec.attention.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(s.max_num_seqs, self.kv.allocate, self.kv.release, lambda: self.kv.free_slots)
-        decode_token = None
-        if self.tokenizer is not None:
-            tok = self.tokenizer
-            decode_token = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
-        self.sampler = Sampler(decode_token)
-        self.requests: dict[str, Request] = {}
-        self._next_id = 0
-        self.load_seconds = time.monotonic() - t0
-        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB)",
-                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20)
-        if self.model.dequantized_linears:
-            log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
-                     len(self.model.dequantized_linears), self.dtype_name)
+        return plan, budget, store_options, load_bytes
 
-    # ---------------------------------------------------------------------------------------- choices
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
