@@ -23,7 +23,7 @@ Pipeline (all seeded, CPU only, plain torch + transformers' model code):
 
 Usage (the shipped model was made with the first command)::
 
-    nice -n 10 python scripts/train_demo_model.py
+    nice -n 10 python scripts/train_demo_model.py --max-minutes 45
     python scripts/train_demo_model.py --steps 60 --out /tmp/smoke   # quick smoke run
 """
 
@@ -73,18 +73,21 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-inter", type=int, default=384)
-    ap.add_argument("--aux-coef", type=float, default=0.01)
+    ap.add_argument("--aux-coef", type=float, default=0.02)
     ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--lr", type=float, default=5e-3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=650)
+    ap.add_argument("--lr", type=float, default=4e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--chat-frac", type=float, default=0.08, help="share of paragraphs wrapped as chat")
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast for the training forward pass")
     ap.add_argument("--experts-impl", default="grouped_mm", help="transformers experts implementation")
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--max-minutes", type=float, default=0,
+                    help="safety stop for a busy machine: end training early after this long (0: off); "
+                         "a run that stops early is not reproducible and says so")
     ap.add_argument("--eval-tokens", type=int, default=0, help="cap on held-out tokens (0: whole book)")
     return ap.parse_args()
 
@@ -307,18 +310,23 @@ def main() -> None:
         log_lm += float(loss.detach()) - args.aux_coef * aux
         log_aux += aux
         log_n += 1
-        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+        over_time = args.max_minutes and time.time() - t_train > 60 * args.max_minutes
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps or over_time:
             elapsed = time.time() - t_train
             print(f"step {step + 1:5d}/{args.steps}  lm_loss {log_lm / log_n:.3f}  aux {log_aux / log_n:.3f}  "
                   f"lr {lr:.2e}  {tokens_seen / elapsed:,.0f} tok/s  {elapsed / 60:.1f} min", flush=True)
             log_lm, log_aux, log_n = 0.0, 0.0, 0
+        if over_time:
+            print(f"STOPPED EARLY at step {step + 1} of {args.steps} (--max-minutes {args.max_minutes})")
+            break
+    steps_done = step + 1
     train_seconds = time.time() - t_train
-    print(f"trained {args.steps} steps, {tokens_seen:,} tokens "
+    print(f"trained {steps_done} steps, {tokens_seen:,} tokens "
           f"({tokens_seen / train_ids.numel():.2f} epochs) in {train_seconds / 60:.1f} min", flush=True)
 
     # Evaluate the weights exactly as shipped: round-trip through bfloat16.
     model = model.to(torch.bfloat16).float()
-    ppl, n_eval, counts = heldout_eval(model, heldout_ids, 512, args.experts, args.top_k)
+    ppl, n_eval, counts = heldout_eval(model, heldout_ids, args.seq_len, args.experts, args.top_k)
     routing = routing_summary(counts)
     print(f"held-out perplexity ({demo_corpus.BOOKS[demo_corpus.HELDOUT_BOOK]}, {n_eval:,} tokens, "
           f"bf16 weights): {ppl:.2f}", flush=True)
@@ -348,6 +356,7 @@ def main() -> None:
     )
     model.save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
+    make_compatible(args.out)
     total_seconds = time.time() - t_start
     stats = {
         "command": f"nice -n 10 {command}",
@@ -361,7 +370,8 @@ def main() -> None:
         "parameters": n_params,
         "expert_parameters": n_expert,
         "active_parameters_per_token": n_active,
-        "steps": args.steps,
+        "steps": steps_done,
+        "steps_planned": args.steps,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "tokens_seen": tokens_seen,
@@ -377,6 +387,23 @@ def main() -> None:
     (args.out / "README.md").write_text(model_card(stats, config))
     size = sum(f.stat().st_size for f in args.out.iterdir() if f.is_file())
     print(f"saved to {args.out} ({size / 1e6:.1f} MB); total wall time {total_seconds / 60:.1f} min", flush=True)
+
+
+def make_compatible(out: Path) -> None:
+    """Write the config keys older readers expect next to transformers 5's own spelling.
+
+    transformers 5 saves the expert count as ``num_local_experts``; Qwen3-MoE checkpoints (and
+    transformers 4.x) use ``num_experts``. Its tokenizer class ``TokenizersBackend`` is spelled
+    ``PreTrainedTokenizerFast`` in 4.x, which 5.x still accepts as an alias.
+    """
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.setdefault("num_experts", cfg.get("num_local_experts"))
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    tok_path = out / "tokenizer_config.json"
+    tok = json.loads(tok_path.read_text())
+    tok["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_path.write_text(json.dumps(tok, indent=2, sort_keys=True) + "\n")
 
 
 def model_card(s: dict, config) -> str:
@@ -402,7 +429,7 @@ trained MoE checkpoint that needs no download. It writes Austen-flavoured Englis
   ({s['tokens_seen']:,} tokens), AdamW + cosine schedule, router load-balancing loss coefficient
   {config.router_aux_loss_coef}; {s['train_minutes']} min of training, {s['total_minutes']} min in all,
   on 2 shared CPU cores.
-- **Held-out perplexity** ({s['corpus']['heldout_book']}, {s['heldout_tokens']:,} tokens, windows of 512,
+- **Held-out perplexity** ({s['corpus']['heldout_book']}, {s['heldout_tokens']:,} tokens, windows of {s['seq_len']},
   bfloat16 weights): **{s['heldout_perplexity']}**.
 - **Weights**: bfloat16 safetensors.
 
