@@ -29,9 +29,9 @@ def test_unknown_env_var_did_you_mean() -> None:
 
 
 def test_env_is_read_and_keyword_wins() -> None:
-    env = {"MOESERVE_DTYPE": "bfloat16", "MOESERVE_MAX_NUM_SEQS": "3", "MOESERVE_PREFETCH": "false"}
+    env = {"MOESERVE_DTYPE": "bfloat16", "MOESERVE_MAX_NUM_SEQS": "3", "MOESERVE_PREFETCH": "true"}
     s = build_settings(EngineSettings, {}, environ=env)
-    assert (s.dtype, s.max_num_seqs, s.prefetch) == ("bfloat16", 3, False)
+    assert (s.dtype, s.max_num_seqs, s.prefetch) == ("bfloat16", 3, True)
     s = build_settings(EngineSettings, {"dtype": "float32"}, environ=env)
     assert s.dtype == "float32"
 
@@ -53,9 +53,9 @@ def test_cli_flags_generated_from_fields() -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser, EngineSettings)
     add_cli_arguments(parser, ServerSettings)
-    args = parser.parse_args(["--expert-cache-gb", "1.5", "--no-prefetch", "--dtype", "float16", "--port", "9"])
+    args = parser.parse_args(["--expert-cache-gb", "1.5", "--prefetch", "--dtype", "float16", "--port", "9"])
     s = settings_from_args(EngineSettings, args)
-    assert (s.expert_cache_gb, s.prefetch, s.dtype) == (1.5, False, "float16")
+    assert (s.expert_cache_gb, s.prefetch, s.dtype) == (1.5, True, "float16")
     assert settings_from_args(ServerSettings, args).port == 9
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float8"])

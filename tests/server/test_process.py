@@ -150,7 +150,7 @@ def test_offloaded_server_with_disconnects_matches_resident(thread_server: Any, 
     half the clients walk away: the completed streams get exactly the resident server's tokens."""
     from tests.server.conftest import engine_factory, make_state
 
-    offloaded = thread_server(make_state(engine_factory(tiny_text_model, expert_cache_gb=1e-6, max_num_seqs=4)))
+    offloaded = thread_server(make_state(engine_factory(tiny_text_model, expert_cache_gb=1e-6, max_num_seqs=4, prefetch=True)))
     reference = asyncio.run(alone(live_server.url, PROMPTS[0:8:2]))
 
     async def mixed() -> list[list[str]]:
