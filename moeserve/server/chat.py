@@ -25,7 +25,7 @@ from moeserve.server.protocol import (
 )
 from moeserve.server.request_params import check_context, sampling_params
 from moeserve.server.state import ServerState
-from moeserve.server.streaming import SSE_DONE, DeltaTracker, cancel_on_disconnect, sse
+from moeserve.server.streaming import SSE_DONE, DeltaTracker, cancel_on_disconnect, sse, stream_chunk
 
 
 def _token_entry(lp: Logprob) -> dict[str, Any]:
@@ -174,8 +174,5 @@ class _Chat:
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], with_null_usage: bool) -> dict[str, Any]:
-        chunk: dict[str, Any] = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
-                                 "model": self.state.model_name, "choices": choices}
-        if with_null_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_chunk("chat.completion.chunk", self.request_id, self.created, self.state.model_name, choices,
+                            with_null_usage)

@@ -16,7 +16,14 @@ from moeserve.server.metrics import RequestTimer
 from moeserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
 from moeserve.server.request_params import check_context, sampling_params
 from moeserve.server.state import ServerState
-from moeserve.server.streaming import SSE_DONE, DeltaTracker, cancel_on_disconnect, merge_streams, sse
+from moeserve.server.streaming import (
+    SSE_DONE,
+    DeltaTracker,
+    cancel_on_disconnect,
+    merge_streams,
+    sse,
+    stream_chunk,
+)
 
 
 def completion_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], offset: int) -> dict[str, Any]:
@@ -159,8 +166,5 @@ class _Completion:
         yield SSE_DONE
 
     def _chunk(self, choices: list[dict[str, Any]], with_null_usage: bool) -> dict[str, Any]:
-        chunk: dict[str, Any] = {"id": self.request_id, "object": "text_completion", "created": self.created,
-                                 "model": self.state.model_name, "choices": choices}
-        if with_null_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_chunk("text_completion", self.request_id, self.created, self.state.model_name, choices,
+                            with_null_usage)

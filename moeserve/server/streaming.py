@@ -18,6 +18,17 @@ T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def stream_chunk(object_name: str, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
+                 with_null_usage: bool) -> dict[str, Any]:
+    """One streamed chunk body ("chat.completion.chunk" or "text_completion"); `usage: null` when the client
+    asked for usage, which then comes in a final chunk with no choices."""
+    chunk: dict[str, Any] = {"id": request_id, "object": object_name, "created": created, "model": model,
+                             "choices": choices}
+    if with_null_usage:
+        chunk["usage"] = None
+    return chunk
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     """One server-sent event holding `payload` as JSON."""
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
