@@ -60,6 +60,10 @@ class EngineSettings(BaseModel):
     quantization: Literal["none", "int8"] = Field(
         "none", description="on-load weight quantization of 16-bit checkpoints"
     )
+    kernels: Literal["auto", "cpp", "torch"] = Field(
+        "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "
+        "torch ops only, auto = cpp when it builds"
+    )
     record_trace: str | None = Field(None, description="write the experts each token used to this file")
     cache_trace: str | None = Field(
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
