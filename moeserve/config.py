@@ -64,6 +64,10 @@ class EngineSettings(BaseModel):
         "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "
         "torch ops only, auto = cpp when it builds"
     )
+    int8_cache_dir: str | None = Field(
+        None, description="where quantization=int8 writes offloaded experts once, quantized, so misses read half "
+        "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"
+    )
     record_trace: str | None = Field(None, description="write the experts each token used to this file")
     cache_trace: str | None = Field(
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"

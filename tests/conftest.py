@@ -148,3 +148,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _int8_spill_files_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory):
+    """quantization=int8 offloaded writes its spill file under ~/.cache by default: tests keep theirs in a
+    temporary folder (an explicit int8_cache_dir still wins)."""
+    old = os.environ.get("MOESERVE_INT8_CACHE_DIR")
+    os.environ["MOESERVE_INT8_CACHE_DIR"] = str(tmp_path_factory.mktemp("int8-spill"))
+    yield
+    if old is None:
+        os.environ.pop("MOESERVE_INT8_CACHE_DIR", None)
+    else:
+        os.environ["MOESERVE_INT8_CACHE_DIR"] = old

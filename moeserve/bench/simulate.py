@@ -16,19 +16,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from moeserve.errors import ConfigError
+from moeserve.experts.affinity import AffinityPredictor
 from moeserve.experts.policies import Key, make_policy
 from moeserve.experts.trace import Step
 
 # none: demand loading only. oracle: the next layer call's exact experts (an upper bound). predicted: the
 # predictions recorded in the trace. affinity: a layer-to-next-layer co-occurrence table fitted on the
-# warm-up part of the trace (`affinity_predictions`), something an engine can learn online.
-PREFETCH_MODES = ("none", "oracle", "predicted", "affinity")
+# warm-up part of the trace and then frozen (`affinity_predictions`). online: `AffinityPredictor`
+# (moeserve/experts/affinity.py) learning as the trace replays (after the warm-up part, if any), with a
+# chance threshold and a read budget (`OnlinePrefetch`): what the engine can do.
+PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class SimResult:
     misses: int = 0
     prefetched: int = 0  # prefetch reads
     prefetch_used: int = 0  # prefetched keys that were needed before they were evicted
+    steps: int = 0  # forward steps (tokens at batch 1) replayed
 
     @property
     def accesses(self) -> int:
@@ -64,13 +68,49 @@ class SimResult:
         return self.misses + self.prefetched
 
     @property
+    def reads_per_step(self) -> float:
+        """Experts transferred per forward step (per token at batch 1): multiply by an expert's bytes."""
+        return self.reads / self.steps if self.steps else 0.0
+
+    @property
     def prefetch_accuracy(self) -> float | None:
         return self.prefetch_used / self.prefetched if self.prefetched else None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(hit_rate=self.hit_rate, reads=self.reads, prefetch_accuracy=self.prefetch_accuracy)
+        out.update(
+            hit_rate=self.hit_rate,
+            reads=self.reads,
+            reads_per_step=self.reads_per_step,
+            prefetch_accuracy=self.prefetch_accuracy,
+        )
         return out
+
+
+@dataclass(frozen=True)
+class OnlinePrefetch:
+    """Settings of the ``online`` prefetch mode: an `AffinityPredictor` learning while the trace replays.
+
+    When a layer call starts (the layer has routed: its experts are known) the predictor observes them and
+    predicts the next layer call of the same step; once the call's demand loads are done, up to ``width`` predicted experts whose calibrated chance is at least
+    ``min_prob`` are prefetched, most likely first, skipping cached ones. With ``budget`` set, prefetch reads
+    never exceed ``budget`` x the demand misses so far (a credit of ``budget`` per miss, one spent per
+    prefetch read, at most ``width`` saved up). ``history`` is replayed through the predictor only (no cache)
+    before the evaluated steps: the past it may learn from.
+    """
+
+    num_experts: int
+    width: int
+    min_prob: float = 0.0
+    budget: float | None = None
+    history: Sequence[Sequence[LayerCall]] = ()
+
+    def predictor(self) -> AffinityPredictor:
+        pred = AffinityPredictor(self.num_experts)
+        for step in self.history:
+            for call in step:
+                pred.observe(call.layer, call.expert_ids)
+        return pred
 
 
 def calls_from_steps(steps: Iterable[Step]) -> list[list[LayerCall]]:
@@ -120,18 +160,32 @@ def simulate(
     capacity: int,
     prefetch: str = "none",
     policy_options: dict[str, Any] | None = None,
+    online: OnlinePrefetch | None = None,
 ) -> SimResult:
-    """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``."""
+    """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``.
+
+    ``prefetch="online"`` needs ``online`` (the predictor's settings); "affinity" here means: prefetch
+    ``call.predicted``, like "predicted".
+    """
     if capacity < 1:
         raise ConfigError(f"capacity={capacity}: the cache must hold at least one expert")
-    if prefetch not in PREFETCH_MODES:  # "affinity" here means: use call.predicted, like "predicted"
+    if prefetch not in PREFETCH_MODES:
         raise ConfigError(f"prefetch={prefetch!r}: choose one of {', '.join(PREFETCH_MODES)}")
+    if prefetch == "online" and online is None:
+        raise ConfigError("prefetch 'online' needs its settings (OnlinePrefetch)")
     calls = [call for step in steps for call in step]
+    # Per call: the next call of the same step (online prediction stays within a forward step).
+    next_in_step: list[LayerCall | None] = []
+    for step in steps:
+        next_in_step.extend(list(step[1:]) + [None] if step else [])
+    predictor = online.predictor() if online is not None and prefetch == "online" else None
+    budget = online.budget if online is not None and predictor is not None else None
+    credit = 0.0  # prefetch reads still allowed by the budget
     options = dict(policy_options or {})
     if policy == "belady":
         options["future"] = [chunk for call in calls for chunk in _chunks(call, capacity)]
     pol = make_policy(policy, **options)
-    result = SimResult(policy=policy, capacity=capacity, prefetch=prefetch)
+    result = SimResult(policy=policy, capacity=capacity, prefetch=prefetch, steps=len(steps))
     cache: set[Key] = set()
     unused_prefetch: set[Key] = set()  # prefetched keys not needed yet
 
@@ -143,6 +197,15 @@ def simulate(
 
     for index, call in enumerate(calls):
         chunks = _chunks(call, capacity)
+        upcoming: list[Key] = []
+        if predictor is not None and online is not None:
+            # The layer has routed: its experts are known before any load, so is its guess for the next one.
+            predictor.observe(call.layer, call.expert_ids)
+            nxt = next_in_step[index]
+            if nxt is not None and len(chunks) == 1:
+                upcoming = [
+                    (nxt.layer, e) for e in predictor.predict(nxt.layer, online.width, online.min_prob)
+                ]
         for chunk in chunks:
             pol.begin_layer(call.layer)
             pinned = set(chunk)
@@ -162,17 +225,23 @@ def simulate(
                 cache.add(key)
                 pol.on_insert(key)
                 result.misses += 1
+            if budget is not None and online is not None:
+                credit = min(float(online.width), credit + budget * len(missing))
         if prefetch == "none" or len(chunks) > 1:
             continue
         if prefetch == "oracle":
             upcoming = _chunks(calls[index + 1], capacity)[0] if index + 1 < len(calls) else []
-        else:  # predicted / affinity: the call carries its prediction, most likely first
+        elif prefetch != "online":  # predicted / affinity: the call carries its prediction, most likely first
             upcoming = list(call.predicted)
         for key in upcoming:
             if key in cache:
                 continue
             if len(pinned) >= capacity:
                 break  # no unpinned slot left to prefetch into
+            if budget is not None:
+                if credit < 1.0:
+                    break  # read budget spent
+                credit -= 1.0
             if len(cache) >= capacity:
                 make_room(pinned)
             cache.add(key)
@@ -247,12 +316,14 @@ def run_grid(
     warmup_fraction: float = 0.5,
     policy_options: dict[str, dict[str, Any]] | None = None,
     affinity_width: int | None = None,
+    online: OnlinePrefetch | None = None,
 ) -> GridResult:
     """Simulate every combination of policy, capacity and prefetch mode.
 
-    When something must be fitted (``static``'s profile, the ``affinity`` table), the first
-    ``warmup_fraction`` of the steps is used only for fitting and EVERY combination is evaluated on the
-    rest: all numbers in one grid come from the same steps, and none from the steps anything was fitted on.
+    When something must be fitted (``static``'s profile, the ``affinity`` table) or learned (the ``online``
+    predictor), the first ``warmup_fraction`` of the steps is used only for that and EVERY combination is
+    evaluated on the rest, from a cold cache: all numbers in one grid come from the same steps, and none
+    from the steps anything was fitted on. The online predictor keeps learning during the evaluation.
     """
     if not 0.0 <= warmup_fraction < 1.0:
         raise ConfigError(f"warm-up fraction {warmup_fraction} must be in [0, 1)")
@@ -263,7 +334,9 @@ def run_grid(
         raise ConfigError("prefetch 'predicted': this trace records no predictions (try oracle or affinity)")
     fit: Sequence[Sequence[LayerCall]] = []
     evaluate = steps
-    if "static" in policies or "affinity" in prefetches:
+    if "online" in prefetches and online is None:
+        raise ConfigError("prefetch 'online' needs its settings (OnlinePrefetch)")
+    if "static" in policies or "affinity" in prefetches or "online" in prefetches:
         split = int(len(steps) * warmup_fraction)
         fit, evaluate = steps[:split], steps[split:]
     if not evaluate:
@@ -272,6 +345,8 @@ def run_grid(
     reserve = static_reserve(fit or steps)
     width = affinity_width or 2 * reserve
     affinity = affinity_predictions(fit, evaluate, width) if "affinity" in prefetches else []
+    if online is not None:  # the online predictor may learn from the fitted part too: it is the past
+        online = replace(online, history=fit)
     results = []
     for prefetch in prefetches:
         replay = affinity if prefetch == "affinity" else evaluate
@@ -280,9 +355,8 @@ def run_grid(
                 options = dict((policy_options or {}).get(policy, {}))
                 if policy == "static":
                     options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
-                result = simulate(
-                    replay, policy, capacity, "predicted" if prefetch == "affinity" else prefetch, options
-                )
+                mode = "predicted" if prefetch == "affinity" else prefetch
+                result = simulate(replay, policy, capacity, mode, options, online)
                 result.prefetch = prefetch
                 results.append(result)
     return GridResult(results, fit_steps=len(fit), eval_steps=len(evaluate))

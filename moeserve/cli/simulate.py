@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from moeserve.bench.flame import is_flame_dir, load_flame
-from moeserve.bench.simulate import PREFETCH_MODES, GridResult, LayerCall, calls_from_steps, run_grid
+from moeserve.bench.simulate import (
+    PREFETCH_MODES,
+    GridResult,
+    LayerCall,
+    OnlinePrefetch,
+    calls_from_steps,
+    run_grid,
+)
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES, POLICY_NAMES
 from moeserve.experts.trace import TraceHeader, read_trace
@@ -34,6 +41,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with static or affinity: fit on this first fraction of steps, evaluate ALL on the rest",
     )
     p.add_argument("--affinity-width", type=int, default=None, help="experts prefetched per layer (affinity)")
+    p.add_argument(
+        "--online-width",
+        type=int,
+        default=12,
+        help="online prefetch: at most this many guesses per layer call",
+    )
+    p.add_argument(
+        "--online-min-prob",
+        type=float,
+        default=0.4,
+        help="online prefetch: only guesses whose calibrated chance of being used is at least this",
+    )
+    p.add_argument(
+        "--online-budget",
+        type=float,
+        default=None,
+        help="online prefetch: prefetch reads at most this many times the demand misses (default: no cap)",
+    )
+    p.add_argument(
+        "--expert-mib",
+        type=float,
+        default=None,
+        help="size of one expert in MiB: the tables then also give MiB read per step",
+    )
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of hit rate vs capacity")
     p.add_argument("--json", type=Path, default=None, help="write all results as JSON")
     p.set_defaults(func=run)
@@ -73,13 +104,26 @@ def run(args: argparse.Namespace) -> int:
     prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
     capacities = _capacities(args.capacity)
     header, steps = load_calls(args.trace)
-    grid = run_grid(steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width)
+    if args.online_width < 1 or not 0.0 <= args.online_min_prob <= 1.0:
+        raise ConfigError("--online-width must be >= 1 and --online-min-prob in [0, 1]")
+    if args.online_budget is not None and args.online_budget < 0:
+        raise ConfigError("--online-budget must be >= 0")
+    online = OnlinePrefetch(header.num_experts, args.online_width, args.online_min_prob, args.online_budget)
+    grid = run_grid(
+        steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width, online
+    )
     total = header.num_experts * len(header.moe_layers)
     print(
         f"{header.model}: {len(header.moe_layers)} MoE layers x {header.num_experts} experts = {total}; "
         f"fitted on {grid.fit_steps} steps, evaluated on {grid.eval_steps}"
     )
-    print(format_table(grid, policies, capacities, prefetches))
+    if "online" in prefetches:
+        budget = "no cap" if args.online_budget is None else f"<= {args.online_budget:g} x demand misses"
+        print(
+            f"online prefetch: up to {args.online_width} guesses per layer call with chance >= "
+            f"{args.online_min_prob:g}, prefetch reads {budget}"
+        )
+    print(format_table(grid, policies, capacities, prefetches, args.expert_mib))
     if args.json:
         args.json.write_text(json.dumps(_json(header, grid), indent=1))
     if args.plot:
@@ -87,27 +131,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_table(grid: GridResult, policies: list[str], capacities: list[int], prefetches: list[str]) -> str:
-    """Hit rate per policy x capacity, per prefetch mode; then best online / Belady."""
-    lines = []
+def format_table(
+    grid: GridResult,
+    policies: list[str],
+    capacities: list[int],
+    prefetches: list[str],
+    expert_mib: float | None = None,
+) -> str:
+    """Hit rate and experts read per step, per policy x capacity, per prefetch mode; then the best online
+    policy's hit rate as a fraction of Belady's: demand-only Belady at the same capacity (the bound on the
+    demand hit rate without prefetch), and Belady given the same prefetches."""
+    unit = "MiB" if expert_mib else "experts"
+    lines = [f"cells: hit rate (reads per step, in {unit}; a step is one token at batch 1)"]
     for prefetch in prefetches:
-        lines.append(f"\nprefetch={prefetch}   hit rate (reads per needed expert)")
-        lines.append(f"{'policy':<8}" + "".join(f"{c:>14}" for c in capacities))
+        lines.append(f"\nprefetch={prefetch}")
+        lines.append(f"{'policy':<10}" + "".join(f"{c:>15}" for c in capacities))
         for policy in policies:
             cells = []
             for c in capacities:
                 r = grid.get(policy, c, prefetch)
-                cells.append(f"{r.hit_rate:.3f} ({r.reads / max(r.accesses, 1):.2f})" if r else "-")
-            lines.append(f"{policy:<8}" + "".join(f"{x:>14}" for x in cells))
-        if "belady" in policies and any(p in ONLINE_POLICY_NAMES for p in policies):
+                reads = r.reads_per_step * (expert_mib or 1.0) if r else 0.0
+                cells.append(f"{r.hit_rate:.3f} ({reads:5.1f})" if r else "-")
+            lines.append(f"{policy:<10}" + "".join(f"{x:>15}" for x in cells))
+        if "belady" not in policies or not any(p in ONLINE_POLICY_NAMES for p in policies):
+            continue
+        bounds = [("vs MIN", "none")] if "none" in prefetches else []
+        if prefetch != "none":
+            bounds.append(("vs MIN+pf", prefetch))
+        for label, bound_mode in bounds:
             cells = []
             for c in capacities:
-                bound = grid.get("belady", c, prefetch)
+                bound = grid.get("belady", c, bound_mode)
                 online = [grid.get(p, c, prefetch) for p in policies if p in ONLINE_POLICY_NAMES]
                 best = max((r for r in online if r), key=lambda r: r.hit_rate)
                 ratio = best.hit_rate / bound.hit_rate if bound and bound.hit_rate else float("nan")
                 cells.append(f"{best.policy} {ratio:.2f}")
-            lines.append(f"{'best/MIN':<8}" + "".join(f"{x:>14}" for x in cells))
+            lines.append(f"{label:<10}" + "".join(f"{x:>15}" for x in cells))
     return "\n".join(lines)
 
 

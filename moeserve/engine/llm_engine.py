@@ -27,6 +27,7 @@ from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.errors import ConfigError, RequestError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
+from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions, static_policy_options
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
@@ -115,7 +116,8 @@ class LLMEngine:
         """Expert plan, fast-tier budget, store options and bytes to load, each choice logged with its reason."""
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
         if s.quantization == "int8":
-            plan = int8_expert_plan(plan, self.dtype)
+            spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
+            plan = int8_expert_plan(plan, self.dtype, spill)
         log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
         kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
                                         spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)

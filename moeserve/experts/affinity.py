@@ -42,7 +42,7 @@ from moeserve.errors import ConfigError
 
 
 class _Transition:
-    """Co-occurrence counts from layer a's experts to the next layer b's experts."""
+    """Co-occurrence counts from one layer's experts (a) to a later layer's experts (b), with their logs."""
 
     def __init__(self, num_experts: int, smoothing: float) -> None:
         e, s = num_experts, smoothing
@@ -52,45 +52,60 @@ class _Transition:
         self.total = 0.0
         self.s = s
         self.e = e
+        self.log_pair = [[math.log(s)] * e for _ in range(e)]  # log(pair[i][j] + s)
+        self.log_row = [math.log(s * e)] * e  # log(row[i] + s e): log P(j | i) = log_pair[i][j] - log_row[i]
+        self.log_col = [math.log(s * e)] * e  # log(col[j] + s e): log P(j) up to a constant
 
     def add(self, a_ids: list[int], b_ids: list[int]) -> None:
-        nb, na = len(b_ids), len(a_ids)
+        nb, na, s, e = len(b_ids), len(a_ids), self.s, self.e
         for i in a_ids:
-            row = self.pair[i]
+            row, log_pair = self.pair[i], self.log_pair[i]
             for j in b_ids:
                 row[j] += 1.0
+                log_pair[j] = math.log(row[j] + s)
             self.row[i] += nb
+            self.log_row[i] = math.log(self.row[i] + s * e)
         for j in b_ids:
             self.col[j] += na
+            self.log_col[j] = math.log(self.col[j] + s * e)
         self.total += na * nb
 
+    def log_prior(self) -> list[float]:
+        """log P(j) for every expert j of layer b."""
+        log_total = math.log(self.total + self.s * self.e * self.e)
+        return [c - log_total for c in self.log_col]
+
     def scores(self, a_ids: list[int]) -> list[float]:
-        """Naive-Bayes log score of every expert of layer b given layer a used ``a_ids``."""
-        s, e = self.s, self.e
-        log_total = math.log(self.total + s * e * e)
-        log_p = [math.log(self.col[j] + s * e) - log_total for j in range(e)]  # log P(j)
-        out = list(log_p)
-        for i in a_ids:
-            row = self.pair[i]
-            log_row = math.log(self.row[i] + s * e)
-            for j in range(e):
-                out[j] += math.log(row[j] + s) - log_row - log_p[j]  # log P(j|i) - log P(j)
-        return out
+        """Naive-Bayes log score of every expert of layer b given layer a used ``a_ids`` (this table alone)."""
+        shift = sum(self.log_row[i] for i in a_ids)  # the same for every j: only the ranking needs none
+        return [x - shift for x in _naive_bayes(self.log_prior(), [self.log_pair[i] for i in a_ids])]
+
+
+def _naive_bayes(log_prior: list[float], log_pairs: list[list[float]]) -> list[float]:
+    """log P(j) + sum over the rows of (log pair[i][j] - log P(j)), for every j: the naive-Bayes log score
+    up to terms that do not depend on j (the rows' log totals)."""
+    n = len(log_pairs)
+    out = [(1 - n) * p for p in log_prior]
+    for row in log_pairs:
+        out = [a + b for a, b in zip(out, row, strict=True)]
+    return out
 
 
 class AffinityPredictor:
-    """Predicts the next MoE layer's experts from the experts the current layer used (see module doc)."""
+    """Predicts the next MoE layer's experts from the experts this step's latest layers used (module doc)."""
 
-    def __init__(self, num_experts: int, smoothing: float = 0.1) -> None:
+    def __init__(self, num_experts: int, depth: int = 2, smoothing: float = 0.1) -> None:
         if num_experts < 1:
             raise ConfigError(f"affinity: num_experts={num_experts} must be >= 1")
+        if depth < 1:
+            raise ConfigError(f"affinity: depth={depth} must be >= 1 (layers looked back)")
         if smoothing <= 0:
             raise ConfigError(f"affinity: smoothing={smoothing} must be > 0")
         self.num_experts = num_experts
+        self.depth = depth
         self._smoothing = smoothing
-        self._tables: dict[tuple[int, int], _Transition] = {}  # (layer a, layer b) -> counts
-        self._next: dict[int, int] = {}  # layer a -> the layer that followed it last time
-        self._last: tuple[int, list[int]] | None = None  # latest observed (layer, expert ids)
+        self._tables: dict[tuple[int, int], _Transition] = {}  # (layer a, later layer b) -> counts
+        self._recent: list[tuple[int, list[int]]] = []  # this step's latest `depth` (layer, expert ids)
         self._pending: dict[int, list[int]] = {}  # layer -> ranking guessed for it, not yet checked
         self._guesses: list[int] = [0] * num_experts  # per rank: guesses checked
         self._hits: list[int] = [0] * num_experts  # per rank: guesses that the layer then used
@@ -107,14 +122,14 @@ class AffinityPredictor:
             for rank, e in enumerate(ranking):
                 self._guesses[rank] += 1
                 self._hits[rank] += e in used
-        last = self._last
-        if last is not None and last[0] < layer:  # same forward step: learn last layer -> this layer
-            table = self._tables.get((last[0], layer))
+        if self._recent and self._recent[-1][0] >= layer:
+            self._recent = []  # a new forward step
+        for src, src_ids in self._recent:  # learn every recent layer of this step -> this layer
+            table = self._tables.get((src, layer))
             if table is None:
-                table = self._tables[(last[0], layer)] = _Transition(self.num_experts, self._smoothing)
-            table.add(last[1], ids)
-            self._next[last[0]] = layer
-        self._last = (layer, ids)
+                table = self._tables[(src, layer)] = _Transition(self.num_experts, self._smoothing)
+            table.add(src_ids, ids)
+        self._recent = (self._recent + [(layer, ids)])[-self.depth :]
 
     def chance(self, rank: int) -> float:
         """Calibrated chance that a rank-``rank`` guess is used: (hits + 1) / (guesses + 2) so far."""
@@ -122,16 +137,22 @@ class AffinityPredictor:
 
     def predict_with_prob(self, next_layer: int, k: int, min_prob: float = 0.0) -> list[tuple[int, float]]:
         """Up to ``k`` experts of ``next_layer``, most likely first, with their calibrated chance; only those
-        with chance >= ``min_prob``. Empty when nothing was observed yet or the pair was never seen."""
-        if self._last is None or k <= 0:
+        with chance >= ``min_prob``. Empty when the latest observed layer was never followed by
+        ``next_layer``."""
+        if not self._recent or k <= 0:
             return []
-        layer, ids = self._last
-        table = self._tables.get((layer, next_layer))
-        if table is None or not ids:
+        latest = self._tables.get((self._recent[-1][0], next_layer))
+        if latest is None:
             return []
-        scores = table.scores(ids)
+        rows: list[list[float]] = []
+        for src, src_ids in self._recent:
+            table = self._tables.get((src, next_layer))
+            if table is not None:
+                rows.extend(table.log_pair[i] for i in src_ids)
+        scores = _naive_bayes(latest.log_prior(), rows)
         ranking = sorted(range(self.num_experts), key=lambda j: (-scores[j], j))
-        self._pending[next_layer] = ranking[: max(k, 1)]
+        k = min(k, self.num_experts)
+        self._pending[next_layer] = ranking[:k]
         out = []
         for rank, e in enumerate(ranking[:k]):
             p = self.chance(rank)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +121,22 @@ class StoreOptions:
     host_capacity: int = 0  # units in the host RAM tier (CUDA machines); 0 = none
     prefetch: bool = False
     ops: DeviceOps | None = None  # None: CudaOps on a CUDA device, nothing on CPU (tests pass a fake)
+    # Threads reading the misses of one chunk at the same time (the disk serves several requests at once, and
+    # the compute thread works on the experts already in meanwhile); 0 = the compute thread reads them in turn.
+    io_threads: int = 2
+
+
+@dataclass(eq=False)
+class _Read:
+    """A demand miss being read: its key, the slot it fills, and its task on an I/O thread (None: not queued)."""
+
+    key: Key
+    slot: int
+    future: Future[None] | None = None
+
+    @property
+    def landed(self) -> bool:
+        return self.future is not None and self.future.done()
 
 
 class ExpertStore:
@@ -163,11 +180,18 @@ class ExpertStore:
         if opts.host_capacity > 0 and not self.resident:
             host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
         self.loader = Loader(source, device, self.copier, host)
+        self._io: ThreadPoolExecutor | None = None
+        if not self.resident and opts.io_threads > 0:
+            self._io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="moeserve-io")
+        self.io_threads = opts.io_threads if self._io is not None else 0
         self.policy = None
         self.prefetcher = None
+        self.source_note: str | None = None
         if self.resident:
             self._load_everything(progress)
         else:
+            prepare = getattr(source, "prepare_offload", None)  # test fakes may lack it
+            self.source_note = prepare() if prepare is not None else None
             self.policy = make_policy(opts.policy, **opts.policy_options)
             if opts.prefetch:
                 from moeserve.experts.prefetch import Prefetcher
@@ -202,6 +226,11 @@ class ExpertStore:
         else:
             assert self.policy is not None
             parts.append(f"policy {self.policy.name}, prefetch {'on' if self.prefetcher else 'off'}")
+            if self.source_note:
+                parts.append(self.source_note)
+            parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
+                         "the compute of experts already in" if self.io_threads else
+                         "misses read by the compute thread in turn")
         return "; ".join(parts)
 
     def experts(self, layer: int, expert_ids: Sequence[int],
@@ -222,17 +251,38 @@ class ExpertStore:
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
-            slots = self._acquire(layer, keys)
+            pending = self._acquire(layer, keys)  # key -> its read in flight (the misses)
             try:
                 if prefetch is not None and len(chunks) == 1 and self.prefetcher is not None:
                     self.prefetcher.submit(prefetch[0], prefetch[1], protect=keys)
-                if self.copier is not None:
-                    for slot in slots:
-                        self.copier.before_use(slot)
-                yield [(e, self._slot_views[s]) for e, s in zip(chunk, slots)]
+                # Yield the chunk in ascending runs of experts that are in, so the caller computes them while
+                # the misses after them are still being read; the order of experts never changes.
+                i = 0
+                while i < len(keys):
+                    if keys[i] in pending:
+                        self._wait_read(pending.pop(keys[i]))
+                    j = i + 1
+                    while j < len(keys) and (keys[j] not in pending or pending[keys[j]].landed):
+                        if keys[j] in pending:
+                            self._wait_read(pending.pop(keys[j]))  # done: re-raises its error, if any
+                        j += 1
+                    with self._cond:
+                        slots = [self._slot_of[k] for k in keys[i:j]]
+                    if self.copier is not None:
+                        for slot in slots:
+                            self.copier.before_use(slot)
+                    try:
+                        yield [(e, self._slot_views[s]) for e, s in zip(chunk[i:j], slots)]
+                    finally:
+                        if self.copier is not None:
+                            self.copier.after_use(slots)
+                    i = j
             finally:
-                if self.copier is not None:
-                    self.copier.after_use(slots)
+                for read in pending.values():  # the caller stopped early or a read failed: let the others land
+                    try:
+                        self._wait_read(read)
+                    except ExpertLoadError:
+                        pass
                 with self._cond:
                     self._pinned.difference_update(keys)
 
@@ -249,12 +299,22 @@ class ExpertStore:
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()
         self.source.checkpoint.close()
 
     # ------------------------------------------------------------------------------------------ internals
-    def _acquire(self, layer: int, keys: list[Key]) -> list[int]:
-        """Pin `keys`, wait for any of them in flight, count hits, load the misses; their slots in order."""
+    def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, _Read]:
+        """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
+
+        Every miss gets its slot (and its `on_insert`) here, in ascending order as the simulator does; its
+        bytes land later, on an I/O thread (or on the compute thread, see `_wait_read`).
+        """
         assert self.policy is not None
+        reads: dict[Key, _Read] = {}
         with self._cond:
             if self.prefetcher is not None:
                 self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
@@ -273,15 +333,77 @@ class ExpertStore:
                         st.prefetch_used += 1
                 else:
                     missing.append(key)
-        try:
-            for key in missing:
-                self._load(key, prefetched=False)
-        except BaseException:
-            with self._cond:
+            try:
+                for key in missing:
+                    slot = self._take_slot(key, self._pinned, wait=True)
+                    assert slot is not None
+                    self.policy.on_insert(key)
+                    st.misses += 1
+                    reads[key] = _Read(key, slot)
+            except BaseException:
+                for read in reads.values():
+                    self._abandon(read.key, read.slot)
                 self._pinned.difference_update(keys)
-            raise
+                raise
+        if self._io is None:  # no I/O threads: read every miss now, in order, and yield the chunk whole
+            todo = list(reads.values())
+            try:
+                while todo:
+                    self._read_slot(todo[0].key, todo[0].slot)
+                    todo.pop(0)
+            except BaseException:
+                with self._cond:
+                    for later in todo[1:]:  # todo[0] failed and gave its slot back itself
+                        self._abandon(later.key, later.slot)
+                    self._pinned.difference_update(keys)
+                raise
+            return {}
+        # The first miss with no expert before it to compute meanwhile is read right here (no thread hand-off);
+        # the others go to the I/O threads at once, so the disk has them all queued.
+        for n, read in enumerate(reads.values()):
+            if n > 0 or read.key != keys[0]:
+                read.future = self._io.submit(self._read_slot, read.key, read.slot)
+        return reads
+
+    def _wait_read(self, read: _Read) -> None:
+        """Block until `read` has landed (raising its ExpertLoadError). A read no I/O thread has started yet is
+        taken back and done on this thread: the compute thread never idles while its own miss waits in a queue."""
+        if read.future is None or read.future.cancel():
+            read.future = None
+            self._read_slot(read.key, read.slot)
+        else:
+            read.future.result()
+
+    def _read_slot(self, key: Key, slot: int) -> None:
+        """Fill `slot` (already taken, `key` in `_loading` and inserted in the policy) and publish it."""
+        try:
+            tier = self.loader.load(key, slot, self._pool[slot])
+        except Exception as err:
+            with self._cond:
+                self._abandon(key, slot)
+                self.stats.load_errors += 1
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
         with self._cond:
-            return [self._slot_of[k] for k in keys]
+            del self._loading[key]
+            self._slot_of[key] = slot
+            self._count_read(key, tier)
+            self._cond.notify_all()
+
+    def _abandon(self, key: Key, slot: int) -> None:
+        """(Lock held.) A demand read that will not land: the slot holds garbage and maps to nothing."""
+        assert self.policy is not None
+        if self._loading.pop(key, None) is not None:
+            self._free_slots.append(slot)
+            self.policy.on_evict(key)
+        self._cond.notify_all()
+
+    def _count_read(self, key: Key, tier: Tier) -> None:
+        st = self.stats.layer(key[0])
+        if tier is Tier.HOST:
+            st.bytes_from_host += self.layout.nbytes
+        else:
+            st.bytes_from_disk += self.source.stored_nbytes
 
     def _take_slot(self, key: Key, pinned: Collection[Key], wait: bool) -> int | None:
         """(Lock held.) A slot for `key`, marked loading: free, or an evicted unpinned victim's.
@@ -296,7 +418,7 @@ class ExpertStore:
             try:
                 victim = self.policy.choose_victim(pinned)
             except NoVictimError:
-                if not wait or not self._loading:
+                if not wait or all(k in pinned for k in self._loading):  # only loads that free nothing
                     if wait:
                         raise MoeserveError("expert cache: no evictable slot although nothing is loading; "
                                             "this is a bug in the store") from None
@@ -312,42 +434,34 @@ class ExpertStore:
 
     def _load(self, key: Key, prefetched: bool, protect: Collection[Key] = (),
               wanted: Callable[[], bool] | None = None) -> bool:
-        """Load `key` into a slot: a demand miss, or a prefetch (False when it found no room or is no longer
-        `wanted`). Victims are never pinned by the compute thread nor in `protect`."""
+        """Load `key` into a slot on the prefetch thread (False when it found no room or is no longer `wanted`).
+        Victims are never pinned by the compute thread, being loaded, nor in `protect`."""
+        assert prefetched, "demand misses are read through _acquire"
         with self._cond:
             if wanted is not None and not wanted():
                 return False
-            pinned = self._pinned | set(protect) if protect else self._pinned
-            slot = self._take_slot(key, pinned, wait=not prefetched)
+            pinned = self._pinned | set(protect) | set(self._loading)
+            slot = self._take_slot(key, pinned, wait=False)
             if slot is None:
                 return False
-            if not prefetched:
-                self.stats.layer(key[0]).misses += 1
         try:
             tier = self.loader.load(key, slot, self._pool[slot])
-        except Exception as err:
+        except Exception:
             with self._cond:
                 del self._loading[key]
                 self._free_slots.append(slot)  # the slot holds garbage now: nothing maps to it
                 self.stats.load_errors += 1
                 self._cond.notify_all()
-            if prefetched:
-                raise
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
+            raise
         with self._cond:
             del self._loading[key]
             self._slot_of[key] = slot
             assert self.policy is not None
-            self.policy.on_insert(key, prefetched=prefetched)
+            self.policy.on_insert(key, prefetched=True)
+            self._count_read(key, tier)
             st = self.stats.layer(key[0])
-            if tier is Tier.HOST:
-                st.bytes_from_host += self.layout.nbytes
-            else:
-                st.bytes_from_disk += self.source.stored_nbytes
-            if prefetched:
-                st.prefetched += 1
-                self._prefetch_unused.add(key)
+            st.prefetched += 1
+            self._prefetch_unused.add(key)
             self._cond.notify_all()
         return True
 

@@ -12,16 +12,20 @@ gate_up buffer, each shard dequantized with its own scales (NVFP4 global scales 
 
 from __future__ import annotations
 
+import inspect
+import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.checkpoint.safetensors_file import TensorRef
 from moeserve.errors import ConfigError, UnsupportedModelError
+from moeserve.experts.spill import UnitSpill, fingerprint, open_or_build
 from moeserve.experts.store import ExpertWeights
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
@@ -268,7 +272,12 @@ EXPERT_PLANNERS["gpt_oss"] = gpt_oss_plan
 class Int8ExpertSource(ExpertSource):
     """Reads an expert of a 16/32-bit checkpoint through the dense plan, then quantizes every matrix field to
     int8 with one float32 scale per row, into a unit of the int8 layout. The result is deterministic, so a
-    re-read after eviction gives the same bytes and offloading stays bit-exact."""
+    re-read after eviction gives the same bytes and offloading stays bit-exact.
+
+    Offloaded (`prepare_offload`), every unit is quantized once during the load and written to a spill file
+    under `spill_root` (see `moeserve.experts.spill`); misses then read the int8 unit from it: half the bytes
+    of the 16-bit expert, and no quantization per miss. The spill holds the very bytes a miss would make.
+    """
 
     def __init__(
         self,
@@ -276,6 +285,7 @@ class Int8ExpertSource(ExpertSource):
         dense: ExpertPlan,
         int8_layout: UnitLayout,
         targets: tuple[tuple[int, int | None], ...],
+        spill_root: Path | None = None,
     ) -> None:
         super().__init__(ckpt, int8_layout, dense.sources)
         self.dense_source = ExpertSource(ckpt, dense.layout, dense.sources)
@@ -284,8 +294,34 @@ class Int8ExpertSource(ExpertSource):
         )
         self._scratch = torch.empty(dense.layout.nbytes, dtype=torch.uint8)
         self._scratch_lock = threading.Lock()
+        self.spill_root = spill_root
+        self.spill: UnitSpill | None = None
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes a miss reads: the int8 unit from the spill file, else the 16/32-bit expert."""
+        return self.layout.nbytes if self.spill is not None else super().stored_nbytes
+
+    def prepare_offload(self) -> str | None:
+        if self.spill_root is None:
+            return "int8 misses read the 16-bit expert and quantize it (spill file off)"
+        files = sorted({r.path for fs in self.sources.values() for f in fs for r in f.refs})
+        how = "|".join((inspect.getsource(quantize_int8_per_channel), torch.__version__, repr(self.layout),
+                        repr(self.dense_source.layout), json.dumps(self.checkpoint.config, sort_keys=True)))
+        self.spill = open_or_build(self.spill_root, fingerprint(files, how), sorted(self.sources),
+                                   self.layout.nbytes, lambda key, out: self.quantize_unit(*key, out),
+                                   "int8 experts")
+        if self.spill is None:
+            return "int8 misses read the 16-bit expert and quantize it (no spill file)"
+        return f"int8 misses read from the spill file {self.spill.path}"
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
+        if self.spill is not None:
+            self.spill.read_unit((layer, expert), unit_bytes)
+        else:
+            self.quantize_unit(layer, expert, unit_bytes)
+
+    def quantize_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         with self._scratch_lock:
             self.dense_source.read_unit(layer, expert, self._scratch)
             out = self.layout.views(unit_bytes)
@@ -298,6 +334,10 @@ class Int8ExpertSource(ExpertSource):
                     codes, scale = quantize_int8_per_channel(dense)
                     out[index].copy_(codes)
                     out[scale_index].copy_(scale)
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
 
 
 class Int8Kernel:
@@ -333,9 +373,10 @@ class Int8Kernel:
         return self.dense_kernel(x, tuple(dense))
 
 
-def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype) -> ExpertPlan:
+def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None) -> ExpertPlan:
     """`dense` with every 2-D field held as int8 + per-row float32 scales in every tier (1-D fields, the
-    biases, stay as they are). For `quantization="int8"` on a 16/32-bit checkpoint."""
+    biases, stay as they are). For `quantization="int8"` on a 16/32-bit checkpoint. `spill_root`: where an
+    offloaded store keeps the quantized units for its misses (None: misses quantize again)."""
     if isinstance(dense.kernel, DequantizingKernel):
         raise ConfigError(
             "quantization=int8 quantizes 16/32-bit experts on load, but this checkpoint's experts "
@@ -357,12 +398,13 @@ def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype) -> ExpertPlan:
         f"experts quantized on load to int8 with per-row scales, in every cache tier (unit "
         f"{layout.nbytes / 2**10:.1f} KiB instead of {dense.layout.nbytes / 2**10:.1f} KiB); "
         f"dequantized at use into reused {str(dtype).removeprefix('torch.')} buffers; "
-        "a miss reads the checkpoint's 16/32-bit expert and quantizes it"
+        + ("a miss reads the checkpoint's 16/32-bit expert and quantizes it" if spill_root is None else
+           f"offloaded, units are quantized once into a spill file under {spill_root} that misses read")
     )
     return ExpertPlan(
         layout,
         kernel,
         dense.sources,
         description,
-        make_source=lambda ckpt: Int8ExpertSource(ckpt, dense, layout, frozen_targets),
+        make_source=lambda ckpt: Int8ExpertSource(ckpt, dense, layout, frozen_targets, spill_root),
     )

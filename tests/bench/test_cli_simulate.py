@@ -33,7 +33,7 @@ def test_cli_writes_plot_and_json(tmp_path, capsys):
         "--capacity",
         "4,8,16",
         "--prefetch",
-        "none,oracle,predicted,affinity",
+        "none,oracle,predicted,affinity,online",
         "--plot",
         str(tmp_path / "p.png"),
         "--json",
@@ -41,11 +41,11 @@ def test_cli_writes_plot_and_json(tmp_path, capsys):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "best/MIN" in out and "prefetch=oracle" in out
+    assert "vs MIN" in out and "vs MIN+pf" in out and "prefetch=online" in out
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["fit_steps"] == 20 and data["eval_steps"] == 20
-    assert len(data["results"]) == 5 * 3 * 4
+    assert len(data["results"]) == 5 * 3 * 5
     for r in data["results"]:
         assert r["hits"] + r["misses"] == data["results"][0]["hits"] + data["results"][0]["misses"]
 

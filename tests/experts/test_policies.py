@@ -210,3 +210,32 @@ def test_make_policy_registry():
         make_policy("belady")  # needs the future: simulator only
     with pytest.raises(ConfigError):
         make_policy("lru", capacity=3)
+
+
+def test_prefetch_online_learns_as_it_replays():
+    # Steps alternate A = (layer 0 {0}, layer 1 {1}) and B = (layer 0 {2}, layer 1 {3}); LRU, capacity 2.
+    # Without prefetch every access misses. Online (width 1, no threshold), by hand:
+    # A: 0, 1 miss (no table yet). B: 2 misses (evicts 0); layer 0 never used 2 before, so P(j | 2) is
+    #   uniform and the guess is layer 1's expert 0 (ties by id): prefetched (evicts 1), wrong; 3 misses
+    #   (evicts 2). A: 0 misses (evicts the wrong guess), guess 1 (row 0 -> 1) prefetched (evicts 3); 1 hits.
+    # B: 2 misses (evicts 0), guess 3 prefetched (evicts 1); 3 hits.
+    from moeserve.bench.simulate import OnlinePrefetch
+
+    a = [LayerCall(0, (0,)), LayerCall(1, (1,))]
+    b = [LayerCall(0, (2,)), LayerCall(1, (3,))]
+    steps = [a, b, a, b]
+    assert simulate(steps, "lru", 2).hits == 0
+    r = simulate(steps, "lru", 2, prefetch="online", online=OnlinePrefetch(4, width=1))
+    assert (r.hits, r.misses, r.prefetched, r.prefetch_used, r.steps) == (2, 6, 3, 2, 4)
+    assert r.reads_per_step == 9 / 4
+    # min_prob 0.5: the first guess (B) has the prior chance (0 + 1) / (0 + 2) = 0.5: prefetched, wrong.
+    # At the second A rank 0 has (0 + 1) / (1 + 2) = 1/3: no prefetch, 0 and 1 miss (the guess, 1, was
+    # right); at the second B (1 + 1) / (2 + 2) = 0.5: 3 prefetched and hit.
+    r = simulate(steps, "lru", 2, prefetch="online", online=OnlinePrefetch(4, width=1, min_prob=0.5))
+    assert (r.hits, r.misses, r.prefetched) == (1, 7, 2)
+    # Budget 0.25 reads per miss: 3 misses leave 0.75 credit at the first B (no prefetch); 4 misses buy the
+    # prefetch at the second A (1 hits); the second B has 0.25 credit left (3 misses).
+    r = simulate(steps, "lru", 2, prefetch="online", online=OnlinePrefetch(4, width=1, budget=0.25))
+    assert (r.hits, r.misses, r.prefetched) == (1, 7, 1)
+    with pytest.raises(ConfigError):
+        simulate(steps, "lru", 2, prefetch="online")  # needs its settings

@@ -30,12 +30,15 @@ class FakeCheckpoint:
 class FakeSource:
     """Unit (layer, expert) = WIDTH floats all equal to 100 * layer + expert. Can fail or be slow on demand."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, slow: dict[tuple[int, int], float] | None = None) -> None:
         self.layout = UnitLayout.build([("w", torch.float32, (WIDTH,))])
         self.checkpoint = FakeCheckpoint()
         self.reads: list[tuple[int, int]] = []
         self.fail: set[tuple[int, int]] = set()
         self.delay_s = delay_s
+        self.slow = slow or {}  # per-unit read time, overriding delay_s
+        self.in_flight = self.max_in_flight = 0
+        self.landed_at: dict[tuple[int, int], float] = {}
         self._lock = threading.Lock()
 
     @property
@@ -46,15 +49,21 @@ class FakeSource:
         if (layer, expert) in self.fail:
             unit_bytes.fill_(0xFF)  # a half-done read leaves garbage behind
             raise OSError(f"fake read error in expert {expert}")
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        delay = self.slow.get((layer, expert), self.delay_s)
+        if delay:
+            time.sleep(delay)
         unit_bytes.view(torch.float32).fill_(100.0 * layer + expert)
         with self._lock:
+            self.in_flight -= 1
             self.reads.append((layer, expert))
+            self.landed_at[(layer, expert)] = time.monotonic()
 
 
 def make_store(capacity: int, policy: str = "lru", layers=(0, 1), num_experts: int = 8, **options) -> ExpertStore:
-    src = FakeSource(options.pop("delay_s", 0.0))
+    src = FakeSource(options.pop("delay_s", 0.0), options.pop("slow", None))
     opts = StoreOptions(policy=policy, **options)
     return ExpertStore(src, list(layers), num_experts, capacity, torch.device("cpu"), options=opts)  # type: ignore[arg-type]
 
@@ -89,11 +98,12 @@ def test_lru_sequence_hits_and_victims_by_hand():
     st = store.stats.layer(0)
     assert (st.hits, st.misses) == (2, 5)
     assert st.bytes_from_disk == 5 * WIDTH * 4 and st.bytes_from_host == 0
-    assert store.source.reads == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 0)]
+    assert sorted(store.source.reads) == [(0, 0), (0, 0), (0, 1), (0, 2), (0, 3)]  # 0 read again after eviction
+    assert store.source.reads[-1] == (0, 0)
 
 
 def test_layer_needing_more_than_the_cache_runs_in_ascending_chunks():
-    store = make_store(capacity=2)
+    store = make_store(capacity=2, io_threads=0)
     assert use(store, 1, [0, 2, 4, 5, 7]) == [2, 2, 1]
     assert store.stats.layer(1).misses == 5
     # Only the last chunk is left in the cache (plus one unit of the chunk before: capacity 2, last chunk 1).
@@ -101,7 +111,7 @@ def test_layer_needing_more_than_the_cache_runs_in_ascending_chunks():
 
 
 def test_pinned_chunk_is_never_evicted_under_the_consumer():
-    store = make_store(capacity=2)
+    store = make_store(capacity=2, io_threads=0)
     gen = store.experts(0, [3, 4])
     chunk = next(gen)
     # Another access while the chunk is pinned must not take its slots (cache of 2: nothing is evictable).
@@ -127,8 +137,9 @@ def test_store_counts_match_the_cache_simulator(policy, capacity):
     assert (store.stats.hits, store.stats.misses) == (expected.hits, expected.misses)
 
 
-def test_failed_read_leaves_store_consistent_and_next_call_works():
-    store = make_store(capacity=2)
+@pytest.mark.parametrize("io_threads", [0, 2])
+def test_failed_read_leaves_store_consistent_and_next_call_works(io_threads):
+    store = make_store(capacity=2, io_threads=io_threads)
     use(store, 0, [0, 1])
     store.source.fail.add((0, 5))
     with pytest.raises(ExpertLoadError, match="expert 5 of layer 0") as err:
@@ -142,6 +153,54 @@ def test_failed_read_leaves_store_consistent_and_next_call_works():
     store.source.fail.clear()
     use(store, 0, [5, 6])
     assert store.cached_keys() == {(0, 5), (0, 6)}
+
+
+def test_misses_of_one_chunk_are_read_at_the_same_time():
+    store = make_store(capacity=8, io_threads=2, delay_s=0.05)
+    try:
+        t0 = time.monotonic()
+        assert sum(use(store, 0, [1, 3, 4, 6])) == 4
+        elapsed = time.monotonic() - t0
+        # 2 I/O threads + the compute thread: the 4 reads of 50 ms overlap (one after another would take 200 ms).
+        assert store.source.max_in_flight >= 2
+        assert elapsed < 0.18, elapsed
+        assert store.stats.misses == 4 and store.cached_keys() == {(0, 1), (0, 3), (0, 4), (0, 6)}
+    finally:
+        store.close()
+
+
+def test_experts_already_in_are_yielded_while_a_later_miss_is_still_read():
+    store = make_store(capacity=8, io_threads=2, slow={(0, 7): 0.3})
+    try:
+        use(store, 0, [1, 2])  # now cached
+        gen = store.experts(0, [1, 2, 7])
+        first = next(gen)
+        got_first = time.monotonic()
+        assert [e for e, _ in first] == [1, 2]  # the hits come first, in order, without waiting for 7
+        assert (0, 7) not in store.source.landed_at  # expert 7 is still being read
+        rest = [e for chunk in gen for e, _ in chunk]
+        assert rest == [7] and store.source.landed_at[(0, 7)] > got_first
+        assert store._pinned == set() and not store._loading
+    finally:
+        store.close()
+
+
+def test_failed_read_among_several_misses_leaves_the_store_consistent():
+    store = make_store(capacity=4, io_threads=2, delay_s=0.01)
+    try:
+        store.source.fail.add((0, 3))
+        with pytest.raises(ExpertLoadError, match="expert 3 of layer 0"):
+            use(store, 0, [1, 3, 5, 6])
+        assert store._pinned == set() and not store._loading
+        assert (0, 3) not in store.cached_keys() and store.stats.load_errors == 1
+        # The slots of the other reads are either mapped (they landed) or free, never lost: the cache still works
+        # at full capacity and every unit holds what it should.
+        store.source.fail.clear()
+        use(store, 0, [1, 3, 5, 6])
+        use(store, 1, [0, 1, 2, 3])
+        assert len(store.cached_keys()) == 4
+    finally:
+        store.close()
 
 
 def test_prefetch_loads_in_the_background_and_counts_accuracy():
@@ -248,7 +307,7 @@ def test_host_tier_serves_evicted_units_without_disk_reads():
     assert st.misses == 6
     assert st.bytes_from_disk == 4 * WIDTH * 4
     assert st.bytes_from_host == 2 * store.unit_nbytes
-    assert store.source.reads == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert sorted(store.source.reads) == [(0, 0), (0, 1), (0, 2), (0, 3)]
     assert "host tier 8 experts" in store.describe() and "synchronous" in store.describe()
 
 
