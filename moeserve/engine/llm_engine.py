@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from moeserve import kernels
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.config import EngineSettings, did_you_mean
 from moeserve.engine.kv_cache import KVCache
@@ -88,10 +89,12 @@ class LLMEngine:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
         self.eos_token_ids = self._eos_ids()
 
+        self.cpp_kernels = self._choose_kernels(s.kernels)
         plan, budget, store_options, load_bytes = self._plan_memory(ckpt, spec, s)
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
-                                     plan, budget.capacity, s.cache_policy, advance, store_options)
+                                     plan, budget.capacity, s.cache_policy, advance, store_options,
+                                     cpp=self.cpp_kernels)
         log.info("expert store: %s", self.model.store.describe())
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
@@ -173,6 +176,13 @@ class LLMEngine:
         n = want or cores
         torch.set_num_threads(n)
         log.info("threads: %d (%s)", n, "set" if want else f"auto: all {cores} usable cores")
+
+    def _choose_kernels(self, want: str) -> bool:
+        """The moeserve C++ ops (norms, attention, dense GEMVs; each where its dtype applies) or torch's only;
+        kernels=cpp raises ConfigError when they cannot be built or run here."""
+        use, reason = kernels.choose(want, self.device.type)
+        log.info("kernels: %s (%s: %s)", "cpp" if use else "torch", want, reason)
+        return use
 
     def _choose_max_model_len(self, want: int | None, model_max: int) -> int:
         if want is not None:
@@ -286,21 +296,25 @@ class LLMEngine:
     def _build_batch(self, seqs: list[Sequence]) -> ForwardBatch:
         tokens: list[int] = []
         positions: list[int] = []
+        token_slots: list[int] = []
+        num_new: list[int] = []
         for seq in seqs:
             new = seq.tokens_to_compute()
             tokens += new
             positions += range(seq.num_cached, seq.num_cached + len(new))
+            token_slots += [seq.slot] * len(new)
+            num_new.append(len(new))
         dev = self.device
         batch = ForwardBatch(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slots=[s.slot for s in seqs],
             starts=[s.num_cached for s in seqs],
-            num_new=[s.length - s.num_cached for s in seqs],
+            num_new=num_new,
+            token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
         )
-        if batch.decode_only:
-            batch.slots_t = torch.tensor(batch.slots, dtype=torch.long, device=dev)
-            batch.starts_t = torch.tensor(batch.starts, dtype=torch.long, device=dev)
+        if batch.decode_only:  # one token per sequence: its slot and position are per token already
+            batch.slots_t, batch.starts_t = batch.token_slots, batch.positions
         return batch
 
     def _update(self, seqs: list[Sequence], samples: list) -> list[RequestOutput]:

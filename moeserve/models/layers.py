@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,9 @@ class ForwardBatch:
     num_new: list[int]  # new tokens per sequence; sum == N
     slots_t: torch.Tensor | None = None  # [B] slots on device (decode-only batches)
     starts_t: torch.Tensor | None = None  # [B]
+    token_slots: torch.Tensor | None = None  # [N] int64, KV slot of each token (the C++ attention path needs it)
 
-    @property
+    @cached_property
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.num_new)
 
@@ -47,27 +49,50 @@ class ForwardBatch:
 
 
 class Linear:
-    """y = x W^T (+ b). W [out, in] in the compute dtype.
+    """y = x W^T (+ b). W [out, in] in the compute dtype, kept in one of three layouts chosen once at load:
 
-    A bf16 weight on a CPU with oneDNN bf16 support is reordered once, at load, into oneDNN's blocked layout
-    (same shape and bytes): its GEMV then streams at ~1.6x the speed of F.linear on the plain layout (measured:
-    13.5 vs 8.6 GB/s, one thread), with bit-identical results (checked for M = 1..37 rows, 1 and 2 threads,
-    in tests/models/test_linear_packing.py). The packed tensor is opaque (an mkldnn tensor); `weight` gives a
-    plain copy for inspection, never used on the hot path.
+    - "interleaved" (the moeserve C++ kernels are on, bf16, CPU with AVX512-BF16, in % 32 == 0): rows in blocks
+      of 4 with their 32-element chunks side by side, read by `torch.ops.moeserve.linear_interleaved` as one
+      sequential stream per block (see csrc/dense_gemv.cpp). Measured at batch 1 on the bench machine: 20-30 GB/s
+      against 13-20 GB/s for oneDNN's packed GEMV, and 5 us against 26 us for a router-sized [32, 1024] one. Each
+      output is one fp32 dot product rounded once, whatever the batch size.
+    - "onednn" (bf16 on a CPU where oneDNN computes bf16 natively, without the C++ kernels): reordered into
+      oneDNN's blocked layout; ~1.6x the speed of F.linear on the plain layout, bit-identical to it (tests in
+      tests/models/test_linear_packing.py).
+    - "plain": F.linear.
+
+    `weight` gives a plain copy for inspection, never used on the hot path.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.packed = _can_pack(weight)
-        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1) if self.packed else weight
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpp: bool = False) -> None:
+        self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
         self.bias = bias
+        if cpp and _can_interleave(weight, bias):
+            self.layout = "interleaved"
+            self._weight = interleave_rows(weight)
+        elif _can_pack(weight):
+            self.layout = "onednn"
+            self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        else:
+            self.layout = "plain"
+            self._weight = weight
+
+    @property
+    def packed(self) -> bool:
+        """True when the weight is in oneDNN's blocked layout."""
+        return self.layout == "onednn"
 
     @property
     def weight(self) -> torch.Tensor:
-        """W [out, in] as a plain tensor (a copy when packed)."""
-        return self._weight.to_dense() if self.packed else self._weight
+        """W [out, in] as a plain tensor (a copy unless the layout is plain)."""
+        if self.layout == "interleaved":
+            return deinterleave_rows(self._weight, self.out_features, self.in_features)
+        return self._weight.to_dense() if self.layout == "onednn" else self._weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.layout == "interleaved":
+            return torch.ops.moeserve.linear_interleaved(x, self._weight, self.out_features, self.bias)
+        if self.layout == "onednn":
             x2 = x.reshape(-1, x.shape[-1])  # oneDNN's linear takes [rows, in]
             y = torch.ops.mkldnn._linear_pointwise(x2, self._weight, self.bias, "none", [], "")
             return y.view(*x.shape[:-1], y.shape[-1])
@@ -83,6 +108,29 @@ def _can_pack(weight: torch.Tensor) -> bool:
     """A 2-D bf16 CPU weight, on a build and CPU where oneDNN computes bf16 natively."""
     return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _can_interleave(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A 2-D bf16 CPU weight whose rows split into 32-element chunks, on a CPU the C++ GEMV runs on."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and (bias is None or bias.dtype == torch.bfloat16)
+            and bool(torch.ops.moeserve.gemv_bf16_supported()))
+
+
+def interleave_rows(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (K % 32 == 0) -> flat [N*K]: blocks of 4 rows with their 32-element chunks side by side
+    (packed[((b * K/32 + c) * 4 + r) * 32 + i] = W[4b + r, 32c + i]), then the N % 4 leftover rows as they are."""
+    n, k = w.shape
+    n4 = n // 4 * 4
+    blocks = w[:n4].reshape(n4 // 4, 4, k // 32, 32).permute(0, 2, 1, 3).reshape(-1)
+    return torch.cat([blocks, w[n4:].reshape(-1)])
+
+
+def deinterleave_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of interleave_rows: W [N, K]."""
+    n4 = n // 4 * 4
+    blocks = packed[: n4 * k].reshape(n4 // 4, k // 32, 4, 32).permute(0, 2, 1, 3).reshape(n4, k)
+    return torch.cat([blocks, packed[n4 * k :].reshape(n - n4, k)])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -159,15 +207,19 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class Attention:
-    """Grouped-query attention over a slot-based KV cache; optional q/k norm, biases, sinks, sliding window."""
+    """Grouped-query attention over a slot-based KV cache; optional q/k norm, biases, sinks, sliding window.
+
+    q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits).
+    With `cpp` set (the moeserve C++ ops are loaded), the per-head q/k norm, the rotary embedding and the KV
+    write run as one op, and decode-only batches attend with one op; the torch path is kept operation for
+    operation as transformers computes it and is what `kernels=torch` runs.
+    """
 
     def __init__(
         self,
         spec: AttentionSpec,
         layer: int,
-        q: Linear,
-        k: Linear,
-        v: Linear,
+        qkv: Linear,
         o: Linear,
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
@@ -176,21 +228,27 @@ class Attention:
         eps: float,
     ) -> None:
         self.spec, self.layer = spec, layer
-        self.q, self.k, self.v, self.o = q, k, v, o
+        self.qkv, self.o = qkv, o
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split = [q_size, kv_size, kv_size]
         self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
         self.rotary, self.eps = rotary, eps
         self.window = spec.sliding_window[layer]
         self.scale = spec.head_dim**-0.5
+        self.cpp = False  # set by MoeModel.use_cpp_kernels
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v = self.q(x), self.k(x), self.v(x)  # [N, nh*d], [N, nkv*d], [N, nkv*d]
+        q, k, v = self.qkv(x).split(self.split, dim=-1)  # [N, nh*d], [N, nkv*d], [N, nkv*d] (views)
         if s.qk_norm == "full":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        if self.cpp and batch.token_slots is not None:
+            out = self._cpp_attention(q, k, v, batch, kv)
+            return self.o(out.reshape(n, s.num_heads * s.head_dim))
         q = q.view(n, s.num_heads, s.head_dim)
         k = k.view(n, s.num_kv_heads, s.head_dim)
         v = v.view(n, s.num_kv_heads, s.head_dim)
@@ -205,14 +263,28 @@ class Attention:
             out = self._per_sequence(q, k, v, batch, kv)
         return self.o(out.reshape(n, s.num_heads * s.head_dim))
 
+    def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """One op normalises (per head), rotates and caches; decode-only batches attend with a second one."""
+        per_head = self.spec.qk_norm == "per_head"
+        kc, vc = kv.layer(self.layer)
+        q = torch.ops.moeserve.qk_norm_rope_cache(
+            q, k, v, self.q_norm if per_head else None, self.k_norm if per_head else None, self.rotary.cos,
+            self.rotary.sin, batch.positions, batch.token_slots, kc, vc, self.eps)  # [N, nh, d]
+        if batch.decode_only and self.sinks is None:
+            return torch.ops.moeserve.decode_attention(q, kc, vc, batch.token_slots, batch.positions,
+                                                       self.window or 0, self.scale)
+        return self._per_sequence(q, None, None, batch, kv)
+
     def _per_sequence(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Prefill or mixed batches: attend sequence by sequence against its cached prefix."""
+        """Prefill or mixed batches: attend sequence by sequence against its cached prefix. k and v are None
+        when the new tokens' keys and values are in the cache already."""
         kc, vc = kv.layer(self.layer)  # [slots, nkv, max_len, d]
         outs, off = [], 0
         for slot, start, num in zip(batch.slots, batch.starts, batch.num_new):
             end = start + num
-            kc[slot, :, start:end] = k[off : off + num].transpose(0, 1)
-            vc[slot, :, start:end] = v[off : off + num].transpose(0, 1)
+            if k is not None and v is not None:
+                kc[slot, :, start:end] = k[off : off + num].transpose(0, 1)
+                vc[slot, :, start:end] = v[off : off + num].transpose(0, 1)
             q_s = q[off : off + num].transpose(0, 1).unsqueeze(0)  # [1, nh, num, d]
             lo = 0 if self.window is None else max(0, end - num - self.window + 1)
             keys = kc[slot, :, lo:end].unsqueeze(0)  # [1, nkv, L, d]

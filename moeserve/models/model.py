@@ -37,8 +37,9 @@ class WeightLoader:
     """Reads named tensors from the checkpoint into the compute dtype on the compute device."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, cpp: bool = False) -> None:
         self.ckpt, self.dtype, self.device, self.progress = ckpt, dtype, device, progress
+        self.cpp = cpp  # dense Linears in the C++ GEMV's layout where it applies (see Linear)
         self.resident_bytes = 0
         self.scheme = checkpoint_scheme(ckpt)
         self.dequantized_linears: list[str] = []  # quantized dense Linears, dequantized at load
@@ -73,7 +74,15 @@ class WeightLoader:
     def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
         weight = self.linear_weight(prefix, out_features, in_features)
         b = self.tensor(prefix + ".bias", (out_features,)) if bias else None
-        return Linear(weight, b)
+        return Linear(weight, b, self.cpp)
+
+    def stacked_linear(self, parts: list[tuple[str, int]], in_features: int, bias: bool = False) -> Linear:
+        """One Linear whose output is the outputs of the Linears at `parts` ((prefix, out_features) each) side by
+        side: their weights stacked along the output dim (one GEMV instead of several; each output row is the
+        same dot product, so the same bits). Transient memory: the parts, once."""
+        weight = torch.cat([self.linear_weight(p, out, in_features) for p, out in parts])
+        b = torch.cat([self.tensor(p + ".bias", (out,)) for p, out in parts]) if bias else None
+        return Linear(weight, b, self.cpp)
 
 
 @dataclass(frozen=True)
@@ -121,28 +130,61 @@ def expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
 
 class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, store: ExpertStore, resident_bytes: int) -> None:
+                 lm_head: torch.Tensor, store: ExpertStore, resident_bytes: int, cpp: bool = False) -> None:
         self.spec, self.embed, self.layers = spec, embed, layers
         self.final_norm, self.store = final_norm, store
         # An untied head is a Linear (bf16 GEMV packed at load, see Linear); a tied one shares the embedding's
         # plain tensor, which lookups need as it is.
-        self._head = Linear(lm_head) if lm_head is not embed else None
+        self._head = Linear(lm_head, cpp=cpp) if lm_head is not embed else None
         self._tied_head = lm_head if self._head is None else None
         self.resident_bytes = resident_bytes  # non-expert weights
         self.norm = RMS_NORMS[spec.norm_style][0]
         self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
+        self.cpp = False  # norms and attention with the moeserve C++ ops: see use_cpp_kernels
+        self.use_cpp_kernels(cpp)
+
+    def use_cpp_kernels(self, on: bool) -> bool:
+        """Run norms and attention with the moeserve C++ ops (True) or the torch functions (False). The ops cover
+        bf16 and fp32 on CPU; returns whether they are now in use."""
+        on = on and self.embed.device.type == "cpu" and self.embed.dtype in (torch.bfloat16, torch.float32)
+        self.cpp = on
+        for layer in self.layers:
+            layer.attn.cpp = on
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.cpp = on  # the fused expert op where the plan's kernel supports it
+        return on
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
         h = self.embed[batch.token_ids]  # [N, H]
-        for layer in self.layers:
-            h = layer(h, batch, kv)
-        last = h[batch.last_token_index()]  # [B, H]
-        last = self.norm(last, self.final_norm, self.spec.rms_norm_eps)
+        if self.cpp:
+            last = self._layers_cpp(h, batch, kv)
+        else:
+            for layer in self.layers:
+                h = layer(h, batch, kv)
+            last = h[batch.last_token_index()]  # [B, H]
+            last = self.norm(last, self.final_norm, self.spec.rms_norm_eps)
         if self._head is not None:
             return self._head(last).float()
         return torch.nn.functional.linear(last, self.embed).float()  # tied: the head is the embedding
+
+    def _layers_cpp(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """The decoder layers with each residual add fused into the norm that follows it; returns the final-
+        normed hidden states of each sequence's last token [B, H]. Same operations as DecoderLayer."""
+        ops, eps, fp32_scale = torch.ops.moeserve, self.spec.rms_norm_eps, self.spec.norm_style == "scale_in_fp32"
+        layers = self.layers
+        x = ops.rms_norm(h, layers[0].input_norm, eps, fp32_scale)
+        for i, layer in enumerate(layers):
+            x = ops.add_rms_norm_(h, layer.attn(x, batch, kv), layer.post_norm, eps, fp32_scale)  # h += attn
+            m = layer.mlp(x)
+            if i + 1 < len(layers):
+                x = ops.add_rms_norm_(h, m, layers[i + 1].input_norm, eps, fp32_scale)  # h += mlp
+            elif batch.decode_only:  # every token is its sequence's last
+                return ops.add_rms_norm_(h, m, self.final_norm, eps, fp32_scale)
+            else:
+                h.add_(m)
+        return ops.rms_norm(h[batch.last_token_index()], self.final_norm, eps, fp32_scale)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -175,9 +217,11 @@ def build_model(
     cache_policy: str,
     progress: Callable[[int], None] | None = None,
     store_options: StoreOptions | None = None,
+    cpp: bool = False,
 ) -> MoeModel:
-    """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier."""
-    load = WeightLoader(ckpt, dtype, device, progress)
+    """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier.
+    `cpp`: the moeserve C++ ops are loaded; dense Linears, norms and attention use them where they apply."""
+    load = WeightLoader(ckpt, dtype, device, progress, cpp)
     names, h = arch.names, spec.hidden_size
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
@@ -192,7 +236,7 @@ def build_model(
         lm_head = embed
     else:
         lm_head = load.linear_weight(names.lm_head, spec.vocab_size, h)
-    model = MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes)
+    model = MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes, cpp)
     model.dequantized_linears = load.dequantized_linears
     return model
 
@@ -213,9 +257,9 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         k_norm = load.tensor(n(names.k_norm), (a.num_kv_heads * a.head_dim,))
     attn = Attention(
         a, L,
-        q=load.linear(n(names.q_proj), a.num_heads * a.head_dim, h, a.qkv_bias),
-        k=load.linear(n(names.k_proj), a.num_kv_heads * a.head_dim, h, a.qkv_bias),
-        v=load.linear(n(names.v_proj), a.num_kv_heads * a.head_dim, h, a.qkv_bias),
+        qkv=load.stacked_linear([(n(names.q_proj), a.num_heads * a.head_dim),
+                                 (n(names.k_proj), a.num_kv_heads * a.head_dim),
+                                 (n(names.v_proj), a.num_kv_heads * a.head_dim)], h, a.qkv_bias),
         o=load.linear(n(names.o_proj), h, a.num_heads * a.head_dim, a.o_bias),
         q_norm=q_norm, k_norm=k_norm,
         sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,

@@ -1,4 +1,5 @@
-"""Linear's oneDNN-packed bf16 path gives the same bits as F.linear on the plain weight."""
+"""Linear's weight layouts: oneDNN-packed bf16 gives the same bits as F.linear on the plain weight; the C++ GEMV's
+row-interleaved layout round-trips and is as accurate as F.linear, each row independent of the batch."""
 
 from __future__ import annotations
 
@@ -36,3 +37,64 @@ def test_only_bf16_cpu_matrices_are_packed():
     assert lin.nbytes == 8 * 8 * 2
     w = torch.randn(8, 8).bfloat16()
     assert torch.equal(Linear(w.clone()).weight, w)  # a plain copy back, whatever the layout inside
+
+
+def _gemv_ops():  # noqa: ANN202
+    from tests.kernels.ops import cpp_ops
+
+    ops = cpp_ops()
+    if not ops.gemv_bf16_supported():
+        pytest.skip("this CPU has no AVX512-BF16")
+    return ops
+
+
+@pytest.mark.parametrize(("n", "k"), [(6, 64), (1, 32), (37, 96), (8, 1024)])
+def test_interleave_round_trips(n, k):
+    from moeserve.models.layers import deinterleave_rows, interleave_rows
+
+    w = torch.randn(n, k).bfloat16()
+    packed = interleave_rows(w)
+    assert packed.numel() == n * k
+    assert torch.equal(deinterleave_rows(packed, n, k), w)
+    if n >= 4 and k >= 64:  # block 0: chunk 0 of rows 0..3 side by side, then chunk 1 of rows 0..3
+        assert torch.equal(packed[:128], w[:4, :32].reshape(-1))
+        assert torch.equal(packed[128:160], w[0, 32:64])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("out_f", "in_f", "bias"), [(1536, 1024, False), (37, 96, True), (2, 64, False)])
+def test_interleaved_linear_against_fp64(threads, out_f, in_f, bias):
+    """As close to the exact product as F.linear, each row independent of the batch and of the thread count."""
+    _gemv_ops()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(out_f + in_f)
+        w = torch.randn(out_f, in_f, generator=gen).bfloat16()
+        b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
+        lin = Linear(w.clone(), b, cpp=True)
+        assert lin.layout == "interleaved" and not lin.packed
+        assert torch.equal(lin.weight, w)
+        x_all = torch.randn(70, in_f, generator=gen).bfloat16()
+        alone = lin(x_all[:1])
+        for rows in (1, 3, 8, 33, 70):  # 33, 70: more than one 32-row tile
+            x = x_all[:rows]
+            got = lin(x)
+            exact = x.double() @ w.double().T + (0 if b is None else b.double())
+            ref = F.linear(x, w, b)
+            # one rounding of a (differently ordered) fp32 sum: within a bf16 step of F.linear's result
+            assert (got.double() - exact).abs().max() <= (ref.double() - exact).abs().max() * 1.01 + 1e-6
+            assert (got != ref).float().mean() < 0.01
+            assert torch.equal(got[:1], alone)
+        x3 = x_all[:10].reshape(2, 5, in_f)
+        assert torch.equal(lin(x3), lin(x_all[:10]).reshape(2, 5, out_f))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_interleaved_layout_only_where_it_applies():
+    _gemv_ops()
+    assert Linear(torch.randn(8, 64).bfloat16(), cpp=True).layout == "interleaved"
+    assert Linear(torch.randn(8, 48).bfloat16(), cpp=True).layout != "interleaved"  # 48 % 32 != 0
+    assert Linear(torch.randn(8, 64), cpp=True).layout == "plain"  # fp32
+    assert Linear(torch.randn(8, 64).bfloat16()).layout != "interleaved"  # C++ kernels off

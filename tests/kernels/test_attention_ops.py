@@ -1,0 +1,109 @@
+"""The C++ attention ops (moeserve/kernels/csrc/attention.cpp) against the torch path of Attention.
+
+qk_norm_rope_cache takes the torch path's steps and roundings (per-head RMSNorm, rotary products and sum each
+rounded to the dtype), so it matches it bit for bit except where the norm's fp32 sum of squares, added in another
+order, moves a value by one step. decode_attention is checked against scaled_dot_product_attention and an fp64
+reference: it must be as close to the fp64 result as SDPA is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moeserve.models.layers import Rotary, rms_norm
+from moeserve.models.spec import RopeSpec
+from tests.kernels.ops import cpp_ops
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201 - torch's op namespace
+    return cpp_ops()
+
+
+def rotary(d: int, dtype: torch.dtype, max_len: int = 256) -> Rotary:
+    return Rotary(RopeSpec(theta=1e6, rope_type="default"), d, max_len, dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_cache_matches_torch(ops, dtype: torch.dtype, with_norm: bool) -> None:
+    nh, nkv, d, slots, max_len, n = 8, 2, 64, 6, 256, 5
+    gen = torch.Generator().manual_seed(0)
+    rot = rotary(d, dtype, max_len)
+    qkv = torch.randn(n, (nh + 2 * nkv) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([nh * d, nkv * d, nkv * d], dim=1)  # strided views, as Attention passes them
+    qn = torch.randn(d, generator=gen).to(dtype) if with_norm else None
+    kn = torch.randn(d, generator=gen).to(dtype) if with_norm else None
+    pos = torch.tensor([0, 7, 100, 255, 3])
+    token_slots = torch.tensor([1, 0, 5, 2, 1])
+    kc = torch.zeros(slots, nkv, max_len, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    out = ops.qk_norm_rope_cache(q, k, v, qn, kn, rot.cos, rot.sin, pos, token_slots, kc, vc, 1e-6)
+
+    q_ref, k_ref = q.reshape(n, nh, d), k.reshape(n, nkv, d)
+    if with_norm:
+        q_ref, k_ref = rms_norm(q_ref, qn, 1e-6), rms_norm(k_ref, kn, 1e-6)
+    q_ref, k_ref = rot.apply(q_ref, pos), rot.apply(k_ref, pos)
+    k_got = kc[token_slots, :, pos]
+    if dtype == torch.bfloat16 or not with_norm:
+        assert (out != q_ref).sum() <= out.numel() // 200 and (k_got != k_ref).sum() <= k_got.numel() // 200
+    torch.testing.assert_close(out, q_ref, rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    torch.testing.assert_close(k_got, k_ref, rtol=2**-7 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+    assert torch.equal(vc[token_slots, :, pos], v.reshape(n, nkv, d))
+    written = torch.zeros(slots, max_len, dtype=torch.bool)
+    written[token_slots, pos] = True
+    assert not kc.abs().sum(dim=(1, 3))[~written].any() and not vc.abs().sum(dim=(1, 3))[~written].any()
+
+
+def test_qk_norm_rope_cache_rejects_positions_outside_the_cache(ops) -> None:
+    rot = rotary(16, torch.float32, 8)
+    q, k, v = torch.randn(1, 32), torch.randn(1, 16), torch.randn(1, 16)
+    kc = torch.zeros(2, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.qk_norm_rope_cache(q, k, v, None, None, rot.cos, rot.sin, torch.tensor([8]), torch.tensor([0]),
+                               kc, kc.clone(), 1e-6)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.qk_norm_rope_cache(q, k, v, None, None, rot.cos, rot.sin, torch.tensor([0]), torch.tensor([2]),
+                               kc, kc.clone(), 1e-6)
+
+
+def sdpa_decode(q, kc, vc, slots, pos, window, scale):  # noqa: ANN001, ANN201
+    """Attention's torch decode path: padded keys of each slot, masked, SDPA with GQA."""
+    length = int(pos.max()) + 1
+    keys, values = kc[slots, :, :length], vc[slots, :, :length]
+    k_pos = torch.arange(length)[None, :]
+    visible = k_pos <= pos[:, None]
+    if window:
+        visible &= k_pos > pos[:, None] - window
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=visible[:, None, None, :],
+                                         scale=scale, enable_gqa=True)
+    return out.squeeze(2).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 24])  # 24: not a multiple of 16, the generic loop
+@pytest.mark.parametrize("window", [0, 64])
+def test_decode_attention_matches_sdpa(ops, dtype: torch.dtype, d: int, window: int) -> None:
+    nh, nkv, slots, max_len = 16, 4, 8, 300
+    gen = torch.Generator().manual_seed(d + window)
+    kc = torch.randn(slots, nkv, max_len, d, generator=gen).to(dtype)
+    vc = torch.randn(slots, nkv, max_len, d, generator=gen).to(dtype)
+    q = (torch.randn(4, nh, d, generator=gen) * 2).to(dtype)
+    slot, pos = torch.tensor([3, 0, 5, 1]), torch.tensor([0, 17, 200, 299])
+    got = ops.decode_attention(q, kc, vc, slot, pos, window, d**-0.5)
+    ref = sdpa_decode(q, kc, vc, slot, pos, window, d**-0.5)
+    exact = sdpa_decode(q.double(), kc.double(), vc.double(), slot, pos, window, d**-0.5)
+    err, ref_err = (got.double() - exact).abs().max(), (ref.double() - exact).abs().max()
+    assert err <= 1.5 * ref_err + 1e-7, (err, ref_err)
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got, ref, rtol=step, atol=step)
+
+
+def test_decode_attention_single_key_returns_its_value(ops) -> None:
+    """At position 0 the only visible key gets all the weight: the output is that value, per kv head."""
+    kc, vc = torch.randn(2, 2, 8, 32), torch.randn(2, 2, 8, 32)
+    out = ops.decode_attention(torch.randn(1, 4, 32), kc, vc, torch.tensor([1]), torch.tensor([0]), 0, 0.1)
+    expected = vc[1, :, 0].repeat_interleave(2, dim=0).reshape(1, -1)
+    torch.testing.assert_close(out, expected)
