@@ -13,7 +13,8 @@ from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, p
 # (per-output-channel scales, negligible); Q8_0 is 32 int8 + one fp16 scale per block of 32, dense and experts.
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "moeserve": (2.0, 2.0), "moeserve-int8": (2.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
-    "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0)}
+    "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
+    "moeserve-torch-kernels": (2.0, 2.0)}
 
 
 def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: tuple[float, float], tokens_per_step: int,
@@ -37,7 +38,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
         ours = by_key.get((r.case, "moeserve"))
         ref_run = _median_run(ours) if ours else _median_run(r)
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
-        engine_key = r.engine + ("-int8" if r.engine == "moeserve" and cfg.quantization == "int8" else "")
+        int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
+        engine_key = "moeserve-int8" if int8 else r.engine
         bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
         store = ref_run.get("store") or {}
         steps = int(ref_run["steps"])

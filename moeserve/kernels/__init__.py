@@ -16,8 +16,9 @@ Build: ``g++ -O3 -march=native -fopenmp -fPIC -shared -std=c++20`` against the r
 libraries (``-D_GLIBCXX_USE_CXX11_ABI`` matching torch, rpath to torch/lib, so libgomp is torch's own). ``CXX``
 names another compiler. The library is cached in ``$XDG_CACHE_HOME/moeserve/kernels/<key>/`` (default
 ``~/.cache``); the key hashes the sources, torch version, compiler version, flags and the CPU's feature flags, so a
-different machine or a changed source rebuilds. Builds go to a temporary file renamed into place (atomic), so
-two processes that build at once both end up loading a complete library.
+different machine or a changed source rebuilds. Each .cpp is compiled (in parallel) to an object cached under
+``obj/`` by its own key, so editing one file recompiles only that one. Objects and library go to temporary files
+renamed into place (atomic), so two processes that build at once both end up loading complete files.
 
 Code for AVX512-BF16 is guarded by ``#ifdef __AVX512BF16__`` (or a target attribute plus a runtime check), with
 AVX-512F / AVX2 / scalar fallbacks: -march=native on a CPU without them simply compiles the fallback.
@@ -33,6 +34,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +59,7 @@ class KernelStatus:
 
 _lock = threading.Lock()
 _status: KernelStatus | None = None
+_loaded: Path | None = None  # the library loaded in this process (torch cannot unload one)
 
 
 def cache_root() -> Path:
@@ -82,61 +86,102 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "g++"
 
 
-def _command(cxx: str, cpp_files: list[Path], out: Path) -> list[str]:
-    t = Path(torch.__file__).parent
+def _torch_dir() -> Path:
+    return Path(torch.__file__).parent
+
+
+def _compile_command(cxx: str, cpp: Path, obj: Path) -> list[str]:
+    t = _torch_dir()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{t / 'include'}",
-            f"-I{t / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", *map(str, cpp_files), "-o", str(out),
-            f"-L{t / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{t / 'lib'}"]
+    return [cxx, *FLAGS, "-c", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{t / 'include'}",
+            f"-I{t / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", str(cpp), "-o", str(obj)]
+
+
+def _link_command(cxx: str, objs: list[Path], out: Path) -> list[str]:
+    t = _torch_dir()
+    return [cxx, *FLAGS, *map(str, objs), "-o", str(out), f"-L{t / 'lib'}", "-lc10", "-ltorch_cpu",
+            f"-Wl,-rpath,{t / 'lib'}"]
+
+
+def _run(cmd: list[str], log_file: Path) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        log_file.write_text(proc.stderr)
+        errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()[-1:]
+        first = errors[0].strip() if errors else f"exit status {proc.returncode}"
+        raise RuntimeError(f"build failed ({first}; full log {log_file})")
+
+
+def _atomic_build(target: Path, build: Callable[[Path], None]) -> None:
+    """build(tmp) then rename tmp -> target (atomic: a concurrent builder just replaces an identical file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=target.suffix, dir=target.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        build(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _build(cxx: str) -> tuple[Path, str]:
-    """(library path, how it was obtained). Raises RuntimeError with a one-line reason."""
+    """(library path, how it was obtained). Raises RuntimeError with a one-line reason.
+
+    Each .cpp is compiled to an object cached by its own key (its text, the headers, torch, compiler, flags, CPU),
+    in parallel; the library, keyed by all of them, links the objects. Editing one file recompiles that file."""
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
-    files = sources()
-    cpp_files = [f for f in files if f.suffix == ".cpp"]
+    cpp_files = sorted(CSRC.glob("*.cpp"))
+    headers = sorted(CSRC.glob("*.h"))
     if not cpp_files:
         raise RuntimeError(f"no C++ sources in {CSRC}")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as err:
         raise RuntimeError(f"C++ compiler '{cxx}' does not run: {err}") from None
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    common = hashlib.sha256()
     for part in (torch.__version__, version, " ".join(FLAGS), str(torch._C._GLIBCXX_USE_CXX11_ABI), _cpu_flags()):
-        h.update(part.encode() + b"\0")
-    folder = cache_root() / h.hexdigest()[:20]
-    lib = folder / LIB_NAME
+        common.update(part.encode() + b"\0")
+    for f in headers:
+        common.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    keys = []
+    for f in cpp_files:
+        h = common.copy()
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+        keys.append(h.hexdigest()[:20])
+    root = cache_root()
+    lib = root / hashlib.sha256("".join(keys).encode()).hexdigest()[:20] / LIB_NAME
     if lib.exists():
         return lib, f"cached {lib}"
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=folder)
-    os.close(fd)
-    tmp = Path(tmp_name)
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run(_command(cxx, cpp_files, tmp), capture_output=True, text=True)
-        if proc.returncode != 0:
-            errors = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.splitlines()[-1:]
-            (folder / "build-error.log").write_text(proc.stderr)
-            first = errors[0].strip() if errors else f"exit status {proc.returncode}"
-            raise RuntimeError(f"build failed ({first}; full log {folder / 'build-error.log'})")
-        os.replace(tmp, lib)  # atomic: a concurrent builder's rename just replaces an identical file
-    finally:
-        tmp.unlink(missing_ok=True)
-    return lib, f"built {lib} in {time.monotonic() - t0:.1f} s"
+    objs = [root / "obj" / f"{f.stem}-{key}.o" for f, key in zip(cpp_files, keys)]
+    todo = [(f, o) for f, o in zip(cpp_files, objs) if not o.exists()]
+
+    def compile_one(item: tuple[Path, Path]) -> None:
+        cpp, obj = item
+        _atomic_build(obj, lambda tmp: _run(_compile_command(cxx, cpp, tmp), obj.with_suffix(".log")))
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(compile_one, todo))
+    _atomic_build(lib, lambda tmp: _run(_link_command(cxx, objs, tmp), lib.with_suffix(".log")))
+    return lib, (f"built {lib} in {time.monotonic() - t0:.1f} s ({len(todo)} of {len(cpp_files)} "
+                 "sources compiled, the rest cached)")
 
 
 def load() -> KernelStatus:
     """Build (or find cached) and load the library; never raises. See the module docstring."""
-    global _status
+    global _status, _loaded
     with _lock:
         if _status is None:
             try:
                 lib, how = _build(_compiler())
-                torch.ops.load_library(str(lib))
+                if _loaded is None:
+                    torch.ops.load_library(str(lib))
+                    _loaded = lib
+                elif lib != _loaded:  # a second library would register the same ops again: torch aborts
+                    how = f"{how}; NOT loaded: {_loaded} was loaded before in this process (restart to use it)"
+                    lib = _loaded
                 _status = KernelStatus(True, how, str(lib))
             except Exception as err:  # noqa: BLE001 - any failure means: run the torch kernels, say why
                 _status = KernelStatus(False, str(err).splitlines()[0] if str(err) else type(err).__name__)

@@ -341,7 +341,13 @@ class Int8ExpertSource(ExpertSource):
 
 
 class Int8Kernel:
-    """Dequantizes the int8 matrices of a unit into reused buffers and runs the dense plan's kernel on them."""
+    """Dequantizes the int8 matrices of a unit into reused buffers and runs the dense plan's kernel on them.
+
+    Over SwiGLU units, `fused_int8_fields` (unit field indices of gate_up, its scales, down, its scales) lets
+    MoEBlock run the fused C++ op on the int8 codes directly instead (half the bytes of bf16 streamed, no
+    dequantized buffer): it computes dot(codes, x) * scale in fp32, where this class computes with codes * scale
+    rounded to the compute dtype, so the two differ by that one rounding per weight (csrc/moe_experts.cpp).
+    """
 
     def __init__(
         self,
@@ -353,6 +359,11 @@ class Int8Kernel:
         self.dense_kernel, self.targets, self.dtype = dense_kernel, targets, dtype
         self.shapes = tuple(f.shape for f in dense_layout.fields)
         self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
+        self.fused_int8_fields: tuple[int, int, int, int] | None = None
+        if dense_kernel is swiglu_expert and all(s is not None for _, s in targets) and len(targets) == 2:
+            (gate_up, gate_up_scale), (down, down_scale) = targets
+            assert gate_up_scale is not None and down_scale is not None
+            self.fused_int8_fields = (gate_up, gate_up_scale, down, down_scale)
 
     def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         bufs = self._buffers.get(w[0].device)

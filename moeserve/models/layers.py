@@ -370,6 +370,11 @@ def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: 
     return clamped_swiglu(gate_up, limit, alpha) @ down_t + down_bias
 
 
+# Batches of more tokens than this run the per-expert torch loop (oneDNN GEMMs) instead of the fused C++ op, which
+# is built for decode: it reads each weight row once for all of an expert's tokens, but re-reads the tokens per row.
+FUSED_MAX_TOKENS = 64
+
+
 class MoEBlock:
     """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
 
@@ -385,6 +390,10 @@ class MoEBlock:
     ) -> None:
         self.spec, self.layer, self.router, self.store = spec, layer, router, store
         self.kernel, self.shared, self.shared_gate = kernel, shared, shared_gate
+        # The fused C++ expert op (torch.ops.moeserve.moe_swiglu_ / moe_swiglu_int8_) replaces the per-expert
+        # loop when `cpp` is set (MoeModel.use_cpp_kernels) and the kernel supports it: `swiglu_expert` on bf16 /
+        # fp32 units, or a kernel with a `fused_int8_fields` attribute (int8 units of the SwiGLU plan).
+        self.cpp = False
         # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
         self.trace_hook: Callable[[int, torch.Tensor, list[int] | None], None] | None = None
         # (next MoE layer, its router): set when the store prefetches, so this block can predict that layer
@@ -432,7 +441,13 @@ class MoEBlock:
         out = torch.zeros_like(x)
         # Experts are added in ascending id order whatever the chunking, so offloading never changes a bit.
         hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
-        for chunk in self.store.experts(self.layer, list(bounds), prefetch=hint):
+        chunks = self.store.experts(self.layer, list(bounds), prefetch=hint)
+        if self.cpp and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32):
+            int8_fields = getattr(self.kernel, "fused_int8_fields", None)
+            if self.kernel is swiglu_expert or int8_fields is not None:
+                self._fused(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(), int8_fields)
+                return self._add_shared(out, x)
+        for chunk in chunks:
             for e, w in chunk:
                 lo, hi = bounds[e]
                 tokens = token_of[lo:hi]
@@ -440,6 +455,33 @@ class MoEBlock:
                 # A token picks an expert at most once, so `tokens` has no repeats and a gathered add is the
                 # same single rounding as index_add_, whose CPU kernel is slow for bf16 (40% of decode, profiled).
                 out[tokens] += y.to(out.dtype)
+        return self._add_shared(out, x)
+
+    def _fused(self, out: torch.Tensor, x: torch.Tensor, chunks, bounds: dict[int, tuple[int, int]],  # noqa: ANN001
+               token_of: torch.Tensor, weight_of: torch.Tensor, int8_fields: tuple[int, int, int, int] | None,
+               ) -> None:
+        """One C++ call per chunk of experts: every expert's SwiGLU for its tokens, weighted, added into `out`
+        in ascending expert order with the roundings of the loop above (see csrc/moe_experts.cpp)."""
+        ops = torch.ops.moeserve
+        for chunk in chunks:
+            spans: list[int] = []
+            if int8_fields is None:
+                gate_up, down = [], []
+                for e, w in chunk:
+                    gate_up.append(w[0])
+                    down.append(w[1])
+                    spans += bounds[e]
+                ops.moe_swiglu_(out, x, gate_up, down, token_of, weight_of, spans)
+            else:
+                gu, gus, dn, dns = int8_fields
+                fields: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+                for e, w in chunk:
+                    for lst, i in zip(fields, (gu, gus, dn, dns)):
+                        lst.append(w[i])
+                    spans += bounds[e]
+                ops.moe_swiglu_int8_(out, x, *fields, token_of, weight_of, spans)
+
+    def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
         return out
