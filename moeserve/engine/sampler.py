@@ -46,6 +46,13 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits
 
 
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy, without penalties or logprobs: the token is the argmax of the raw logits."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty)
+
+
 class Sampler:
     def __init__(self, decode_token: Callable[[int], str | None] | None = None) -> None:
         self.decode_token = decode_token
@@ -53,6 +60,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict[int, Logprob] | None]]:
         """logits: fp32 [B, V], one row per sequence in `seqs`."""
         logits = logits.float().cpu()
+        if all(_plain_greedy(seq) for seq in seqs):  # the common decode case: one argmax for the whole batch
+            return [(token, None) for token in torch.argmax(logits, dim=-1).tolist()]
         results = []
         for row, seq in zip(logits, seqs):
             token = self._sample_one(row.clone(), seq)

@@ -133,6 +133,21 @@ def test_repetition_penalty_rule() -> None:
     assert apply_penalties(logits.clone(), seq).tolist() == [1.0, 2.0, -8.0, 3.0]
 
 
+def test_greedy_batch_fast_path_matches_per_row_rules() -> None:
+    """A batch of plain greedy rows takes one argmax; a penalised or logprobs row sends the batch row by row."""
+    from moeserve.engine.sampler import Sampler
+    from moeserve.engine.sequence import Sequence
+
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 2.0, 4.9]])  # row 0: a tie, the first index wins
+    plain = [Sequence("r", i, [1], SamplingParams(temperature=0), 100, set()) for i in range(2)]
+    assert Sampler()(logits, plain) == [(1, None), (0, None)]
+    penalised = Sequence("p", 0, [0], SamplingParams(temperature=0, repetition_penalty=2.0), 100, set())
+    assert [t for t, _ in Sampler()(logits, [plain[0], penalised])] == [1, 3]  # 5.0 / 2 < 4.9
+    with_logprobs = Sequence("l", 0, [1], SamplingParams(temperature=0, logprobs=1), 100, set())
+    (token, logprobs), = Sampler()(logits[1:], [with_logprobs])
+    assert token == 0 and logprobs is not None and set(logprobs) == {0}
+
+
 def test_filters_by_hand() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = lambda t: (t > float("-inf")).tolist()  # noqa: E731
