@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from moeserve.errors import ExpertLoadError, MoeserveError
+from moeserve.experts.affinity import AffinityPredictor
 from moeserve.experts.policies import NoVictimError, make_policy
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
@@ -62,6 +64,10 @@ class StoreStats:
 
     layers: dict[int, LayerStats] = field(default_factory=dict)
     load_errors: int = 0
+    # Seconds the compute thread was blocked on expert reads (misses, and prefetches it needed in flight), and
+    # seconds spent reading misses on any thread: where an offloaded token's time goes.
+    wait_seconds: float = 0.0
+    read_seconds: float = 0.0
 
     def layer(self, layer: int) -> LayerStats:
         st = self.layers.get(layer)
@@ -108,7 +114,8 @@ def format_stats(stats: StoreStats) -> str:
     rows.append(row("all", stats))
     accuracy = stats.prefetch_accuracy
     rows.append(f"hit rate {100 * stats.hit_rate:.1f}%, prefetch accuracy "
-                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}, load errors {stats.load_errors}")
+                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}, load errors {stats.load_errors}, "
+                f"compute thread waited {stats.wait_seconds:.2f} s on reads ({stats.read_seconds:.2f} s reading)")
     return "\n".join(rows)
 
 
@@ -124,6 +131,11 @@ class StoreOptions:
     # Threads reading the misses of one chunk at the same time (the disk serves several requests at once, and
     # the compute thread works on the experts already in meanwhile); 0 = the compute thread reads them in turn.
     io_threads: int = 2
+    # What prefetch loads: "affinity" = the experts the store's own AffinityPredictor (learned online from the
+    # layers' accesses, moeserve/experts/affinity.py) gives at least `prefetch_min_prob` chance of being used by
+    # the next layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
+    prefetch_predictor: str = "affinity"
+    prefetch_min_prob: float = 0.5
 
 
 @dataclass(eq=False)
@@ -186,6 +198,9 @@ class ExpertStore:
         self.io_threads = opts.io_threads if self._io is not None else 0
         self.policy = None
         self.prefetcher = None
+        self.predictor: AffinityPredictor | None = None  # prefetch guesses from this store's own history
+        self.prefetch_min_prob = opts.prefetch_min_prob
+        self._next_layer = dict(zip(self.layers, self.layers[1:]))
         self.source_note: str | None = None
         if self.resident:
             self._load_everything(progress)
@@ -197,6 +212,10 @@ class ExpertStore:
                 from moeserve.experts.prefetch import Prefetcher
 
                 self.prefetcher = Prefetcher(self)
+                if opts.prefetch_predictor == "affinity":
+                    self.predictor = AffinityPredictor(num_experts)
+                elif opts.prefetch_predictor != "hint":
+                    raise MoeserveError(f"unknown prefetch_predictor {opts.prefetch_predictor!r} (affinity, hint)")
 
     # ------------------------------------------------------------------------------------------- public
     @property
@@ -225,7 +244,11 @@ class ExpertStore:
             parts.append("all experts resident")
         else:
             assert self.policy is not None
-            parts.append(f"policy {self.policy.name}, prefetch {'on' if self.prefetcher else 'off'}")
+            how = "off"
+            if self.prefetcher is not None:
+                how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
+                       "chance in the next layer)" if self.predictor is not None else "on (the caller's guesses)")
+            parts.append(f"policy {self.policy.name}, prefetch {how}")
             if self.source_note:
                 parts.append(self.source_note)
             parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
@@ -249,6 +272,11 @@ class ExpertStore:
             return
         ids = list(expert_ids)
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
+        if self.predictor is not None:  # the store's own guess replaces the caller's
+            self.predictor.observe(layer, ids)
+            nxt = self._next_layer.get(layer)
+            guess = [] if nxt is None else self.predictor.predict(nxt, len(ids), self.prefetch_min_prob)
+            prefetch = (nxt, guess) if guess and nxt is not None else None
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending = self._acquire(layer, keys)  # key -> its read in flight (the misses)
@@ -291,6 +319,13 @@ class ExpertStore:
         if self.prefetcher is not None:
             self.prefetcher.submit(layer, expert_ids)
 
+    def cancel_prefetch(self) -> None:
+        """Drop the pending guesses and stop the one being loaded after its current unit (e.g. the step ended:
+        a guess for a layer of this step is stale). No-op without prefetch."""
+        if self.prefetcher is not None:
+            with self._cond:
+                self.prefetcher.cancel()
+
     def cached_keys(self) -> set[Key]:
         """The (layer, expert) units ready in the fast tier now."""
         with self._cond:
@@ -320,8 +355,11 @@ class ExpertStore:
                 self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
             self.policy.begin_layer(layer)
             self._pinned.update(keys)
-            while any(k in self._loading for k in keys):
-                self._cond.wait()
+            if any(k in self._loading for k in keys):
+                t0 = time.perf_counter()
+                while any(k in self._loading for k in keys):
+                    self._cond.wait()
+                self.stats.wait_seconds += time.perf_counter() - t0
             st = self.stats.layer(layer)
             missing = []
             for key in keys:
@@ -349,7 +387,9 @@ class ExpertStore:
             todo = list(reads.values())
             try:
                 while todo:
+                    t0 = time.perf_counter()
                     self._read_slot(todo[0].key, todo[0].slot)
+                    self.stats.wait_seconds += time.perf_counter() - t0
                     todo.pop(0)
             except BaseException:
                 with self._cond:
@@ -368,14 +408,19 @@ class ExpertStore:
     def _wait_read(self, read: _Read) -> None:
         """Block until `read` has landed (raising its ExpertLoadError). A read no I/O thread has started yet is
         taken back and done on this thread: the compute thread never idles while its own miss waits in a queue."""
-        if read.future is None or read.future.cancel():
-            read.future = None
-            self._read_slot(read.key, read.slot)
-        else:
-            read.future.result()
+        t0 = time.perf_counter()
+        try:
+            if read.future is None or read.future.cancel():
+                read.future = None
+                self._read_slot(read.key, read.slot)
+            else:
+                read.future.result()
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - t0
 
     def _read_slot(self, key: Key, slot: int) -> None:
         """Fill `slot` (already taken, `key` in `_loading` and inserted in the policy) and publish it."""
+        t0 = time.perf_counter()
         try:
             tier = self.loader.load(key, slot, self._pool[slot])
         except Exception as err:
@@ -385,6 +430,7 @@ class ExpertStore:
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
         with self._cond:
+            self.stats.read_seconds += time.perf_counter() - t0
             del self._loading[key]
             self._slot_of[key] = slot
             self._count_read(key, tier)

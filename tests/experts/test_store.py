@@ -165,6 +165,8 @@ def test_misses_of_one_chunk_are_read_at_the_same_time():
         assert store.source.max_in_flight >= 2
         assert elapsed < 0.18, elapsed
         assert store.stats.misses == 4 and store.cached_keys() == {(0, 1), (0, 3), (0, 4), (0, 6)}
+        # The time counters: 4 reads of 50 ms on all threads together, of which the compute thread waited for less.
+        assert store.stats.read_seconds >= 0.19 and 0.04 < store.stats.wait_seconds < store.stats.read_seconds
     finally:
         store.close()
 
@@ -203,8 +205,34 @@ def test_failed_read_among_several_misses_leaves_the_store_consistent():
         store.close()
 
 
+def test_affinity_prefetch_learns_what_follows_and_loads_it_before_the_layer_asks():
+    # Two alternating patterns: layer 0 uses {0, 1} then layer 1 uses {2, 3}; or {4, 5} then {6, 7}. A cache of
+    # 4 holds one pattern: without prefetch every layer-1 call misses twice. The store's own predictor learns the
+    # pairs from the accesses and, once its guesses have proved right (calibrated chance >= 0.5), loads layer
+    # 1's experts while layer 0 computes.
+    store = make_store(capacity=4, layers=(0, 1), prefetch=True)
+    assert store.predictor is not None and "affinity" in store.describe()
+    try:
+        late_misses = 0
+        for step in range(12):
+            a, b = ([0, 1], [2, 3]) if step % 2 == 0 else ([4, 5], [6, 7])
+            use(store, 0, a, prefetch=(1, [5]))  # the caller's hint is ignored: the store predicts itself
+            assert store.prefetcher is not None and store.prefetcher.wait_idle()
+            before = store.stats.layer(1).misses
+            use(store, 1, b)
+            if step >= 8:
+                late_misses += store.stats.layer(1).misses - before
+        st = store.stats
+        assert late_misses == 0
+        assert st.prefetched > 0 and st.prefetch_accuracy is not None and st.prefetch_accuracy >= 0.75
+        assert (1, 5) not in store.cached_keys()
+        store.cancel_prefetch()  # nothing pending: a no-op that must not block
+    finally:
+        store.close()
+
+
 def test_prefetch_loads_in_the_background_and_counts_accuracy():
-    store = make_store(capacity=4, prefetch=True)
+    store = make_store(capacity=4, prefetch=True, prefetch_predictor="hint")
     try:
         use(store, 0, [0, 1], prefetch=(1, [2, 3]))  # after layer 0's experts are in, guess layer 1 = {2, 3}
         deadline = time.monotonic() + 5
@@ -232,7 +260,7 @@ def test_store_with_prefetch_matches_the_simulator_when_each_prefetch_completes(
         steps.append([LayerCall(layer, ids, tuple((layer + 1, e) for e in rng.sample(range(8), 3)) if layer < 2
                                 else ()) for layer, ids in enumerate(calls)])
     expected = simulate(steps, policy, capacity, prefetch="predicted")
-    store = make_store(capacity, policy, layers=(0, 1, 2), prefetch=True)
+    store = make_store(capacity, policy, layers=(0, 1, 2), prefetch=True, prefetch_predictor="hint")
     try:
         for step in steps:
             for call in step:
@@ -248,7 +276,7 @@ def test_store_with_prefetch_matches_the_simulator_when_each_prefetch_completes(
 
 
 def test_prefetch_never_evicts_the_pinned_chunk():
-    store = make_store(capacity=2, prefetch=True)
+    store = make_store(capacity=2, prefetch=True, prefetch_predictor="hint")
     try:
         gen = store.experts(0, [0, 1], prefetch=(1, [5, 6]))
         chunk = next(gen)  # the chunk fills the whole cache: the prefetch finds no evictable slot
@@ -262,7 +290,7 @@ def test_prefetch_never_evicts_the_pinned_chunk():
 
 
 def test_compute_thread_never_sees_a_half_written_unit_under_concurrent_prefetch():
-    store = make_store(capacity=5, policy="lfru", layers=(0, 1, 2), prefetch=True, delay_s=0.002)
+    store = make_store(capacity=5, policy="lfru", layers=(0, 1, 2), prefetch=True, prefetch_predictor="hint", delay_s=0.002)
     rng = random.Random(0)
     try:
         for _ in range(40):
