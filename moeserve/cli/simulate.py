@@ -187,18 +187,31 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, ax_reads) = plt.subplots(1, 2, figsize=(12, 4.8))
     styles = ["-", "--", ":", "-."]
+    colors = {p: f"C{i}" for i, p in enumerate(policies)}  # one colour per policy, one style per prefetch
     for i, prefetch in enumerate(prefetches):
         for policy in policies:
-            rates = [r.hit_rate if (r := grid.get(policy, c, prefetch)) else float("nan") for c in capacities]
-            ax.plot(capacities, rates, styles[i % len(styles)], marker="o", label=f"{policy} ({prefetch})")
+            runs = [grid.get(policy, c, prefetch) for c in capacities]
+            style = dict(linestyle=styles[i % len(styles)], marker="o", markersize=3, color=colors[policy])
+            ax.plot(
+                capacities,
+                [r.hit_rate if r else float("nan") for r in runs],
+                **style,
+                label=f"{policy} ({prefetch})",
+            )
+            ax_reads.plot(capacities, [r.reads_per_step if r else float("nan") for r in runs], **style)
     ax.set_xlabel("cache capacity (experts, one cache for all layers)")
     ax.set_ylabel("hit rate")
     ax.set_ylim(0, 1)
     ax.set_title(f"{title}: expert cache hit rate")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=len(prefetches))
+    ax_reads.set_xlabel("cache capacity (experts)")
+    ax_reads.set_ylabel("experts read per step (misses + prefetches)")
+    ax_reads.set_ylim(bottom=0)
+    ax_reads.set_title("reads per step (one token at batch 1)")
+    ax_reads.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
