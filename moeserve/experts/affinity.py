@@ -35,6 +35,7 @@ Cost per call: ``observe`` O(|S_a| x |S_b|) counter updates; ``predict`` O(|S| x
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable
 
@@ -84,11 +85,12 @@ class _Transition:
 def _naive_bayes(log_prior: list[float], log_pairs: list[list[float]]) -> list[float]:
     """log P(j) + sum over the rows of (log pair[i][j] - log P(j)), for every j: the naive-Bayes log score
     up to terms that do not depend on j (the rows' log totals)."""
-    n = len(log_pairs)
-    out = [(1 - n) * p for p in log_prior]
-    for row in log_pairs:
-        out = [a + b for a, b in zip(out, row, strict=True)]
-    return out
+    w = 1 - len(log_pairs)
+    return (
+        [w * p + sum(column) for p, column in zip(log_prior, zip(*log_pairs), strict=True)]
+        if log_pairs
+        else list(log_prior)
+    )
 
 
 class AffinityPredictor:
@@ -150,9 +152,9 @@ class AffinityPredictor:
             if table is not None:
                 rows.extend(table.log_pair[i] for i in src_ids)
         scores = _naive_bayes(latest.log_prior(), rows)
-        ranking = sorted(range(self.num_experts), key=lambda j: (-scores[j], j))
         k = min(k, self.num_experts)
-        self._pending[next_layer] = ranking[:k]
+        ranking = heapq.nsmallest(k, range(self.num_experts), key=lambda j: (-scores[j], j))
+        self._pending[next_layer] = ranking
         out = []
         for rank, e in enumerate(ranking[:k]):
             p = self.chance(rank)
