@@ -106,8 +106,9 @@ CHILD = textwrap.dedent("""
     from moeserve.engine.sampling_params import SamplingParams
     from moeserve.memory.rss import current_rss_bytes, peak_rss_bytes
     baseline = current_rss_bytes()  # interpreter + torch + moeserve, before any weight
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     llm = llm_mod.LLM(sys.argv[1], skip_tokenizer_init=True, dtype="bfloat16", threads=2,
-                      expert_cache_gb=float(sys.argv[2]), max_model_len=64, max_num_seqs=1, prefetch=True)
+                      expert_cache_gb=float(sys.argv[2]), max_model_len=64, max_num_seqs=1, prefetch=True, **extra)
     after_load = peak_rss_bytes()
     out = llm.generate({"prompt_token_ids": [5, 17, 300, 42, 9, 1000, 77, 8]},
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -147,3 +148,26 @@ def test_peak_rss_stays_under_resident_plus_cache_plus_overhead(synthetic_checkp
     # Loading streams: nothing of the expert cache is filled yet, so the load peak is resident + overhead.
     assert m["after_load"] < m["baseline"] + m["resident"] + m["kv"] + m["staging"] + OVERHEAD_BYTES
     assert m["peak"] < bound
+
+
+@pytest.mark.slow
+def test_int8_spill_file_is_written_during_the_load_within_the_same_bound(synthetic_checkpoint, tmp_path):
+    """quantization=int8 offloaded quantizes every expert once at load into a spill file, one unit at a time: the
+    load's peak stays at what the engine keeps plus one 16-bit expert being quantized (its fp32 temporaries)."""
+    env = {**os.environ, "MOESERVE_LOG_LEVEL": "WARNING"}
+    extra = json.dumps({"quantization": "int8", "int8_cache_dir": str(tmp_path / "spill")})
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(synthetic_checkpoint), str(EXPERT_CACHE_GB), extra],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    spill = list((tmp_path / "spill").glob("*/units.bin"))
+    assert len(spill) == 1 and spill[0].stat().st_size >= m["experts_total"]
+    # One 16-bit expert (3 x 1024 x 768 bf16 = 4.5 MiB) is read into a scratch unit and quantized through fp32
+    # temporaries (4 bytes per weight, a few at a time): at most 6 x its fp32 size beyond what the engine keeps.
+    dense_expert_fp32 = 3 * 1024 * 768 * 4
+    kept = m["resident"] + m["kv"] + m["staging"]
+    print(f"\nint8 spill {spill[0].stat().st_size / 2**20:.0f} MiB; peak RSS after load "
+          f"{m['after_load'] / 2**20:.0f} MiB, baseline {m['baseline'] / 2**20:.0f} MiB, kept {kept / 2**20:.0f} MiB")
+    assert m["after_load"] < m["baseline"] + kept + 6 * dense_expert_fp32 + OVERHEAD_BYTES
+    assert m["tokens"] == 8 and m["misses"] > 0
+    assert m["disk_bytes"] == m["misses"] * m["experts_total"] // (8 * 64)  # every miss read one int8 unit
