@@ -18,10 +18,13 @@
 // (bf16, expert after expert: the same bits whatever the chunking, so offloaded == resident). For fp32 nothing is
 // rounded in between. Only the order of the additions inside each dot product differs from torch's GEMM.
 //
-// int8 weights (int8 [out, in] + fp32 per-row scales): the codes are converted to fp32 and multiplied with the
-// fp32 (bf16-valued) activations, the row's scale applied once to the fp32 sum: dot(codes, x) * scale. The torch
-// path instead rounds codes * scale to a bf16 buffer first and runs a bf16 GEMM, so it carries one extra rounding
-// per weight (relative 2^-9); the two agree to a few bf16 steps, not bit for bit (tests/kernels/test_moe_experts.py).
+// int8 weights (int8 [out, in] + fp32 per-row scales) are read as they are (half the bytes of bf16): the codes are
+// converted to bf16 (exact) and multiplied with the bf16 activations by vdpbf16ps (fp32 compute: to fp32, FMA),
+// the row's scale applied once to the fp32 sum: dot(codes, x) * scale, then the roundings above. The torch path
+// (Int8Kernel) instead rounds codes * scale to a bf16 buffer first and runs a bf16 GEMM, so it carries one extra
+// rounding per weight (relative 2^-9): the two agree to a few bf16 steps, not bit for bit; the op is as close to
+// the exact result as the torch path (tests/kernels/test_moe_experts.py). Offloaded and resident int8 both run
+// this op, so they stay bit-identical.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -108,8 +111,8 @@ inline void dot_fma(const WT* w, int64_t k, const XT* const* xs, float* res) {
   for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 32 <= k; c += 32) {
-    if ((c * sizeof(WT)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
-    if (sizeof(WT) == 4) _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes + 64, _MM_HINT_T0);
+    if (kPrefetchBytes > 0 && (c * sizeof(WT)) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
+    if (kPrefetchBytes > 0 && sizeof(WT) == 4) _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes + 64, _MM_HINT_T0);
     const __m512 w0 = load16(w + c), w1 = load16(w + c + 16);
     for (int t = 0; t < NT; ++t) {
       a0[t] = _mm512_fmadd_ps(w0, load16(xs[t] + c), a0[t]);
@@ -145,8 +148,10 @@ inline void dot_bf16(const uint16_t* w, int64_t k, const uint16_t* const* xs, fl
   for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 64 <= k; c += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes + 64, _MM_HINT_T0);
+    if constexpr (kPrefetchBytes > 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes + 64, _MM_HINT_T0);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + c + 32);
     for (int t = 0; t < NT; ++t) {
@@ -176,6 +181,42 @@ inline void dot_f32(const float* w, int64_t k, const float* const* xs, float* re
 
 template <int NT>
 inline void dot_i8(const int8_t* w, int64_t k, const float* const* xs, float* res) { dot_fma<NT>(w, k, xs, res); }
+
+// int8 codes with bf16 activations: with AVX512-BF16 the codes are converted to bf16 (exact: |code| <= 127 needs 7
+// bits) and multiplied with vdpbf16ps, 32 per instruction, so a batch of tokens costs one conversion per weight
+// (the fp32 FMA path converts once too, but then needs twice the multiply instructions). Products are exact either
+// way; only the order of the fp32 additions differs.
+template <int NT>
+inline void dot_i8(const int8_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+#if defined(__AVX512BF16__)
+  __m512 a0[NT], a1[NT];
+  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = _mm512_setzero_ps();
+  auto codes32 = [](const int8_t* p, __mmask32 m) {
+    const __m256i b = _mm256_maskz_loadu_epi8(m, p);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);  // element i = code i
+  };
+  int64_t c = 0;
+  for (; c + 64 <= k; c += 64) {
+    if constexpr (kPrefetchBytes > 0) _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512bh w0 = codes32(w + c, ~__mmask32(0)), w1 = codes32(w + c + 32, ~__mmask32(0));
+    for (int t = 0; t < NT; ++t) {
+      a0[t] = _mm512_dpbf16_ps(a0[t], w0, (__m512bh)_mm512_loadu_si512(xs[t] + c));
+      a1[t] = _mm512_dpbf16_ps(a1[t], w1, (__m512bh)_mm512_loadu_si512(xs[t] + c + 32));
+    }
+  }
+  for (; c < k; c += 32) {
+    const __mmask32 m = k - c >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (k - c)) - 1ull);
+    const __m512bh w0 = codes32(w + c, m);
+    for (int t = 0; t < NT; ++t)
+      a0[t] = _mm512_dpbf16_ps(a0[t], w0, (__m512bh)_mm512_maskz_loadu_epi16(m, xs[t] + c));
+  }
+  for (int t = 0; t < NT; ++t) res[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+#else
+  dot_fma<NT>(w, k, xs, res);
+#endif
+}
 
 // res[t] = row . xs[t] for `nt` tokens (any count), in groups of up to kMaxGroup.
 template <WKind W, typename XT>
@@ -217,9 +258,8 @@ struct Expert {
 // Scratch reused across calls by the calling thread (grown, never shrunk): no page faults on the hot path.
 struct Scratch {
   std::vector<float> gu;       // [P, 2I] gate_up outputs (rounded as the compute dtype)
-  std::vector<float> act_f;    // [P, I] activations (fp32 math: fp32 / int8 weights)
-  std::vector<uint16_t> act_h; // [P, I] activations (bf16 weights)
-  std::vector<float> xf;       // [P, H] token rows as fp32 (int8 weights with bf16 tokens)
+  std::vector<float> act_f;    // [P, I] activations (fp32 compute)
+  std::vector<uint16_t> act_h; // [P, I] activations (bf16 compute)
 };
 
 template <typename T>
@@ -237,25 +277,15 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
   constexpr bool kBF16 = std::is_same_v<XT, uint16_t>;
   static thread_local Scratch s;
   float* gu = grow(s.gu, static_cast<size_t>(pairs * 2 * isz));
-  // Activation rows (down's input) and gate_up's input rows, per pair.
-  using AT = std::conditional_t<W == WKind::kBF16, uint16_t, float>;
+  // Activation rows (down's input, in the compute dtype: bf16 values are rounded anyway) and gate_up's input
+  // rows (the token rows themselves), per pair.
+  using AT = XT;
   AT* act = nullptr;
-  if constexpr (W == WKind::kBF16) act = grow(s.act_h, static_cast<size_t>(pairs * isz));
+  if constexpr (kBF16) act = grow(s.act_h, static_cast<size_t>(pairs * isz));
   else act = grow(s.act_f, static_cast<size_t>(pairs * isz));
-  std::vector<const AT*> xrows(pairs);  // gate_up input of each pair
-  if constexpr (std::is_same_v<AT, XT>) {
-    for (const Expert& e : experts)
-      for (int64_t p = e.lo; p < e.hi; ++p) xrows[e.pair0 + p - e.lo] = x + token_of[p] * hsz;
-  } else {  // bf16 tokens, fp32 math (int8 weights): convert each pair's token row once
-    float* xf = grow(s.xf, static_cast<size_t>(pairs * hsz));
-    for (const Expert& e : experts)
-      for (int64_t p = e.lo; p < e.hi; ++p) {
-        float* dst = xf + (e.pair0 + p - e.lo) * hsz;
-        const XT* src = x + token_of[p] * hsz;
-        for (int64_t i = 0; i < hsz; ++i) dst[i] = bf16_to_f(src[i]);
-        xrows[e.pair0 + p - e.lo] = dst;
-      }
-  }
+  std::vector<const AT*> xrows(pairs);
+  for (const Expert& e : experts)
+    for (int64_t p = e.lo; p < e.hi; ++p) xrows[e.pair0 + p - e.lo] = x + token_of[p] * hsz;
   std::vector<const AT*> arows(pairs);
   for (int64_t p = 0; p < pairs; ++p) arows[p] = act + p * isz;
 
@@ -298,7 +328,7 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
         float a;
         if constexpr (kBF16) a = round_bf16(round_bf16(silu(g)) * u);
         else a = silu(g) * u;
-        if constexpr (W == WKind::kBF16) act[i] = f_to_bf16(a);
+        if constexpr (kBF16) act[i] = f_to_bf16(a);
         else act[i] = a;
       }
     }
