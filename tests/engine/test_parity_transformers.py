@@ -34,11 +34,12 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[tor
     return ids[len(prompt):], logps
 
 
+@pytest.mark.parametrize("kernels", ["auto", "torch"])  # auto: the C++ ops where they build; torch: never
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_batched_greedy_matches_transformers(tiny_checkpoint, arch: str, dtype: str) -> None:
+def test_batched_greedy_matches_transformers(tiny_checkpoint, arch: str, dtype: str, kernels: str) -> None:
     folder = tiny_checkpoint(arch, dtype)
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype=dtype)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype=dtype, kernels=kernels)
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     # bfloat16 keeps 8 significant bits: the two engines round differently inside the GEMMs, and at |logit| in
