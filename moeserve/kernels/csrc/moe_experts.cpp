@@ -36,6 +36,8 @@
 #include <cstring>
 #include <vector>
 
+#include "norm_common.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -44,20 +46,9 @@ namespace moeserve_moe {
 
 constexpr int kMaxGroup = 8;  // tokens per pass over a weight row (more: the row is re-read from L1)
 
-inline float bf16_to_f(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Round to nearest even bf16 (NaN kept quiet), as c10::BFloat16(float).
-inline uint16_t f_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+// bf16 bits <-> float, through the helpers shared with norm.cpp / attention.cpp / dense_gemv.cpp.
+inline float bf16_to_f(uint16_t b) { return moeserve_csrc::bits_to_f(static_cast<uint32_t>(b) << 16); }
+inline uint16_t f_to_bf16(float f) { return moeserve_csrc::bf16_bits(f); }
 
 inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
 
