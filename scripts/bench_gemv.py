@@ -3,8 +3,10 @@
     .venv/bin/python scripts/bench_gemv.py [--threads 2]
 
 Per round: the fused MoE op (`moe_swiglu_`, one token, 4 experts of the small bench shape per call), the dense
-bf16 GEMV on the row-interleaved layout (`linear_interleaved`, the same matrices), and `torch.sum` over an fp32
-buffer of the same size (a streaming read, the practical ceiling). Prints median GB/s over the rounds.
+bf16 GEMV on the row-interleaved layout (`linear_interleaved`, the same matrices), its int8 variant
+(`linear_interleaved_int8`, the same matrices quantized per row: half the bytes), and `torch.sum` over an fp32
+buffer of the bf16 matrices' size (a streaming read, the practical ceiling). Prints median GB/s (of the bytes
+each case reads) and milliseconds over the rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from moeserve import kernels
-from moeserve.models.layers import interleave_rows
+from moeserve.formats.int8 import quantize_int8_per_channel
+from moeserve.models.layers import interleave_rows, pack_int8_rows
 
 H, INTER, E = 1024, 512, 96  # hidden, expert intermediate, experts streamed per round (288 MiB of bf16)
 
@@ -51,14 +54,30 @@ def main() -> None:
             ops.linear_interleaved(x, gate_ups_i[j], 2 * INTER, None)
             ops.linear_interleaved(xi, downs_i[j], H, None)
 
-    cases: dict[str, Callable[[], object]] = {"fused MoE op": fused, "interleaved GEMV": dense, "fp32 sum": flat.sum}
+    q_gu = [quantize_int8_per_channel(g) for g in gate_ups]
+    q_d = [quantize_int8_per_channel(d) for d in downs]
+    gu8 = [(pack_int8_rows(q), s) for q, s in q_gu]
+    d8 = [(pack_int8_rows(q), s) for q, s in q_d]
+
+    def dense_int8() -> None:
+        for j in range(E):
+            ops.linear_interleaved_int8(x, gu8[j][0], gu8[j][1], 2 * INTER, None)
+            ops.linear_interleaved_int8(xi, d8[j][0], d8[j][1], H, None)
+
+    cases: dict[str, Callable[[], object]] = {"fused MoE op": fused, "interleaved GEMV": dense,
+                                              "int8 interleaved GEMV": dense_int8, "fp32 sum": flat.sum}
+    case_bytes = {name: nbytes // 2 if name.startswith("int8") else nbytes for name in cases}
     speeds: dict[str, list[float]] = {name: [] for name in cases}
+    times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, fn in cases.items():
             t0 = time.perf_counter()
             fn()
-            speeds[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
-    print(f"threads {args.threads}: " + ", ".join(f"{n} {statistics.median(v):.1f} GB/s" for n, v in speeds.items()))
+            dt = time.perf_counter() - t0
+            times[name].append(dt)
+            speeds[name].append(case_bytes[name] / dt / 1e9)
+    print(f"threads {args.threads}: " + ", ".join(
+        f"{n} {statistics.median(v):.1f} GB/s ({1e3 * statistics.median(times[n]):.1f} ms)" for n, v in speeds.items()))
 
 
 if __name__ == "__main__":

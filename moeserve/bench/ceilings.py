@@ -33,6 +33,18 @@ def dense_bytes_per_step(shape: BenchShape, bytes_per_param: float, batch: int =
     return int((per_layer + head + batch * shape.hidden_size) * bytes_per_param)
 
 
+def dense_bytes_per_step_int8(shape: BenchShape, batch: int = 1) -> int:
+    """dense_bytes_per_step for moeserve with quantization="int8": the attention projections and the LM head as
+    int8 codes (1 byte per weight) plus a float32 scale per output row; routers, norms, the final norm and the
+    embedding rows in bf16 (moeserve keeps them so, see moeserve.models.model.build_model)."""
+    h, d = shape.hidden_size, shape.head_dim
+    attn_rows = (shape.num_heads + 2 * shape.num_kv_heads) * d + h  # q/k/v stacked, then o_proj
+    int8_layer = shape.attention_params + 4 * attn_rows
+    bf16_layer = 2 * (shape.layer_dense_params - shape.attention_params)  # router + norm vectors
+    head = shape.vocab_size * h + 4 * shape.vocab_size
+    return shape.num_layers * (int8_layer + bf16_layer) + head + 2 * h + 2 * batch * h
+
+
 def expected_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected distinct experts a layer touches for `tokens` tokens, each picking top_k of num_experts
     uniformly at random: E * (1 - (1 - k/E)^T)."""

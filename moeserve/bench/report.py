@@ -9,22 +9,38 @@ from typing import Any
 from moeserve.bench import ceilings
 from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, paired_ratio
 
-# (dense, expert) weight bytes per parameter as each engine stores them. moeserve's int8 quantizes experts only
-# (per-output-channel scales, negligible); Q8_0 is 32 int8 + one fp16 scale per block of 32, dense and experts.
+# (dense, expert) weight bytes per parameter as each engine stores them. moeserve's int8 quantizes the experts
+# (per-output-channel scales, negligible) and, with its C++ kernels, the dense Linears but routers: its dense bytes
+# come from ceilings.dense_bytes_per_step_int8 (the 1.0 here is not used); Q8_0 is 32 int8 + one fp16 scale per
+# block of 32, dense and experts.
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
-    "moeserve": (2.0, 2.0), "moeserve-int8": (2.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
+    "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0)}
 
 
+def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],
+                tokens_per_step: int) -> int:
+    """Non-expert bytes of one step as `engine` (`engine_key` in BYTES_PER_PARAM) stores them. moeserve's int8
+    dense GEMV needs its C++ kernels (kernels=auto finds them on the bench machines; the torch-kernels peer
+    keeps the dense Linears in bf16)."""
+    if engine_key == "moeserve-int8":
+        if engine != "moeserve-torch-kernels":
+            return ceilings.dense_bytes_per_step_int8(cfg.shape, tokens_per_step)
+        return ceilings.dense_bytes_per_step(cfg.shape, 2.0, tokens_per_step)
+    return ceilings.dense_bytes_per_step(cfg.shape, bytes_per_param[0], tokens_per_step)
+
+
 def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: tuple[float, float], tokens_per_step: int,
-                          store: dict[str, float], steps: int) -> ceilings.StepBytes:
-    """Bytes of one step, with expert traffic measured by moeserve's store (hits from memory, misses from disk)."""
+                          store: dict[str, float], steps: int, dense: int | None = None) -> ceilings.StepBytes:
+    """Bytes of one step, with expert traffic measured by moeserve's store (hits from memory, misses from disk);
+    `dense`: the non-expert bytes when not dense_bytes_per_step at bytes_per_param[0]."""
     shape = cfg.shape
     accesses = (store.get("hits", 0) + store.get("misses", 0)) / max(steps, 1)  # distinct experts per step
     miss_share = store.get("misses", 0) / max(store.get("hits", 0) + store.get("misses", 0), 1)
     expert_bytes = accesses * shape.expert_params * bytes_per_param[1]
-    dense = ceilings.dense_bytes_per_step(shape, bytes_per_param[0], tokens_per_step)
+    if dense is None:
+        dense = ceilings.dense_bytes_per_step(shape, bytes_per_param[0], tokens_per_step)
     return ceilings.StepBytes(dense, expert_bytes * (1 - miss_share), expert_bytes * miss_share)
 
 
@@ -43,10 +59,12 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
         bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
         store = ref_run.get("store") or {}
         steps = int(ref_run["steps"])
+        dense = dense_bytes(cfg, r.engine, engine_key, bpp, tokens_per_step)
         if store:
-            step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps)
+            step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps, dense)
         else:
-            step = ceilings.resident_step_bytes(cfg.shape, bpp[0], tokens_per_step)
+            step = ceilings.resident_step_bytes(cfg.shape, bpp[1], tokens_per_step)
+            step = ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk)
         ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"],
                                                      bandwidths["disk_bytes_per_s"], tokens_per_step)
         tps = r.median_tokens_per_s

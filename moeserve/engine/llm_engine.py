@@ -94,7 +94,9 @@ class LLMEngine:
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
                                      plan, budget.capacity, s.cache_policy, advance, store_options,
-                                     cpp=self.cpp_kernels)
+                                     cpp=self.cpp_kernels, dense_int8=s.quantization == "int8")
+        if self.model.int8_summary:
+            log.info("dense layers (quantization=int8): %s", self.model.int8_summary)
         log.info("expert store: %s", self.model.store.describe())
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from moeserve.engine.kv_cache import KVCache
 from moeserve.experts.store import ExpertStore, ExpertWeights
+from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
 from moeserve.models.spec import AttentionSpec, MoeSpec, RopeSpec
 
 
@@ -59,15 +60,26 @@ class Linear:
     - "onednn" (bf16 on a CPU where oneDNN computes bf16 natively, without the C++ kernels): reordered into
       oneDNN's blocked layout; ~1.6x the speed of F.linear on the plain layout, bit-identical to it (tests in
       tests/models/test_linear_packing.py).
+    - "int8" (quantization="int8" with the C++ kernels on, bf16 compute, in % 32 == 0): per-output-row symmetric
+      int8 codes (moeserve.formats.int8) in a layout like "interleaved" (pack_int8_rows) plus float32 scales, read by
+      `torch.ops.moeserve.linear_interleaved_int8` (csrc/dense_gemv_int8.cpp): half the bytes of "interleaved";
+      each output is one fp32 dot product of the exact codes with x, times the row scale, rounded once.
     - "plain": F.linear.
 
-    `weight` gives a plain copy for inspection, never used on the hot path.
+    `weight` gives a plain copy for inspection (dequantized for "int8"), never used on the hot path.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpp: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpp: bool = False,
+                 int8: bool = False) -> None:
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
         self.bias = bias
-        if cpp and _can_interleave(weight, bias):
+        self._scale: torch.Tensor | None = None
+        if cpp and int8 and can_quantize_int8(weight, bias):
+            self.layout = "int8"
+            codes, self._scale = quantize_int8_per_channel(weight)
+            self._weight = pack_int8_rows(codes)
+            self._dtype = weight.dtype
+        elif cpp and _can_interleave(weight, bias):
             self.layout = "interleaved"
             self._weight = interleave_rows(weight)
         elif _can_pack(weight):
@@ -87,9 +99,18 @@ class Linear:
         """W [out, in] as a plain tensor (a copy unless the layout is plain)."""
         if self.layout == "interleaved":
             return deinterleave_rows(self._weight, self.out_features, self.in_features)
+        if self.layout == "int8":
+            assert self._scale is not None
+            out = torch.empty(self.out_features, self.in_features, dtype=self._dtype)
+            dequantize_int8_per_channel(unpack_int8_rows(self._weight, self.out_features, self.in_features),
+                                        self._scale, out)
+            return out
         return self._weight.to_dense() if self.layout == "onednn" else self._weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "int8":
+            return torch.ops.moeserve.linear_interleaved_int8(x, self._weight, self._scale, self.out_features,
+                                                              self.bias)
         if self.layout == "interleaved":
             return torch.ops.moeserve.linear_interleaved(x, self._weight, self.out_features, self.bias)
         if self.layout == "onednn":
@@ -101,6 +122,8 @@ class Linear:
     @property
     def nbytes(self) -> int:
         n = self._weight.numel() * self._weight.element_size()
+        if self._scale is not None:
+            n += self._scale.numel() * self._scale.element_size()
         return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
 
@@ -117,6 +140,13 @@ def _can_interleave(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
             and bool(torch.ops.moeserve.gemv_bf16_supported()))
 
 
+def can_quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A 2-D bf16 CPU weight whose rows split into 32-element chunks: what the int8 GEMV takes (its AVX512-BF16
+    path, or a portable one elsewhere)."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and (bias is None or bias.dtype == torch.bfloat16))
+
+
 def interleave_rows(w: torch.Tensor) -> torch.Tensor:
     """W [N, K] (K % 32 == 0) -> flat [N*K]: blocks of 4 rows with their 32-element chunks side by side
     (packed[((b * K/32 + c) * 4 + r) * 32 + i] = W[4b + r, 32c + i]), then the N % 4 leftover rows as they are."""
@@ -124,6 +154,29 @@ def interleave_rows(w: torch.Tensor) -> torch.Tensor:
     n4 = n // 4 * 4
     blocks = w[:n4].reshape(n4 // 4, 4, k // 32, 32).permute(0, 2, 1, 3).reshape(-1)
     return torch.cat([blocks, w[n4:].reshape(-1)])
+
+
+def pack_int8_rows(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K % 32 == 0, in [-127, 127]) -> flat int8 [N*K] in linear_interleaved_int8's layout
+    (csrc/dense_gemv_int8.cpp): blocks of 4 rows, chunk c of a block = rows (0, 1) then (2, 3), each pair as 4 groups
+    of [8 codes of its first row, 8 of its second], codes in sign-magnitude; then the N % 4 leftover rows as they
+    are (two's complement)."""
+    n, k = q.shape
+    n4 = n // 4 * 4
+    head = q[:n4]
+    mag = head.abs().to(torch.uint8)
+    sm = torch.where(head < 0, mag | 0x80, mag)
+    blocks = sm.reshape(n4 // 4, 2, 2, k // 32, 4, 8).permute(0, 3, 1, 4, 2, 5).reshape(-1).view(torch.int8)
+    return torch.cat([blocks, q[n4:].reshape(-1)])
+
+
+def unpack_int8_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of pack_int8_rows: int8 codes [N, K]."""
+    n4 = n // 4 * 4
+    sm = packed[: n4 * k].view(torch.uint8).reshape(n4 // 4, k // 32, 2, 4, 2, 8).permute(0, 2, 4, 1, 3, 5)
+    mag = (sm & 0x7F).to(torch.int16).reshape(n4, k)
+    head = torch.where(sm.reshape(n4, k) >= 0x80, -mag, mag).to(torch.int8)
+    return torch.cat([head, packed[n4 * k :].reshape(n - n4, k)])
 
 
 def deinterleave_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

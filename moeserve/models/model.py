@@ -37,9 +37,11 @@ class WeightLoader:
     """Reads named tensors from the checkpoint into the compute dtype on the compute device."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 progress: Callable[[int], None] | None = None, cpp: bool = False) -> None:
+                 progress: Callable[[int], None] | None = None, cpp: bool = False, int8: bool = False) -> None:
         self.ckpt, self.dtype, self.device, self.progress = ckpt, dtype, device, progress
         self.cpp = cpp  # dense Linears in the C++ GEMV's layout where it applies (see Linear)
+        self.int8 = int8  # quantization="int8": dense Linears (but routers, gates) as int8 codes (see Linear)
+        self.int8_linears = 0  # how many Linears were quantized to int8 at load
         self.resident_bytes = 0
         self.scheme = checkpoint_scheme(ckpt)
         self.dequantized_linears: list[str] = []  # quantized dense Linears, dequantized at load
@@ -71,10 +73,21 @@ class WeightLoader:
         self.resident_bytes += weight.numel() * weight.element_size()
         return weight
 
-    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> Linear:
+    def make_linear(self, weight: torch.Tensor, b: torch.Tensor | None, quantize: bool = True) -> Linear:
+        """A Linear of `weight` (already counted in resident_bytes at its loaded size); int8 when this load
+        quantizes dense Linears and `quantize` (routers and gates pass False), with resident_bytes corrected."""
+        lin = Linear(weight, b, self.cpp, int8=self.int8 and quantize)
+        if lin.layout == "int8":
+            self.int8_linears += 1
+            self.resident_bytes += lin.nbytes - weight.numel() * weight.element_size() - (
+                0 if b is None else b.numel() * b.element_size())
+        return lin
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False,
+               quantize: bool = True) -> Linear:
         weight = self.linear_weight(prefix, out_features, in_features)
         b = self.tensor(prefix + ".bias", (out_features,)) if bias else None
-        return Linear(weight, b, self.cpp)
+        return self.make_linear(weight, b, quantize)
 
     def stacked_linear(self, parts: list[tuple[str, int]], in_features: int, bias: bool = False) -> Linear:
         """One Linear whose output is the outputs of the Linears at `parts` ((prefix, out_features) each) side by
@@ -82,7 +95,7 @@ class WeightLoader:
         same dot product, so the same bits). Transient memory: the parts, once."""
         weight = torch.cat([self.linear_weight(p, out, in_features) for p, out in parts])
         b = torch.cat([self.tensor(p + ".bias", (out,)) for p, out in parts]) if bias else None
-        return Linear(weight, b, self.cpp)
+        return self.make_linear(weight, b)
 
 
 @dataclass(frozen=True)
@@ -130,14 +143,18 @@ def expert_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
 
 class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 lm_head: torch.Tensor, store: ExpertStore, resident_bytes: int, cpp: bool = False) -> None:
+                 lm_head: torch.Tensor | Linear, store: ExpertStore, resident_bytes: int, cpp: bool = False) -> None:
         self.spec, self.embed, self.layers = spec, embed, layers
         self.final_norm, self.store = final_norm, store
-        # An untied head is a Linear (bf16 GEMV packed at load, see Linear); a tied one shares the embedding's
-        # plain tensor, which lookups need as it is.
-        self._head = Linear(lm_head, cpp=cpp) if lm_head is not embed else None
-        self._tied_head = lm_head if self._head is None else None
+        # An untied head is a Linear (bf16 GEMV packed at load, or int8, see Linear); a tied one shares the
+        # embedding's plain tensor, which lookups need as it is (an int8 head is a quantized copy of it).
+        if isinstance(lm_head, Linear):
+            self._head: Linear | None = lm_head
+        else:
+            self._head = Linear(lm_head, cpp=cpp) if lm_head is not embed else None
+        self._tied_head = embed if self._head is None else None
         self.resident_bytes = resident_bytes  # non-expert weights
+        self.int8_summary = ""  # quantization="int8": what build_model quantized in the dense part, and why
         self.norm = RMS_NORMS[spec.norm_style][0]
         self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
         self.cpp = False  # norms and attention with the moeserve C++ ops: see use_cpp_kernels
@@ -218,10 +235,16 @@ def build_model(
     progress: Callable[[int], None] | None = None,
     store_options: StoreOptions | None = None,
     cpp: bool = False,
+    dense_int8: bool = False,
 ) -> MoeModel:
     """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier.
-    `cpp`: the moeserve C++ ops are loaded; dense Linears, norms and attention use them where they apply."""
-    load = WeightLoader(ckpt, dtype, device, progress, cpp)
+    `cpp`: the moeserve C++ ops are loaded; dense Linears, norms and attention use them where they apply.
+    `dense_int8` (quantization="int8"): with `cpp`, the dense Linears that every token reads in full (q/k/v, o,
+    dense and shared-expert MLPs, LM head) become per-row int8 (see Linear); routers and the shared-expert gate
+    stay in the compute dtype (tiny, and they pick the experts: a flipped choice costs more than their bytes
+    save), and so does the embedding (a token reads one row of it)."""
+    int8 = dense_int8 and cpp
+    load = WeightLoader(ckpt, dtype, device, progress, cpp, int8)
     names, h = arch.names, spec.hidden_size
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
@@ -232,12 +255,27 @@ def build_model(
     if store.prefetcher is not None:
         link_prefetch(layers)
     final_norm = load.tensor(names.final_norm, (h,), RMS_NORMS[spec.norm_style][1])
+    lm_head: torch.Tensor | Linear
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
         lm_head = embed
+        if int8:  # an int8 copy of the tied table for the head; lookups keep the table itself
+            load.resident_bytes += embed.numel() * embed.element_size()
+            lm_head = load.make_linear(embed, None)
     else:
-        lm_head = load.linear_weight(names.lm_head, spec.vocab_size, h)
+        lm_head = load.make_linear(load.linear_weight(names.lm_head, spec.vocab_size, h), None)
     model = MoeModel(spec, embed, layers, final_norm, lm_head, store, load.resident_bytes, cpp)
     model.dequantized_linears = load.dequantized_linears
+    if int8 and load.int8_linears == 0:
+        model.int8_summary = (f"kept in {str(dtype).removeprefix('torch.')}: the int8 dense GEMV takes bf16 "
+                              "activations (and K % 32 == 0), so only the experts are int8")
+    elif int8:
+        model.int8_summary = (
+            f"{load.int8_linears} Linears quantized to int8 with per-row float32 scales (q/k/v, o_proj, dense and "
+            "shared-expert MLPs, LM head); kept in the compute dtype: routers and shared-expert gates (tiny, and "
+            "they choose the experts), embedding (one row read per token), norms")
+    elif dense_int8:
+        model.int8_summary = ("kept in the compute dtype: the int8 dense GEMV needs the C++ kernels "
+                              "(kernels=torch or unavailable), so only the experts are int8")
     return model
 
 
@@ -273,8 +311,8 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
             si = m.shared_intermediate_size
             shared = DenseMLP(load.linear(n(names.shared_gate), si, h), load.linear(n(names.shared_up), si, h),
                               load.linear(n(names.shared_down), h, si))
-            shared_gate = load.linear(n(names.shared_expert_gate), 1, h)
-        router = load.linear(n(names.router), m.num_experts, h, m.router_bias)
+            shared_gate = load.linear(n(names.shared_expert_gate), 1, h, quantize=False)
+        router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
         mlp = MoEBlock(m, L, router, store, kernel, shared, shared_gate)
     else:
         di = spec.dense_intermediate_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeserve.bench import ceilings
-from moeserve.bench.report import step_bytes_from_store
+from moeserve.bench.report import BYTES_PER_PARAM, dense_bytes, step_bytes_from_store
 from moeserve.bench.runner import BenchConfig, CaseResult, paired_ratio
 from moeserve.bench.shapes import SHAPES
 
@@ -31,6 +31,14 @@ def test_dense_bytes_per_step_by_hand():
     assert ceilings.dense_bytes_per_step(SHAPES["tiny"], 2) == 84864
     # a batch of 3 reads 3 embedding rows
     assert ceilings.dense_bytes_per_step(SHAPES["tiny"], 2, batch=3) == 84864 + 2 * 64 * 2
+
+
+def test_dense_bytes_per_step_int8_by_hand():
+    # per layer: attention 12288 int8 codes + (128 q/k/v + 64 o) rows x 4-byte scales = 13056; router 512 and
+    # norms 160 params in bf16 = 1344. Head 256x64 codes + 256 scales x 4 = 17408; final norm and one embedding
+    # row in bf16 = 256. 2 x 14400 + 17408 + 256 = 46464
+    assert ceilings.dense_bytes_per_step_int8(SHAPES["tiny"]) == 46464
+    assert ceilings.dense_bytes_per_step_int8(SHAPES["tiny"], batch=3) == 46464 + 2 * 64 * 2
 
 
 def test_expected_unique_experts_by_hand():
@@ -67,6 +75,11 @@ def test_step_bytes_from_store_counters_by_hand():
     # int8 experts: half the expert bytes, dense weights unchanged
     int8 = step_bytes_from_store(cfg, (2.0, 1.0), 1, {"hits": 6, "misses": 2}, steps=2)
     assert int8.expert_bytes_fast == pytest.approx(expert_bytes * 0.75 / 2) and int8.dense_bytes == 84864
+    # moeserve with quantization=int8 reads its dense Linears as int8 too, except with the torch kernels
+    bpp = BYTES_PER_PARAM["moeserve-int8"]
+    assert dense_bytes(cfg, "moeserve", "moeserve-int8", bpp, 1) == 46464
+    assert dense_bytes(cfg, "moeserve-torch-kernels", "moeserve-int8", bpp, 1) == 84864
+    assert dense_bytes(cfg, "llama.cpp", "llama.cpp", BYTES_PER_PARAM["llama.cpp"], 1) == 84864
 
 
 def test_paired_ratio_is_median_of_adjacent_pairs():

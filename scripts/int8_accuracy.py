@@ -1,0 +1,84 @@
+"""Accuracy cost of quantization="int8" on the demo model: teacher-forced perplexity on held-out text, top-1
+agreement with the bf16 engine and the largest logit difference, for bf16 / int8 experts only (kernels=torch,
+dense Linears bf16) / int8 experts + dense Linears (kernels=cpp).
+
+    .venv/bin/python scripts/int8_accuracy.py [--tokens 2048] [--window 256]
+
+The text is the start of the held-out novel (scripts/demo_corpus.py: never seen by the model nor its tokenizer),
+in non-overlapping windows; every position of a window is decoded one token at a time, so each engine predicts
+every next token from the same context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from moeserve import LLM
+from moeserve.models.layers import ForwardBatch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import demo_corpus  # noqa: E402
+
+MODEL = ROOT / "moeserve" / "demo_model"
+
+
+@torch.inference_mode()
+def window_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """fp32 logits [len(ids), vocab] after each token of `ids`, decoded one token at a time in one KV slot."""
+    engine = llm.engine
+    slot = engine.kv.allocate()
+    try:
+        rows = []
+        for pos, tok in enumerate(ids):
+            t = torch.tensor([tok], dtype=torch.long)
+            p = torch.tensor([pos], dtype=torch.long)
+            s = torch.tensor([slot], dtype=torch.long)
+            batch = ForwardBatch(token_ids=t, positions=p, slots=[slot], starts=[pos], num_new=[1],
+                                 slots_t=s, starts_t=p, token_slots=s)
+            rows.append(engine.model.forward(batch, engine.kv)[0])
+        return torch.stack(rows)
+    finally:
+        engine.kv.release(slot)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=256)
+    args = ap.parse_args()
+    text = demo_corpus.load_books()[demo_corpus.HELDOUT_BOOK]
+    configs = {
+        "bf16": dict(kernels="cpp"),
+        "int8 experts": dict(kernels="torch", quantization="int8", int8_cache_dir="off"),
+        "int8 experts+dense": dict(kernels="cpp", quantization="int8", int8_cache_dir="off"),
+    }
+    llms = {name: LLM(str(MODEL), dtype="bfloat16", max_model_len=args.window + 1, **kw)
+            for name, kw in configs.items()}
+    tok = next(iter(llms.values())).engine.tokenizer
+    assert tok is not None
+    ids = tok.encode(text[: args.tokens * 8], add_special_tokens=False)[: args.tokens + 1]
+    windows = [ids[i : i + args.window + 1] for i in range(0, len(ids) - 1, args.window)]
+    logits: dict[str, list[torch.Tensor]] = {name: [] for name in llms}
+    for w in windows:
+        for name, llm in llms.items():
+            logits[name].append(window_logits(llm, w[:-1]))
+    targets = torch.cat([torch.tensor(w[1:]) for w in windows])
+    ref = torch.cat(logits["bf16"])
+    print(f"demo model, {targets.numel()} held-out tokens ({demo_corpus.HELDOUT_BOOK}), windows of {args.window}")
+    for name in llms:
+        lg = torch.cat(logits[name])
+        ppl = math.exp(torch.nn.functional.cross_entropy(lg, targets).item())
+        top1 = (lg.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        diff = (lg - ref).abs().max().item()
+        print(f"{name:20s} perplexity {ppl:8.3f}  top-1 agreement with bf16 {100 * top1:6.2f}%  "
+              f"max |logit - bf16 logit| {diff:.3f}")
+
+
+if __name__ == "__main__":
+    main()
