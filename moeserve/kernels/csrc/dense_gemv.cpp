@@ -135,17 +135,9 @@ at::Tensor linear_interleaved(const at::Tensor& x_in, const at::Tensor& packed, 
   TORCH_CHECK(k % 32 == 0 && packed.numel() == n * k, "linear_interleaved: K must be a multiple of 32, weight N*K");
   const at::Tensor x = x_in.reshape({-1, k}).contiguous();
   const int64_t m = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x_in.options());
+  at::Tensor y = empty_with_last_dim(x_in, n);
   if (m == 0 || n == 0) return y;
-  std::vector<float> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "linear_interleaved: bias [N] bf16");
-    const at::Tensor bc = bias->contiguous();
-    b.resize(n);
-    for (int64_t i = 0; i < n; ++i) b[i] = load(bc.data_ptr<at::BFloat16>(), i);
-  }
+  const std::vector<float> b = bias_as_float(bias, n, "linear_interleaved");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());

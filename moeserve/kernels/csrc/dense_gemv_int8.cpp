@@ -228,17 +228,9 @@ at::Tensor linear_interleaved_int8(const at::Tensor& x_in, const at::Tensor& pac
   const at::Tensor x = x_in.reshape({-1, k}).contiguous();
   const at::Tensor scale = scale_in.contiguous();
   const int64_t m = x.size(0);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x_in.options());
+  at::Tensor y = empty_with_last_dim(x_in, n);
   if (m == 0 || n == 0) return y;
-  std::vector<float> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, "linear_interleaved_int8: bias [N] bf16");
-    const at::Tensor bc = bias->contiguous();
-    b.resize(n);
-    for (int64_t i = 0; i < n; ++i) b[i] = load(bc.data_ptr<at::BFloat16>(), i);
-  }
+  const std::vector<float> b = bias_as_float(bias, n, "linear_interleaved_int8");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = packed.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <vector>
 
 namespace moeserve_csrc {
 
@@ -71,6 +73,24 @@ inline float sum_squares(const T* x, int64_t n) {
   for (int w = 8; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
   return acc[0];
+}
+
+// The optional bias [n] (bf16) of a dense op as fp32, checked; empty when there is none.
+inline std::vector<float> bias_as_float(const std::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  std::vector<float> b;
+  if (!bias.has_value()) return b;
+  TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16, op, ": bias [N] bf16");
+  const at::Tensor bc = bias->contiguous();
+  b.resize(n);
+  for (int64_t i = 0; i < n; ++i) b[i] = load(bc.data_ptr<at::BFloat16>(), i);
+  return b;
+}
+
+// An uninitialised output shaped as x [..., K] with its last dimension n.
+inline at::Tensor empty_with_last_dim(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return at::empty(shape, x.options());
 }
 
 }  // namespace moeserve_csrc
