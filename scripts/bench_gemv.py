@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/bench_gemv.py [--threads 2]
 
-Per round: the fused MoE op (`moe_swiglu_`, one token, 4 experts of the small bench shape per call), the dense
+Per round: the fused MoE op (`moe_swiglu_`, one token, 4 experts of the small bench shape per call), the same on
+units in the row-interleaved layout (`moe_swiglu_interleaved_`), the dense
 bf16 GEMV on the row-interleaved layout (`linear_interleaved`, the same matrices), its int8 variant
 (`linear_interleaved_int8`, the same matrices quantized per row: half the bytes), and `torch.sum` over an fp32
 buffer of the bf16 matrices' size (a streaming read, the practical ceiling). Prints median GB/s (of the bytes
@@ -49,6 +50,12 @@ def main() -> None:
         for j in range(0, E, 4):
             ops.moe_swiglu_(out, x, gate_ups[j : j + 4], downs[j : j + 4], tokens, weights, [0, 1, 1, 2, 2, 3, 3, 4])
 
+    def fused_interleaved() -> None:
+        out = torch.zeros(1, H).bfloat16()
+        for j in range(0, E, 4):
+            ops.moe_swiglu_interleaved_(out, x, gate_ups_i[j : j + 4], downs_i[j : j + 4], tokens, weights,
+                                        [0, 1, 1, 2, 2, 3, 3, 4])
+
     def dense() -> None:
         for j in range(E):
             ops.linear_interleaved(x, gate_ups_i[j], 2 * INTER, None)
@@ -64,7 +71,8 @@ def main() -> None:
             ops.linear_interleaved_int8(x, gu8[j][0], gu8[j][1], 2 * INTER, None)
             ops.linear_interleaved_int8(xi, d8[j][0], d8[j][1], H, None)
 
-    cases: dict[str, Callable[[], object]] = {"fused MoE op": fused, "interleaved GEMV": dense,
+    cases: dict[str, Callable[[], object]] = {"fused MoE op": fused, "fused MoE op, interleaved": fused_interleaved,
+                                              "interleaved GEMV": dense,
                                               "int8 interleaved GEMV": dense_int8, "fp32 sum": flat.sum}
     case_bytes = {name: nbytes // 2 if name.startswith("int8") else nbytes for name in cases}
     speeds: dict[str, list[float]] = {name: [] for name in cases}

@@ -17,6 +17,7 @@ from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.experts.trace import read_trace
 from tests.conftest import ARCHS
+from tests.logits_capture import generate_capturing_logits
 
 PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250]}, {"prompt_token_ids": [11, 5, 77]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
@@ -27,20 +28,8 @@ POLICIES = ("lru", "lfu", "lfru", "static")
 def run(folder: Path, **settings):
     """(per-step logits, token ids per prompt, logprobs per prompt, store stats) of a greedy run."""
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", threads=1, **settings)
+    logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
     engine = llm.engine
-    logits: list[torch.Tensor] = []
-    forward = engine.model.forward
-
-    def capture(batch, kv):
-        out = forward(batch, kv)
-        logits.append(out.clone())
-        return out
-
-    engine.model.forward = capture  # type: ignore[method-assign]
-    try:
-        outs = llm.generate(PROMPTS, PARAMS)
-    finally:
-        engine.close()
     return (logits, [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs],
             engine.model.store)
 

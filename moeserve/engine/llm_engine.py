@@ -33,7 +33,7 @@ from moeserve.experts.store import StoreOptions, static_policy_options
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
 from moeserve.memory.topology import detect_topology
-from moeserve.models.expert_plans import int8_expert_plan
+from moeserve.models.expert_plans import can_interleave_experts, int8_expert_plan, interleaved_expert_plan
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import build_model, expert_plan
 from moeserve.models.quantized import resident_nbytes
@@ -123,6 +123,14 @@ class LLMEngine:
         if s.quantization == "int8":
             spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
             plan = int8_expert_plan(plan, self.dtype, spill)
+        elif self.cpp_kernels:
+            why_not = can_interleave_experts(plan, self.dtype)
+            if why_not is None and not bool(torch.ops.moeserve.moe_interleaved_supported()):
+                why_not = "the kernels were built without AVX512-BF16"
+            if why_not is None:
+                plan = interleaved_expert_plan(plan)
+            else:
+                log.info("expert layout: plain (%s)", why_not)
         log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
         kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
                                         spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)

@@ -495,6 +495,13 @@ class MoEBlock:
         # Experts are added in ascending id order whatever the chunking, so offloading never changes a bit.
         hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
         chunks = self.store.experts(self.layer, list(bounds), prefetch=hint)
+        if getattr(self.kernel, "fused_interleaved", False):  # units held row-interleaved: the op, any batch
+            xc, wf = x.contiguous(), weight_of.float()
+            for chunk in chunks:
+                spans = [i for e, _ in chunk for i in bounds[e]]
+                torch.ops.moeserve.moe_swiglu_interleaved_(out, xc, [w[0] for _, w in chunk],
+                                                           [w[1] for _, w in chunk], token_of, wf, spans)
+            return self._add_shared(out, x)
         if self.cpp and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32):
             int8_fields = getattr(self.kernel, "fused_int8_fields", None)
             if self.kernel is swiglu_expert or int8_fields is not None:

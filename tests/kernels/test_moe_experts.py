@@ -189,3 +189,72 @@ def test_silu_gate_rows_first():
     assert got.eq(0).all()
     g, u = F.linear(x, gu).chunk(2, -1)
     assert u.eq(0).all() and g.ne(0).any()
+
+
+# ---------------------------------------------------------------------------------------- interleaved units
+def interleaved_ops():  # noqa: ANN201 - torch.ops namespace
+    if not bool(ops.moe_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16 (no interleaved expert op)")
+    return ops
+
+
+def run_interleaved(out0, x, units, token_of, weight_of, spans):
+    from moeserve.models.layers import interleave_rows
+
+    return interleaved_ops().moe_swiglu_interleaved_(out0.clone(), x, [interleave_rows(a) for a, _ in units],
+                                                     [interleave_rows(b) for _, b in units], token_of, weight_of,
+                                                     spans_flat(spans))
+
+
+@pytest.mark.parametrize("h,i,n,e,k", [(64, 32, 1, 4, 2), (96, 64, 5, 6, 3), (1024, 512, 1, 8, 4),
+                                       (128, 32, 9, 8, 2), (64, 96, 70, 16, 4), (32, 32, 130, 5, 5)])
+def test_interleaved_op_matches_references(h, i, n, e, k):
+    """Units in the row-interleaved layout, any token count (prefill too): as close to the float64 result as
+    MoEBlock's torch loop on the plain units, and mostly the same bits as the plain-layout op."""
+    gen = torch.Generator().manual_seed(h + 7 * i + n)
+    units = make_units(e, h, i, torch.bfloat16, gen)
+    x = torch.randn(n, h, generator=gen).bfloat16()
+    out0 = torch.randn(n, h, generator=gen).bfloat16()
+    token_of, weight_of, spans = routing(n, e, k, gen)
+    got = run_interleaved(out0, x, units, token_of, weight_of, spans)
+    exact = loop_reference(out0.double(), x.double(), [(a.double(), b.double()) for a, b in units], token_of,
+                           weight_of, spans)
+    torch_loop = loop_reference(out0, x, units, token_of, weight_of, spans)
+    err, torch_err = (got.double() - exact).abs().max().item(), (torch_loop.double() - exact).abs().max().item()
+    assert err <= 2 * torch_err + 1e-6, (err, torch_err)
+    assert (got == torch_loop).float().mean() > 0.97
+
+
+def test_interleaved_op_chunking_threads_and_empty_experts():
+    """Experts split over calls, one thread vs two, experts without tokens: the same bits."""
+    gen = torch.Generator().manual_seed(11)
+    h, i, n, e, k = 96, 64, 12, 7, 3
+    units = make_units(e, h, i, torch.bfloat16, gen)
+    x = torch.randn(n, h, generator=gen).bfloat16()
+    token_of, weight_of, spans = routing(n, e, k, gen, repeat_expert=4)
+    zeros = torch.zeros(n, h, dtype=torch.bfloat16)
+    one = run_interleaved(zeros, x, units, token_of, weight_of, spans)
+    chunked = zeros.clone()
+    for part in ([0, 1], [2, 3, 4], [5, 6]):
+        chunked = run_interleaved(chunked, x, [units[j] for j in part], token_of, weight_of, [spans[j] for j in part])
+    assert torch.equal(one, chunked)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_interleaved(zeros, x, units, token_of, weight_of, spans)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, single)
+
+
+def test_interleaved_op_rejects_bad_shapes():
+    iops = interleaved_ops()
+    x = torch.zeros(1, 48, dtype=torch.bfloat16)  # H not a multiple of 32
+    gu, dn = torch.zeros(64 * 48, dtype=torch.bfloat16), torch.zeros(48 * 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        iops.moe_swiglu_interleaved_(torch.zeros_like(x), x, [gu], [dn], torch.tensor([0]), torch.ones(1), [0, 1])
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"expected 2I\*H"):  # down has the wrong size for [H, I]
+        iops.moe_swiglu_interleaved_(torch.zeros_like(x), x, [torch.zeros(64 * 64, dtype=torch.bfloat16)],
+                                     [torch.zeros(64 * 16, dtype=torch.bfloat16)], torch.tensor([0]), torch.ones(1),
+                                     [0, 1])
