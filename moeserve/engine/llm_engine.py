@@ -120,17 +120,12 @@ class LLMEngine:
     def _plan_memory(self, ckpt, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal
         """Expert plan, fast-tier budget, store options and bytes to load, each choice logged with its reason."""
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
+        interleave = self._choose_expert_layout(plan, s.quantization)
         if s.quantization == "int8":
             spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
-            plan = int8_expert_plan(plan, self.dtype, spill)
-        elif self.cpp_kernels:
-            why_not = can_interleave_experts(plan, self.dtype)
-            if why_not is None and not bool(torch.ops.moeserve.moe_interleaved_supported()):
-                why_not = "the kernels were built without AVX512-BF16"
-            if why_not is None:
-                plan = interleaved_expert_plan(plan)
-            else:
-                log.info("expert layout: plain (%s)", why_not)
+            plan = int8_expert_plan(plan, self.dtype, spill, interleaved=interleave)
+        elif interleave:
+            plan = interleaved_expert_plan(plan)
         log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
         kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
                                         spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)
@@ -157,6 +152,18 @@ class LLMEngine:
         preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
         load_bytes = nonexpert + preloaded
         return plan, budget, store_options, load_bytes
+
+    def _choose_expert_layout(self, plan, quantization: str) -> bool:  # noqa: ANN001 - ExpertPlan
+        """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way)."""
+        why_not = None if self.cpp_kernels else "kernels=torch or the C++ kernels are unavailable"
+        why_not = why_not or can_interleave_experts(plan, self.dtype)
+        if why_not is None:
+            op = "moe_int8_interleaved_supported" if quantization == "int8" else "moe_interleaved_supported"
+            if not bool(getattr(torch.ops.moeserve, op)()):
+                why_not = "the kernels were built without AVX512-BF16" + ("/VBMI" if quantization == "int8" else "")
+        log.info("expert layout: %s", "rows interleaved in blocks of 4 (the fused C++ op streams each block)"
+                 if why_not is None else f"plain ({why_not})")
+        return why_not is None
 
     @property
     def dtype_name(self) -> str:

@@ -30,7 +30,14 @@ from moeserve.experts.store import ExpertWeights
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
-from moeserve.models.layers import ExpertKernel, deinterleave_rows, gpt_oss_expert_math, swiglu_expert
+from moeserve.models.layers import (
+    ExpertKernel,
+    deinterleave_rows,
+    gpt_oss_expert_math,
+    pack_int8_rows,
+    swiglu_expert,
+    unpack_int8_rows,
+)
 from moeserve.models.model import EXPERT_PLANNERS, ExpertPlan, swiglu_expert_plan
 from moeserve.models.quantized import check_dense_shape, checkpoint_scheme
 from moeserve.models.registry import Architecture
@@ -332,7 +339,7 @@ class Int8ExpertSource(ExpertSource):
                     out[index].copy_(dense)
                 else:
                     codes, scale = quantize_int8_per_channel(dense)
-                    out[index].copy_(codes)
+                    out[index].copy_(pack_int8_rows(codes) if out[index].dim() == 1 else codes)
                     out[scale_index].copy_(scale)
 
     def close(self) -> None:
@@ -355,8 +362,11 @@ class Int8Kernel:
         dense_layout: UnitLayout,
         targets: tuple[tuple[int, int | None], ...],
         dtype: torch.dtype,
+        interleaved: bool = False,
     ) -> None:
         self.dense_kernel, self.targets, self.dtype = dense_kernel, targets, dtype
+        # codes held flat in pack_int8_rows' layout: MoEBlock runs moe_swiglu_int8_interleaved_ for every batch
+        self.fused_interleaved = interleaved
         self.shapes = tuple(f.shape for f in dense_layout.fields)
         self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
         self.fused_int8_fields: tuple[int, int, int, int] | None = None
@@ -379,15 +389,19 @@ class Int8Kernel:
             if buf is None or scale_index is None:
                 dense.append(w[index])
             else:
-                dequantize_int8_per_channel(w[index], w[scale_index], buf)
+                codes = unpack_int8_rows(w[index], *buf.shape) if self.fused_interleaved else w[index]
+                dequantize_int8_per_channel(codes, w[scale_index], buf)
                 dense.append(buf)
         return self.dense_kernel(x, tuple(dense))
 
 
-def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None) -> ExpertPlan:
+def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None,
+                     interleaved: bool = False) -> ExpertPlan:
     """`dense` with every 2-D field held as int8 + per-row float32 scales in every tier (1-D fields, the
     biases, stay as they are). For `quantization="int8"` on a 16/32-bit checkpoint. `spill_root`: where an
-    offloaded store keeps the quantized units for its misses (None: misses quantize again)."""
+    offloaded store keeps the quantized units for its misses (None: misses quantize again). `interleaved`
+    (SwiGLU units, see `can_interleave_experts`): the codes held flat in pack_int8_rows' row-interleaved layout for
+    the fused C++ op."""
     if isinstance(dense.kernel, DequantizingKernel):
         raise ConfigError(
             "quantization=int8 quantizes 16/32-bit experts on load, but this checkpoint's experts "
@@ -396,7 +410,10 @@ def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | N
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     targets: list[tuple[int, int | None]] = []
     for f in dense.layout.fields:
-        specs.append((f.name, torch.int8 if len(f.shape) == 2 else f.dtype, f.shape))
+        if len(f.shape) == 2:
+            specs.append((f.name, torch.int8, (f.shape[0] * f.shape[1],) if interleaved else f.shape))
+        else:
+            specs.append((f.name, f.dtype, f.shape))
         if len(f.shape) == 2:
             specs.append((f.name + ".scale", torch.float32, (f.shape[0],)))
             targets.append((len(specs) - 2, len(specs) - 1))
@@ -404,11 +421,12 @@ def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | N
             targets.append((len(specs) - 1, None))
     layout = UnitLayout.build(specs)
     frozen_targets = tuple(targets)
-    kernel = Int8Kernel(dense.kernel, dense.layout, frozen_targets, dtype)
+    kernel = Int8Kernel(dense.kernel, dense.layout, frozen_targets, dtype, interleaved)
     description = (
         f"experts quantized on load to int8 with per-row scales, in every cache tier (unit "
         f"{layout.nbytes / 2**10:.1f} KiB instead of {dense.layout.nbytes / 2**10:.1f} KiB); "
-        f"dequantized at use into reused {str(dtype).removeprefix('torch.')} buffers; "
+        + ("rows interleaved in blocks of 4 for the fused C++ op; " if interleaved else
+           f"dequantized at use into reused {str(dtype).removeprefix('torch.')} buffers; ")
         + ("a miss reads the checkpoint's 16/32-bit expert and quantizes it" if spill_root is None else
            f"offloaded, units are quantized once into a spill file under {spill_root} that misses read")
     )

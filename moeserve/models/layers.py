@@ -496,11 +496,8 @@ class MoEBlock:
         hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
         chunks = self.store.experts(self.layer, list(bounds), prefetch=hint)
         if getattr(self.kernel, "fused_interleaved", False):  # units held row-interleaved: the op, any batch
-            xc, wf = x.contiguous(), weight_of.float()
-            for chunk in chunks:
-                spans = [i for e, _ in chunk for i in bounds[e]]
-                torch.ops.moeserve.moe_swiglu_interleaved_(out, xc, [w[0] for _, w in chunk],
-                                                           [w[1] for _, w in chunk], token_of, wf, spans)
+            self._fused_interleaved(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(),
+                                    getattr(self.kernel, "fused_int8_fields", None))
             return self._add_shared(out, x)
         if self.cpp and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32):
             int8_fields = getattr(self.kernel, "fused_int8_fields", None)
@@ -540,6 +537,20 @@ class MoEBlock:
                         lst.append(w[i])
                     spans += bounds[e]
                 ops.moe_swiglu_int8_(out, x, *fields, token_of, weight_of, spans)
+
+    def _fused_interleaved(self, out: torch.Tensor, x: torch.Tensor, chunks, bounds: dict[int, tuple[int, int]],  # noqa: ANN001
+                           token_of: torch.Tensor, weight_of: torch.Tensor,
+                           int8_fields: tuple[int, int, int, int] | None) -> None:
+        """One C++ call per chunk on row-interleaved units (bf16, or int8 codes + scales at `int8_fields`)."""
+        ops = torch.ops.moeserve
+        for chunk in chunks:
+            spans = [i for e, _ in chunk for i in bounds[e]]
+            if int8_fields is None:
+                ops.moe_swiglu_interleaved_(out, x, [w[0] for _, w in chunk], [w[1] for _, w in chunk], token_of,
+                                            weight_of, spans)
+            else:
+                fields = [[w[i] for _, w in chunk] for i in int8_fields]  # gate_up, its scales, down, its scales
+                ops.moe_swiglu_int8_interleaved_(out, x, *fields, token_of, weight_of, spans)
 
     def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None and self.shared_gate is not None:

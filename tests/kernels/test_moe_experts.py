@@ -258,3 +258,30 @@ def test_interleaved_op_rejects_bad_shapes():
         iops.moe_swiglu_interleaved_(torch.zeros_like(x), x, [torch.zeros(64 * 64, dtype=torch.bfloat16)],
                                      [torch.zeros(64 * 16, dtype=torch.bfloat16)], torch.tensor([0]), torch.ones(1),
                                      [0, 1])
+
+
+@pytest.mark.parametrize("h,i,n,e,k", [(64, 32, 1, 4, 2), (96, 64, 9, 6, 3), (1024, 512, 1, 8, 4),
+                                       (64, 96, 70, 16, 4)])
+def test_int8_interleaved_op(h, i, n, e, k):
+    """int8 codes in pack_int8_rows' layout: as close to float64 of dot(codes, x) * scale as the dequantize path,
+    and mostly the same bits as the plain-layout int8 op."""
+    from moeserve.models.layers import pack_int8_rows
+
+    if not bool(ops.moe_int8_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16/VBMI")
+    gen = torch.Generator().manual_seed(5 * h + i + n)
+    q = [(quantize_int8_per_channel(a), quantize_int8_per_channel(b)) for a, b in make_units(e, h, i, torch.float32,
+                                                                                           gen)]
+    x = torch.randn(n, h, generator=gen).bfloat16()
+    out0 = torch.randn(n, h, generator=gen).bfloat16()
+    token_of, weight_of, spans = routing(n, e, k, gen)
+    got = ops.moe_swiglu_int8_interleaved_(out0.clone(), x, [pack_int8_rows(a[0]) for a, _ in q], [a[1] for a, _ in q],
+                                           [pack_int8_rows(b[0]) for _, b in q], [b[1] for _, b in q], token_of,
+                                           weight_of, spans_flat(spans))
+    plain = ops.moe_swiglu_int8_(out0.clone(), x, [a[0] for a, _ in q], [a[1] for a, _ in q], [b[0] for _, b in q],
+                                 [b[1] for _, b in q], token_of, weight_of, spans_flat(spans))
+    exact_w = [(a[0].double() * a[1].double()[:, None], b[0].double() * b[1].double()[:, None]) for a, b in q]
+    exact = loop_reference(out0.double(), x.double(), exact_w, token_of, weight_of, spans)
+    err, plain_err = (got.double() - exact).abs().max().item(), (plain.double() - exact).abs().max().item()
+    assert err <= 2 * plain_err + 1e-6, (err, plain_err)
+    assert (got == plain).float().mean() > 0.97

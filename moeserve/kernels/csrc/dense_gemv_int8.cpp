@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "int8_codes.h"
 #include "norm_common.h"
 
 namespace moeserve_dense_int8 {
@@ -38,41 +39,6 @@ constexpr int64_t kRowTile = 32;  // input rows per pass over the weight
 // With more than 4 input rows, fetch 8 KiB ahead by hand (as the bf16 op does: the hardware prefetcher falls
 // behind when a block takes long).
 constexpr int64_t kPrefetchBytes = 8192;
-
-#define MOESERVE_I8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma")))
-
-// Low and high bytes of bf16(m) for m = 0..127, two registers each (the 7-bit index of vpermt2b).
-struct Lut {
-  __m512i lo_a, lo_b, hi_a, hi_b;
-};
-
-struct LutBytes {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  LutBytes() {
-    for (int m = 0; m < 128; ++m) {
-      const uint16_t bits = bf16_bits(static_cast<float>(m));
-      lo[m] = static_cast<uint8_t>(bits & 0xFF);
-      hi[m] = static_cast<uint8_t>(bits >> 8);
-    }
-  }
-};
-static const LutBytes kLut;  // built once when the library loads
-
-MOESERVE_I8_TARGET static inline Lut make_lut() {
-  return {_mm512_load_si512(kLut.lo), _mm512_load_si512(kLut.lo + 64), _mm512_load_si512(kLut.hi),
-          _mm512_load_si512(kLut.hi + 64)};
-}
-
-// 64 block codes at p (one row pair of one chunk, layout above) -> the pair's two rows of 32 bf16 (exact).
-MOESERVE_I8_TARGET static inline void decode_pair(const int8_t* p, const Lut& t, __m512bh& first, __m512bh& second) {
-  const __m512i c = _mm512_loadu_si512(p);
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo_a, c, t.lo_b);  // index: bits 0-6 = |q|
-  __m512i hi = _mm512_permutex2var_epi8(t.hi_a, c, t.hi_b);
-  hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (c & 0x80)
-  first = (__m512bh)_mm512_unpacklo_epi8(lo, hi);   // bytes 0-7 of each 16-byte lane: the first row's codes
-  second = (__m512bh)_mm512_unpackhi_epi8(lo, hi);  // bytes 8-15: the second row's
-}
 
 // 32 plain two's-complement codes at p (a leftover row) -> 32 bf16 values (exact).
 MOESERVE_I8_TARGET static inline __m512bh codes_bf16(const int8_t* p) {

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "int8_codes.h"
 #include "norm_common.h"
 
 #ifdef __AVX512F__
@@ -365,18 +366,39 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
 // an expert's block stays in L1 while groups of 4 tokens pass over it (prefill reads each weight once).
 
 #if defined(__AVX512BF16__)
+// The 4 rows of chunk c of a block as bf16 vectors: bf16 units read them, int8 units decode their codes (exact).
+struct Bf16Block {
+  using T = uint16_t;
+  static constexpr int64_t kChunkBytes = 4 * 32 * 2;
+  void rows(const T* blk, int64_t c, __m512bh* w) const {
+    for (int r = 0; r < 4; ++r) w[r] = (__m512bh)_mm512_loadu_si512(blk + c * 128 + 32 * r);
+  }
+};
+#if defined(__AVX512VBMI__)
+struct Int8Block {  // sign-magnitude codes in pack_int8_rows' layout (see csrc/dense_gemv_int8.cpp)
+  using T = int8_t;
+  static constexpr int64_t kChunkBytes = 4 * 32;
+  moeserve_csrc::Lut lut = moeserve_csrc::make_lut();
+  void rows(const T* blk, int64_t c, __m512bh* w) const {
+    moeserve_csrc::decode_pair(blk + c * 128, lut, w[0], w[1]);
+    moeserve_csrc::decode_pair(blk + c * 128 + 64, lut, w[2], w[3]);
+  }
+};
+#endif
+
 // res[m][r] = dot(row r of the block, xs[m]) for MB tokens.
-template <int MB>
-inline void block_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], bool prefetch) {
+template <int MB, typename B>
+inline void block_dots(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, float (*res)[4],
+                       bool prefetch) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  const char* bytes = reinterpret_cast<const char*>(blk);
   for (int64_t c = 0; c < k / 32; ++c) {
-    const uint16_t* wc = blk + c * 128;
     if (prefetch)
-      for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wc + 32 * l) + 4096, _MM_HINT_T0);
+      for (int64_t l = 0; l < B::kChunkBytes; l += 64) _mm_prefetch(bytes + c * B::kChunkBytes + l + 4096, _MM_HINT_T0);
     __m512bh w[4];
-    for (int r = 0; r < 4; ++r) w[r] = (__m512bh)_mm512_loadu_si512(wc + 32 * r);
+    dec.rows(blk, c, w);
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[m] + c * 32);
       for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], w[r], xv);
@@ -387,24 +409,29 @@ inline void block_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs
 }
 
 // Calls fn(t0, g, res) for each group of up to 4 of the nt tokens xs against one block.
-template <typename Fn>
-inline void over_token_groups(const uint16_t* blk, int64_t k, const uint16_t* const* xs, int64_t nt, Fn&& fn) {
+template <typename B, typename Fn>
+inline void over_token_groups(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, int64_t nt,
+                              Fn&& fn) {
   float res[4][4];
   const bool prefetch = nt > 4;  // several passes over the block: its first pass should not wait for the next one
   for (int64_t t0 = 0; t0 < nt; t0 += 4) {
-    const int64_t g = std::min<int64_t>(4, nt - t0);
-    switch (g) {
-      case 1: block_dots<1>(blk, k, xs + t0, res, prefetch && t0 == 0); break;
-      case 2: block_dots<2>(blk, k, xs + t0, res, prefetch && t0 == 0); break;
-      case 3: block_dots<3>(blk, k, xs + t0, res, prefetch && t0 == 0); break;
-      default: block_dots<4>(blk, k, xs + t0, res, prefetch && t0 == 0); break;
+    const bool pf = prefetch && t0 == 0;
+    switch (std::min<int64_t>(4, nt - t0)) {
+      case 1: block_dots<1>(dec, blk, k, xs + t0, res, pf); break;
+      case 2: block_dots<2>(dec, blk, k, xs + t0, res, pf); break;
+      case 3: block_dots<3>(dec, blk, k, xs + t0, res, pf); break;
+      default: block_dots<4>(dec, blk, k, xs + t0, res, pf); break;
     }
-    fn(t0, g, res);
+    fn(t0, std::min<int64_t>(4, nt - t0), res);
   }
 }
 
+// B: Bf16Block (scales unused) or Int8Block (each row's fp32 dot times the row's scale, then the same roundings).
+template <typename B>
 void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz, const std::vector<Expert>& experts,
                      const int64_t* token_of, const float* weight_of, int64_t pairs) {
+  using T = typename B::T;
+  constexpr bool kScaled = std::is_same_v<T, int8_t>;
   static thread_local Scratch s;
   float* gu = grow(s.gu, static_cast<size_t>(pairs * 2 * isz));
   uint16_t* act = grow(s.act_h, static_cast<size_t>(pairs * isz));
@@ -419,14 +446,18 @@ void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz,
 #pragma omp parallel num_threads(nthreads)
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    const B dec;
     // Phase 1: the gate_up blocks of every expert, split evenly across threads.
     for (int64_t u = blocks1 * tid / nt, u1 = blocks1 * (tid + 1) / nt; u < u1; ++u) {
       const Expert& e = experts[u / blocks_gu];
       const int64_t b = u % blocks_gu;
-      const uint16_t* blk = static_cast<const uint16_t*>(e.gate_up) + b * 4 * hsz;
-      over_token_groups(blk, hsz, xrows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
+      const T* blk = static_cast<const T*>(e.gate_up) + b * 4 * hsz;
+      over_token_groups(dec, blk, hsz, xrows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
         for (int64_t m = 0; m < g; ++m)
-          for (int r = 0; r < 4; ++r) gu[(e.pair0 + t0 + m) * 2 * isz + 4 * b + r] = round_bf16(res[m][r]);
+          for (int r = 0; r < 4; ++r) {
+            const float v = kScaled ? res[m][r] * e.gate_up_scale[4 * b + r] : res[m][r];
+            gu[(e.pair0 + t0 + m) * 2 * isz + 4 * b + r] = round_bf16(v);
+          }
       });
     }
 #pragma omp barrier
@@ -443,14 +474,14 @@ void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz,
     const int64_t b0 = blocks_h * tid / nt, b1 = blocks_h * (tid + 1) / nt;
     for (const Expert& e : experts) {
       for (int64_t b = b0; b < b1; ++b) {
-        const uint16_t* blk = static_cast<const uint16_t*>(e.down) + b * 4 * isz;
-        over_token_groups(blk, isz, arows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
+        const T* blk = static_cast<const T*>(e.down) + b * 4 * isz;
+        over_token_groups(dec, blk, isz, arows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
           for (int64_t m = 0; m < g; ++m) {
             const int64_t p = e.lo + t0 + m;
             uint16_t* o = out + token_of[p] * hsz + 4 * b;
             for (int r = 0; r < 4; ++r) {
-              const float y = round_bf16(round_bf16(res[m][r]) * weight_of[p]);
-              o[r] = f_to_bf16(bf16_to_f(o[r]) + y);
+              const float d = kScaled ? res[m][r] * e.down_scale[4 * b + r] : res[m][r];
+              o[r] = f_to_bf16(bf16_to_f(o[r]) + round_bf16(round_bf16(d) * weight_of[p]));
             }
           }
         });
@@ -462,6 +493,14 @@ void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz,
 
 bool interleaved_supported() {
 #if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int8_interleaved_supported() {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   return true;
 #else
   return false;
@@ -605,8 +644,52 @@ at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::Tens
   std::vector<Expert> experts = collect(x, gate_up, down, bounds, unused_isz, pairs);
   if (experts.empty()) return out;
 #if defined(__AVX512BF16__)
-  run_interleaved(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), h,
+  run_interleaved<Bf16Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), h,
                   isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
+#endif
+  return out;
+}
+
+// int8 units in pack_int8_rows' layout (flat codes [2I*H] and [H*I], sign-magnitude in blocks of 4 rows) with
+// float32 row scales [2I] and [H]: the interleaved op on half the bytes. bf16 x only.
+at::Tensor moe_swiglu_int8_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up,
+                                        at::TensorList gate_up_scale, at::TensorList down, at::TensorList down_scale,
+                                        const at::Tensor& token_of, const at::Tensor& weight_of,
+                                        at::IntArrayRef bounds_ref) {
+  TORCH_CHECK(int8_interleaved_supported(), "moe_swiglu_int8_interleaved_: built without AVX512-BF16/VBMI");
+  const std::vector<int64_t> bounds(bounds_ref.begin(), bounds_ref.end());
+  check_common(out, x, token_of, weight_of, bounds, gate_up.size());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "moe_swiglu_int8_interleaved_: bf16 x");
+  TORCH_CHECK(gate_up_scale.size() == gate_up.size() && down.size() == gate_up.size() &&
+                  down_scale.size() == gate_up.size(),
+              "moe_swiglu_int8_interleaved_: one gate_up, down and scale vector of each per expert");
+  const int64_t h = x.size(1);
+  const int64_t isz = gate_up.empty() ? 0 : gate_up[0].numel() / (2 * h);
+  TORCH_CHECK(h % 32 == 0 && isz % 32 == 0, "moe_swiglu_int8_interleaved_: H and I must be multiples of 32");
+  std::vector<Expert> experts;
+  int64_t pairs = 0;
+  for (size_t i = 0; i < gate_up.size(); ++i) {
+    for (const at::Tensor& w : {gate_up[i], down[i]})
+      TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kChar && w.is_contiguous(),
+                  "moe_swiglu_int8_interleaved_: gate_up and down must be contiguous int8 CPU tensors");
+    TORCH_CHECK(gate_up[i].numel() == 2 * isz * h && down[i].numel() == h * isz,
+                "moe_swiglu_int8_interleaved_: expert ", i, " has gate_up of ", gate_up[i].numel(), " and down of ",
+                down[i].numel(), " codes; expected 2I*H = ", 2 * isz * h, " and H*I = ", h * isz);
+    TORCH_CHECK(gate_up_scale[i].scalar_type() == at::kFloat && gate_up_scale[i].numel() == 2 * isz &&
+                    gate_up_scale[i].is_contiguous() && down_scale[i].scalar_type() == at::kFloat &&
+                    down_scale[i].numel() == h && down_scale[i].is_contiguous(),
+                "moe_swiglu_int8_interleaved_: scales are contiguous float32 [2I] and [H]");
+    Expert e{gate_up[i].data_ptr(), down[i].data_ptr(), gate_up_scale[i].data_ptr<float>(),
+             down_scale[i].data_ptr<float>(), bounds[2 * i], bounds[2 * i + 1], pairs};
+    if (e.hi > e.lo) {
+      experts.push_back(e);
+      pairs += e.hi - e.lo;
+    }
+  }
+  if (experts.empty()) return out;
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  run_interleaved<Int8Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
+                             h, isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
 #endif
   return out;
 }
@@ -623,5 +706,9 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
   m.def("moe_swiglu_interleaved_(Tensor(a!) out, Tensor x, Tensor[] gate_up, Tensor[] down, Tensor token_of, "
         "Tensor weight_of, int[] bounds) -> Tensor(a!)",
         &moeserve_moe::moe_swiglu_interleaved_);
+  m.def("moe_swiglu_int8_interleaved_(Tensor(a!) out, Tensor x, Tensor[] gate_up, Tensor[] gate_up_scale, "
+        "Tensor[] down, Tensor[] down_scale, Tensor token_of, Tensor weight_of, int[] bounds) -> Tensor(a!)",
+        &moeserve_moe::moe_swiglu_int8_interleaved_);
   m.def("moe_interleaved_supported() -> bool", &moeserve_moe::interleaved_supported);
+  m.def("moe_int8_interleaved_supported() -> bool", &moeserve_moe::int8_interleaved_supported);
 }
