@@ -37,6 +37,7 @@ from moeserve.experts.policies import NoVictimError, make_policy
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
 from moeserve.experts.unit import ExpertSource
+from moeserve.memory.hugepages import huge_page_bytes, thp_mode
 
 log = logging.getLogger("moeserve")
 
@@ -179,7 +180,13 @@ class ExpertStore:
             self.stats.layer(layer)
         self._cond = threading.Condition()
         # [capacity, unit_nbytes] uint8: one row per slot. Views per slot are built once (nothing per call).
-        self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
+        # On CPU every decode step streams these: 2 MiB pages where the kernel allows (moeserve.memory.hugepages).
+        self.huge_pages = False
+        if device.type == "cpu":
+            flat, self.huge_pages = huge_page_bytes(self.capacity * self.layout.nbytes)
+            self._pool = flat.view(self.capacity, self.layout.nbytes)
+        else:
+            self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
         self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
         self._slot_of: dict[Key, int] = {}  # units ready in a slot
         self._loading: dict[Key, int] = {}  # units being written into a slot (by either thread)
@@ -232,8 +239,11 @@ class ExpertStore:
 
     def describe(self) -> str:
         """One line for the start-up log: tiers, sizes, transfer mode, policy, prefetch."""
+        pages = ""
+        if self.device.type == "cpu":
+            pages = ", 2 MiB pages (madvise)" if self.huge_pages else f", 4 KiB pages (THP {thp_mode()})"
         parts = [f"fast tier ({self.device.type}) {self.capacity} of {self.total_experts} experts "
-                 f"({self.cache_nbytes / 2**20:.1f} MiB)"]
+                 f"({self.cache_nbytes / 2**20:.1f} MiB{pages})"]
         if self.loader.host is not None:
             pinned = "pinned" if self.loader.host.pinned else "pageable"
             parts.append(f"host tier {self.loader.host.capacity} experts ({self.host_nbytes / 2**20:.1f} MiB, "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from moeserve.engine.kv_cache import KVCache
 from moeserve.experts.store import ExpertStore, ExpertWeights
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
+from moeserve.memory.hugepages import on_huge_pages
 from moeserve.models.spec import AttentionSpec, MoeSpec, RopeSpec
 
 
@@ -77,11 +78,11 @@ class Linear:
         if cpp and int8 and can_quantize_int8(weight, bias):
             self.layout = "int8"
             codes, self._scale = quantize_int8_per_channel(weight)
-            self._weight = pack_int8_rows(codes)
+            self._weight = on_huge_pages(pack_int8_rows(codes))
             self._dtype = weight.dtype
         elif cpp and _can_interleave(weight, bias):
             self.layout = "interleaved"
-            self._weight = interleave_rows(weight)
+            self._weight = on_huge_pages(interleave_rows(weight))  # streamed every step: 2 MiB pages
         elif _can_pack(weight):
             self.layout = "onednn"
             self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
