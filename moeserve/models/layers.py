@@ -294,7 +294,7 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v = self.qkv(x).split(self.split, dim=-1)  # [N, nh*d], [N, nkv*d], [N, nkv*d] (views)
+        q, k, v = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d], [N, nkv*d] (views)
         if s.qk_norm == "full":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
