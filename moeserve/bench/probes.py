@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from moeserve.memory.hugepages import huge_page_bytes
+
 DISK_CHUNK_BYTES = 8 * 2**20  # one pread per 8 MiB
 
 
@@ -20,9 +22,11 @@ def memory_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Read bandwidth in bytes/s: summing a buffer far larger than the caches with all compute threads.
 
     torch's plain bf16 sum streams at the memory's speed (it accumulates in fp32 internally); asking for an fp32
-    result dtype instead converts first and measures the conversion, not the memory.
+    result dtype instead converts first and measures the conversion, not the memory. The buffer sits on 2 MiB
+    pages where the kernel allows, as the engine's weights do (moeserve.memory.hugepages): the ceiling is what
+    the hardware can stream, not what 4 KiB pages let through.
     """
-    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16)
+    buf = huge_page_bytes(nbytes // 2 * 2)[0].view(torch.bfloat16).fill_(1)
     buf.sum()  # fault the pages in and warm the kernel
     best = float("inf")
     for _ in range(repeats):
