@@ -476,17 +476,26 @@ class MoEBlock:
         order = torch.argsort(counts, descending=True, stable=True)
         return order[counts[order] > 0].tolist()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """The (token, slot) pairs of x [N, H] grouped by expert, ascending, each expert's in token order:
+        (expert ids [N, k], token_of [N*k], weight_of [N*k] (the routing weights' values), count per expert)."""
+        s = self.spec
+        if self.cpp:  # one C++ call: the same ATen softmax/topk kernels, then a stable counting sort
+            mode = 1 if s.routing == "topk_softmax" else 0
+            token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_pairs(self.router(x), s.top_k, mode,
+                                                                            s.norm_topk_prob, s.weights_in_fp32)
+            return ids, token_of, weight_of, counts.tolist()  # tolist: the one host sync per layer
         weights, ids = self.route(x)
+        flat = ids.reshape(-1)  # [N*k]
+        order = torch.argsort(flat, stable=True)
+        counts_list = torch.bincount(flat, minlength=s.num_experts).tolist()
+        return ids, order // ids.shape[1], weights.reshape(-1)[order], counts_list
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, token_of, weight_of, counts = self.pairs(x)
         predicted = self.predict(x) if self.predict_next is not None else None
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids, predicted)
-        k = ids.shape[1]
-        flat = ids.reshape(-1)  # [N*k]
-        order = torch.argsort(flat, stable=True)  # groups (token, slot) pairs by expert, ascending
-        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()  # the one host sync per layer
-        token_of = order // k
-        weight_of = weights.reshape(-1)[order]
         bounds, start = {}, 0
         for e, c in enumerate(counts):
             if c:
