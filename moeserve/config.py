@@ -65,6 +65,10 @@ class EngineSettings(BaseModel):
         "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "
         "torch ops only, auto = cpp when it builds"
     )
+    expert_layout: Literal["auto", "interleaved", "plain"] = Field(
+        "auto", description="how experts are held: interleaved = rows in blocks of 4 for the fused C++ op (bf16 or "
+        "int8 SwiGLU experts with kernels=cpp), plain = as stored; auto = interleaved where it applies"
+    )
     int8_cache_dir: str | None = Field(
         None, description="where quantization=int8 writes offloaded experts once, quantized, so misses read half "
         "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"

@@ -16,7 +16,7 @@ from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, p
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
-    "moeserve-torch-kernels": (2.0, 2.0)}
+    "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0)}
 
 
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],
@@ -52,7 +52,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
     rows = []
     for r in results:
         ours = by_key.get((r.case, "moeserve"))
-        ref_run = _median_run(ours) if ours else _median_run(r)
+        # moeserve and its variants: their own store counters; other engines: moeserve's (same model and cache)
+        ref_run = _median_run(r) if r.engine.startswith("moeserve") or not ours else _median_run(ours)
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
         int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
         engine_key = "moeserve-int8" if int8 else r.engine

@@ -26,7 +26,8 @@ from moeserve.bench.worker import BenchWorkerError, Worker
 log = logging.getLogger("moeserve.bench")
 
 CASES = ("decode-b1", "decode-b8", "prefill")
-PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", "moeserve-no-prefetch", "moeserve-torch-kernels")
+PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", "moeserve-no-prefetch", "moeserve-torch-kernels",
+         "moeserve-plain-experts")
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,10 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     for peer in cfg.peers:
         if peer == "moeserve-no-prefetch":  # moeserve against itself: the gain from prefetch, paired
             workers[peer] = Worker("moeserve", **ours, prefetch=False)
+            continue
+        if peer == "moeserve-plain-experts":  # moeserve against itself: the gain from interleaved experts, paired
+            workers[peer] = Worker("moeserve", **ours, expert_layout="plain",
+                                   **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
             continue
         if peer == "moeserve-torch-kernels":  # moeserve against itself: the gain from the C++ kernels, paired
             workers[peer] = Worker("moeserve", **ours, kernels="torch",

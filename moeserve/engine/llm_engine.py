@@ -120,7 +120,7 @@ class LLMEngine:
     def _plan_memory(self, ckpt, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal
         """Expert plan, fast-tier budget, store options and bytes to load, each choice logged with its reason."""
         plan = expert_plan(ckpt, self.arch, spec, self.dtype)
-        interleave = self._choose_expert_layout(plan, s.quantization)
+        interleave = self._choose_expert_layout(plan, s.quantization, s.expert_layout)
         if s.quantization == "int8":
             spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
             plan = int8_expert_plan(plan, self.dtype, spill, interleaved=interleave)
@@ -153,16 +153,23 @@ class LLMEngine:
         load_bytes = nonexpert + preloaded
         return plan, budget, store_options, load_bytes
 
-    def _choose_expert_layout(self, plan, quantization: str) -> bool:  # noqa: ANN001 - ExpertPlan
-        """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way)."""
+    def _choose_expert_layout(self, plan, quantization: str, want: str) -> bool:  # noqa: ANN001 - ExpertPlan
+        """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way);
+        expert_layout=interleaved raises ConfigError where it cannot apply."""
+        if want == "plain":
+            log.info("expert layout: plain (set)")
+            return False
         why_not = None if self.cpp_kernels else "kernels=torch or the C++ kernels are unavailable"
         why_not = why_not or can_interleave_experts(plan, self.dtype)
         if why_not is None:
             op = "moe_int8_interleaved_supported" if quantization == "int8" else "moe_interleaved_supported"
             if not bool(getattr(torch.ops.moeserve, op)()):
                 why_not = "the kernels were built without AVX512-BF16" + ("/VBMI" if quantization == "int8" else "")
-        log.info("expert layout: %s", "rows interleaved in blocks of 4 (the fused C++ op streams each block)"
-                 if why_not is None else f"plain ({why_not})")
+        if why_not is not None and want == "interleaved":
+            raise ConfigError(f"expert_layout=interleaved is not possible here: {why_not} (use auto or plain)")
+        log.info("expert layout: %s", ("rows interleaved in blocks of 4 (the fused C++ op streams each block; "
+                                       f"{'set' if want == 'interleaved' else 'auto'})") if why_not is None
+                 else f"plain ({why_not})")
         return why_not is None
 
     @property

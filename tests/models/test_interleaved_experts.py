@@ -72,3 +72,16 @@ def test_units_are_the_plain_experts_interleaved(interleaved_ok, tiny_checkpoint
     x = torch.randn(3, pgu.shape[1]).bfloat16()
     kernel = moe_kernel(engine)
     assert torch.equal(kernel(x, (gu, dn)), swiglu_expert(x, (pgu, pdn)))  # the slow reference path agrees
+
+
+def test_expert_layout_setting(interleaved_ok, tiny_checkpoint):
+    from moeserve.errors import ConfigError
+
+    folder = tiny_checkpoint("qwen3_moe")
+    plain, plain_logits, _ = run(folder, expert_layout="plain")
+    assert moe_kernel(plain) is swiglu_expert  # the plain-layout fused op (decode) and torch loop (prefill)
+    forced, forced_logits, _ = run(folder, expert_layout="interleaved")
+    assert isinstance(moe_kernel(forced), InterleavedSwiGLU)
+    assert (forced_logits[0] - plain_logits[0]).abs().max().item() <= 0.05 * plain_logits[0].abs().max().item()
+    with pytest.raises(ConfigError, match="expert_layout=interleaved is not possible here"):
+        LLM(str(folder), skip_tokenizer_init=True, dtype="float32", expert_layout="interleaved")
