@@ -40,7 +40,9 @@ def test_offloaded_equals_resident_with_interleaved_units(interleaved_ok, tiny_c
     resident, ref_logits, ref_tokens = run(folder)
     assert isinstance(moe_kernel(resident), InterleavedSwiGLU) and resident.model.store.resident
     unit = resident.model.store.unit_nbytes
-    offloaded, logits, tokens = run(folder, expert_cache_gb=cache_experts * unit / 2**30, prefetch=prefetch)
+    offloaded, logits, tokens = run(folder, expert_cache_gb=cache_experts * unit / 2**30, prefetch=prefetch,
+                                    expert_layout="interleaved")  # auto keeps offloaded bf16 experts plain
+    assert isinstance(moe_kernel(offloaded), InterleavedSwiGLU)
     assert not offloaded.model.store.resident and offloaded.model.store.stats.misses > 0
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
@@ -59,7 +61,7 @@ def test_interleaved_answers_match_the_torch_path(interleaved_ok, tiny_checkpoin
 
 def test_units_are_the_plain_experts_interleaved(interleaved_ok, tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_moe")
-    engine, _, _ = run(folder, expert_cache_gb=1e-6)  # offloaded: units come through the source
+    engine, _, _ = run(folder, expert_cache_gb=1e-6, expert_layout="interleaved")  # units come through the source
     source = engine.model.store.source
     assert isinstance(source, InterleavedExpertSource)
     layer, expert = 2, 5
@@ -85,3 +87,14 @@ def test_expert_layout_setting(interleaved_ok, tiny_checkpoint):
     assert (forced_logits[0] - plain_logits[0]).abs().max().item() <= 0.05 * plain_logits[0].abs().max().item()
     with pytest.raises(ConfigError, match="expert_layout=interleaved is not possible here"):
         LLM(str(folder), skip_tokenizer_init=True, dtype="float32", expert_layout="interleaved")
+
+
+def test_auto_layout_keeps_offloaded_bf16_plain_and_int8_interleaved(interleaved_ok, tiny_checkpoint, tmp_path):
+    """Offloaded, a bf16 miss would be permuted on the I/O threads (measured slower): auto keeps bf16 plain; int8
+    misses read interleaved units from the spill file, so int8 stays interleaved."""
+    folder = tiny_checkpoint("qwen3_moe")
+    bf16, _, _ = run(folder, expert_cache_gb=1e-6)
+    assert moe_kernel(bf16) is swiglu_expert and not bf16.model.store.resident
+    if bool(cpp_ops().moe_int8_interleaved_supported()):
+        int8, _, _ = run(folder, expert_cache_gb=1e-6, quantization="int8", int8_cache_dir=str(tmp_path))
+        assert getattr(moe_kernel(int8), "fused_interleaved", False) and not int8.model.store.resident
