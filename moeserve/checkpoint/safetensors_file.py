@@ -11,7 +11,10 @@ Every problem is a `CheckpointError` whose one-line message names the file (and 
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
+import mmap
 import os
 import struct
 import threading
@@ -138,19 +141,32 @@ def _tensor_ref(path: Path, name: str, entry: object, data_start: int, file_size
     return TensorRef(name, path, data_start + begin, end - begin, dtype, code, shape)
 
 
+DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and buffer address aligned to the device's block size
+
+
 class FileReader:
     """Reads byte ranges of checkpoint files into caller-owned CPU buffers with pread.
 
     Keeps one open descriptor per file, and a second one per file for scattered reads (expert misses) with the
     kernel's read-ahead off (``POSIX_FADV_RANDOM``): read-ahead of an 8 MiB window around a 5 MiB expert reads
     bytes nobody asked for. Thread-safe for concurrent reads (pread has no shared file position).
+
+    Scattered reads go through ``O_DIRECT`` where the file system allows it (`direct`): the device writes into an
+    aligned per-thread staging buffer and one memcpy moves the exact bytes out. Through the page cache the kernel
+    copies every byte and then has to drop the pages: measured here 2.5-3.2 ms of CPU per 4.7 MB expert against
+    0.4-0.6 ms with O_DIRECT, at the same disk speed. On a 2-core machine that CPU is taken from the compute
+    threads (and from any prefetch), so it sets the offloaded speed. Where O_DIRECT is refused (tmpfs, some
+    network file systems) the file falls back to the page-cache path.
     """
 
-    def __init__(self, drop_page_cache: bool = True) -> None:
+    def __init__(self, drop_page_cache: bool = True, direct: bool = True) -> None:
         self._fds: dict[Path, int] = {}
         self._random_fds: dict[Path, int] = {}
+        self._direct_fds: dict[Path, int | None] = {}  # None: O_DIRECT refused for this file
         self._fd_lock = threading.Lock()
+        self._local = threading.local()  # per thread: (mmap, its address) of the O_DIRECT staging buffer
         self.drop_page_cache = drop_page_cache
+        self.direct = direct and hasattr(os, "O_DIRECT")
         self.bytes_read = 0
 
     def _fd(self, path: Path, scattered: bool = False) -> int:
@@ -179,8 +195,57 @@ class FileReader:
     def read_run(self, path: Path, offset: int, outs: list[torch.Tensor], what: str) -> None:
         """Fill the contiguous CPU uint8 tensors `outs`, in order, from the byte range of `path` that starts at
         `offset` and is exactly as long as all of them together: ONE ``preadv`` for adjacent tensors (an expert's
-        gate, up and down projections), read without read-ahead. `what` names the range in errors."""
+        gate, up and down projections), read without read-ahead (O_DIRECT where possible). `what` names the range
+        in errors."""
+        fd = self._direct_fd(path) if self.direct else None
+        if fd is not None:
+            try:
+                self._read_run_direct(fd, path, offset, outs, what)
+                return
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise CheckpointError(f"{path}: read error in tensor '{what}' ({err.strerror})") from None
+                with self._fd_lock:  # the device wants another alignment: the page cache for this file from now
+                    self._direct_fds[path] = None
+                os.close(fd)
         self._read_run(path, offset, outs, what, scattered=True)
+
+    def _direct_fd(self, path: Path) -> int | None:
+        if path not in self._direct_fds:
+            with self._fd_lock:
+                if path not in self._direct_fds:
+                    try:
+                        self._direct_fds[path] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                    except OSError:
+                        self._direct_fds[path] = None  # not supported here: page-cache reads
+        return self._direct_fds[path]
+
+    def _staging(self, nbytes: int) -> tuple[memoryview, int]:
+        """This thread's O_DIRECT buffer (page-aligned, grown when needed) and its address."""
+        held = getattr(self._local, "staging", None)
+        if held is None or len(held[0]) < nbytes:
+            region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            anchor = ctypes.c_char.from_buffer(region)  # exports the buffer: the mapping stays while we hold it
+            held = self._local.staging = (region, anchor, ctypes.addressof(anchor))
+        return memoryview(held[0]), held[2]
+
+    def _read_run_direct(self, fd: int, path: Path, offset: int, outs: list[torch.Tensor], what: str) -> None:
+        total = sum(o.numel() for o in outs)
+        start = offset - offset % DIRECT_ALIGN
+        end = -(-(offset + total) // DIRECT_ALIGN) * DIRECT_ALIGN
+        view, address = self._staging(end - start)
+        done = 0
+        while done < offset + total - start:
+            n = os.preadv(fd, [view[done : end - start]], start + done)
+            if n == 0 or (n % DIRECT_ALIGN and done + n < offset + total - start):
+                raise CheckpointError(f"{path}: tensor '{what}' ends early (file truncated while in use?)")
+            done += n
+        src = address + offset - start
+        for o in outs:  # a plain memcpy: a torch copy_ here would start an OpenMP team on this I/O thread
+            ctypes.memmove(o.data_ptr(), src, o.numel())
+            src += o.numel()
+        with self._fd_lock:
+            self.bytes_read += total
 
     def _read_run(self, path: Path, offset: int, outs: list[torch.Tensor], what: str, scattered: bool) -> None:
         views = [memoryview(o.numpy()) for o in outs]  # type: ignore[arg-type]
@@ -214,9 +279,10 @@ class FileReader:
         return out
 
     def close(self) -> None:
-        for fds in (self._fds, self._random_fds):
+        for fds in (self._fds, self._random_fds, self._direct_fds):
             for fd in fds.values():
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             fds.clear()
 
     def __del__(self) -> None:  # pragma: no cover - best effort
