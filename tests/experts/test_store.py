@@ -299,6 +299,7 @@ def test_compute_thread_never_sees_a_half_written_unit_under_concurrent_prefetch
                 guess = (layer + 1, rng.sample(range(8), 3)) if layer < 2 else None
                 use(store, layer, ids, prefetch=guess)  # asserts every unit's contents
         assert store.stats.prefetched > 0
+        assert store.prefetcher is not None and store.prefetcher.wait_idle()  # the last guesses may be in flight
         assert not store._loading and not store._pinned
     finally:
         store.close()
