@@ -30,8 +30,8 @@ SYNTH_CONFIG = dict(
 )
 EXPERT_CACHE_GB = 0.5
 # Beyond what the engine keeps: activations of a short prompt, the Python objects describing ~1.6k tensors
-# (header refs, expert source lists), the slot views, glibc/torch allocator slack. Staging is 0 here (the stored
-# dtype is the compute dtype, so reads go straight into their final buffers).
+# (header refs, expert source lists), the slot views, glibc/torch allocator slack. Staging (counted by the store) is
+# the O_DIRECT read buffer of each reading thread here: the stored dtype is the compute dtype.
 OVERHEAD_BYTES = 96 * 2**20  # measured: ~10 MiB at load, ~35 MiB after generating
 
 
@@ -116,7 +116,7 @@ CHILD = textwrap.dedent("""
     print(json.dumps(dict(baseline=baseline, after_load=after_load, peak=peak_rss_bytes(),
                           resident=e.model.resident_bytes, kv=e.kv.nbytes,
                           cache=e.model.store.cache_nbytes, experts_total=e.model.store.total_experts
-                          * e.model.store.unit_nbytes, staging=e.model.store.source.staging_nbytes,
+                          * e.model.store.unit_nbytes, staging=e.model.store.staging_nbytes,
                           tokens=len(out[0].outputs[0].token_ids), misses=e.model.store.stats.misses,
                           disk_bytes=e.model.store.stats.bytes_from_disk)))
 """)

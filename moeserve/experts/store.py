@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import ExpertLoadError, MoeserveError
 from moeserve.experts.affinity import AffinityPredictor
 from moeserve.experts.policies import NoVictimError, make_policy
@@ -264,6 +265,8 @@ class ExpertStore:
             parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
                          "the compute of experts already in" if self.io_threads else
                          "misses read by the compute thread in turn")
+            parts.append(f"{'O_DIRECT' if self._direct_reads() else 'page-cache'} reads, read buffers up to "
+                         f"{self.staging_nbytes / 2**20:.1f} MiB")
         return "; ".join(parts)
 
     def experts(self, layer: int, expert_ids: Sequence[int],
@@ -328,6 +331,22 @@ class ExpertStore:
         """A hint that `layer` will soon need `expert_ids` (most likely first). No-op when resident or off."""
         if self.prefetcher is not None:
             self.prefetcher.submit(layer, expert_ids)
+
+    @property
+    def staging_nbytes(self) -> int:
+        """Read buffers besides the slots: the source's shared staging, plus per reading thread (the I/O threads,
+        the compute thread, the prefetcher) the source's own scratch and, when misses use O_DIRECT, one aligned
+        buffer for a unit's byte range. Allocated on a thread's first miss; nothing when all experts are resident."""
+        if self.resident:
+            return self.source.staging_nbytes
+        threads = self.io_threads + 1 + (1 if self.prefetcher is not None else 0)
+        per_thread = self.source.per_thread_staging_nbytes
+        if self._direct_reads():
+            per_thread += self.source.stored_nbytes + 2 * DIRECT_ALIGN
+        return self.source.staging_nbytes + threads * per_thread
+
+    def _direct_reads(self) -> bool:
+        return bool(getattr(getattr(self.source.checkpoint, "reader", None), "direct", False))
 
     def cancel_prefetch(self) -> None:
         """Drop the pending guesses and stop the one being loaded after its current unit (e.g. the step ended:

@@ -108,7 +108,13 @@ class ExpertSource:
 
     @property
     def staging_nbytes(self) -> int:
+        """Bytes of buffers this source shares between its readers (the dtype-conversion staging)."""
         return self._staging.numel()
+
+    @property
+    def per_thread_staging_nbytes(self) -> int:
+        """Bytes of buffers each reading thread of this source holds (0: reads go straight into the unit)."""
+        return 0
 
     def prepare_offload(self) -> str | None:
         """Called once by a store that will read units on misses (not everything resident): a source whose units

@@ -305,6 +305,10 @@ class Int8ExpertSource(ExpertSource):
         self.spill: UnitSpill | None = None
 
     @property
+    def staging_nbytes(self) -> int:
+        return super().staging_nbytes + self._scratch.numel()  # + the 16/32-bit unit each quantization reads into
+
+    @property
     def stored_nbytes(self) -> int:
         """Bytes a miss reads: the int8 unit from the spill file, else the 16/32-bit expert."""
         return self.layout.nbytes if self.spill is not None else super().stored_nbytes
@@ -466,6 +470,10 @@ class InterleavedExpertSource(ExpertSource):
         super().__init__(ckpt, layout, dense.sources)
         self.dense_source = ExpertSource(ckpt, dense.layout, dense.sources)
         self._local = threading.local()  # scratch per thread: the store reads on I/O threads and the compute one
+
+    @property
+    def per_thread_staging_nbytes(self) -> int:
+        return self.dense_source.layout.nbytes
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         scratch = getattr(self._local, "unit", None)

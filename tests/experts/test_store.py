@@ -45,6 +45,8 @@ class FakeSource:
     def stored_nbytes(self) -> int:
         return WIDTH * 4
 
+    staging_nbytes = per_thread_staging_nbytes = 0  # reads straight into the unit
+
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         if (layer, expert) in self.fail:
             unit_bytes.fill_(0xFF)  # a half-done read leaves garbage behind
