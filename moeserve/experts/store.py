@@ -327,6 +327,20 @@ class ExpertStore:
                 with self._cond:
                     self._pinned.difference_update(keys)
 
+    def resident_units(self, layer: int) -> list[ExpertWeights]:
+        """Resident store only: the views of every expert of `layer`, by expert id. They never move or get evicted
+        (a resident store loads each unit once into its own slot), so a caller may hold them for the process's
+        life; it then counts its uses with `count_resident_hits`."""
+        if not self.resident:
+            raise MoeserveError("resident_units: the store is not resident (experts move between tiers)")
+        return [self._slot_views[self._slot_of[(layer, e)]] for e in range(self.num_experts)]
+
+    def count_resident_hits(self, hits_per_layer: Sequence[int]) -> None:
+        """Add hits counted outside `experts` (one per needed expert per layer call) for each of `self.layers`."""
+        with self._cond:
+            for layer, n in zip(self.layers, hits_per_layer):
+                self.stats.layers[layer].hits += n
+
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         """A hint that `layer` will soon need `expert_ids` (most likely first). No-op when resident or off."""
         if self.prefetcher is not None:
