@@ -69,6 +69,10 @@ class EngineSettings(BaseModel):
         "auto", description="how experts are held: interleaved = rows in blocks of 4 for the fused C++ op (bf16 or "
         "int8 SwiGLU experts with kernels=cpp), plain = as stored; auto = interleaved where it applies"
     )
+    decode_step: Literal["auto", "fused", "per_op"] = Field(
+        "auto", description="decode-only steps: fused = every layer in one C++ call (resident row-interleaved "
+        "experts, kernels=cpp, bf16 on CPU), per_op = one op call per piece from Python; auto = fused where it applies"
+    )
     int8_cache_dir: str | None = Field(
         None, description="where quantization=int8 writes offloaded experts once, quantized, so misses read half "
         "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"

@@ -27,7 +27,7 @@ log = logging.getLogger("moeserve.bench")
 
 CASES = ("decode-b1", "decode-b8", "prefill")
 PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", "moeserve-no-prefetch", "moeserve-torch-kernels",
-         "moeserve-plain-experts")
+         "moeserve-plain-experts", "moeserve-per-op")
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,10 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
             continue
         if peer == "moeserve-plain-experts":  # moeserve against itself: the gain from interleaved experts, paired
             workers[peer] = Worker("moeserve", **ours, expert_layout="plain",
+                                   **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
+            continue
+        if peer == "moeserve-per-op":  # moeserve against itself: the gain from the fused decode step, paired
+            workers[peer] = Worker("moeserve", **ours, decode_step="per_op",
                                    **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
             continue
         if peer == "moeserve-torch-kernels":  # moeserve against itself: the gain from the C++ kernels, paired

@@ -98,6 +98,7 @@ class LLMEngine:
         if self.model.int8_summary:
             log.info("dense layers (quantization=int8): %s", self.model.int8_summary)
         log.info("expert store: %s", self.model.store.describe())
+        log.info("decode step: %s", self.model.choose_decode_step(s.decode_step))
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
                           spec.attention.head_dim, self.dtype, self.device)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.engine.kv_cache import KVCache
+from moeserve.errors import ConfigError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.models.layers import (
@@ -159,23 +161,52 @@ class MoeModel:
         self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
         self.cpp = False  # norms and attention with the moeserve C++ ops: see use_cpp_kernels
         self.use_cpp_kernels(cpp)
+        # Decode-only batches through every layer in one C++ call (models/decode_stack.py): see choose_decode_step.
+        # The stack is built on first use for the KV cache it is given, and rebuilt if another one comes.
+        self.fused_decode = False
+        self._stack: Any = None
+        self._stack_kv: KVCache | None = None
+        self._stack_hits = torch.zeros(0, dtype=torch.int64)
+        self._traced = False  # a trace hook is set: the per-op path runs (the hook sees each layer's routing)
 
     def use_cpp_kernels(self, on: bool) -> bool:
         """Run norms and attention with the moeserve C++ ops (True) or the torch functions (False). The ops cover
         bf16 and fp32 on CPU; returns whether they are now in use."""
         on = on and self.embed.device.type == "cpu" and self.embed.dtype in (torch.bfloat16, torch.float32)
         self.cpp = on
+        if not on:
+            self.fused_decode = False  # the fused step is made of the C++ ops
         for layer in self.layers:
             layer.attn.cpp = on
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.cpp = on  # the fused expert op where the plan's kernel supports it
         return on
 
+    def choose_decode_step(self, want: str) -> str:
+        """Decode-step path per EngineSettings.decode_step (auto, fused, per_op); returns the one-line reason for the
+        start-up log; ConfigError when `fused` is asked for and cannot apply."""
+        from moeserve.models.decode_stack import why_not_fused
+
+        self.fused_decode, self._stack, self._stack_kv = False, None, None
+        if want == "per_op":
+            return "one op call per piece from Python (per_op, set)"
+        why_not = why_not_fused(self)
+        if why_not is not None:
+            if want == "fused":
+                raise ConfigError(f"decode_step=fused is not possible here: {why_not} (use auto or per_op)")
+            return f"one op call per piece from Python ({why_not})"
+        self.fused_decode = True
+        return (f"all {len(self.layers)} layers in one C++ call per decode-only batch "
+                f"({'set' if want == 'fused' else 'auto'}; same ops, same bits as per_op, without the Python "
+                "between them); prefill and mixed batches run per op")
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
         h = self.embed[batch.token_ids]  # [N, H]
-        if self.cpp:
+        if self.fused_decode and batch.decode_only and batch.token_slots is not None and not self._traced:
+            last = self._fused_step(h, batch, kv)
+        elif self.cpp:
             last = self._layers_cpp(h, batch, kv)
         else:
             for layer in self.layers:
@@ -185,6 +216,18 @@ class MoeModel:
         if self._head is not None:
             return self._head(last).float()
         return torch.nn.functional.linear(last, self.embed).float()  # tied: the head is the embedding
+
+    def _fused_step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Every layer in one DecodeStack call; the store is told the hits (one per needed expert per layer)."""
+        if self._stack is None or self._stack_kv is not kv:
+            from moeserve.models.decode_stack import fused_decode_stack
+
+            self._stack, self._stack_kv = fused_decode_stack(self, kv), kv
+            self._stack_hits = torch.zeros(len(self.store.layers), dtype=torch.int64)
+        last = self._stack.step(h, batch.positions, batch.token_slots, self._stack_hits)
+        self.store.count_resident_hits(self._stack_hits.tolist())
+        self._stack_hits.zero_()
+        return last
 
     def _layers_cpp(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The decoder layers with each residual add fused into the norm that follows it; returns the final-
@@ -210,6 +253,7 @@ class MoeModel:
 
     def set_trace_hook(self, hook: Callable[[int, torch.Tensor, list[int] | None], None] | None) -> None:
         """Call `hook(layer, topk_ids [N, k], predicted next-layer experts or None)` in every MoE layer."""
+        self._traced = hook is not None
         for layer in self.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.trace_hook = hook

@@ -12,6 +12,8 @@
 //   p rounded to the dtype before p @ v (fp32 accumulation), then multiplied by 1 / sum and rounded once.
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -14,6 +14,8 @@
 // 32 rows per pass over the weight (prefill reads the weight once per 32 tokens).
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>

@@ -21,6 +21,8 @@
 // bits whatever the batch size or the thread count.
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>

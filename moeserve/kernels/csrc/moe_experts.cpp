@@ -27,6 +27,8 @@
 // this op, so they stay bit-identical.
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 #include <torch/library.h>

@@ -11,6 +11,8 @@
 // by an ulp of fp32 before rounding to bf16.
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -15,6 +15,8 @@
 // Returns (token_of int64 [N*k], weight_of float32 [N*k], counts int64 [E], ids int64 [N, k]).
 
 #include <ATen/ATen.h>
+
+#include "ops.h"
 #include <torch/library.h>
 
 #include <tuple>

@@ -1,0 +1,225 @@
+// DecodeStack: a whole decode step through every decoder layer in ONE call from Python.
+//
+// The per-op path (MoeModel._layers_cpp, Attention, MoEBlock) issues ~10 op calls and ~100 lines of Python per
+// layer; at batch 1 on the small bench model that is ~12% of the step (scripts/decode_breakdown.py). This class
+// holds each layer's resident weights, KV cache and expert units once, and `step` calls the very same C++
+// functions (ops.h) in the very same order with the same arguments, so its output is bit-identical to the per-op
+// path; only the Python between them is gone.
+//
+// It covers what the fast path needs and nothing else (moeserve/models/decode_stack.py decides eligibility and
+// falls back to the per-op path otherwise): decode-only batches (one new token per sequence), attention without
+// sinks or qkv clipping, per-head or no q/k norm, MoE layers without a shared expert (dense SwiGLU MLP layers
+// too), experts in a RESIDENT store as row-interleaved bf16 or int8 units, dense Linears in the "interleaved"
+// (bf16) or "int8" layout. Per layer:
+//
+//   qkv = linear(x)                  q|k|v split          q = qk_norm_rope_cache(...)   (writes k, v to the cache)
+//   a   = decode_attention(q)        o = linear(a)        x = add_rms_norm_(h, o, post_norm)       (h += o)
+//   logits = linear_router(x)        pairs = moe_route_pairs(logits)
+//   m = 0; moe_swiglu[_int8]_interleaved_(m, x, units of the experts with tokens, ascending)
+//                                    (a dense layer: m = down(silu(gate(x)) * up(x)), as DenseMLP)
+//   x = add_rms_norm_(h, m, next layer's input norm, or the final norm after the last layer)  (h += m)
+//
+// `hits[j]` is increased by the number of experts the j-th MoE layer used (the store's hit count: one per needed expert per
+// layer call), so the store's statistics stay true.
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ops.h"
+
+namespace moeserve_stack {
+
+// A dense Linear in one of the two C++ GEMV layouts: bf16 rows interleaved, or int8 codes + float32 row scales.
+struct PackedLinear {
+  at::Tensor weight;                 // flat packed weight (bf16) or codes (int8), numel out * in
+  std::optional<at::Tensor> scale;   // [out] float32 for int8
+  std::optional<at::Tensor> bias;    // [out] bf16
+  int64_t out = 0;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (scale.has_value()) return moeserve_dense_int8::linear_interleaved_int8(x, weight, *scale, out, bias, false);
+    return moeserve_dense::linear_interleaved(x, weight, out, bias);
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  PackedLinear qkv, o;
+  std::optional<at::Tensor> q_norm, k_norm;
+  at::Tensor k_cache, v_cache;  // [slots, kv_heads, max_len, d]
+  int64_t window = 0;           // sliding window, 0 = none
+  // The MLP: a MoE block (router + units per expert; scales empty for bf16 units) or a dense SwiGLU MLP.
+  bool moe = false;
+  PackedLinear router, gate, up, down;
+  std::vector<at::Tensor> gate_up_units, gate_up_scales, down_units, down_scales;
+};
+
+PackedLinear packed(const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                    const std::optional<at::Tensor>& bias, int64_t in_features, const char* what) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && in_features > 0 &&
+                  weight.numel() % in_features == 0,
+              "DecodeStack: ", what, " must be a contiguous packed CPU weight of out x ", in_features, " elements");
+  TORCH_CHECK(scale.has_value() == (weight.scalar_type() == at::kChar),
+              "DecodeStack: ", what, " is int8 codes with a scale or bf16 without one");
+  return PackedLinear{weight, scale, bias, weight.numel() / in_features};
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t top_k,
+              int64_t routing_mode, bool norm_topk_prob, bool weights_in_fp32, double eps, bool fp32_scale,
+              double attn_scale, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
+      : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), top_k_(top_k),
+        routing_mode_(routing_mode), norm_topk_prob_(norm_topk_prob), weights_in_fp32_(weights_in_fp32), eps_(eps),
+        fp32_scale_(fp32_scale), attn_scale_(attn_scale), cos_(std::move(cos)), sin_(std::move(sin)),
+        final_norm_(std::move(final_norm)) {
+    TORCH_CHECK(routing_mode == 0 || routing_mode == 1, "DecodeStack: routing mode 0 or 1 (see moe_route_pairs)");
+  }
+
+  // A layer's norms and attention; then add_moe or add_dense_mlp gives it its MLP.
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_scale,
+                 std::optional<at::Tensor> qkv_bias, at::Tensor o, std::optional<at::Tensor> o_scale,
+                 std::optional<at::Tensor> o_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
+                 at::Tensor k_cache, at::Tensor v_cache, int64_t window) {
+    TORCH_CHECK(layers_.empty() || layers_.back().moe || layers_.back().down.out > 0,
+                "DecodeStack: the previous layer has no MLP yet");
+    Layer l;
+    l.input_norm = std::move(input_norm);
+    l.post_norm = std::move(post_norm);
+    l.qkv = packed(qkv, qkv_scale, qkv_bias, hidden_, "qkv");
+    l.o = packed(o, o_scale, o_bias, heads_ * head_dim_, "o_proj");
+    TORCH_CHECK(l.qkv.out == (heads_ + 2 * kv_heads_) * head_dim_ && l.o.out == hidden_,
+                "DecodeStack: qkv / o_proj sizes do not match the attention shape");
+    l.q_norm = std::move(q_norm);
+    l.k_norm = std::move(k_norm);
+    l.k_cache = std::move(k_cache);
+    l.v_cache = std::move(v_cache);
+    l.window = window;
+    layers_.push_back(std::move(l));
+  }
+
+  // The last layer's MLP is a MoE block: its router and every expert's unit (int8 units come with row scales).
+  void add_moe(at::Tensor router, std::optional<at::Tensor> router_bias, std::vector<at::Tensor> gate_up,
+               std::vector<at::Tensor> gate_up_scale, std::vector<at::Tensor> down,
+               std::vector<at::Tensor> down_scale) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
+                "DecodeStack: add_moe needs a layer without an MLP");
+    Layer& l = layers_.back();
+    l.router = packed(router, std::nullopt, router_bias, hidden_, "router");
+    const bool int8 = !gate_up_scale.empty();
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.out && down.size() == gate_up.size() &&
+                    (!int8 || (gate_up_scale.size() == gate_up.size() && down_scale.size() == gate_up.size())),
+                "DecodeStack: one gate_up and down unit (and scales for int8) per expert of the router");
+    TORCH_CHECK(moe_layers_ == 0 || int8 == int8_units_, "DecodeStack: all layers bf16 units or all int8");
+    int8_units_ = int8;
+    l.gate_up_units = std::move(gate_up);
+    l.gate_up_scales = std::move(gate_up_scale);
+    l.down_units = std::move(down);
+    l.down_scales = std::move(down_scale);
+    l.moe = true;
+    ++moe_layers_;
+  }
+
+  // The last layer's MLP is dense: down(silu(gate(x)) * up(x)).
+  void add_dense_mlp(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
+                     std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
+                "DecodeStack: add_dense_mlp needs a layer without an MLP");
+    Layer& l = layers_.back();
+    l.gate = packed(gate, gate_scale, std::nullopt, hidden_, "dense gate");
+    l.up = packed(up, up_scale, std::nullopt, hidden_, "dense up");
+    l.down = packed(down, down_scale, std::nullopt, l.gate.out, "dense down");
+    TORCH_CHECK(l.up.out == l.gate.out && l.down.out == hidden_, "DecodeStack: dense MLP sizes do not match");
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [N, H] (one new token per sequence, hidden states after the embedding; updated in place to the residual
+  // stream after the last layer), positions and token_slots int64 [N], hits int64 [layers] (added to). Returns
+  // the final-normed hidden states [N, H].
+  at::Tensor step(at::Tensor h, const at::Tensor& positions, const at::Tensor& token_slots, at::Tensor hits) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous(), "DecodeStack: h must be contiguous [N, H]");
+    TORCH_CHECK(layers_.back().moe || layers_.back().down.out > 0, "DecodeStack: the last layer has no MLP");
+    TORCH_CHECK(hits.scalar_type() == at::kLong && hits.is_contiguous() && hits.numel() == moe_layers_,
+                "DecodeStack: hits must be int64 [MoE layers]");
+    const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    int64_t* hit = hits.data_ptr<int64_t>();
+    int64_t moe_index = 0;
+    at::Tensor x = moeserve_norm::rms_norm(h, layers_[0].input_norm, eps_, fp32_scale_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      Layer& l = layers_[i];
+      // Attention (Attention.__call__ + _cpp_attention).
+      const std::vector<at::Tensor> qkv = l.qkv(x).split_with_sizes({q_size, kv_size, kv_size}, -1);
+      const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm, cos_,
+                                                                  sin_, positions, token_slots, l.k_cache,
+                                                                  l.v_cache, eps_);
+      const at::Tensor a = moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, token_slots, positions,
+                                                                l.window, attn_scale_);
+      x = moeserve_norm::add_rms_norm_(h, l.o(a.reshape({n, q_size})), l.post_norm, eps_, fp32_scale_);
+      at::Tensor m = l.moe ? experts(l, x, hit[moe_index++]) : l.down(at::silu(l.gate(x)) * l.up(x));
+      const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+      x = moeserve_norm::add_rms_norm_(h, m, next_norm, eps_, fp32_scale_);
+    }
+    return x;
+  }
+
+ private:
+  // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
+  // `hits` += how many.
+  at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) const {
+    auto [token_of, weight_of, counts, ids] =
+        moeserve_routing::moe_route_pairs(l.router(x), top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
+    const int64_t* cnt = counts.data_ptr<int64_t>();
+    std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
+    std::vector<int64_t> bounds;
+    for (int64_t e = 0, start = 0; e < counts.numel(); ++e) {
+      if (cnt[e] == 0) continue;
+      gate_up.push_back(l.gate_up_units[e]);
+      down.push_back(l.down_units[e]);
+      if (int8_units_) {
+        gate_up_scale.push_back(l.gate_up_scales[e]);
+        down_scale.push_back(l.down_scales[e]);
+      }
+      bounds.push_back(start);
+      bounds.push_back(start + cnt[e]);
+      start += cnt[e];
+    }
+    hits += static_cast<int64_t>(gate_up.size());
+    at::Tensor m = at::zeros_like(x);
+    if (int8_units_)
+      moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of,
+                                                 weight_of, bounds);
+    else
+      moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of, weight_of, bounds);
+    return m;
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, top_k_, routing_mode_;
+  bool norm_topk_prob_, weights_in_fp32_;
+  double eps_;
+  bool fp32_scale_;
+  double attn_scale_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::vector<Layer> layers_;
+  int64_t moe_layers_ = 0;
+  bool int8_units_ = false;
+};
+
+}  // namespace moeserve_stack
+
+TORCH_LIBRARY_FRAGMENT(moeserve, m) {
+  m.class_<moeserve_stack::DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, double, bool, double,
+                       at::Tensor, at::Tensor, at::Tensor>())
+      .def("add_layer", &moeserve_stack::DecodeStack::add_layer)
+      .def("add_moe", &moeserve_stack::DecodeStack::add_moe)
+      .def("add_dense_mlp", &moeserve_stack::DecodeStack::add_dense_mlp)
+      .def("num_layers", &moeserve_stack::DecodeStack::num_layers)
+      .def("step", &moeserve_stack::DecodeStack::step);
+}

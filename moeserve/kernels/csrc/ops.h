@@ -1,0 +1,49 @@
+// C++ entry points of the moeserve ops, for code in this library that composes them (decode_stack.cpp) without
+// going through the dispatcher or Python. Each is defined, documented and registered as an op in the file named.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace moeserve_norm {  // norm.cpp
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool fp32_scale);
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& w, double eps, bool fp32_scale);
+}  // namespace moeserve_norm
+
+namespace moeserve_dense {  // dense_gemv.cpp
+at::Tensor linear_interleaved(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
+                              const std::optional<at::Tensor>& bias);
+}  // namespace moeserve_dense
+
+namespace moeserve_dense_int8 {  // dense_gemv_int8.cpp
+at::Tensor linear_interleaved_int8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_in,
+                                   int64_t n, const std::optional<at::Tensor>& bias, bool force_portable);
+}  // namespace moeserve_dense_int8
+
+namespace moeserve_attention {  // attention.cpp
+at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
+                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                              const at::Tensor& token_slots, at::Tensor& k_cache, at::Tensor& v_cache, double eps);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale);
+}  // namespace moeserve_attention
+
+namespace moeserve_routing {  // routing.cpp
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const at::Tensor& logits, int64_t top_k,
+                                                                      int64_t mode, bool norm_topk_prob,
+                                                                      bool weights_in_fp32);
+}  // namespace moeserve_routing
+
+namespace moeserve_moe {  // moe_experts.cpp
+bool interleaved_supported();
+bool int8_interleaved_supported();
+at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
+                                   const at::Tensor& token_of, const at::Tensor& weight_of, at::IntArrayRef bounds_ref);
+at::Tensor moe_swiglu_int8_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up,
+                                        at::TensorList gate_up_scale, at::TensorList down, at::TensorList down_scale,
+                                        const at::Tensor& token_of, const at::Tensor& weight_of,
+                                        at::IntArrayRef bounds_ref);
+}  // namespace moeserve_moe

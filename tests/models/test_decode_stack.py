@@ -1,0 +1,93 @@
+"""The fused decode step (every layer in one C++ call, models/decode_stack.py) gives the per-op path's exact logits,
+keeps the store's hit counts, and is chosen (and refused) with a logged reason."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from moeserve.engine.llm import LLM
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.errors import ConfigError
+from tests.kernels.ops import cpp_ops
+from tests.logits_capture import generate_capturing_logits
+
+# Two sequences of different lengths decode side by side (a batch of 2 at different positions).
+PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250, 8, 1, 77]}, {"prompt_token_ids": [11, 5, 77]}]
+PARAMS = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def interleaved_ok():
+    if not bool(cpp_ops().moe_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16")
+
+
+def run(folder, decode_step: str, **settings):
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", decode_step=decode_step, **settings)
+    model = llm.engine.model
+    fused_steps = 0
+    fused_step = model._fused_step
+
+    def counting(*a):  # noqa: ANN002, ANN202
+        nonlocal fused_steps
+        fused_steps += 1
+        return fused_step(*a)
+
+    model._fused_step = counting
+    logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
+    hits = {layer: s.hits for layer, s in model.store.stats.layers.items()}
+    return model, logits, [o.outputs[0].token_ids for o in outs], fused_steps, hits
+
+
+@pytest.mark.parametrize("arch,overrides,quantization", [
+    ("qwen3_moe", {}, "none"),  # per-head q/k norm, a dense MLP layer (mlp_only_layers=[1])
+    ("qwen3_moe", {}, "int8"),  # int8 units and int8 dense Linears
+    ("mixtral", {"sliding_window": 4}, "none"),  # a window shorter than the prompts
+])
+def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, arch, overrides, quantization):
+    if quantization == "int8" and not bool(cpp_ops().moe_int8_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16/VBMI")
+    folder = tiny_checkpoint(arch, **overrides)
+    fused, logits, tokens, steps, hits = run(folder, "fused", quantization=quantization)
+    per_op, ref_logits, ref_tokens, ref_steps, ref_hits = run(folder, "per_op", quantization=quantization)
+    assert fused.fused_decode and not per_op.fused_decode
+    assert steps == PARAMS.max_tokens - 1 and ref_steps == 0  # every decode step after the prefill
+    assert tokens == ref_tokens
+    assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert hits == ref_hits and sum(hits.values()) > 0
+
+
+def test_auto_chooses_with_a_reason(interleaved_ok, tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    model = llm.engine.model
+    assert model.fused_decode
+    assert "one C++ call" in model.choose_decode_step("auto")
+    assert "per_op, set" in model.choose_decode_step("per_op") and not model.fused_decode
+    llm.engine.close()
+
+
+@pytest.mark.parametrize("settings,why", [
+    ({"kernels": "torch"}, "C++ kernels are off"),
+    ({"expert_layout": "plain"}, "not row-interleaved"),
+    ({"expert_cache_gb": 1e-6}, "offloaded"),
+    ({"dtype": "float32"}, "bf16 on CPU"),
+])
+def test_fused_refused_where_it_cannot_apply(interleaved_ok, tiny_checkpoint, settings, why):
+    folder = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        LLM(str(folder), skip_tokenizer_init=True, **{"dtype": "bfloat16", **settings, "decode_step": "fused"})
+    llm = LLM(str(folder), skip_tokenizer_init=True, **{"dtype": "bfloat16", **settings})  # auto: per op
+    assert not llm.engine.model.fused_decode
+    llm.engine.close()
+
+
+def test_shared_expert_and_full_qk_norm_run_per_op(interleaved_ok, tiny_checkpoint):
+    for arch, why in (("qwen2_moe", "shared expert"), ("olmoe", "full-width q/k norm")):
+        llm = LLM(str(tiny_checkpoint(arch)), skip_tokenizer_init=True, dtype="bfloat16")
+        assert not llm.engine.model.fused_decode
+        assert why in llm.engine.model.choose_decode_step("auto")
+        llm.engine.close()
