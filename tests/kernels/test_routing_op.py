@@ -62,3 +62,15 @@ def test_empty_batch_and_bad_input():
         ops.moe_route_pairs(torch.zeros(2, 8), 2, 2, True, False)
     with pytest.raises(RuntimeError, match="logits"):
         ops.moe_route_pairs(torch.zeros(8), 2, 0, True, False)
+
+
+@pytest.mark.parametrize("e,k", [(8, 2), (32, 4), (128, 8), (512, 4), (256, 1)])  # 512/4 and 256/1: partial sort
+def test_many_ties_pick_what_torch_topk_picks(e, k):
+    """Coarse logits (a few distinct values): most rows tie at the k-th place; ids, order and weights as torch."""
+    gen = torch.Generator().manual_seed(e * 10 + k)
+    logits = torch.randint(0, 3, (40, e), generator=gen).float().bfloat16()
+    for mode, norm in ((0, True), (0, False), (1, False)):
+        got = ops.moe_route_pairs(logits, k, mode, norm, False)
+        want = torch_reference(logits, k, mode, norm, False)
+        for name, a, b in zip(("token_of", "weight_of", "counts", "ids"), got, want):
+            assert torch.equal(a, b), (name, mode, norm)

@@ -26,6 +26,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <array>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <vector>
@@ -68,6 +70,12 @@ PackedLinear packed(const at::Tensor& weight, const std::optional<at::Tensor>& s
               "DecodeStack: ", what, " is int8 codes with a scale or bf16 without one");
   return PackedLinear{weight, scale, bias, weight.numel() / in_features};
 }
+
+// Phases of a step that `profile` times separately (scripts/decode_breakdown.py prints them).
+enum Phase { kQkv, kAttention, kOProj, kNorms, kRouter, kRouting, kExperts, kDenseMlp, kPhases };
+constexpr std::array<const char*, kPhases> kPhaseNames = {
+    "qkv GEMV", "q/k norm + rope + KV write + attention", "o_proj GEMV", "residual adds + RMSNorms",
+    "router GEMV", "routing (softmax, top-k, grouping)", "experts (fused op)", "dense MLP GEMVs"};
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
@@ -151,30 +159,48 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     int64_t* hit = hits.data_ptr<int64_t>();
     int64_t moe_index = 0;
-    at::Tensor x = moeserve_norm::rms_norm(h, layers_[0].input_norm, eps_, fp32_scale_);
+    at::Tensor x = timed(kNorms, [&] { return moeserve_norm::rms_norm(h, layers_[0].input_norm, eps_, fp32_scale_); });
     for (size_t i = 0; i < layers_.size(); ++i) {
       Layer& l = layers_[i];
       // Attention (Attention.__call__ + _cpp_attention).
-      const std::vector<at::Tensor> qkv = l.qkv(x).split_with_sizes({q_size, kv_size, kv_size}, -1);
-      const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm, cos_,
-                                                                  sin_, positions, token_slots, l.k_cache,
-                                                                  l.v_cache, eps_);
-      const at::Tensor a = moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, token_slots, positions,
-                                                                l.window, attn_scale_);
-      x = moeserve_norm::add_rms_norm_(h, l.o(a.reshape({n, q_size})), l.post_norm, eps_, fp32_scale_);
-      at::Tensor m = l.moe ? experts(l, x, hit[moe_index++]) : l.down(at::silu(l.gate(x)) * l.up(x));
+      const at::Tensor qkv_out = timed(kQkv, [&] { return l.qkv(x); });
+      const at::Tensor a = timed(kAttention, [&] {
+        const std::vector<at::Tensor> qkv = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
+        const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm,
+                                                                    cos_, sin_, positions, token_slots, l.k_cache,
+                                                                    l.v_cache, eps_);
+        return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, token_slots, positions, l.window,
+                                                    attn_scale_);
+      });
+      const at::Tensor o = timed(kOProj, [&] { return l.o(a.reshape({n, q_size})); });
+      x = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h, o, l.post_norm, eps_, fp32_scale_); });
+      at::Tensor m = l.moe ? experts(l, x, hit[moe_index++])
+                           : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x)) * l.up(x)); });
       const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      x = moeserve_norm::add_rms_norm_(h, m, next_norm, eps_, fp32_scale_);
+      x = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h, m, next_norm, eps_, fp32_scale_); });
     }
     return x;
+  }
+
+  // Profiling: with it on, each step adds the wall-clock seconds of each phase (a clock read around each call,
+  // ~20 ns, so it barely changes what it measures). Returns (phase names, seconds) since it was last turned on.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    if (on) seconds_.fill(0.0);
+  }
+  std::tuple<std::vector<std::string>, std::vector<double>> profile() const {
+    return {std::vector<std::string>(kPhaseNames.begin(), kPhaseNames.end()),
+            std::vector<double>(seconds_.begin(), seconds_.end())};
   }
 
  private:
   // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
   // `hits` += how many.
   at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) const {
-    auto [token_of, weight_of, counts, ids] =
-        moeserve_routing::moe_route_pairs(l.router(x), top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
+    const at::Tensor logits = timed(kRouter, [&] { return l.router(x); });
+    auto [token_of, weight_of, counts, ids] = timed(kRouting, [&] {
+      return moeserve_routing::moe_route_pairs(logits, top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
+    });
     const int64_t* cnt = counts.data_ptr<int64_t>();
     std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
     std::vector<int64_t> bounds;
@@ -191,13 +217,24 @@ class DecodeStack : public torch::CustomClassHolder {
       start += cnt[e];
     }
     hits += static_cast<int64_t>(gate_up.size());
-    at::Tensor m = at::zeros_like(x);
-    if (int8_units_)
-      moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of,
-                                                 weight_of, bounds);
-    else
-      moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of, weight_of, bounds);
-    return m;
+    return timed(kExperts, [&] {
+      at::Tensor m = at::zeros_like(x);
+      if (int8_units_)
+        moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of,
+                                                   weight_of, bounds);
+      else
+        moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of, weight_of, bounds);
+      return m;
+    });
+  }
+
+  template <class F>
+  auto timed(Phase phase, F&& f) const -> decltype(f()) {
+    if (!profiling_) return f();
+    const auto t0 = std::chrono::steady_clock::now();
+    auto result = f();
+    seconds_[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return result;
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, top_k_, routing_mode_;
@@ -209,6 +246,8 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   int64_t moe_layers_ = 0;
   bool int8_units_ = false;
+  bool profiling_ = false;
+  mutable std::array<double, kPhases> seconds_{};
 };
 
 }  // namespace moeserve_stack
@@ -221,5 +260,7 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       .def("add_moe", &moeserve_stack::DecodeStack::add_moe)
       .def("add_dense_mlp", &moeserve_stack::DecodeStack::add_dense_mlp)
       .def("num_layers", &moeserve_stack::DecodeStack::num_layers)
-      .def("step", &moeserve_stack::DecodeStack::step);
+      .def("step", &moeserve_stack::DecodeStack::step)
+      .def("set_profiling", &moeserve_stack::DecodeStack::set_profiling)
+      .def("profile", &moeserve_stack::DecodeStack::profile);
 }
