@@ -172,3 +172,20 @@ def test_extreme_parameters_do_not_break_the_engine(llm: LLM) -> None:
     assert len(hot[0].outputs[0].token_ids) == 6
     with pytest.raises(RequestError, match="repetition_penalty"):
         SamplingParams(repetition_penalty=1e-300)
+
+
+def test_batched_greedy_picks_what_torch_argmax_picks() -> None:
+    """The plain-greedy fast path (numpy's argmax) against torch.argmax: ties (first wins), NaN, -inf rows."""
+    from types import SimpleNamespace
+
+    from moeserve.engine.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (6, 500), generator=gen).float()  # many ties at the maximum
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 499] = 1e30
+    params = SamplingParams(temperature=0)
+    seqs = [SimpleNamespace(params=params) for _ in range(logits.shape[0])]
+    got = [token for token, _ in Sampler()(logits, seqs)]  # type: ignore[arg-type]
+    assert got == torch.argmax(logits, dim=-1).tolist()
