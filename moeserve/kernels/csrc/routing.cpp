@@ -1,16 +1,25 @@
-// moe_route_pairs: MoE routing for one layer in one call: router logits -> the (token, weight) pairs grouped by expert, which is
-// what the fused expert ops take. Replaces ~12 torch ops issued from Python per MoE layer (softmax, topk, sum, div,
-// casts, argsort, bincount, floor_divide, gather), each costing more in Python dispatch than in work at decode.
+// moe_route_pairs: MoE routing for one layer in one call: router logits -> the (token, weight) pairs grouped by expert,
+// which is what the fused expert ops take. Replaces ~12 torch ops issued from Python per MoE layer (softmax, topk,
+// sum, div, casts, argsort, bincount, floor_divide, gather), and needs no ATen op at all: at decode each small ATen
+// call costs 1-3 us (more with the caches cold after a layer's weights streamed through), ~20 us per layer in all,
+// against ~2 us for this loop.
 //
-// Numerics: the weights are those MoEBlock.route computes, bit for bit and with the same tie order (softmax and
-// the top-k sum with ATen itself, the rest reproduced exactly: see softmax_topk); the grouping is a counting sort
-// that is stable (pairs of an expert in token order, then slot order) exactly like torch.argsort(stable=True) on
-// the flattened expert ids.
-//
-//   mode 0 ("softmax_topk"): probs = softmax(logits, fp32); top, ids = topk(probs, k);
-//                            top /= top.sum(-1) if norm_topk_prob; weights = top, cast to logits' dtype unless
+//   mode 0 ("softmax_topk"): probs = softmax(logits) in fp32; top, ids = topk(probs, k);
+//                            top /= sum(top) if norm_topk_prob; weights = top, rounded to the logits' dtype unless
 //                            weights_in_fp32
-//   mode 1 ("topk_softmax"): top, ids = topk(logits, k); weights = softmax(top) in logits' dtype
+//   mode 1 ("topk_softmax"): top, ids = topk(logits, k); weights = softmax(top) rounded to the logits' dtype
+//
+// Numerics against MoEBlock.route (the torch ops): the top-k is picked exactly as torch.topk picks it, ties and NaNs
+// included (ATen's CPU kernel, ATen/native/TopKImpl.h, runs these std algorithms with this comparator on
+// (value, index) pairs; equal logits give equal probabilities here too, so ties stay ties). The softmax is computed
+// here (max, exp, a sequential fp32 sum, one division per element) where ATen uses a vectorised exp, a tree sum
+// and a multiplication by 1/sum: fp32 weights may differ by an ulp or two, and the expert choice only where two
+// probabilities are that close. Every C++ path (per op, fused decode step, offloaded or resident) calls this
+// same code, so they stay bit-identical to each other; tests/kernels/test_routing_op.py checks it against the
+// torch ops and float64.
+//
+// The grouping is a counting sort that is stable (pairs of an expert in token order, then slot order) exactly like
+// torch.argsort(stable=True) on the flattened expert ids.
 //
 // Returns (token_of int64 [N*k], weight_of float32 [N*k], counts int64 [E], ids int64 [N, k]).
 
@@ -21,17 +30,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 namespace moeserve_routing {
 
-// torch.topk(row, k, largest=True, sorted=True) of one row, ties and NaNs included: ATen's CPU kernel
-// (ATen/native/TopKImpl.h) runs these std algorithms with this comparator (NaN first, then larger first) on
-// (value, index) pairs, so running them on the same pairs picks the same indices in the same order.
 using Pair = std::pair<float, int64_t>;
 
+// torch.topk(row, k, largest=True, sorted=True) of one row: the top k (value, index) pairs in q[0, k).
 static void topk_row(const float* row, int64_t e, int64_t k, std::vector<Pair>& q) {
   q.resize(static_cast<size_t>(e));
   for (int64_t j = 0; j < e; ++j) q[j] = {row[j], j};
@@ -46,69 +54,70 @@ static void topk_row(const float* row, int64_t e, int64_t k, std::vector<Pair>& 
   }
 }
 
-// Mode 0 without most of the small ATen ops MoEBlock.route issues (topk, div, casts: ~1-2 us each at decode, more
-// with the caches cold after a layer's weights streamed through): the softmax and the sum of the top-k (whose
-// summation order is ATen's to choose) stay ATen's; the top-k is picked as torch.topk picks it, the division is
-// IEEE (as ATen's vectorised div), and the cast rounds to nearest even (as ATen's). Returns the weights [N, k]
-// (float32, or the value of the logits' dtype held in float32) and sets `ids`.
-static at::Tensor softmax_topk(const at::Tensor& logits, int64_t k, bool norm_topk_prob, bool weights_in_fp32,
-                               at::Tensor& ids) {
-  const int64_t n = logits.size(0), e = logits.size(1);
-  const at::Tensor probs = at::softmax(logits, -1, at::kFloat).contiguous();
-  at::Tensor top = at::empty({n, k}, at::kFloat);
-  ids = at::empty({n, k}, at::kLong);
-  const float* pp = probs.data_ptr<float>();
-  float* tp = top.data_ptr<float>();
-  int64_t* ip = ids.data_ptr<int64_t>();
-  std::vector<Pair> q;
-  for (int64_t i = 0; i < n; ++i) {
-    topk_row(pp + i * e, e, k, q);
-    for (int64_t j = 0; j < k; ++j) {
-      tp[i * k + j] = q[j].first;
-      ip[i * k + j] = q[j].second;
-    }
+// p[0, n) <- softmax(v[0, n)) in fp32: exp(v - max) / sum, the sum taken in order.
+static void softmax_row(const float* v, int64_t n, float* p) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) m = std::isnan(v[j]) || v[j] > m ? v[j] : m;
+  float s = 0.0f;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = std::exp(v[j] - m);
+    s += p[j];
   }
-  if (norm_topk_prob && n > 0) {
-    const at::Tensor sums = top.sum(-1);  // ATen's summation order, as top.sum(-1, keepdim=True) in MoEBlock.route
-    const float* sp = sums.data_ptr<float>();
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t j = 0; j < k; ++j) tp[i * k + j] = tp[i * k + j] / sp[i];
-  }
-  const auto dtype = logits.scalar_type();
-  if (!weights_in_fp32 && dtype != at::kFloat) {  // .to(logits' dtype): round to nearest even, kept in float32
-    for (int64_t i = 0; i < n * k; ++i) {
-      if (dtype == at::kBFloat16) tp[i] = static_cast<float>(c10::BFloat16(tp[i]));
-      else if (dtype == at::kHalf) tp[i] = static_cast<float>(c10::Half(tp[i]));
-      else tp[i] = static_cast<float>(static_cast<double>(tp[i]));  // float64 logits: exact
-    }
-  }
-  return top;
+  for (int64_t j = 0; j < n; ++j) p[j] = p[j] / s;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const at::Tensor& logits, int64_t top_k,
+// v rounded to the logits' dtype (nearest even, as ATen's casts), kept in float.
+static float as_dtype(float v, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return static_cast<float>(c10::BFloat16(v));
+  if (dtype == at::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const at::Tensor& logits_in, int64_t top_k,
                                                                       int64_t mode, bool norm_topk_prob,
                                                                       bool weights_in_fp32) {
-  TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && at::isFloatingType(logits.scalar_type()),
-              "moe_route_pairs: logits must be a floating [N, E] CPU tensor, got ", logits.sizes());
-  const int64_t n = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(logits_in.dim() == 2 && logits_in.device().is_cpu() && at::isFloatingType(logits_in.scalar_type()),
+              "moe_route_pairs: logits must be a floating [N, E] CPU tensor, got ", logits_in.sizes());
+  const int64_t n = logits_in.size(0), e = logits_in.size(1);
   TORCH_CHECK(1 <= top_k && top_k <= e, "moe_route_pairs: top_k=", top_k, " must be in [1, ", e, "]");
   TORCH_CHECK(mode == 0 || mode == 1, "moe_route_pairs: mode 0 (softmax then topk) or 1 (topk then softmax)");
-  at::Tensor weights, ids;
-  if (mode == 1) {
-    auto [top, idx] = at::topk(logits, top_k, -1);
-    weights = at::softmax(top, -1, top.scalar_type());
-    ids = idx;
-  } else {
-    weights = softmax_topk(logits, top_k, norm_topk_prob, weights_in_fp32, ids);
-  }
-  const at::Tensor w = weights.to(at::kFloat).contiguous();
-  ids = ids.contiguous();
+  const at::ScalarType dtype = logits_in.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "moe_route_pairs: float32, bfloat16 or float16 logits");
+  const at::Tensor logits = logits_in.contiguous();
   const int64_t pairs = n * top_k;
+  at::Tensor ids = at::empty({n, top_k}, at::kLong);
   at::Tensor counts = at::zeros({e}, at::kLong);
   at::Tensor token_of = at::empty({pairs}, at::kLong);
   at::Tensor weight_of = at::empty({pairs}, at::kFloat);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const float* wp = w.data_ptr<float>();
+  int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<float> w(static_cast<size_t>(pairs)), row(static_cast<size_t>(e)), probs(static_cast<size_t>(e));
+  std::vector<float> top(static_cast<size_t>(top_k));
+  std::vector<Pair> q;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < e; ++j) {  // the row in float (exact from bf16 / fp16)
+      if (dtype == at::kFloat) row[j] = logits.data_ptr<float>()[i * e + j];
+      else if (dtype == at::kBFloat16) row[j] = static_cast<float>(logits.data_ptr<at::BFloat16>()[i * e + j]);
+      else row[j] = static_cast<float>(logits.data_ptr<at::Half>()[i * e + j]);
+    }
+    float* wi = w.data() + i * top_k;
+    if (mode == 0) {
+      softmax_row(row.data(), e, probs.data());
+      topk_row(probs.data(), e, top_k, q);
+      float sum = 0.0f;
+      for (int64_t j = 0; j < top_k; ++j) sum += q[j].first;
+      for (int64_t j = 0; j < top_k; ++j) {
+        const float v = norm_topk_prob ? q[j].first / sum : q[j].first;
+        wi[j] = weights_in_fp32 ? v : as_dtype(v, dtype);
+      }
+    } else {
+      topk_row(row.data(), e, top_k, q);
+      for (int64_t j = 0; j < top_k; ++j) top[j] = q[j].first;
+      softmax_row(top.data(), top_k, wi);
+      for (int64_t j = 0; j < top_k; ++j) wi[j] = as_dtype(wi[j], dtype);
+    }
+    for (int64_t j = 0; j < top_k; ++j) id[i * top_k + j] = q[j].second;
+  }
   int64_t* cnt = counts.data_ptr<int64_t>();
   for (int64_t p = 0; p < pairs; ++p) cnt[id[p]] += 1;
   std::vector<int64_t> next(static_cast<size_t>(e));
@@ -121,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const
   for (int64_t p = 0; p < pairs; ++p) {  // ascending p: a stable counting sort by expert id
     const int64_t at_ = next[id[p]]++;
     tok[at_] = p / top_k;
-    wo[at_] = wp[p];
+    wo[at_] = w[p];
   }
   return {token_of, weight_of, counts, ids};
 }
