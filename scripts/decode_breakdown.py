@@ -115,18 +115,20 @@ def fused_breakdown(llm: LLM, rounds: int, tokens: int) -> None:
         head_step = head_seconds[0] / (tokens + 1)
         names, secs = model._stack.profile()
         model._stack.set_profiling(False)
+        hits1 = model.store.stats.hits
         t2 = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))  # prefill + sampling
         t3 = time.perf_counter()
         step = ((t1 - t0) - (t3 - t2)) / tokens
-        steps_hits = model.store.stats.hits - hits0  # experts used by the timed run's decode steps (and its prefill)
+        # experts the timed run's decode steps used: its hits less those of a prefill alone
+        steps_hits = (hits1 - hits0) - (model.store.stats.hits - hits1)
         per_step = {n: v / tokens for n, v in zip(names, secs)}
         inside = sum(per_step.values())
         print(f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s); inside the DecodeStack {inside * 1e3:.2f} ms, "
               f"LM head {head_step * 1e3:.2f} ms "
               + (f"({head.nbytes / head_step / 1e9:.1f} GB/s)" if head is not None and head_step > 0 else "")
               + f", the rest (embedding, sampling, engine) {(step - inside - head_step) * 1e3:.2f} ms")
-        expert_bytes = steps_hits * unit_bytes / (tokens + 1)  # the prefill of 16 tokens counts ~ once more
+        expert_bytes = steps_hits * unit_bytes / tokens
         for name in sorted(per_step, key=lambda k: -per_step[k]):
             ms = per_step[name] * 1e3
             nbytes = expert_bytes if name.startswith("experts") else gemv_bytes.get(name)
