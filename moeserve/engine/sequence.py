@@ -30,6 +30,12 @@ class Sequence:
         self.slot = -1
         self.num_cached = 0  # tokens whose K/V are in the cache
         self.text = ""  # detokenized output (stop string cut applied once finished)
+        # Incremental detokenization (what vLLM does): each step decodes only the tokens from _prefix_offset on
+        # and keeps the part after what tokens [_prefix_offset, _read_offset) decode to; a step whose tail is an
+        # incomplete UTF-8 character (decoded as U+FFFD) waits for the next token. Decoding the whole output every
+        # step instead costs O(length) per step: quadratic over a long generation.
+        self._prefix_offset = 0
+        self._read_offset = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.max_model_len = max_model_len
@@ -62,20 +68,34 @@ class Sequence:
         if n_out >= p.min_tokens and (token_id in self.eos_token_ids or token_id in (p.stop_token_ids or [])):
             self._finish("stop", token_id)
             if detokenize is not None:  # the stop token itself is not part of the text
-                self.text = detokenize(self.output_token_ids[:-1])
+                self._detokenize(detokenize, n_out - 1, final=True)
             return
         if detokenize is not None:
-            self.text = detokenize(self.output_token_ids)
-            if p.stop_strings and n_out >= p.min_tokens and self._cut_at_stop_string():
+            # the text already searched for stop strings (none before min_tokens is reached: then all of it)
+            searched = len(self.text) if n_out > max(1, p.min_tokens) else 0
+            final = (p.max_tokens is not None and n_out >= p.max_tokens) or self.length >= self.max_model_len
+            self._detokenize(detokenize, n_out, final)
+            if p.stop_strings and n_out >= p.min_tokens and self._cut_at_stop_string(searched):
                 return
         if p.max_tokens is not None and n_out >= p.max_tokens:
             self._finish("length")
         elif self.length >= self.max_model_len:
             self._finish("length")
 
-    def _cut_at_stop_string(self) -> bool:
+    def _detokenize(self, detokenize: Callable[[list[int]], str], end: int, final: bool) -> None:
+        """Extend `text` with output tokens [_read_offset, end); `final` also takes an incomplete last character."""
+        ids = self.output_token_ids
+        start, read = self._prefix_offset, self._read_offset
+        before = detokenize(ids[start:read]) if read > start else ""
+        after = detokenize(ids[start:end])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self._prefix_offset, self._read_offset = read, end
+
+    def _cut_at_stop_string(self, searched: int) -> bool:
+        """Cut at the first stop string that ends past text[:searched] (the text before this step was searched)."""
         for stop in self.params.stop_strings:
-            at = self.text.find(stop)
+            at = self.text.find(stop, max(0, searched - len(stop) + 1))
             if at != -1:
                 self.text = self.text[: at + len(stop)] if self.params.include_stop_str_in_output else self.text[:at]
                 self._finish("stop", stop)
