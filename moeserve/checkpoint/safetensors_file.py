@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +144,23 @@ def _tensor_ref(path: Path, name: str, entry: object, data_start: int, file_size
 
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and buffer address aligned to the device's block size
 
+# Writes one destination (a uint8 tensor) from its stored bytes (a uint8 tensor of the same length), e.g. permuted.
+Placer = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _place_all(outs: list[torch.Tensor], stored: torch.Tensor, place: Sequence[Placer | None] | None) -> None:
+    """Fill `outs` in order from the consecutive bytes `stored`: each by its placer, or by a plain memcpy (a torch
+    copy_ here would start an OpenMP team on the calling I/O thread)."""
+    at = 0
+    for i, o in enumerate(outs):
+        n = o.numel()
+        placer = place[i] if place is not None else None
+        if placer is None:
+            ctypes.memmove(o.data_ptr(), stored.data_ptr() + at, n)
+        else:
+            placer(o, stored[at : at + n])
+        at += n
+
 
 class FileReader:
     """Reads byte ranges of checkpoint files into caller-owned CPU buffers with pread.
@@ -192,15 +210,21 @@ class FileReader:
             raise ValueError(f"buffer for {ref.name} must be a contiguous CPU tensor of {ref.nbytes} bytes")
         self._read_run(ref.path, ref.offset, [buf], ref.name, scattered=False)
 
-    def read_run(self, path: Path, offset: int, outs: list[torch.Tensor], what: str) -> None:
+    def read_run(self, path: Path, offset: int, outs: list[torch.Tensor], what: str,
+                 place: Sequence[Placer | None] | None = None) -> None:
         """Fill the contiguous CPU uint8 tensors `outs`, in order, from the byte range of `path` that starts at
         `offset` and is exactly as long as all of them together: ONE ``preadv`` for adjacent tensors (an expert's
         gate, up and down projections), read without read-ahead (O_DIRECT where possible). `what` names the range
-        in errors."""
+        in errors.
+
+        `place[i]` (when given and not None) writes out[i] from its stored bytes, ``place[i](outs[i], stored)``,
+        instead of a byte copy (a permutation, say): with O_DIRECT it reads straight from the aligned staging
+        buffer, so the bytes are moved once; through the page cache they are read into a per-thread scratch
+        buffer first. It must not start OpenMP teams (it runs on I/O threads)."""
         fd = self._direct_fd(path) if self.direct else None
         if fd is not None:
             try:
-                self._read_run_direct(fd, path, offset, outs, what)
+                self._read_run_direct(fd, path, offset, outs, what, place)
                 return
             except OSError as err:
                 if err.errno != errno.EINVAL:
@@ -208,7 +232,13 @@ class FileReader:
                 with self._fd_lock:  # the device wants another alignment: the page cache for this file from now
                     self._direct_fds[path] = None
                 os.close(fd)
-        self._read_run(path, offset, outs, what, scattered=True)
+        if place is None or all(p is None for p in place):
+            self._read_run(path, offset, outs, what, scattered=True)
+            return
+        total = sum(o.numel() for o in outs)
+        scratch = self._staging(total)[2][:total]
+        self._read_run(path, offset, [scratch], what, scattered=True)
+        _place_all(outs, scratch, place)
 
     def _direct_fd(self, path: Path) -> int | None:
         if path not in self._direct_fds:
@@ -220,30 +250,30 @@ class FileReader:
                         self._direct_fds[path] = None  # not supported here: page-cache reads
         return self._direct_fds[path]
 
-    def _staging(self, nbytes: int) -> tuple[memoryview, int]:
-        """This thread's O_DIRECT buffer (page-aligned, grown when needed) and its address."""
+    def _staging(self, nbytes: int) -> tuple[memoryview, int, torch.Tensor]:
+        """This thread's staging buffer (page-aligned, grown when needed): as a memoryview, its address, and as a
+        uint8 tensor over the same bytes. O_DIRECT reads land in it; page-cache reads that are placed, too."""
         held = getattr(self._local, "staging", None)
         if held is None or len(held[0]) < nbytes:
             region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             anchor = ctypes.c_char.from_buffer(region)  # exports the buffer: the mapping stays while we hold it
-            held = self._local.staging = (region, anchor, ctypes.addressof(anchor))
-        return memoryview(held[0]), held[2]
+            tensor = torch.frombuffer(region, dtype=torch.uint8)
+            held = self._local.staging = (region, anchor, ctypes.addressof(anchor), tensor)
+        return memoryview(held[0]), held[2], held[3]
 
-    def _read_run_direct(self, fd: int, path: Path, offset: int, outs: list[torch.Tensor], what: str) -> None:
+    def _read_run_direct(self, fd: int, path: Path, offset: int, outs: list[torch.Tensor], what: str,
+                         place: Sequence[Placer | None] | None) -> None:
         total = sum(o.numel() for o in outs)
         start = offset - offset % DIRECT_ALIGN
         end = -(-(offset + total) // DIRECT_ALIGN) * DIRECT_ALIGN
-        view, address = self._staging(end - start)
+        view, _, staged = self._staging(end - start)
         done = 0
         while done < offset + total - start:
             n = os.preadv(fd, [view[done : end - start]], start + done)
             if n == 0 or (n % DIRECT_ALIGN and done + n < offset + total - start):
                 raise CheckpointError(f"{path}: tensor '{what}' ends early (file truncated while in use?)")
             done += n
-        src = address + offset - start
-        for o in outs:  # a plain memcpy: a torch copy_ here would start an OpenMP team on this I/O thread
-            ctypes.memmove(o.data_ptr(), src, o.numel())
-            src += o.numel()
+        _place_all(outs, staged[offset - start : offset - start + total], place)
         with self._fd_lock:
             self.bytes_read += total
 

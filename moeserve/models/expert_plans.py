@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
-from moeserve.checkpoint.safetensors_file import TensorRef
+from moeserve.checkpoint.safetensors_file import Placer, TensorRef
 from moeserve.errors import ConfigError, UnsupportedModelError
 from moeserve.experts.spill import UnitSpill, fingerprint, open_or_build
 from moeserve.experts.store import ExpertWeights
@@ -462,20 +462,32 @@ class InterleavedSwiGLU:
 
 
 class InterleavedExpertSource(ExpertSource):
-    """Reads a SwiGLU unit through the dense plan's source into a per-thread scratch unit, then writes both
-    matrices row-interleaved into the unit (one single-threaded C++ copy each, the store's I/O threads run it).
-    Deterministic, so a re-read after eviction gives the same bytes. Needs the C++ kernels (as the layout does)."""
+    """Reads a SwiGLU unit and writes both matrices row-interleaved (blocks of 4 rows never straddle gate and up:
+    I % 4 == 0, so each stored tensor is interleaved on its own). Where the checkpoint stores the compute dtype,
+    the permutation IS the copy out of the read buffer (`placer`: one single-threaded C++ pass per tensor, run on
+    the store's I/O threads); otherwise the expert is read and converted through the dense plan's source into a
+    per-thread scratch unit first. Deterministic, so a re-read after eviction gives the same bytes. Needs the C++
+    kernels (as the layout does)."""
 
     def __init__(self, ckpt: Checkpoint, dense: ExpertPlan, layout: UnitLayout) -> None:
         super().__init__(ckpt, layout, dense.sources)
         self.dense_source = ExpertSource(ckpt, dense.layout, dense.sources)
-        self._local = threading.local()  # scratch per thread: the store reads on I/O threads and the compute one
+        # every stored tensor in the field dtype: placed straight from the read buffer, no scratch unit
+        self._placed = all(r.dtype == layout.field(f.field).dtype for fs in dense.sources.values() for f in fs
+                           for r in f.refs)
+        self._local = threading.local()  # scratch per thread otherwise: the store reads on several threads
 
     @property
     def per_thread_staging_nbytes(self) -> int:
-        return self.dense_source.layout.nbytes
+        return 0 if self._placed else self.dense_source.layout.nbytes
+
+    def placer(self, field: str, ref: TensorRef) -> Placer | None:
+        return partial(_interleave_placed, ref.shape)
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
+        if self._placed:
+            super().read_unit(layer, expert, unit_bytes)
+            return
         scratch = getattr(self._local, "unit", None)
         if scratch is None:
             scratch = self._local.unit = torch.empty(self.dense_source.layout.nbytes, dtype=torch.uint8)
@@ -483,6 +495,14 @@ class InterleavedExpertSource(ExpertSource):
         for plain, flat in zip(self.dense_source.layout.views(scratch), self.layout.views(unit_bytes)):
             # one thread (csrc/layout.cpp): a torch permute-copy here would start an OpenMP team per I/O thread
             torch.ops.moeserve.interleave_rows_into(flat, plain)
+
+
+def _interleave_placed(shape: tuple[int, ...], dst: torch.Tensor, stored: torch.Tensor) -> None:
+    """Placer of InterleavedExpertSource: `stored` (uint8, the bytes of a 2-byte [N, K] matrix) row-interleaved into
+    `dst` (uint8, as many bytes)."""
+    if stored.storage_offset() % 2:  # a tensor at an odd file offset: 2-byte views need an even start
+        stored = stored.clone()
+    torch.ops.moeserve.interleave_rows_into(dst.view(torch.int16), stored.view(torch.int16).view(shape))
 
 
 def can_interleave_experts(plan: ExpertPlan, dtype: torch.dtype) -> str | None:

@@ -46,3 +46,24 @@ def test_refused_direct_falls_back(data_file):
     reader.read_run(path, 17, [out], "blob")
     assert bytes(out.numpy()) == raw[17:1017]
     reader.close()
+
+
+def _reverse_into(dst: torch.Tensor, stored: torch.Tensor) -> None:  # a placer that permutes: bytes reversed
+    dst.copy_(stored.flip(0))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_placed_pieces_get_their_stored_bytes_through_the_placer(data_file, direct):
+    """`place`: a piece with a placer is written by it from exactly its stored bytes; the others are copied."""
+    path, raw = data_file
+    reader = FileReader(direct=direct)
+    try:
+        offset, sizes = 4000, [300, 8192, 77]
+        outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        reader.read_run(path, offset, outs, "blob", [None, _reverse_into, _reverse_into])
+        assert bytes(outs[0].numpy()) == raw[offset : offset + 300]
+        assert bytes(outs[1].numpy()) == raw[offset + 300 : offset + 300 + 8192][::-1]
+        assert bytes(outs[2].numpy()) == raw[offset + 8492 : offset + 8492 + 77][::-1]
+        assert reader.bytes_read == sum(sizes)
+    finally:
+        reader.close()
