@@ -10,6 +10,7 @@ from moeserve.bench.simulate import LayerCall, simulate
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import (
     POLICY_NAMES,
+    AdaptiveLFRUPolicy,
     BeladyPolicy,
     LFRUPolicy,
     LFUPolicy,
@@ -203,7 +204,7 @@ def test_prefetch_oracle_and_accuracy():
 
 def test_make_policy_registry():
     assert set(POLICY_NAMES) == {"lru", "lfu", "lfru", "static", "belady"}
-    assert isinstance(make_policy("lfru"), LFRUPolicy)
+    assert isinstance(make_policy("lfru"), AdaptiveLFRUPolicy)
     with pytest.raises(ConfigError, match="did you mean 'lfru'"):
         make_policy("lfruu")
     with pytest.raises(ConfigError):
@@ -239,3 +240,69 @@ def test_prefetch_online_learns_as_it_replays():
     assert (r.hits, r.misses, r.prefetched) == (1, 7, 1)
     with pytest.raises(ConfigError):
         simulate(steps, "lru", 2, prefetch="online")  # needs its settings
+
+
+def _shifting_sets(rounds: int, per_round: int, set_size: int, seed: int) -> list[list[LayerCall]]:
+    """One layer of 64 experts: each round a new random working set, reused `per_round` steps (a new prompt after
+    a decode that kept reusing a few experts)."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(rounds):
+        working = rng.sample(range(64), set_size)
+        steps += one_layer(*[tuple(sorted(rng.sample(working, 2))) for _ in range(per_round)])
+    return steps
+
+
+def _popular_plus_scan(steps: int, seed: int) -> list[list[LayerCall]]:
+    """One layer of 64 experts: 6 popular experts (one of them each step) plus a random one-off expert: frequency
+    keeps the popular ones, recency lets the one-offs push them out."""
+    rng = random.Random(seed)
+    return one_layer(*[(rng.randrange(6), 6 + rng.randrange(58)) for _ in range(steps)])
+
+
+def test_adaptive_lfru_follows_recency_when_the_working_set_moves():
+    steps = _shifting_sets(rounds=12, per_round=40, set_size=6, seed=1)
+    fixed = simulate(steps, "lfru", 8, policy_options={"adapt": False}).misses
+    recency = simulate(steps, "lfru", 8, policy_options={"adapt": False, "max_score": 1}).misses
+    adaptive = simulate(steps, "lfru", 8, policy_options={"window": 64}).misses
+    assert recency < fixed  # the workload punishes stale counts
+    assert adaptive <= recency + (fixed - recency) // 4, (fixed, recency, adaptive)
+
+
+def test_adaptive_lfru_keeps_frequency_where_it_wins():
+    steps = _popular_plus_scan(600, seed=2)
+    fixed = simulate(steps, "lfru", 8, policy_options={"adapt": False}).misses
+    recency = simulate(steps, "lfru", 8, policy_options={"adapt": False, "max_score": 1}).misses
+    adaptive = simulate(steps, "lfru", 8, policy_options={"window": 64}).misses
+    assert fixed < recency
+    assert adaptive <= fixed + (recency - fixed) // 4, (fixed, recency, adaptive)
+
+
+def test_adaptive_lfru_without_adapting_is_lfru():
+    """adapt=False: the same victims as LFRUPolicy, call for call (and frequency is the choice until recency has
+    missed less, so a fresh adaptive policy starts as LFRU too)."""
+    steps = _shifting_sets(rounds=4, per_round=20, set_size=6, seed=3) + _popular_plus_scan(100, seed=4)
+    for options in ({"adapt": False}, {}):
+        a, b = make_policy("lfru", **options), LFRUPolicy()
+        assert isinstance(a, AdaptiveLFRUPolicy)
+        cache: set[tuple[int, int]] = set()
+        for step in steps:
+            keys = [k(e) for e in step[0].expert_ids]
+            for p in (a, b):
+                p.begin_layer(0)
+            for key in keys:
+                if key in cache:
+                    a.on_hit(key)
+                    b.on_hit(key)
+            for key in keys:
+                if key not in cache:
+                    if len(cache) >= 8:
+                        victim = a.choose_victim(set(keys))
+                        if options or a.winner == 0:
+                            assert victim == b.choose_victim(set(keys))
+                        cache.remove(victim)
+                        a.on_evict(victim)
+                        b.on_evict(victim)
+                    cache.add(key)
+                    a.on_insert(key)
+                    b.on_insert(key)
