@@ -223,21 +223,26 @@ MOESERVE_AVX512 static inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
 }
 
-// attend_group with AVX-512 intrinsics, for head dims that are a multiple of 16 (up to 256). Same steps and
-// roundings; the exp and the order of the fp32 sums differ in the last bits.
-template <typename T>
+// attend_group with AVX-512 intrinsics, for head dims d = 16 * NV (up to 256). Same steps and roundings; the exp
+// and the order of the fp32 sums of q.k differ in the last bits. Each key row is loaded once for all the group's
+// heads; p @ v keeps its accumulators in registers, heads in tiles of TG (TG * NV <= 16 accumulators), each value
+// row loaded once per tile: the accumulation order per output (positions ascending, one FMA each) is the scalar
+// loop's, so the bits are too. (Accumulating through memory instead made each position wait on a store-to-load
+// round trip: ~10x slower at a few thousand positions.)
+template <typename T, int NV>
 MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
-  const int64_t len = hi - lo, nv = d / 16;
+  constexpr int TG = NV >= 16 ? 1 : 16 / NV;
+  const int64_t len = hi - lo;
   float* qf = stage_query(q, group, d, scratch);
-  float* acc = qf + group * d;
-  float* p = acc + group * d;
-  __m512 kv[16];
+  float* p = qf + 2 * group * d;      // scores, then probabilities [group, len]
+  float* inv = p + group * len;       // 1 / row sum per head [group]
+  __m512 kv[NV];
   for (int64_t j = 0; j < len; ++j) {
     const T* kj = kc + (lo + j) * kstride;
-    for (int64_t c = 0; c < nv; ++c) kv[c] = load16(kj + 16 * c);
+    for (int c = 0; c < NV; ++c) kv[c] = load16(kj + 16 * c);
     for (int64_t g = 0; g < group; ++g) {
       __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * d), kv[0]);
-      for (int64_t c = 1; c < nv; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), kv[c], a);
+      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), kv[c], a);
       p[g * len + j] = _mm512_reduce_add_ps(a) * scale;
     }
   }
@@ -257,15 +262,44 @@ MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
       _mm512_mask_storeu_ps(pg + j, k, round16(e, tag));
     }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sv);
-    float* ag = acc + g * d;
-    for (j = 0; j < len; ++j) {
+    inv[g] = 1.0f / _mm512_reduce_add_ps(sv);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += TG) {
+    const int tg = static_cast<int>(std::min<int64_t>(TG, group - g0));
+    __m512 acc[TG][NV];
+    for (int t = 0; t < TG; ++t)
+      for (int c = 0; c < NV; ++c) acc[t][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
       const T* vj = vc + (lo + j) * vstride;
-      const __m512 w = _mm512_set1_ps(pg[j]);
-      for (int64_t c = 0; c < nv; ++c)
-        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, load16(vj + 16 * c), _mm512_loadu_ps(ag + 16 * c)));
+      __m512 v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = load16(vj + 16 * c);
+      for (int t = 0; t < TG; ++t) {
+        if (t >= tg) break;
+        const __m512 w = _mm512_set1_ps(p[(g0 + t) * len + j]);
+        for (int c = 0; c < NV; ++c) acc[t][c] = _mm512_fmadd_ps(w, v[c], acc[t][c]);
+      }
     }
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(ag[i] * inv);
+    for (int t = 0; t < tg; ++t) {
+      alignas(64) float lanes[16];
+      for (int c = 0; c < NV; ++c) {
+        _mm512_store_ps(lanes, acc[t][c]);
+        for (int i = 0; i < 16; ++i) out[(g0 + t) * d + 16 * c + i] = from_f<T>(lanes[i] * inv[g0 + t]);
+      }
+    }
+  }
+}
+
+// d / 16 -> the attend_avx512 instance for that head dim.
+template <typename T>
+static void attend_wide(MOESERVE_ATTEND_ARGS) {
+  switch (d / 16) {
+#define MOESERVE_NV(n) \
+  case n: attend_avx512<T, n>(MOESERVE_ATTEND_CALL); break;
+    MOESERVE_NV(1) MOESERVE_NV(2) MOESERVE_NV(3) MOESERVE_NV(4) MOESERVE_NV(5) MOESERVE_NV(6) MOESERVE_NV(7)
+    MOESERVE_NV(8) MOESERVE_NV(9) MOESERVE_NV(10) MOESERVE_NV(11) MOESERVE_NV(12) MOESERVE_NV(13) MOESERVE_NV(14)
+    MOESERVE_NV(15) MOESERVE_NV(16)
+#undef MOESERVE_NV
+    default: TORCH_CHECK(false, "decode_attention: head dim ", d, " is not 16..256 in steps of 16");
   }
 }
 
@@ -316,7 +350,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     T* op = out.data_ptr<T>();
     const float sc = static_cast<float>(scale);
     at::parallel_for(0, b * nkv, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(2 * group * d + group * longest);
+      std::vector<float> scratch(2 * group * d + group * longest + group);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / nkv, g = item % nkv;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0, hi = pos[i] + 1;
@@ -325,7 +359,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         const T* vc = vp + slot[i] * v_cache.stride(0) + g * v_cache.stride(1);
         T* o = op + (i * nh + g * group) * d;
         if (wide && d % 16 == 0 && d <= 256)
-          attend_avx512<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, scratch.data(), o);
+          attend_wide<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, scratch.data(), o);
         else
           attend_generic<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, scratch.data(), o);
       }
