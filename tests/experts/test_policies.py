@@ -306,3 +306,32 @@ def test_adaptive_lfru_without_adapting_is_lfru():
                     cache.add(key)
                     a.on_insert(key)
                     b.on_insert(key)
+
+
+def test_layer_recency_orders_like_lfru_capped_at_one_use():
+    """The adaptive policy's cheap recency side picks LFRUPolicy(max_score=1)'s victims (demand accesses)."""
+    from moeserve.experts.policies import _LayerRecency
+
+    rng = random.Random(5)
+    fast, ref = _LayerRecency(), LFRUPolicy(max_score=1)
+    cache: set[tuple[int, int]] = set()
+    for _ in range(400):
+        for layer in range(3):
+            keys = [k(e, layer) for e in sorted(rng.sample(range(12), 2))]
+            for p in (fast, ref):
+                p.begin_layer(layer)
+            for key in keys:
+                if key in cache:
+                    fast.on_hit(key)
+                    ref.on_hit(key)
+            for key in keys:
+                if key not in cache:
+                    if len(cache) >= 10:
+                        victim = fast.choose_victim(set(keys))
+                        assert victim == ref.choose_victim(set(keys))
+                        cache.remove(victim)
+                        fast.on_evict(victim)
+                        ref.on_evict(victim)
+                    cache.add(key)
+                    fast.on_insert(key)
+                    ref.on_insert(key)
