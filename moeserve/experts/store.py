@@ -140,6 +140,39 @@ class StoreOptions:
     prefetch_min_prob: float = 0.5
 
 
+class _ReadCalibration:
+    """How often a guess that is NOT cached gets used, per position among a guess's uncached experts: the chance
+    that prefetching it pays its read. The predictor's own calibration covers every guess, and the likely ones are
+    mostly cached already; the uncached rest can be far less likely (large bench model: 1 in 5 of the uncached
+    top-4 guesses used, where the top 4 hold 82% of the next layer's experts). Every guess is scored when its layer
+    runs, read or not, so the estimate keeps learning while prefetch reads nothing."""
+
+    def __init__(self, num_experts: int) -> None:
+        self._guesses = [0] * num_experts  # per position: uncached guesses scored
+        self._used = [0] * num_experts  # per position: those the layer then used
+        self._pending: dict[int, list[int]] = {}  # layer -> its uncached guesses, not scored yet
+
+    def chance(self, position: int) -> float:
+        return (self._used[position] + 1) / (self._guesses[position] + 2)
+
+    def keep(self, layer: int, uncached: list[int], min_prob: float) -> list[int]:
+        """The leading uncached guesses (most likely first) whose position has been used >= `min_prob` of the
+        time; remembers all of them to score when `layer` runs."""
+        self._pending[layer] = uncached
+        n = 0
+        while n < len(uncached) and self.chance(n) >= min_prob:
+            n += 1
+        return uncached[:n]
+
+    def check(self, layer: int, used: Collection[int]) -> None:
+        guessed = self._pending.pop(layer, None)
+        if guessed:
+            needed = set(used)
+            for position, e in enumerate(guessed):
+                self._guesses[position] += 1
+                self._used[position] += e in needed
+
+
 @dataclass(eq=False)
 class _Read:
     """A demand miss being read: its key, the slot it fills, and its task on an I/O thread (None: not queued)."""
@@ -208,6 +241,7 @@ class ExpertStore:
         self.prefetcher = None
         self.predictor: AffinityPredictor | None = None  # prefetch guesses from this store's own history
         self.prefetch_min_prob = opts.prefetch_min_prob
+        self._reads_worth = _ReadCalibration(num_experts)
         self._next_layer = dict(zip(self.layers, self.layers[1:]))
         self.source_note: str | None = None
         if self.resident:
@@ -258,7 +292,8 @@ class ExpertStore:
             how = "off"
             if self.prefetcher is not None:
                 how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
-                       "chance in the next layer)" if self.predictor is not None else "on (the caller's guesses)")
+                       "chance in the next layer, read only while such guesses not in the cache were used as often)"
+                       if self.predictor is not None else "on (the caller's guesses)")
             parts.append(f"policy {self.policy.name}, prefetch {how}")
             if self.source_note:
                 parts.append(self.source_note)
@@ -287,8 +322,13 @@ class ExpertStore:
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
         if self.predictor is not None:  # the store's own guess replaces the caller's
             self.predictor.observe(layer, ids)
+            self._reads_worth.check(layer, ids)
             nxt = self._next_layer.get(layer)
             guess = [] if nxt is None else self.predictor.predict(nxt, len(ids), self.prefetch_min_prob)
+            if guess and nxt is not None:
+                with self._cond:
+                    uncached = [e for e in guess if (nxt, e) not in self._slot_of and (nxt, e) not in self._loading]
+                guess = self._reads_worth.keep(nxt, uncached, self.prefetch_min_prob)
             prefetch = (nxt, guess) if guess and nxt is not None else None
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]

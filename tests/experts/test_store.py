@@ -233,6 +233,39 @@ def test_affinity_prefetch_learns_what_follows_and_loads_it_before_the_layer_ask
         store.close()
 
 
+class _HalfRightGuess:
+    """A predictor guessing layer 1 needs [2, w]: 2 is right (and stays cached), w is a new wrong expert each time
+    (4, 5, ..., 11 in turn), so it is never cached and never used."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def observe(self, layer, ids) -> None:  # noqa: ANN001
+        pass
+
+    def predict(self, layer, k, min_prob) -> list[int]:  # noqa: ANN001
+        self.calls += 1
+        return [2, 4 + self.calls % 8] if layer == 1 else []
+
+
+def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
+    # By the predictor's count the guess is half right, but its uncached part is never used: after two or three
+    # reads while the calibration has no evidence, the store reads no more guesses.
+    store = make_store(capacity=4, layers=(0, 1), num_experts=12, prefetch=True)
+    store.predictor = _HalfRightGuess()  # type: ignore[assignment]
+    try:
+        reads = []
+        for _ in range(12):
+            use(store, 0, [0])
+            assert store.prefetcher is not None and store.prefetcher.wait_idle()
+            reads.append(store.stats.prefetched)
+            use(store, 1, [2, 3])
+        assert reads[-1] == reads[3] <= 4, reads  # without the calibration: one more read every call
+        assert store._reads_worth.chance(0) < 0.5
+    finally:
+        store.close()
+
+
 def test_prefetch_loads_in_the_background_and_counts_accuracy():
     store = make_store(capacity=4, prefetch=True, prefetch_predictor="hint")
     try:
