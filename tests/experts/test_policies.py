@@ -278,34 +278,41 @@ def test_adaptive_lfru_keeps_frequency_where_it_wins():
     assert adaptive <= fixed + (recency - fixed) // 4, (fixed, recency, adaptive)
 
 
+def _replay_both(a, b, calls, capacity: int, same_victim) -> None:  # noqa: ANN001 - two EvictionPolicy
+    """Drive policies `a` and `b` through one cache as the store does (per call: begin_layer, hits, then misses
+    evicting `a`'s victim); `same_victim()` says when `b` must have picked the same one."""
+    cache: set[tuple[int, int]] = set()
+    for layer, keys in calls:
+        for p in (a, b):
+            p.begin_layer(layer)
+        for key in keys:
+            if key in cache:
+                a.on_hit(key)
+                b.on_hit(key)
+        for key in keys:
+            if key not in cache:
+                if len(cache) >= capacity:
+                    victim = a.choose_victim(set(keys))
+                    if same_victim():
+                        assert victim == b.choose_victim(set(keys))
+                    cache.remove(victim)
+                    a.on_evict(victim)
+                    b.on_evict(victim)
+                cache.add(key)
+                a.on_insert(key)
+                b.on_insert(key)
+
+
 def test_adaptive_lfru_without_adapting_is_lfru():
     """adapt=False: the same victims as LFRUPolicy, call for call (and frequency is the choice until recency has
     missed less, so a fresh adaptive policy starts as LFRU too)."""
     steps = _shifting_sets(rounds=4, per_round=20, set_size=6, seed=3) + _popular_plus_scan(100, seed=4)
+    calls = [(0, [k(e) for e in step[0].expert_ids]) for step in steps]
     for options in ({"adapt": False}, {}):
-        a, b = make_policy("lfru", **options), LFRUPolicy()
+        a = make_policy("lfru", **options)
         assert isinstance(a, AdaptiveLFRUPolicy)
-        cache: set[tuple[int, int]] = set()
-        for step in steps:
-            keys = [k(e) for e in step[0].expert_ids]
-            for p in (a, b):
-                p.begin_layer(0)
-            for key in keys:
-                if key in cache:
-                    a.on_hit(key)
-                    b.on_hit(key)
-            for key in keys:
-                if key not in cache:
-                    if len(cache) >= 8:
-                        victim = a.choose_victim(set(keys))
-                        if options or a.winner == 0:
-                            assert victim == b.choose_victim(set(keys))
-                        cache.remove(victim)
-                        a.on_evict(victim)
-                        b.on_evict(victim)
-                    cache.add(key)
-                    a.on_insert(key)
-                    b.on_insert(key)
+        adapting = bool(not options)
+        _replay_both(a, LFRUPolicy(), calls, 8, lambda a=a, adapting=adapting: not adapting or a.winner == 0)
 
 
 def test_layer_recency_orders_like_lfru_capped_at_one_use():
@@ -313,25 +320,5 @@ def test_layer_recency_orders_like_lfru_capped_at_one_use():
     from moeserve.experts.policies import _LayerRecency
 
     rng = random.Random(5)
-    fast, ref = _LayerRecency(), LFRUPolicy(max_score=1)
-    cache: set[tuple[int, int]] = set()
-    for _ in range(400):
-        for layer in range(3):
-            keys = [k(e, layer) for e in sorted(rng.sample(range(12), 2))]
-            for p in (fast, ref):
-                p.begin_layer(layer)
-            for key in keys:
-                if key in cache:
-                    fast.on_hit(key)
-                    ref.on_hit(key)
-            for key in keys:
-                if key not in cache:
-                    if len(cache) >= 10:
-                        victim = fast.choose_victim(set(keys))
-                        assert victim == ref.choose_victim(set(keys))
-                        cache.remove(victim)
-                        fast.on_evict(victim)
-                        ref.on_evict(victim)
-                    cache.add(key)
-                    fast.on_insert(key)
-                    ref.on_insert(key)
+    calls = [(layer, [k(e, layer) for e in sorted(rng.sample(range(12), 2))]) for _ in range(400) for layer in range(3)]
+    _replay_both(_LayerRecency(), LFRUPolicy(max_score=1), calls, 10, lambda: True)
