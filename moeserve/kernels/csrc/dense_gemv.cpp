@@ -30,8 +30,10 @@ namespace moeserve_dense {
 using namespace moeserve_csrc;
 
 constexpr int64_t kRowTile = 32;  // input rows per pass over the weight
-// With more than 4 input rows a block takes long enough that the hardware prefetcher falls behind: fetch the
-// next block (4 rows of 1024 = 8 KiB ahead) by hand. Measured 14 -> 16-19 GB/s at 8 rows; at 1 row it costs.
+// The first pass over a block fetches the next block (4 rows of 1024 = 8 KiB ahead) by hand: the hardware
+// prefetcher alone falls behind. Measured 14 -> 16-19 GB/s at 8 rows; at 1 row, on the 2-core EPYC of
+// 2026-11-23 (scripts/bench_gemv.py, variants alternated, 3 rounds): 28-33 -> 37-52 GB/s (an older measurement
+// on another day had it cost at 1 row; distances of 1-8 KiB were within noise of each other).
 constexpr int64_t kPrefetch = 4096;
 
 #define MOESERVE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
@@ -92,7 +94,7 @@ static void tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n, i
   const int64_t bb1 = std::min(b1, blocks);
   for (int64_t b = b0; b < bb1; ++b) {  // one block at a time, so its 4 rows stay in L1 across input rows
     for (int64_t m = m0; m < m1; m += 4) {
-      const bool pf = m == m0 && m1 - m0 > 4;  // the first pass over the block is the one reading memory
+      const bool pf = m == m0;  // the first pass over the block is the one reading memory
       const uint16_t* xm = x + m * xs;
       uint16_t* ym = y + m * ys;
       switch (std::min<int64_t>(4, m1 - m)) {

@@ -38,8 +38,8 @@ namespace moeserve_dense_int8 {
 using namespace moeserve_csrc;
 
 constexpr int64_t kRowTile = 32;  // input rows per pass over the weight
-// With more than 4 input rows, fetch 8 KiB ahead by hand (as the bf16 op does: the hardware prefetcher falls
-// behind when a block takes long).
+// The first pass over a block fetches 8 KiB ahead by hand, as the bf16 op does (the hardware prefetcher alone
+// falls behind): at 1 row 31-34 -> 34-42 GB/s of codes (scripts/bench_gemv.py, 2026-11-23).
 constexpr int64_t kPrefetchBytes = 8192;
 
 // 32 plain two's-complement codes at p (a leftover row) -> 32 bf16 values (exact).
@@ -109,7 +109,7 @@ static void tile_bf16(const uint16_t* x, int64_t xs, const int8_t* wp, int64_t n
   const int64_t bb1 = std::min(b1, blocks);
   for (int64_t b = b0; b < bb1; ++b) {  // one block at a time, so its 4 rows stay in L1 across input rows
     for (int64_t m = m0; m < m1; m += 4) {
-      const bool pf = m == m0 && m1 - m0 > 4;
+      const bool pf = m == m0;
       const uint16_t* xm = x + m * xs;
       uint16_t* ym = y + m * ys;
       switch (std::min<int64_t>(4, m1 - m)) {

@@ -416,9 +416,11 @@ template <typename B, typename Fn>
 inline void over_token_groups(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, int64_t nt,
                               Fn&& fn) {
   float res[4][4];
-  const bool prefetch = nt > 4;  // several passes over the block: its first pass should not wait for the next one
   for (int64_t t0 = 0; t0 < nt; t0 += 4) {
-    const bool pf = prefetch && t0 == 0;
+    // The first pass over the block (the one reading memory) fetches 4 KiB ahead by hand, whatever the token
+    // count: at 1 token the op streamed at 30-31 GB/s without it and 38-52 GB/s with it, the same as the dense
+    // GEMV and the plain-layout op (scripts/bench_gemv.py, variants alternated, 2026-11-23).
+    const bool pf = t0 == 0;
     switch (std::min<int64_t>(4, nt - t0)) {
       case 1: block_dots<1>(dec, blk, k, xs + t0, res, pf); break;
       case 2: block_dots<2>(dec, blk, k, xs + t0, res, pf); break;
