@@ -77,6 +77,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
             "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": ceilings.fraction_of_ceiling(tps, ceiling),
             "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
+            # with --memory-limit-gb: the most its cgroup held at once, page cache included (None: no limit)
+            "memory_peak_bytes": max((run.get("cgroup_peak_bytes") or 0 for run in r.runs), default=0) or None,
             "load_peak_rss_bytes": load_rss.get(r.engine),
             "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
             "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
@@ -99,7 +101,7 @@ def _settings(cfg: BenchConfig) -> dict[str, Any]:
     return {"cases": list(cfg.cases), "peers": list(cfg.peers), "new_tokens": cfg.new_tokens,
             "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
             "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads,
-            "prefetch": cfg.prefetch}
+            "prefetch": cfg.prefetch, "memory_limit_bytes": cfg.memory_limit_bytes}
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -109,6 +111,12 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = [f"shape {summary['shape']}  |  {m['cpu']}, {m['cores']} cores, torch {m['torch']}",
              f"memory bandwidth {bw['memory_bytes_per_s'] / 1e9:.1f} GB/s, disk read {bw['disk_bytes_per_s'] / 1e9:.2f} "
              "GB/s (best of runs before and after)"]
+    limit = summary["settings"].get("memory_limit_bytes")
+    if limit:
+        peaks = ", ".join(f"{row['engine']} {row['memory_peak_bytes'] / 2**30:.2f}" for row in summary["rows"]
+                          if row["case"] == summary["rows"][0]["case"] and row.get("memory_peak_bytes"))
+        lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
+                     f"that much memory); peak charged GiB: {peaks or 'n/a'}")
     header = (f"{'case':<10} {'engine':<32} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'ours/it':>7} "
               f"{'peak RSS':>9} {'hit rate':>8} {'MB/tok mem':>10} {'MB/tok disk':>11}")
     lines += [header, "-" * len(header)]

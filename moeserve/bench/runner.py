@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from moeserve.bench import ceilings, probes
+from moeserve.bench import ceilings, memlimit, probes
 from moeserve.bench.shapes import BenchShape
 from moeserve.bench.worker import BenchWorkerError, Worker
 
@@ -45,6 +45,9 @@ class BenchConfig:
     threads: int | None = None
     seed: int = 0
     prefetch: bool | None = None  # None: the engine's default
+    # Each engine's process in a memory cgroup of this many bytes, page cache included (bench/memlimit.py): a
+    # machine with that much memory. None: no limit.
+    memory_limit_bytes: int | None = None
 
 
 @dataclass
@@ -87,21 +90,33 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     ours: dict[str, Any] = dict(model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
                                 quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
                                 max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
-    workers["moeserve"] = Worker("moeserve", **ours, **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
+    try:
+        _start_all(cfg, cache_dir, workers, skipped, ours)
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers, skipped
+
+
+def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], skipped: list[Skipped],
+               ours: dict[str, Any]) -> None:
+    workers["moeserve"] = Worker("moeserve", cgroup=_cgroup(cfg, "moeserve"), **ours,
+                                 **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
     for peer in cfg.peers:
         if peer == "moeserve-no-prefetch":  # moeserve against itself: the gain from prefetch, paired
-            workers[peer] = Worker("moeserve", **ours, prefetch=False)
+            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, prefetch=False)
             continue
         if peer == "moeserve-plain-experts":  # moeserve against itself: the gain from interleaved experts, paired
-            workers[peer] = Worker("moeserve", **ours, expert_layout="plain",
+            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, expert_layout="plain",
                                    **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
             continue
         if peer == "moeserve-per-op":  # moeserve against itself: the gain from the fused decode step, paired
-            workers[peer] = Worker("moeserve", **ours, decode_step="per_op",
+            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, decode_step="per_op",
                                    **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
             continue
         if peer == "moeserve-torch-kernels":  # moeserve against itself: the gain from the C++ kernels, paired
-            workers[peer] = Worker("moeserve", **ours, kernels="torch",
+            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, kernels="torch",
                                    **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
             continue
         try:
@@ -110,7 +125,13 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             skipped.append(Skipped(peer, reason))
             log.warning("peer %s skipped: %s", peer, reason)
-    return workers, skipped
+
+
+def _cgroup(cfg: BenchConfig, engine: str) -> memlimit.MemoryCgroup | None:
+    """The memory cgroup of one engine's process (its own, same limit for all), or None without a limit."""
+    if cfg.memory_limit_bytes is None:
+        return None
+    return memlimit.create(cfg.memory_limit_bytes, f"moeserve-bench-{os.getpid()}-{engine.replace('.', '_')}")
 
 
 def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
@@ -120,7 +141,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
     if peer == "transformers":
         if importlib.util.find_spec("transformers") is None:
             raise ImportError("transformers is not installed (pip install 'moeserve[dev]')")
-        return Worker("transformers", model=model, threads=cfg.threads)
+        return Worker("transformers", cgroup=_cgroup(cfg, peer), model=model, threads=cfg.threads)
     if peer == "accelerate":
         if importlib.util.find_spec("accelerate") is None:
             raise ImportError("accelerate is not installed (pip install 'moeserve[dev]')")
@@ -128,7 +149,8 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
         # The same fast-tier budget moeserve has: non-expert weights plus the expert cache.
         dense = ceilings.dense_bytes_per_step(cfg.shape, 2) + cfg.shape.vocab_size * cfg.shape.hidden_size * 2
         cache = int((cfg.expert_cache_gb or 0) * 2**30)
-        return Worker("transformers", model=model, threads=cfg.threads, offload_folder=str(offload),
+        return Worker("transformers", cgroup=_cgroup(cfg, peer), model=model, threads=cfg.threads,
+                      offload_folder=str(offload),
                       max_cpu_memory_bytes=dense + cache)
     if peer in ("llama.cpp", "llama.cpp-q8"):
         if importlib.util.find_spec("llama_cpp") is None:
@@ -138,7 +160,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
 
         kind = "q8_0" if peer.endswith("q8") else "bf16"
         path = ensure_gguf(cfg.checkpoint, cfg.shape, kind)
-        return Worker("llama.cpp", gguf_path=str(path), threads=cfg.threads,
+        return Worker("llama.cpp", cgroup=_cgroup(cfg, peer), gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     raise ValueError(f"unknown peer {peer!r} (valid: {', '.join(PEERS)})")
 

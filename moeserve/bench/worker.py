@@ -12,6 +12,7 @@ from dataclasses import asdict
 from multiprocessing.connection import Connection
 from typing import Any
 
+from moeserve.bench.memlimit import MemoryCgroup
 from moeserve.errors import MoeserveError
 
 
@@ -28,13 +29,15 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def _serve(conn: Connection, engine_name: str, kwargs: dict[str, Any]) -> None:
+def _serve(conn: Connection, engine_name: str, kwargs: dict[str, Any], cgroup: MemoryCgroup | None) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
-    from moeserve.bench.engines import ENGINE_CLASSES
-
     try:
+        if cgroup is not None:  # first: the engine's imports, weights and page cache are all charged there
+            cgroup.join()
+        from moeserve.bench.engines import ENGINE_CLASSES
+
         engine = ENGINE_CLASSES[engine_name](**kwargs)
         conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes(), "name": engine.name}))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
@@ -51,21 +54,29 @@ def _serve(conn: Connection, engine_name: str, kwargs: dict[str, Any]) -> None:
             timing = getattr(engine, method)(*args)
             result = asdict(timing)
             result["peak_rss_bytes"] = peak_rss_bytes()
+            if cgroup is not None:  # RSS and page cache together, as the limit counts them
+                result["cgroup_peak_bytes"] = cgroup.peak_bytes()
             conn.send(("ok", result))
         except Exception as err:  # noqa: BLE001
             conn.send(("error", f"{type(err).__name__}: {err}"))
 
 
 class Worker:
-    """A handle on one engine's process: `call("decode", prompts, n)` returns the Timing as a dict."""
+    """A handle on one engine's process: `call("decode", prompts, n)` returns the Timing as a dict. With
+    `cgroup`, the process runs inside that memory cgroup (its own: removed on close)."""
 
-    def __init__(self, engine_name: str, **kwargs: Any) -> None:
+    def __init__(self, engine_name: str, cgroup: MemoryCgroup | None = None, **kwargs: Any) -> None:
         ctx = mp.get_context("spawn")
+        self.cgroup = cgroup
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, engine_name, kwargs), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, engine_name, kwargs, cgroup), daemon=True)
         self.process.start()
         child.close()
-        info = self._receive()
+        try:
+            info = self._receive()
+        except BaseException:
+            self.close()  # the process is gone or going: remove its cgroup too
+            raise
         self.name: str = info["name"]
         self.load_peak_rss_bytes: int = info["peak_rss_bytes"]
 
@@ -74,8 +85,9 @@ class Worker:
             status, payload = self.conn.recv()
         except EOFError:
             self.process.join(5)
-            raise BenchWorkerError(f"benchmark worker died (exit code {self.process.exitcode}); "
-                                   "rerun with --debug, or check free memory") from None
+            hint = (f"killed over its memory limit of {self.cgroup.limit_bytes / 2**30:.1f} GiB? (--memory-limit-gb)"
+                    if self.cgroup is not None else "check free memory")
+            raise BenchWorkerError(f"benchmark worker died (exit code {self.process.exitcode}); {hint}") from None
         if status != "ok":
             raise BenchWorkerError(str(payload).splitlines()[0])
         return payload
@@ -94,3 +106,6 @@ class Worker:
             self.process.join(30)
         if self.process.is_alive():
             self.process.terminate()
+            self.process.join(5)
+        if self.cgroup is not None:
+            self.cgroup.remove()

@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="moeserve's expert prefetch (default: the engine's default)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")
+    p.add_argument("--memory-limit-gb", type=float, default=None,
+                   help="run each engine in a memory cgroup of this size, page cache included: a machine with that "
+                        "much memory, so disk offload really reads the disk (needs a writable cgroup; default: none)")
     p.add_argument("--cache-dir", type=Path, default=None, help="where synthetic models are cached "
                    "(default ~/.cache/moeserve/bench)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
@@ -48,6 +51,14 @@ def _csv(value: str, valid: tuple[str, ...], what: str) -> tuple[str, ...]:
     if bad:
         raise ConfigError(f"unknown {what} '{bad[0]}' (valid: {', '.join(valid)})")
     return items
+
+
+def _limit_bytes(gb: float | None) -> int | None:
+    if gb is None:
+        return None
+    if gb <= 0:
+        raise ConfigError(f"--memory-limit-gb must be positive (got {gb})")
+    return int(gb * 2**30)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cache_gb = args.expert_cache_gb if args.expert_cache_gb is not None else DEFAULT_EXPERT_CACHE_GB[shape.name]
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
-                             args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch)
+                             args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
+                             memory_limit_bytes=_limit_bytes(args.memory_limit_gb))
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:
