@@ -67,15 +67,30 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
         else:
             step = ceilings.resident_step_bytes(cfg.shape, bpp[1], tokens_per_step)
             step = ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk)
-        ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"],
-                                                     bandwidths["disk_bytes_per_s"], tokens_per_step)
+        disk_bw = bandwidths["disk_bytes_per_s"]
+        best_ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"], disk_bw,
+                                                          tokens_per_step)
         tps = r.median_tokens_per_s
+        # Each run against the ceiling of the memory bandwidth probed right before its round (runner.run_cases);
+        # the row gives the medians. Without such probes (older JSON), the best probe of before and after.
+        timed = [run for run in r.runs if run["seconds"] > 0]
+        if timed and all(run.get("memory_bytes_per_s") for run in timed):
+            beside = [ceilings.tokens_per_second_ceiling(step, run["memory_bytes_per_s"], disk_bw, tokens_per_step)
+                      for run in timed]
+            ceiling = statistics.median(beside)
+            fraction = statistics.median(run["tokens"] / run["seconds"] / c for run, c in zip(timed, beside))
+        else:
+            ceiling, fraction = best_ceiling, ceilings.fraction_of_ceiling(tps, best_ceiling)
         mine = _median_run(r).get("store") or {}
         accesses = mine.get("hits", 0) + mine.get("misses", 0)
         tokens = statistics.median(run["tokens"] for run in r.runs)
         rows.append({
             "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
-            "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": ceilings.fraction_of_ceiling(tps, ceiling),
+            "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
+            "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": fraction,
+            # against the best memory probe of the whole run (before and after it): the stricter reading
+            "best_probe_ceiling_tokens_per_s": best_ceiling,
+            "fraction_of_best_probe_ceiling": ceilings.fraction_of_ceiling(tps, best_ceiling),
             "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
             # with --memory-limit-gb: the most its cgroup held at once, page cache included (None: no limit)
             "memory_peak_bytes": max((run.get("cgroup_peak_bytes") or 0 for run in r.runs), default=0) or None,
@@ -108,16 +123,20 @@ def format_table(summary: dict[str, Any]) -> str:
     """A fixed-width table of the rows, bandwidths and skipped peers."""
     bw = summary["bandwidths"]
     m = summary["machine"]
+    beside = [bw for row in summary["rows"] for bw in row.get("runs_memory_bytes_per_s", []) if bw]
     lines = [f"shape {summary['shape']}  |  {m['cpu']}, {m['cores']} cores, torch {m['torch']}",
              f"memory bandwidth {bw['memory_bytes_per_s'] / 1e9:.1f} GB/s, disk read {bw['disk_bytes_per_s'] / 1e9:.2f} "
-             "GB/s (best of runs before and after)"]
+             "GB/s (best of runs before and after)" + (
+                 f"; memory probed beside each round: {min(beside) / 1e9:.1f}-{max(beside) / 1e9:.1f} GB/s "
+                 "('ceiling' and 'of ceil': medians of each run against its round's probe; 'of best': against the "
+                 "best probe)" if beside else "")]
     limit = summary["settings"].get("memory_limit_bytes")
     if limit:
         peaks = ", ".join(f"{row['engine']} {row['memory_peak_bytes'] / 2**30:.2f}" for row in summary["rows"]
                           if row["case"] == summary["rows"][0]["case"] and row.get("memory_peak_bytes"))
         lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
                      f"that much memory); peak charged GiB: {peaks or 'n/a'}")
-    header = (f"{'case':<10} {'engine':<32} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'ours/it':>7} "
+    header = (f"{'case':<10} {'engine':<32} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'of best':>7} {'ours/it':>7} "
               f"{'peak RSS':>9} {'hit rate':>8} {'MB/tok mem':>10} {'MB/tok disk':>11}")
     lines += [header, "-" * len(header)]
     for row in summary["rows"]:
@@ -126,7 +145,8 @@ def format_table(summary: dict[str, Any]) -> str:
         disk = "-" if row["bytes_per_token_disk"] is None else f"{row['bytes_per_token_disk'] / 1e6:.1f}"
         lines.append(
             f"{row['case']:<10} {row['engine']:<32} {row['tokens_per_s']:>8.2f} {row['ceiling_tokens_per_s']:>8.1f} "
-            f"{row['fraction_of_ceiling']:>7.0%} {vs:>7} {row['peak_rss_bytes'] / 2**20:>7.0f}Mi {hit:>8} "
+            f"{row['fraction_of_ceiling']:>7.0%} {row['fraction_of_best_probe_ceiling']:>7.0%} {vs:>7} "
+            f"{row['peak_rss_bytes'] / 2**20:>7.0f}Mi {hit:>8} "
             f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {disk:>11}")
     for s in summary["skipped"]:
         lines.append(f"skipped {s['engine']}: {s['reason']}")

@@ -13,6 +13,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,12 +171,18 @@ def offload_dir(cfg: BenchConfig, cache_dir: Path) -> Path:
     return cache_dir / f"offload-{cfg.shape.name}-{os.getpid()}"
 
 
-def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:
-    """Each case, `repeats` times, engines alternating. One untimed warm-up per engine and case first."""
+def run_cases(cfg: BenchConfig, workers: dict[str, Worker],
+              probe: Callable[[], float] = probes.memory_bandwidth) -> list[CaseResult]:
+    """Each case, `repeats` times, engines alternating. One untimed warm-up per engine and case first.
+
+    Before each timed round the memory bandwidth is probed (`probe`, bytes/s) and kept with every run of the
+    round: a shared machine's bandwidth moves by 1.5x within minutes, so each run is set against the ceiling
+    measured right beside it (see report.summarize), as engines are against each other."""
     results = {(name, case): CaseResult(name, case) for name in workers for case in cfg.cases}
     for case in cfg.cases:
         batch = _batch_of(case)
         for rep in range(-1, cfg.repeats):  # rep -1 is the warm-up
+            bandwidth = probe() if rep >= 0 else 0.0
             for name, w in workers.items():
                 if case == "prefill":
                     prompt = make_prompts(1, cfg.prefill_len, cfg.shape.vocab_size, cfg.seed + 1000 + rep)[0]
@@ -189,6 +196,7 @@ def run_cases(cfg: BenchConfig, workers: dict[str, Worker]) -> list[CaseResult]:
                     log.warning("%s %s: %s", name, case, err)
                     continue
                 if rep >= 0:
+                    run["memory_bytes_per_s"] = bandwidth
                     results[(name, case)].runs.append(run)
                     log.info("%s %s run %d/%d: %.2f tokens/s", case, name, rep + 1, cfg.repeats,
                              run["tokens"] / max(run["seconds"], 1e-12))

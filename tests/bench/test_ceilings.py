@@ -89,3 +89,24 @@ def test_paired_ratio_is_median_of_adjacent_pairs():
     # pairs: 10/5=2, 20/5=4, 30/10=3 -> median 3 (the ratio of medians would be 20/5 = 4)
     assert paired_ratio(result([10, 20, 30]), result([5, 5, 10])) == pytest.approx(3.0)
     assert paired_ratio(result([]), result([1])) is None
+
+
+def test_each_run_is_set_against_the_bandwidth_probed_beside_it():
+    from moeserve.bench.report import summarize
+
+    cfg = BenchConfig(SHAPES["tiny"], checkpoint=None, cases=("decode-b1",), peers=())  # type: ignore[arg-type]
+    # 2 steps of 1 token, every access a hit: 8 hits over 2 steps = 4 distinct experts read per step
+    store = {"hits": 8, "misses": 0, "bytes_read": 0}
+    runs = [{"tokens": 10, "seconds": 1.0, "steps": 2, "store": store, "peak_rss_bytes": 1,
+             "memory_bytes_per_s": 1e9},   # 10 tok/s while the machine gave 1 GB/s
+            {"tokens": 10, "seconds": 0.5, "steps": 2, "store": store, "peak_rss_bytes": 1,
+             "memory_bytes_per_s": 4e9}]   # 20 tok/s while it gave 4 GB/s
+    summary = summarize(cfg, [CaseResult("moeserve", "decode-b1", runs)], [],
+                        {"memory_bytes_per_s": 4e9, "disk_bytes_per_s": 1e9}, {}, {})
+    (row,) = summary["rows"]
+    step_bytes = 84864 + 4 * 6144 * 2  # dense (see above) + 4 bf16 experts = 134016
+    c1, c4 = 1e9 / step_bytes, 4e9 / step_bytes  # ceilings at 1 and 4 GB/s
+    assert row["ceiling_tokens_per_s"] == pytest.approx((c1 + c4) / 2)  # median of two = their mean
+    assert row["fraction_of_ceiling"] == pytest.approx((10 / c1 + 20 / c4) / 2)
+    assert row["best_probe_ceiling_tokens_per_s"] == pytest.approx(c4)
+    assert row["fraction_of_best_probe_ceiling"] == pytest.approx(15 / c4)  # median tok/s 15 against the best probe
