@@ -493,7 +493,10 @@ class MoEBlock:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ids, token_of, weight_of, counts = self.pairs(x)
-        predicted = self.predict(x) if self.predict_next is not None else None
+        # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
+        # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
+        wanted = self.trace_hook is not None or getattr(self.store, "predictor", None) is None
+        predicted = self.predict(x) if self.predict_next is not None and wanted else None
         if self.trace_hook is not None:
             self.trace_hook(self.layer, ids, predicted)
         bounds, start = {}, 0
