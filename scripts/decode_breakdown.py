@@ -106,7 +106,7 @@ def fused_breakdown(llm: LLM, rounds: int, tokens: int) -> None:
     if head is not None:
         model._head = TimedHead()  # type: ignore[assignment]
     for _ in range(rounds):
-        hits0 = model.store.stats.hits
+        hits0 = model.store.stats.hits + model.store.stats.misses  # experts computed (offloaded: misses too)
         head_seconds[0] = 0.0
         model._stack.set_profiling(True)
         t0 = time.perf_counter()
@@ -115,19 +115,20 @@ def fused_breakdown(llm: LLM, rounds: int, tokens: int) -> None:
         head_step = head_seconds[0] / (tokens + 1)
         names, secs = model._stack.profile()
         model._stack.set_profiling(False)
-        hits1 = model.store.stats.hits
+        hits1 = model.store.stats.hits + model.store.stats.misses
         t2 = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))  # prefill + sampling
         t3 = time.perf_counter()
         step = ((t1 - t0) - (t3 - t2)) / tokens
         # experts the timed run's decode steps used: its hits less those of a prefill alone
-        steps_hits = (hits1 - hits0) - (model.store.stats.hits - hits1)
+        steps_hits = (hits1 - hits0) - (model.store.stats.hits + model.store.stats.misses - hits1)
         per_step = {n: v / tokens for n, v in zip(names, secs)}
         inside = sum(per_step.values())
         print(f"decode step {step * 1e3:.2f} ms ({1 / step:.1f} tok/s); inside the DecodeStack {inside * 1e3:.2f} ms, "
               f"LM head {head_step * 1e3:.2f} ms "
               + (f"({head.nbytes / head_step / 1e9:.1f} GB/s)" if head is not None and head_step > 0 else "")
-              + f", the rest (embedding, sampling, engine) {(step - inside - head_step) * 1e3:.2f} ms")
+              + f", the rest (embedding, sampling, engine{'' if model.store.resident else ', the store between layers'}) "
+              f"{(step - inside - head_step) * 1e3:.2f} ms")
         expert_bytes = steps_hits * unit_bytes / tokens
         for name in sorted(per_step, key=lambda k: -per_step[k]):
             ms = per_step[name] * 1e3

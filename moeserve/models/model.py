@@ -19,6 +19,7 @@ from moeserve.errors import ConfigError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.models.layers import (
+    FUSED_MAX_TOKENS,
     RMS_NORMS,
     Attention,
     DecoderLayer,
@@ -196,7 +197,8 @@ class MoeModel:
                 raise ConfigError(f"decode_step=fused is not possible here: {why_not} (use auto or per_op)")
             return f"one op call per piece from Python ({why_not})"
         self.fused_decode = True
-        return (f"all {len(self.layers)} layers in one C++ call per decode-only batch "
+        how = "one C++ call" if self.store.resident else "one C++ call, stopping at each MoE layer for the store's units"
+        return (f"all {len(self.layers)} layers in {how} per decode-only batch "
                 f"({'set' if want == 'fused' else 'auto'}; same ops, same bits as per_op, without the Python "
                 "between them); prefill and mixed batches run per op")
 
@@ -204,7 +206,8 @@ class MoeModel:
     def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
         h = self.embed[batch.token_ids]  # [N, H]
-        if self.fused_decode and batch.decode_only and batch.token_slots is not None and not self._traced:
+        if (self.fused_decode and batch.decode_only and batch.token_slots is not None and not self._traced
+                and (self.store.resident or batch.token_ids.shape[0] <= FUSED_MAX_TOKENS)):
             last = self._fused_step(h, batch, kv)
         elif self.cpp:
             last = self._layers_cpp(h, batch, kv)
@@ -219,11 +222,17 @@ class MoeModel:
 
     def _fused_step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Every layer in one DecodeStack call; the store is told the hits (one per needed expert per layer)."""
-        if self._stack is None or self._stack_kv is not kv:
-            from moeserve.models.decode_stack import fused_decode_stack
+        from moeserve.models import decode_stack
 
-            self._stack, self._stack_kv = fused_decode_stack(self, kv), kv
+        assert batch.token_slots is not None  # forward checked: a decode-only batch
+        if self._stack is None or self._stack_kv is not kv:
+            self._stack, self._stack_kv = decode_stack.fused_decode_stack(self, kv), kv
             self._stack_hits = torch.zeros(len(self.store.layers), dtype=torch.int64)
+        if not self.store.resident:  # the store's own hits and misses
+            blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+            return decode_stack.fused_offloaded_step(
+                self._stack, self.store, [b.layer for b in blocks], decode_stack.unit_fields(blocks[0].kernel),
+                h, batch.positions, batch.token_slots, self._stack_hits)
         last = self._stack.step(h, batch.positions, batch.token_slots, self._stack_hits)
         self.store.count_resident_hits(self._stack_hits.tolist())
         self._stack_hits.zero_()

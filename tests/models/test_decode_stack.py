@@ -38,7 +38,7 @@ def run(folder, decode_step: str, **settings):
 
     model._fused_step = counting
     logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
-    hits = {layer: s.hits for layer, s in model.store.stats.layers.items()}
+    hits = {layer: (s.hits, s.misses, s.bytes_read) for layer, s in model.store.stats.layers.items()}
     return model, logits, [o.outputs[0].token_ids for o in outs], fused_steps, hits
 
 
@@ -57,7 +57,34 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, arc
     assert steps == PARAMS.max_tokens - 1 and ref_steps == 0  # every decode step after the prefill
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
-    assert hits == ref_hits and sum(hits.values()) > 0
+    assert hits == ref_hits and sum(h for h, _, _ in hits.values()) > 0
+
+
+@pytest.mark.parametrize("quantization,layout,cache_gb", [
+    ("none", "auto", 1e-6),  # offloaded bf16 under auto: plain units (moe_swiglu_); a 1-unit cache: 1 per chunk
+    ("none", "interleaved", 1e-6),
+    ("none", "auto", 6e-5),  # 5 of 16 units: hits and misses in one layer call
+    ("int8", "auto", 3e-5),
+    ("int8", "plain", 3e-5),
+])
+def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interleaved_ok, tiny_checkpoint,
+                                                                        quantization, layout, cache_gb):
+    """Offloaded: the stack stops at each MoE layer and the store yields the units (in chunks when the cache is
+    smaller than the layer's needs); logits, tokens and every layer's hits, misses and bytes read are the per-op
+    path's."""
+    if quantization == "int8" and not bool(cpp_ops().moe_int8_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16/VBMI")
+    folder = tiny_checkpoint("qwen3_moe")
+    settings = dict(quantization=quantization, expert_layout=layout, expert_cache_gb=cache_gb)
+    fused, logits, tokens, steps, traffic = run(folder, "fused", **settings)
+    per_op, ref_logits, ref_tokens, ref_steps, ref_traffic = run(folder, "per_op", **settings)
+    assert not fused.store.resident and fused.fused_decode and not per_op.fused_decode
+    assert "stopping at each MoE layer" in fused.choose_decode_step("auto")
+    assert steps == PARAMS.max_tokens - 1 and ref_steps == 0
+    assert tokens == ref_tokens
+    assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
+    assert traffic == ref_traffic
+    assert sum(m for _, m, _ in traffic.values()) > 0  # the cache really missed
 
 
 def test_auto_chooses_with_a_reason(interleaved_ok, tiny_checkpoint):
@@ -73,7 +100,6 @@ def test_auto_chooses_with_a_reason(interleaved_ok, tiny_checkpoint):
 @pytest.mark.parametrize("settings,why", [
     ({"kernels": "torch"}, "C++ kernels are off"),
     ({"expert_layout": "plain"}, "not row-interleaved"),
-    ({"expert_cache_gb": 1e-6}, "offloaded"),
     ({"dtype": "float32"}, "bf16 on CPU"),
 ])
 def test_fused_refused_where_it_cannot_apply(interleaved_ok, tiny_checkpoint, settings, why):

@@ -21,6 +21,19 @@
 //
 // `hits[j]` is increased by the number of experts the j-th MoE layer used (the store's hit count: one per needed expert per
 // layer call), so the store's statistics stay true.
+//
+// Offloaded experts (the store moves units between tiers, so no unit can be held here): a MoE layer added with
+// `add_moe_external` has its router only, and a step becomes a conversation with the caller, who asks the store:
+//
+//   ids = begin(h, positions, slots, hits)       runs up to the first such layer's routing; its needed experts
+//   while ids.numel():                           (ascending, int64), or an empty tensor once every layer ran
+//       for chunk in store.experts(layer, ids):  units as the store yields them, ascending, several calls
+//           feed(chunk ids, units...)            the expert op on them, added into the layer's output in order
+//       ids = resume()                           the residual add, then on to the next such layer
+//   x = result()
+//
+// The op adds expert after expert whatever the chunking (csrc/moe_experts.cpp), so this too gives the per-op
+// path's bits; those layers' hits and misses are the store's own.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -57,6 +70,7 @@ struct Layer {
   int64_t window = 0;           // sliding window, 0 = none
   // The MLP: a MoE block (router + units per expert; scales empty for bf16 units) or a dense SwiGLU MLP.
   bool moe = false;
+  bool external = false;  // a MoE layer whose units the caller feeds at each step (add_moe_external)
   PackedLinear router, gate, up, down;
   std::vector<at::Tensor> gate_up_units, gate_up_scales, down_units, down_scales;
 };
@@ -133,6 +147,21 @@ class DecodeStack : public torch::CustomClassHolder {
     ++moe_layers_;
   }
 
+  // The last layer's MLP is a MoE block whose experts the caller feeds at each step (begin / feed / resume):
+  // units in the row-interleaved layout (moe_swiglu[_int8]_interleaved_) or, with `plain`, as [out, in] matrices
+  // (moe_swiglu_ / moe_swiglu_int8_); bf16 or int8 as fed (int8 comes with scales).
+  void add_moe_external(at::Tensor router, std::optional<at::Tensor> router_bias, bool plain) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
+                "DecodeStack: add_moe_external needs a layer without an MLP");
+    TORCH_CHECK(external_layers_ == 0 || plain == plain_units_, "DecodeStack: fed units all plain or all interleaved");
+    Layer& l = layers_.back();
+    l.router = packed(router, std::nullopt, router_bias, hidden_, "router");
+    l.moe = l.external = true;
+    plain_units_ = plain;
+    ++moe_layers_;
+    ++external_layers_;
+  }
+
   // The last layer's MLP is dense: down(silu(gate(x)) * up(x)).
   void add_dense_mlp(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
                      std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale) {
@@ -148,38 +177,75 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // h [N, H] (one new token per sequence, hidden states after the embedding; updated in place to the residual
-  // stream after the last layer), positions and token_slots int64 [N], hits int64 [layers] (added to). Returns
-  // the final-normed hidden states [N, H].
+  // stream after the last layer), positions and token_slots int64 [N], hits int64 [MoE layers] (added to). Returns
+  // the final-normed hidden states [N, H]. Every MoE layer's units must be held here (add_moe).
   at::Tensor step(at::Tensor h, const at::Tensor& positions, const at::Tensor& token_slots, at::Tensor hits) {
+    TORCH_CHECK(external_layers_ == 0, "DecodeStack.step: some MoE layers are fed by the caller (begin/feed/resume)");
+    begin(std::move(h), positions, token_slots, std::move(hits));
+    return result();
+  }
+
+  // Starts a step (arguments as `step`) and runs it up to the first layer added with add_moe_external: returns the
+  // experts that layer needs (int64, ascending), or an empty tensor when the step ran to its end (then `result`).
+  at::Tensor begin(at::Tensor h, const at::Tensor& positions, const at::Tensor& token_slots, at::Tensor hits) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous(), "DecodeStack: h must be contiguous [N, H]");
     TORCH_CHECK(layers_.back().moe || layers_.back().down.out > 0, "DecodeStack: the last layer has no MLP");
     TORCH_CHECK(hits.scalar_type() == at::kLong && hits.is_contiguous() && hits.numel() == moe_layers_,
                 "DecodeStack: hits must be int64 [MoE layers]");
-    const int64_t n = h.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    int64_t* hit = hits.data_ptr<int64_t>();
-    int64_t moe_index = 0;
-    at::Tensor x = timed(kNorms, [&] { return moeserve_norm::rms_norm(h, layers_[0].input_norm, eps_, fp32_scale_); });
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      Layer& l = layers_[i];
-      // Attention (Attention.__call__ + _cpp_attention).
-      const at::Tensor qkv_out = timed(kQkv, [&] { return l.qkv(x); });
-      const at::Tensor a = timed(kAttention, [&] {
-        const std::vector<at::Tensor> qkv = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
-        const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm,
-                                                                    cos_, sin_, positions, token_slots, l.k_cache,
-                                                                    l.v_cache, eps_);
-        return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, token_slots, positions, l.window,
-                                                    attn_scale_);
-      });
-      const at::Tensor o = timed(kOProj, [&] { return l.o(a.reshape({n, q_size})); });
-      x = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h, o, l.post_norm, eps_, fp32_scale_); });
-      at::Tensor m = l.moe ? experts(l, x, hit[moe_index++])
-                           : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x)) * l.up(x)); });
-      const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      x = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h, m, next_norm, eps_, fp32_scale_); });
-    }
-    return x;
+    h_ = std::move(h);
+    positions_ = positions;
+    slots_ = token_slots;
+    hits_ = std::move(hits);
+    layer_ = 0;
+    moe_index_ = 0;
+    waiting_ = false;
+    x_ = timed(kNorms, [&] { return moeserve_norm::rms_norm(h_, layers_[0].input_norm, eps_, fp32_scale_); });
+    return advance();
+  }
+
+  // The next `ids.size()` experts the waiting layer needs (in the order `begin` / `resume` listed them), with their
+  // units: gate_up and down (plus row scales for int8 units; empty lists for bf16). Runs the expert op on them.
+  void feed(std::vector<int64_t> ids, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_scale,
+            std::vector<at::Tensor> down, std::vector<at::Tensor> down_scale) {
+    TORCH_CHECK(waiting_, "DecodeStack.feed: no layer is waiting for experts");
+    const size_t k = ids.size();
+    TORCH_CHECK(gate_up.size() == k && down.size() == k && gate_up_scale.size() == down_scale.size() &&
+                    (gate_up_scale.empty() || gate_up_scale.size() == k),
+                "DecodeStack.feed: one gate_up and down unit (and scales for int8) per expert id");
+    TORCH_CHECK(fed_ + k <= needed_ids_.size(), "DecodeStack.feed: more experts than the layer needs");
+    for (size_t j = 0; j < k; ++j)
+      TORCH_CHECK(ids[j] == needed_ids_[fed_ + j], "DecodeStack.feed: expert ", ids[j], " fed where expert ",
+                  needed_ids_[fed_ + j], " comes next");
+    const std::vector<int64_t> bounds(spans_.begin() + 2 * fed_, spans_.begin() + 2 * (fed_ + k));
+    timed(kExperts, [&] {
+      const bool int8 = !gate_up_scale.empty();
+      if (plain_units_ && int8)
+        moeserve_moe::moe_swiglu_int8_(m_, x_, gate_up, gate_up_scale, down, down_scale, token_of_, weight_of_, bounds);
+      else if (plain_units_)
+        moeserve_moe::moe_swiglu_(m_, x_, gate_up, down, token_of_, weight_of_, bounds);
+      else if (int8)
+        moeserve_moe::moe_swiglu_int8_interleaved_(m_, x_, gate_up, gate_up_scale, down, down_scale, token_of_,
+                                                   weight_of_, bounds);
+      else
+        moeserve_moe::moe_swiglu_interleaved_(m_, x_, gate_up, down, token_of_, weight_of_, bounds);
+      return 0;
+    });
+    fed_ += k;
+  }
+
+  // After every needed expert was fed: the waiting layer's residual add, then on to the next fed layer (as begin).
+  at::Tensor resume() {
+    TORCH_CHECK(waiting_, "DecodeStack.resume: no layer is waiting for experts");
+    TORCH_CHECK(fed_ == needed_ids_.size(), "DecodeStack.resume: ", needed_ids_.size() - fed_,
+                " of the layer's experts were not fed");
+    return advance();
+  }
+
+  // The final-normed hidden states [N, H] of the step that ran to its end.
+  at::Tensor result() const {
+    TORCH_CHECK(x_.defined() && !waiting_ && layer_ == layers_.size(), "DecodeStack.result: the step has not ended");
+    return x_;
   }
 
   // Profiling: with it on, each step adds the wall-clock seconds of each phase (a clock read around each call,
@@ -194,6 +260,68 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Runs layers from layer_ on (first finishing the one waiting for fed experts) until a fed layer has routed
+  // (returns its needed experts) or the last layer is done (returns an empty tensor).
+  at::Tensor advance() {
+    const int64_t n = h_.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    int64_t* hit = hits_.data_ptr<int64_t>();
+    for (; layer_ < layers_.size(); ++layer_) {
+      Layer& l = layers_[layer_];
+      at::Tensor m;
+      if (waiting_) {  // the fed layer's output is complete
+        waiting_ = false;
+        m = std::move(m_);
+      } else {
+        // Attention (Attention.__call__ + _cpp_attention).
+        const at::Tensor qkv_out = timed(kQkv, [&] { return l.qkv(x_); });
+        const at::Tensor a = timed(kAttention, [&] {
+          const std::vector<at::Tensor> qkv = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
+          const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm,
+                                                                      cos_, sin_, positions_, slots_, l.k_cache,
+                                                                      l.v_cache, eps_);
+          return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, slots_, positions_, l.window,
+                                                      attn_scale_);
+        });
+        const at::Tensor o = timed(kOProj, [&] { return l.o(a.reshape({n, q_size})); });
+        x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, o, l.post_norm, eps_, fp32_scale_); });
+        if (l.moe && l.external) {
+          ++moe_index_;  // its hits and misses are the store's
+          return route_external(l);
+        }
+        m = l.moe ? experts(l, x_, hit[moe_index_++])
+                  : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x_)) * l.up(x_)); });
+      }
+      const at::Tensor& next_norm = layer_ + 1 < layers_.size() ? layers_[layer_ + 1].input_norm : final_norm_;
+      x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, m, next_norm, eps_, fp32_scale_); });
+    }
+    return at::empty({0}, at::kLong);
+  }
+
+  // A fed layer's routing: keeps its pairs and each needed expert's span of them, zeroes its output; returns the
+  // needed experts (ascending).
+  at::Tensor route_external(const Layer& l) {
+    const at::Tensor logits = timed(kRouter, [&] { return l.router(x_); });
+    auto [token_of, weight_of, counts, ids] = timed(kRouting, [&] {
+      return moeserve_routing::moe_route_pairs(logits, top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
+    });
+    token_of_ = std::move(token_of);
+    weight_of_ = std::move(weight_of);
+    const int64_t* cnt = counts.data_ptr<int64_t>();
+    needed_ids_.clear();
+    spans_.clear();
+    for (int64_t e = 0, start = 0; e < counts.numel(); ++e) {
+      if (cnt[e] == 0) continue;
+      needed_ids_.push_back(e);
+      spans_.push_back(start);
+      spans_.push_back(start + cnt[e]);
+      start += cnt[e];
+    }
+    m_ = at::zeros_like(x_);
+    fed_ = 0;
+    waiting_ = true;
+    return at::tensor(needed_ids_, at::kLong);
+  }
+
   // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
   // `hits` += how many.
   at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) const {
@@ -244,8 +372,15 @@ class DecodeStack : public torch::CustomClassHolder {
   double attn_scale_;
   at::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
-  int64_t moe_layers_ = 0;
-  bool int8_units_ = false;
+  int64_t moe_layers_ = 0, external_layers_ = 0;
+  bool int8_units_ = false, plain_units_ = false;
+  // The step in progress (begin .. result): its tensors, the next layer to run, and the fed layer's state.
+  at::Tensor h_, positions_, slots_, hits_, x_, m_, token_of_, weight_of_;
+  size_t layer_ = 0;
+  int64_t moe_index_ = 0;
+  bool waiting_ = false;
+  std::vector<int64_t> needed_ids_, spans_;
+  size_t fed_ = 0;
   bool profiling_ = false;
   mutable std::array<double, kPhases> seconds_{};
 };
@@ -260,7 +395,12 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       .def("add_moe", &moeserve_stack::DecodeStack::add_moe)
       .def("add_dense_mlp", &moeserve_stack::DecodeStack::add_dense_mlp)
       .def("num_layers", &moeserve_stack::DecodeStack::num_layers)
+      .def("add_moe_external", &moeserve_stack::DecodeStack::add_moe_external)
       .def("step", &moeserve_stack::DecodeStack::step)
+      .def("begin", &moeserve_stack::DecodeStack::begin)
+      .def("feed", &moeserve_stack::DecodeStack::feed)
+      .def("resume", &moeserve_stack::DecodeStack::resume)
+      .def("result", &moeserve_stack::DecodeStack::result)
       .def("set_profiling", &moeserve_stack::DecodeStack::set_profiling)
       .def("profile", &moeserve_stack::DecodeStack::profile);
 }

@@ -40,6 +40,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const
 namespace moeserve_moe {  // moe_experts.cpp
 bool interleaved_supported();
 bool int8_interleaved_supported();
+at::Tensor moe_swiglu_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
+                       const at::Tensor& token_of, const at::Tensor& weight_of, at::IntArrayRef bounds_ref);
+at::Tensor moe_swiglu_int8_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList gate_up_scale,
+                            at::TensorList down, at::TensorList down_scale, const at::Tensor& token_of,
+                            const at::Tensor& weight_of, at::IntArrayRef bounds_ref);
 at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
                                    const at::Tensor& token_of, const at::Tensor& weight_of, at::IntArrayRef bounds_ref);
 at::Tensor moe_swiglu_int8_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up,
