@@ -34,7 +34,7 @@ import torch
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import ExpertLoadError, MoeserveError
 from moeserve.experts.affinity import AffinityPredictor
-from moeserve.experts.policies import NoVictimError, make_policy
+from moeserve.experts.policies import DeferredHits, NoVictimError, make_policy
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
 from moeserve.experts.unit import ExpertSource
@@ -249,7 +249,8 @@ class ExpertStore:
         else:
             prepare = getattr(source, "prepare_offload", None)  # test fakes may lack it
             self.source_note = prepare() if prepare is not None else None
-            self.policy = make_policy(opts.policy, **opts.policy_options)
+            # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
+            self.policy = DeferredHits(make_policy(opts.policy, **opts.policy_options))
             if opts.prefetch:
                 from moeserve.experts.prefetch import Prefetcher
 

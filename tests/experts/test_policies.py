@@ -322,3 +322,44 @@ def test_layer_recency_orders_like_lfru_capped_at_one_use():
     rng = random.Random(5)
     calls = [(layer, [k(e, layer) for e in sorted(rng.sample(range(12), 2))]) for _ in range(400) for layer in range(3)]
     _replay_both(_LayerRecency(), LFRUPolicy(max_score=1), calls, 10, lambda: True)
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lfru"])
+@pytest.mark.parametrize("max_pending", [1, 3, 512])
+def test_deferred_hits_make_the_same_choices(name, max_pending):
+    """DeferredHits (the store's wrapper: visits and hits replayed in batches) picks the wrapped policy's victims,
+    call for call, whether the log is replayed at every call, every 3 events, or only before a miss."""
+    from moeserve.experts.policies import DeferredHits
+
+    rng = random.Random(7)
+    calls = [(layer, [k(e, layer) for e in sorted(rng.sample(range(12), 3))]) for _ in range(300) for layer in range(3)]
+    deferred = DeferredHits(make_policy(name), max_pending=max_pending)
+    assert deferred.name == name
+    _replay_both(make_policy(name), deferred, calls, 14, lambda: True)
+
+
+def test_deferred_hits_wait_until_a_choice_needs_them():
+    from moeserve.experts.policies import DeferredHits, LRUPolicy
+
+    seen: list[object] = []
+
+    class Recording(LRUPolicy):
+        def begin_layer(self, layer: int) -> None:
+            seen.append(("visit", layer))
+
+        def on_hit(self, key: tuple[int, int]) -> None:
+            seen.append(("hit", key))
+            super().on_hit(key)
+
+    deferred = DeferredHits(Recording(), max_pending=4)
+    for e in (1, 2):
+        deferred.on_insert(k(e))
+    deferred.begin_layer(0)
+    deferred.on_hit(k(2))
+    assert seen == []  # logged only
+    assert deferred.choose_victim(set()) == k(1)  # replayed first: 2 was used after 1
+    assert seen == [("visit", 0), ("hit", k(2))]
+    for _ in range(2):
+        deferred.begin_layer(0)
+        deferred.on_hit(k(1))
+    assert len(seen) == 6  # the 4th logged event replays the log: its length stays bounded
