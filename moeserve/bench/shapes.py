@@ -28,6 +28,10 @@ class BenchShape:
     head_dim: int
     max_position_embeddings: int = 4096
     purpose: str = ""
+    # Each MoE router = sqrt(c) x one router shared by all layers + sqrt(1 - c) x its own (the same variance), so
+    # consecutive layers pick alike, as the routing of trained MoEs correlates across layers (the FLAME-MoE trace,
+    # docs/policies.md): the case a cross-layer predictor (prefetch) is for. 0 = independent routers.
+    router_correlation: float = 0.0
 
     def hf_config(self, dtype: str = "bfloat16") -> dict[str, Any]:
         """config.json as transformers writes it for Qwen3MoeForCausalLM."""
@@ -131,11 +135,14 @@ SHAPES: dict[str, BenchShape] = {
         BenchShape("large", hidden_size=1536, num_layers=24, num_experts=64, moe_intermediate_size=512, top_k=4,
                    vocab_size=32000, num_heads=24, num_kv_heads=4, head_dim=64,
                    purpose="offloaded decode (~7.5 GB bf16, experts >= 4x the default bench cache)"),
+        BenchShape("large-affine", hidden_size=1536, num_layers=24, num_experts=64, moe_intermediate_size=512,
+                   top_k=4, vocab_size=32000, num_heads=24, num_kv_heads=4, head_dim=64, router_correlation=0.9,
+                   purpose="'large' with routers correlated across layers (0.9): prefetch's case"),
     )
 }
 
 # Expert cache the benchmark gives each shape unless --expert-cache-gb says otherwise (None = all resident).
-DEFAULT_EXPERT_CACHE_GB: dict[str, float | None] = {"tiny": None, "small": None, "large": 1.5}
+DEFAULT_EXPERT_CACHE_GB: dict[str, float | None] = {"tiny": None, "small": None, "large": 1.5, "large-affine": 1.5}
 
 
 def get_shape(name: str) -> BenchShape:

@@ -12,6 +12,7 @@ Weights are seeded per tensor, so a shape always gives the same bytes. Checkpoin
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -72,14 +73,14 @@ def write_checkpoint(shape: BenchShape, folder: Path, dtype: torch.dtype = torch
     total_bytes = 0
     for i, (_, tensors) in enumerate(groups):
         shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        total_bytes += write_shard(folder / shard, tensors, dtype, seed, progress)
+        total_bytes += write_shard(folder / shard, tensors, dtype, seed, progress, shape.router_correlation)
         weight_map.update({name: shard for name, _ in tensors})
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int,
-                progress: Callable[[int], None] | None = None) -> int:
+                progress: Callable[[int], None] | None = None, router_correlation: float = 0.0) -> int:
     """Stream one safetensors file, tensor by tensor. Returns the data bytes written."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
@@ -94,7 +95,7 @@ def write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: t
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, shape in tensors:
-            t = synthetic_tensor(name, shape, dtype, seed)
+            t = synthetic_tensor(name, shape, dtype, seed, router_correlation)
             f.write(t.view(torch.uint8).numpy().data)
             if progress is not None:
                 progress(t.numel() * itemsize)
@@ -106,12 +107,22 @@ def write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: t
     return offset
 
 
-def synthetic_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Norm weights are ones (as initialised by transformers); matrices are N(0, INIT_STD^2), seeded by name."""
+def synthetic_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int,
+                     router_correlation: float = 0.0) -> torch.Tensor:
+    """Norm weights are ones (as initialised by transformers); matrices are N(0, INIT_STD^2), seeded by name. With
+    `router_correlation` c > 0 a MoE router (`*.mlp.gate.weight`) is sqrt(c) x a router shared by every layer +
+    sqrt(1 - c) x its own: still N(0, INIT_STD^2) per element, correlated c between any two layers."""
     if len(shape) == 1:
         return torch.ones(shape, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype).contiguous()
+
+    def draw(key: str) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.randn(shape, generator=gen)
+
+    t = draw(name)
+    if router_correlation > 0 and name.endswith(".mlp.gate.weight"):
+        t = math.sqrt(router_correlation) * draw("shared-router") + math.sqrt(1 - router_correlation) * t
+    return (t * INIT_STD).to(dtype).contiguous()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -42,6 +42,25 @@ def test_cache_is_reused_and_deterministic(tiny_dir):
     assert not torch.equal(a, b)
 
 
+def test_correlated_routers_keep_their_scale_and_correlate_as_asked():
+    """router_correlation c: every pair of layers' routers correlates ~c, each keeps the N(0, INIT_STD^2) scale;
+    other matrices, and c = 0, are untouched."""
+    from moeserve.bench.synth import INIT_STD
+
+    def router(layer: int, c: float) -> torch.Tensor:
+        return synthetic_tensor(f"model.layers.{layer}.mlp.gate.weight", (64, 512), torch.float32, 0, c).flatten()
+
+    a, b = router(0, 0.9), router(5, 0.9)
+    assert torch.corrcoef(torch.stack([a, b]))[0, 1].item() == pytest.approx(0.9, abs=0.02)
+    assert a.std().item() == pytest.approx(INIT_STD, rel=0.03)
+    assert abs(torch.corrcoef(torch.stack([router(0, 0.0), router(5, 0.0)]))[0, 1].item()) < 0.03
+    assert torch.equal(router(3, 0.0), synthetic_tensor("model.layers.3.mlp.gate.weight", (64, 512),
+                                                        torch.float32, 0).flatten())
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert torch.equal(synthetic_tensor(name, (8, 64), torch.float32, 0, 0.9), synthetic_tensor(name, (8, 64),
+                                                                                              torch.float32, 0))
+
+
 def test_transformers_loads_it_and_greedy_tokens_match_moeserve(tiny_dir):
     transformers = pytest.importorskip("transformers")
     from moeserve.engine.llm import LLM
