@@ -266,6 +266,31 @@ def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
         store.close()
 
 
+def test_with_the_read_gate_shut_the_predictor_is_only_probed():
+    """Once PROBE_AFTER uncached guesses proved not worth reading, the store asks its predictor on one layer call
+    in PROBE_EVERY (still scoring those guesses, so the gate can open again), instead of at every call."""
+    from moeserve.experts.store import PROBE_AFTER, PROBE_EVERY
+
+    store = make_store(capacity=4, layers=(0, 1), num_experts=12, prefetch=True)
+    guesser = _HalfRightGuess()
+    store.predictor = guesser  # type: ignore[assignment]
+    try:
+        for _ in range(4 * PROBE_AFTER):  # a guess for layer 1 at every layer-0 call; its uncached part is unused
+            use(store, 0, [0])
+            assert store.prefetcher is not None and store.prefetcher.wait_idle()
+            use(store, 1, [2, 3])
+            if store._reads_worth.scored(0) >= PROBE_AFTER:
+                break
+        assert store._reads_worth.chance(0) < 0.5 and store._reads_worth.scored(0) >= PROBE_AFTER
+        before = guesser.calls
+        for _ in range(8 * PROBE_EVERY):  # 8 * PROBE_EVERY layer-0 calls (layer 1 has no next layer to guess)
+            use(store, 0, [0])
+            use(store, 1, [2, 3])
+        assert guesser.calls - before == 8
+    finally:
+        store.close()
+
+
 def test_prefetch_loads_in_the_background_and_counts_accuracy():
     store = make_store(capacity=4, prefetch=True, prefetch_predictor="hint")
     try:
