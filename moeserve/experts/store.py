@@ -328,6 +328,26 @@ class ExpertStore:
                 self.stats.layer(layer).hits += len(expert_ids)
             yield [(e, self._slot_views[self._slot_of[(layer, e)]]) for e in expert_ids]
             return
+        if self.prefetcher is None and len(expert_ids) <= self.capacity:
+            # Decode's common case, every expert cached: the general path below, minus its machinery for misses
+            # and prefetch (same policy calls, same pins and statistics). Each call runs right after a layer's
+            # compute has streamed tens of MB through the CPU caches, so every line of Python here is a cache miss.
+            pinned = self._pin_if_all_cached(layer, expert_ids)
+            if pinned is not None:
+                keys, slots = pinned
+                try:
+                    if self.copier is not None:
+                        for slot in slots:
+                            self.copier.before_use(slot)
+                    try:
+                        yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, slots)]
+                    finally:
+                        if self.copier is not None:
+                            self.copier.after_use(slots)
+                finally:
+                    with self._cond:
+                        self._pinned.difference_update(keys)
+                return
         ids = list(expert_ids)
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
         if self.predictor is not None:  # the store's own guess replaces the caller's
@@ -443,6 +463,23 @@ class ExpertStore:
         self.source.checkpoint.close()
 
     # ------------------------------------------------------------------------------------------ internals
+    def _pin_if_all_cached(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[Key], list[int]] | None:
+        """When every needed unit of `layer` is ready in a slot: pin them, count the hits, tell the policy (as
+        `_acquire` does for hits) and return (keys, slots). Otherwise None, with nothing changed."""
+        assert self.policy is not None
+        keys = [(layer, e) for e in expert_ids]
+        with self._cond:
+            slot_of = self._slot_of
+            slots = [slot_of.get(k, -1) for k in keys]
+            if -1 in slots:  # (a unit being loaded is not in _slot_of yet)
+                return None
+            self.policy.begin_layer(layer)
+            for key in keys:
+                self.policy.on_hit(key)
+            self.stats.layers[layer].hits += len(keys)
+            self._pinned.update(keys)
+        return keys, slots
+
     def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, _Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
 

@@ -124,6 +124,24 @@ def test_pinned_chunk_is_never_evicted_under_the_consumer():
     assert store._pinned == set()
 
 
+def test_a_call_of_cached_experts_takes_the_short_path_with_the_same_pins_and_counts():
+    store = make_store(capacity=3, io_threads=0)
+    use(store, 0, [3, 4])  # two misses: the general path
+    calls = []
+    general = store._acquire
+    store._acquire = lambda *a: calls.append(a) or general(*a)  # type: ignore[method-assign]
+    gen = store.experts(0, [3, 4])
+    chunk = next(gen)
+    assert [e for e, _ in chunk] == [3, 4] and store._pinned == {(0, 3), (0, 4)}
+    assert all(torch.all(w == e) for e, (w,) in chunk)
+    gen.close()
+    assert store._pinned == set() and calls == []  # the short path: no _acquire
+    st = store.stats.layer(0)
+    assert (st.hits, st.misses) == (2, 2)
+    use(store, 0, [4, 5])  # 5 is not cached: the general path again
+    assert len(calls) == 1 and (st.hits, st.misses) == (3, 3)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
 @pytest.mark.parametrize("capacity", [1, 3, 6])
 def test_store_counts_match_the_cache_simulator(policy, capacity):
