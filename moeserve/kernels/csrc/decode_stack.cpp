@@ -9,8 +9,8 @@
 // It covers what the fast path needs and nothing else (moeserve/models/decode_stack.py decides eligibility and
 // falls back to the per-op path otherwise): decode-only batches (one new token per sequence), attention without
 // sinks or qkv clipping, per-head or no q/k norm, MoE layers without a shared expert (dense SwiGLU MLP layers
-// too), experts in a RESIDENT store as row-interleaved bf16 or int8 units, dense Linears in the "interleaved"
-// (bf16) or "int8" layout. Per layer:
+// too), experts held here from a resident store as row-interleaved bf16 or int8 units (or fed by the caller from
+// an offloaded store: see below), dense Linears in the "interleaved" (bf16) or "int8" layout. Per layer:
 //
 //   qkv = linear(x)                  q|k|v split          q = qk_norm_rope_cache(...)   (writes k, v to the cache)
 //   a   = decode_attention(q)        o = linear(a)        x = add_rms_norm_(h, o, post_norm)       (h += o)
