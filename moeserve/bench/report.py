@@ -88,7 +88,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
             "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
             "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": fraction,
-            # against the best memory probe of the whole run (before and after it): the stricter reading
+            # against the better memory probe of before and after the whole run (another moment than the runs)
             "best_probe_ceiling_tokens_per_s": best_ceiling,
             "fraction_of_best_probe_ceiling": ceilings.fraction_of_ceiling(tps, best_ceiling),
             "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
