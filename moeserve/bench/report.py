@@ -123,7 +123,7 @@ def format_table(summary: dict[str, Any]) -> str:
     """A fixed-width table of the rows, bandwidths and skipped peers."""
     bw = summary["bandwidths"]
     m = summary["machine"]
-    beside = [bw for row in summary["rows"] for bw in row.get("runs_memory_bytes_per_s", []) if bw]
+    beside = [probe for row in summary["rows"] for probe in row.get("runs_memory_bytes_per_s", []) if probe]
     lines = [f"shape {summary['shape']}  |  {m['cpu']}, {m['cores']} cores, torch {m['torch']}",
              f"memory bandwidth {bw['memory_bytes_per_s'] / 1e9:.1f} GB/s, disk read {bw['disk_bytes_per_s'] / 1e9:.2f} "
              "GB/s (best of runs before and after)" + (

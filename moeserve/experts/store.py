@@ -336,14 +336,7 @@ class ExpertStore:
             if pinned is not None:
                 keys, slots = pinned
                 try:
-                    if self.copier is not None:
-                        for slot in slots:
-                            self.copier.before_use(slot)
-                    try:
-                        yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, slots)]
-                    finally:
-                        if self.copier is not None:
-                            self.copier.after_use(slots)
+                    yield from self._lend(expert_ids, slots)
                 finally:
                     with self._cond:
                         self._pinned.difference_update(keys)
@@ -387,14 +380,7 @@ class ExpertStore:
                         j += 1
                     with self._cond:
                         slots = [self._slot_of[k] for k in keys[i:j]]
-                    if self.copier is not None:
-                        for slot in slots:
-                            self.copier.before_use(slot)
-                    try:
-                        yield [(e, self._slot_views[s]) for e, s in zip(chunk[i:j], slots)]
-                    finally:
-                        if self.copier is not None:
-                            self.copier.after_use(slots)
+                    yield from self._lend(chunk[i:j], slots)
                     i = j
             finally:
                 for read in pending.values():  # the caller stopped early or a read failed: let the others land
@@ -463,6 +449,18 @@ class ExpertStore:
         self.source.checkpoint.close()
 
     # ------------------------------------------------------------------------------------------ internals
+    def _lend(self, expert_ids: Sequence[int], slots: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+        """Yield the views of `slots` (ready, pinned) as one run of the caller's chunk; on a device, each slot's
+        transfer is waited for before use and released after (HostToDevice)."""
+        if self.copier is not None:
+            for slot in slots:
+                self.copier.before_use(slot)
+        try:
+            yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, slots)]
+        finally:
+            if self.copier is not None:
+                self.copier.after_use(slots)
+
     def _pin_if_all_cached(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[Key], list[int]] | None:
         """When every needed unit of `layer` is ready in a slot: pin them, count the hits, tell the policy (as
         `_acquire` does for hits) and return (keys, slots). Otherwise None, with nothing changed."""

@@ -18,6 +18,7 @@ from moeserve.engine.kv_cache import KVCache
 from moeserve.errors import ConfigError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
+from moeserve.models.decode_stack import unit_fields
 from moeserve.models.layers import (
     FUSED_MAX_TOKENS,
     RMS_NORMS,
@@ -169,6 +170,11 @@ class MoeModel:
         self._stack_kv: KVCache | None = None
         self._stack_hits = torch.zeros(0, dtype=torch.int64)
         self._traced = False  # a trace hook is set: the per-op path runs (the hook sees each layer's routing)
+        # For offloaded fused steps (models/decode_stack.fused_offloaded_step): the MoE layers in order, and where
+        # a unit holds gate_up, down and their scales.
+        blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
+        self._moe_layer_ids = [b.layer for b in blocks]
+        self._unit_fields = unit_fields(blocks[0].kernel) if blocks else (0, None, 1, None)
 
     def use_cpp_kernels(self, on: bool) -> bool:
         """Run norms and attention with the moeserve C++ ops (True) or the torch functions (False). The ops cover
@@ -229,10 +235,9 @@ class MoeModel:
             self._stack, self._stack_kv = decode_stack.fused_decode_stack(self, kv), kv
             self._stack_hits = torch.zeros(len(self.store.layers), dtype=torch.int64)
         if not self.store.resident:  # the store's own hits and misses
-            blocks = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
-            return decode_stack.fused_offloaded_step(
-                self._stack, self.store, [b.layer for b in blocks], decode_stack.unit_fields(blocks[0].kernel),
-                h, batch.positions, batch.token_slots, self._stack_hits)
+            return decode_stack.fused_offloaded_step(self._stack, self.store, self._moe_layer_ids,
+                                                     self._unit_fields, h, batch.positions, batch.token_slots,
+                                                     self._stack_hits)
         last = self._stack.step(h, batch.positions, batch.token_slots, self._stack_hits)
         self.store.count_resident_hits(self._stack_hits.tolist())
         self._stack_hits.zero_()

@@ -218,19 +218,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(ids[j] == needed_ids_[fed_ + j], "DecodeStack.feed: expert ", ids[j], " fed where expert ",
                   needed_ids_[fed_ + j], " comes next");
     const std::vector<int64_t> bounds(spans_.begin() + 2 * fed_, spans_.begin() + 2 * (fed_ + k));
-    timed(kExperts, [&] {
-      const bool int8 = !gate_up_scale.empty();
-      if (plain_units_ && int8)
-        moeserve_moe::moe_swiglu_int8_(m_, x_, gate_up, gate_up_scale, down, down_scale, token_of_, weight_of_, bounds);
-      else if (plain_units_)
-        moeserve_moe::moe_swiglu_(m_, x_, gate_up, down, token_of_, weight_of_, bounds);
-      else if (int8)
-        moeserve_moe::moe_swiglu_int8_interleaved_(m_, x_, gate_up, gate_up_scale, down, down_scale, token_of_,
-                                                   weight_of_, bounds);
-      else
-        moeserve_moe::moe_swiglu_interleaved_(m_, x_, gate_up, down, token_of_, weight_of_, bounds);
-      return 0;
-    });
+    run_experts(m_, x_, gate_up, gate_up_scale, down, down_scale, bounds, plain_units_);
     fed_ += k;
   }
 
@@ -297,10 +285,10 @@ class DecodeStack : public torch::CustomClassHolder {
     return at::empty({0}, at::kLong);
   }
 
-  // A fed layer's routing: keeps its pairs and each needed expert's span of them, zeroes its output; returns the
-  // needed experts (ascending).
-  at::Tensor route_external(const Layer& l) {
-    const at::Tensor logits = timed(kRouter, [&] { return l.router(x_); });
+  // A layer's router and routing: keeps its (token, weight) pairs grouped by expert, the experts with tokens
+  // (ascending) and each one's span of the pairs.
+  void route(const Layer& l, const at::Tensor& x) {
+    const at::Tensor logits = timed(kRouter, [&] { return l.router(x); });
     auto [token_of, weight_of, counts, ids] = timed(kRouting, [&] {
       return moeserve_routing::moe_route_pairs(logits, top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
     });
@@ -316,6 +304,30 @@ class DecodeStack : public torch::CustomClassHolder {
       spans_.push_back(start + cnt[e]);
       start += cnt[e];
     }
+  }
+
+  // The expert op on `bounds`' experts of the routed pairs, added into m (int8 units come with scales).
+  void run_experts(at::Tensor& m, const at::Tensor& x, const std::vector<at::Tensor>& gate_up,
+                   const std::vector<at::Tensor>& gate_up_scale, const std::vector<at::Tensor>& down,
+                   const std::vector<at::Tensor>& down_scale, const std::vector<int64_t>& bounds, bool plain) const {
+    timed(kExperts, [&] {
+      const bool int8 = !gate_up_scale.empty();
+      if (plain && int8)
+        moeserve_moe::moe_swiglu_int8_(m, x, gate_up, gate_up_scale, down, down_scale, token_of_, weight_of_, bounds);
+      else if (plain)
+        moeserve_moe::moe_swiglu_(m, x, gate_up, down, token_of_, weight_of_, bounds);
+      else if (int8)
+        moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of_,
+                                                   weight_of_, bounds);
+      else
+        moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of_, weight_of_, bounds);
+      return 0;
+    });
+  }
+
+  // A fed layer's routing (see route); returns the experts it needs, and waits for them (feed / resume).
+  at::Tensor route_external(const Layer& l) {
+    route(l, x_);
     m_ = at::zeros_like(x_);
     fed_ = 0;
     waiting_ = true;
@@ -324,36 +336,21 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
   // `hits` += how many.
-  at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) const {
-    const at::Tensor logits = timed(kRouter, [&] { return l.router(x); });
-    auto [token_of, weight_of, counts, ids] = timed(kRouting, [&] {
-      return moeserve_routing::moe_route_pairs(logits, top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
-    });
-    const int64_t* cnt = counts.data_ptr<int64_t>();
+  at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) {
+    route(l, x);
     std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
-    std::vector<int64_t> bounds;
-    for (int64_t e = 0, start = 0; e < counts.numel(); ++e) {
-      if (cnt[e] == 0) continue;
+    for (const int64_t e : needed_ids_) {
       gate_up.push_back(l.gate_up_units[e]);
       down.push_back(l.down_units[e]);
       if (int8_units_) {
         gate_up_scale.push_back(l.gate_up_scales[e]);
         down_scale.push_back(l.down_scales[e]);
       }
-      bounds.push_back(start);
-      bounds.push_back(start + cnt[e]);
-      start += cnt[e];
     }
-    hits += static_cast<int64_t>(gate_up.size());
-    return timed(kExperts, [&] {
-      at::Tensor m = at::zeros_like(x);
-      if (int8_units_)
-        moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of,
-                                                   weight_of, bounds);
-      else
-        moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of, weight_of, bounds);
-      return m;
-    });
+    hits += static_cast<int64_t>(needed_ids_.size());
+    at::Tensor m = at::zeros_like(x);
+    run_experts(m, x, gate_up, gate_up_scale, down, down_scale, spans_, false);
+    return m;
   }
 
   template <class F>
