@@ -231,6 +231,12 @@ class ExpertStore:
             self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
         self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
         self._slot_of: dict[Key, int] = {}  # units ready in a slot
+        # The same map as a table for C++ (the DecodeStack runs layers whose experts are all cached without asking,
+        # see cached_calls): slot_table[i, e] = the slot of expert e of self.layers[i], -1 if not ready. Written
+        # through the numpy view (~100 ns a write) wherever _slot_of changes: _publish and _unpublish.
+        self.slot_table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int32)
+        self._slot_rows = self.slot_table.numpy()
+        self._row_of = {layer: i for i, layer in enumerate(self.layers)}
         self._loading: dict[Key, int] = {}  # units being written into a slot (by either thread)
         self._free_slots = list(range(self.capacity - 1, -1, -1))
         self._pinned: set[Key] = set()  # the compute thread's current chunk
@@ -390,6 +396,31 @@ class ExpertStore:
                         pass
                 with self._cond:
                     self._pinned.difference_update(keys)
+
+    @property
+    def calls_may_skip(self) -> bool:
+        """Whether a caller may compute a layer whose experts are all ready in `slot_table` without asking
+        `experts`, then report it with `cached_calls`: offloaded, on CPU, and nothing evicts behind the caller's back
+        (no prefetch thread; a call's demand reads have all landed when it returns)."""
+        return not self.resident and self.prefetcher is None and self.device.type == "cpu"
+
+    def slot_units(self) -> list[ExpertWeights]:
+        """The views of every slot of the fast tier, by slot (fixed for the store's life; see `slot_table`)."""
+        return list(self._slot_views)
+
+    def cached_calls(self, log: Sequence[int]) -> None:
+        """Layer calls a caller ran on units ready in `slot_table` (`calls_may_skip`), in order, flat: (index in
+        self.layers, count, expert ids...) each. Counted and told to the policy as `experts` does for an all-hit call."""
+        assert self.policy is not None
+        with self._cond:
+            i = 0
+            while i < len(log):
+                layer, n = self.layers[log[i]], log[i + 1]
+                self.policy.begin_layer(layer)
+                for e in log[i + 2 : i + 2 + n]:
+                    self.policy.on_hit((layer, e))
+                self.stats.layers[layer].hits += n
+                i += 2 + n
 
     def resident_units(self, layer: int) -> list[ExpertWeights]:
         """Resident store only: the views of every expert of `layer`, by expert id. They never move or get evicted
@@ -568,9 +599,19 @@ class ExpertStore:
         with self._cond:
             self.stats.read_seconds += time.perf_counter() - t0
             del self._loading[key]
-            self._slot_of[key] = slot
+            self._publish(key, slot)
             self._count_read(key, tier)
             self._cond.notify_all()
+
+    def _publish(self, key: Key, slot: int) -> None:
+        """(Lock held, or no other thread yet.) `key`'s unit is ready in `slot`."""
+        self._slot_of[key] = slot
+        self._slot_rows[self._row_of[key[0]], key[1]] = slot
+
+    def _unpublish(self, key: Key) -> int:
+        """(Lock held.) `key`'s unit leaves its slot (evicted); returns the slot."""
+        self._slot_rows[self._row_of[key[0]], key[1]] = -1
+        return self._slot_of.pop(key)
 
     def _abandon(self, key: Key, slot: int) -> None:
         """(Lock held.) A demand read that will not land: the slot holds garbage and maps to nothing."""
@@ -607,7 +648,7 @@ class ExpertStore:
                     return None
                 self._cond.wait()  # slots held by prefetches in flight: they become evictable when done
                 continue
-            slot = self._slot_of.pop(victim)
+            slot = self._unpublish(victim)
             self.policy.on_evict(victim)
             self._prefetch_unused.discard(victim)
             break
@@ -637,7 +678,7 @@ class ExpertStore:
             raise
         with self._cond:
             del self._loading[key]
-            self._slot_of[key] = slot
+            self._publish(key, slot)
             assert self.policy is not None
             self.policy.on_insert(key, prefetched=True)
             self._count_read(key, tier)
@@ -653,7 +694,7 @@ class ExpertStore:
             for e in range(self.num_experts):
                 slot = self._free_slots.pop()
                 self.loader.load((layer, e), slot, self._pool[slot])
-                self._slot_of[(layer, e)] = slot
+                self._publish((layer, e), slot)
                 if progress is not None:
                     progress(self.source.stored_nbytes)
         if self.copier is not None:

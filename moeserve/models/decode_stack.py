@@ -103,23 +103,33 @@ def fused_decode_stack(model: Any, kv: KVCache) -> Any:
             stack.add_moe(mlp.router._weight, mlp.router.bias, [u[0] for u in units], [], [u[1] for u in units], [])
         else:  # gate_up, its scales, down, its scales
             stack.add_moe(mlp.router._weight, mlp.router.bias, *([u[f] for u in units] for f in int8))
+    store = model.store
+    if store.calls_may_skip:  # layers whose experts are all cached run without stopping (fused_offloaded_step)
+        assert store.layers == model._moe_layer_ids, "the store's layers are the MoE layers in order"
+        slots = store.slot_units()
+        stack.set_cached_units(*([] if f is None else [u[f] for u in slots] for f in model._unit_fields),
+                               store.slot_table)
     return stack
 
 
 def fused_offloaded_step(stack: Any, store: Any, moe_layers: list[int], fields: tuple[int, int | None, int, int | None],
                          h: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
                          hits: torch.Tensor) -> torch.Tensor:
-    """One decode step of a stack whose MoE layers are fed from the (offloaded) store: at each such layer the
-    store yields the needed units in chunks (loading misses, pinning what is in use) and the stack computes them.
-    `moe_layers`: the MoE layer ids in order; `fields`: unit_fields of the expert kernel."""
+    """One decode step of a stack whose MoE layers are fed from the (offloaded) store: at a layer with an expert
+    to read the store yields the needed units in chunks (loading misses, pinning what is in use) and the stack
+    computes them; a layer whose experts are all cached runs in the stack, which logs the call for the store
+    (set_cached_units, when the store allows it). `moe_layers`: the MoE layer ids in order; `fields`: unit_fields
+    of the expert kernel."""
     gu, gus, dn, dns = fields
     ids = stack.begin(h, positions, token_slots, hits)
-    for layer in moe_layers:
+    while True:
+        log = stack.take_cached_log()
+        if log.numel():  # before the store's next call: its policy hears the calls in their order
+            store.cached_calls(log.tolist())
         if ids.numel() == 0:
-            break
-        for chunk in store.experts(layer, ids.tolist()):
+            return stack.result()
+        for chunk in store.experts(moe_layers[stack.waiting_moe_index()], ids.tolist()):
             stack.feed([e for e, _ in chunk], [w[gu] for _, w in chunk],
                        [] if gus is None else [w[gus] for _, w in chunk], [w[dn] for _, w in chunk],
                        [] if dns is None else [w[dns] for _, w in chunk])
         ids = stack.resume()
-    return stack.result()

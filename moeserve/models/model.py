@@ -203,7 +203,9 @@ class MoeModel:
                 raise ConfigError(f"decode_step=fused is not possible here: {why_not} (use auto or per_op)")
             return f"one op call per piece from Python ({why_not})"
         self.fused_decode = True
-        how = "one C++ call" if self.store.resident else "one C++ call, stopping at each MoE layer for the store's units"
+        how = ("one C++ call" if self.store.resident else
+               "one C++ call, stopping at a MoE layer only when the store must read one of its experts"
+               if self.store.calls_may_skip else "one C++ call, stopping at each MoE layer for the store's units")
         return (f"all {len(self.layers)} layers in {how} per decode-only batch "
                 f"({'set' if want == 'fused' else 'auto'}; same ops, same bits as per_op, without the Python "
                 "between them); prefill and mixed batches run per op")

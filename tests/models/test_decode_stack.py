@@ -37,6 +37,16 @@ def run(folder, decode_step: str, **settings):
         return fused_step(*a)
 
     model._fused_step = counting
+    model.calls_run_in_stack = 0  # layer calls the stack ran on cached units and reported (store.cached_calls)
+    report = model.store.cached_calls
+
+    def reporting(log):  # noqa: ANN001, ANN202
+        i = 0
+        while i < len(log):
+            model.calls_run_in_stack, i = model.calls_run_in_stack + 1, i + 2 + log[i + 1]
+        report(log)
+
+    model.store.cached_calls = reporting
     logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
     hits = {layer: (s.hits, s.misses, s.bytes_read) for layer, s in model.store.stats.layers.items()}
     return model, logits, [o.outputs[0].token_ids for o in outs], fused_steps, hits
@@ -66,6 +76,7 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, arc
     ("none", "auto", 6e-5),  # 5 of 16 units: hits and misses in one layer call
     ("int8", "auto", 3e-5),
     ("int8", "plain", 3e-5),
+    ("none", "auto", 1.7e-4),  # 14 of 16 units: most layer calls all cached, run in the stack without stopping
 ])
 def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interleaved_ok, tiny_checkpoint,
                                                                         quantization, layout, cache_gb):
@@ -79,12 +90,22 @@ def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interlea
     fused, logits, tokens, steps, traffic = run(folder, "fused", **settings)
     per_op, ref_logits, ref_tokens, ref_steps, ref_traffic = run(folder, "per_op", **settings)
     assert not fused.store.resident and fused.fused_decode and not per_op.fused_decode
-    assert "stopping at each MoE layer" in fused.choose_decode_step("auto")
+    assert "stopping at a MoE layer only when the store must read" in fused.choose_decode_step("auto")
     assert steps == PARAMS.max_tokens - 1 and ref_steps == 0
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert traffic == ref_traffic
     assert sum(m for _, m, _ in traffic.values()) > 0  # the cache really missed
+    # The same units end up cached (the policy heard the same calls), and the C++ slot table mirrors the store's map.
+    assert fused.store.cached_keys() == per_op.store.cached_keys()
+    for store in (fused.store, per_op.store):
+        ready = {(store.layers[i], e): int(slot) for (i, e), slot in
+                 ((tuple(ix), v) for ix, v in zip(torch.nonzero(store.slot_table >= 0).tolist(),
+                                                  store.slot_table[store.slot_table >= 0].tolist()))}
+        assert ready == store._slot_of
+    if fused.store.capacity >= 5:  # some layer calls found every expert cached and ran in the stack
+        assert fused.calls_run_in_stack > 0
+
 
 
 def test_auto_chooses_with_a_reason(interleaved_ok, tiny_checkpoint):

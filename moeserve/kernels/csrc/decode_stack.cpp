@@ -27,6 +27,7 @@
 //
 //   ids = begin(h, positions, slots, hits)       runs up to the first such layer's routing; its needed experts
 //   while ids.numel():                           (ascending, int64), or an empty tensor once every layer ran
+//       layer = MoE layer number waiting_moe_index()
 //       for chunk in store.experts(layer, ids):  units as the store yields them, ascending, several calls
 //           feed(chunk ids, units...)            the expert op on them, added into the layer's output in order
 //       ids = resume()                           the residual add, then on to the next such layer
@@ -34,6 +35,14 @@
 //
 // The op adds expert after expert whatever the chunking (csrc/moe_experts.cpp), so this too gives the per-op
 // path's bits; those layers' hits and misses are the store's own.
+//
+// Layers whose experts are all in the store's fast tier need not stop: after `set_cached_units(units of each slot,
+// slot_of)` (slot_of: int32 [MoE layers, experts], the store's slot of each unit ready in it, -1 otherwise; the
+// store keeps it up to date) such a layer runs the op on the slots' units at once and logs its call; begin / resume
+// return only at a layer with an expert to read (`waiting_moe_index` says which). The caller hands the log
+// (`take_cached_log`: moe index, count, expert ids, ... in order) to the store, which counts the hits and tells its
+// policy before its next call, as if each layer had asked it. Only for a store in which nothing else evicts while
+// the step runs (no prefetch thread); a miss's reads have all landed when its layer call ends.
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -176,6 +185,37 @@ class DecodeStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The units of every slot of the store's fast tier (fields as `feed` takes them; scales empty for bf16) and its
+  // table slot_of [MoE layers, experts] int32 (see the header): fed layers whose experts are all cached run here.
+  void set_cached_units(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_scale,
+                        std::vector<at::Tensor> down, std::vector<at::Tensor> down_scale, at::Tensor slot_of) {
+    TORCH_CHECK(external_layers_ == moe_layers_ && moe_layers_ > 0, "DecodeStack: cached units need fed MoE layers");
+    TORCH_CHECK(down.size() == gate_up.size() && gate_up_scale.size() == down_scale.size() &&
+                    (gate_up_scale.empty() || gate_up_scale.size() == gate_up.size()),
+                "DecodeStack: one gate_up and down unit (and scales for int8) per slot");
+    TORCH_CHECK(slot_of.scalar_type() == at::kInt && slot_of.is_contiguous() && slot_of.dim() == 2 &&
+                    slot_of.size(0) == moe_layers_ && slot_of.size(1) == layers_.back().router.out,
+                "DecodeStack: slot_of must be int32 [MoE layers, experts]");
+    slot_gate_up_ = std::move(gate_up);
+    slot_gate_up_scale_ = std::move(gate_up_scale);
+    slot_down_ = std::move(down);
+    slot_down_scale_ = std::move(down_scale);
+    slot_of_ = std::move(slot_of);
+  }
+
+  // The MoE index (0-based, among MoE layers) of the fed layer waiting for its experts.
+  int64_t waiting_moe_index() const {
+    TORCH_CHECK(waiting_, "DecodeStack.waiting_moe_index: no layer is waiting for experts");
+    return moe_index_ - 1;
+  }
+
+  // The fed layers that ran on cached units since the last call, in order: (moe index, count, expert ids...) each.
+  at::Tensor take_cached_log() {
+    at::Tensor log = at::tensor(cached_log_, at::kLong);
+    cached_log_.clear();
+    return log;
+  }
+
   // h [N, H] (one new token per sequence, hidden states after the embedding; updated in place to the residual
   // stream after the last layer), positions and token_slots int64 [N], hits int64 [MoE layers] (added to). Returns
   // the final-normed hidden states [N, H]. Every MoE layer's units must be held here (add_moe).
@@ -274,10 +314,18 @@ class DecodeStack : public torch::CustomClassHolder {
         x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, o, l.post_norm, eps_, fp32_scale_); });
         if (l.moe && l.external) {
           ++moe_index_;  // its hits and misses are the store's
-          return route_external(l);
+          route(l, x_);
+          m = at::zeros_like(x_);
+          if (!run_cached(m)) {  // an expert to read: the caller asks the store (feed / resume)
+            m_ = std::move(m);
+            fed_ = 0;
+            waiting_ = true;
+            return at::tensor(needed_ids_, at::kLong);
+          }
+        } else {
+          m = l.moe ? experts(l, x_, hit[moe_index_++])
+                    : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x_)) * l.up(x_)); });
         }
-        m = l.moe ? experts(l, x_, hit[moe_index_++])
-                  : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x_)) * l.up(x_)); });
       }
       const at::Tensor& next_norm = layer_ + 1 < layers_.size() ? layers_[layer_ + 1].input_norm : final_norm_;
       x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, m, next_norm, eps_, fp32_scale_); });
@@ -325,13 +373,27 @@ class DecodeStack : public torch::CustomClassHolder {
     });
   }
 
-  // A fed layer's routing (see route); returns the experts it needs, and waits for them (feed / resume).
-  at::Tensor route_external(const Layer& l) {
-    route(l, x_);
-    m_ = at::zeros_like(x_);
-    fed_ = 0;
-    waiting_ = true;
-    return at::tensor(needed_ids_, at::kLong);
+  // A routed fed layer (moe_index_ - 1) whose needed experts are all in the store's slots: the op on their units
+  // into m, and the call logged for the store. False (nothing done) when one is not cached or no slots were set.
+  bool run_cached(at::Tensor& m) {
+    if (!slot_of_.defined()) return false;
+    const int32_t* slot = slot_of_.data_ptr<int32_t>() + (moe_index_ - 1) * slot_of_.size(1);
+    for (const int64_t e : needed_ids_)
+      if (slot[e] < 0) return false;
+    std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
+    for (const int64_t e : needed_ids_) {
+      gate_up.push_back(slot_gate_up_[slot[e]]);
+      down.push_back(slot_down_[slot[e]]);
+      if (!slot_gate_up_scale_.empty()) {
+        gate_up_scale.push_back(slot_gate_up_scale_[slot[e]]);
+        down_scale.push_back(slot_down_scale_[slot[e]]);
+      }
+    }
+    run_experts(m, x_, gate_up, gate_up_scale, down, down_scale, spans_, plain_units_);
+    cached_log_.push_back(moe_index_ - 1);
+    cached_log_.push_back(static_cast<int64_t>(needed_ids_.size()));
+    cached_log_.insert(cached_log_.end(), needed_ids_.begin(), needed_ids_.end());
+    return true;
   }
 
   // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
@@ -378,6 +440,10 @@ class DecodeStack : public torch::CustomClassHolder {
   bool waiting_ = false;
   std::vector<int64_t> needed_ids_, spans_;
   size_t fed_ = 0;
+  // The store's fast tier (set_cached_units): each slot's unit fields, its slot table, and the calls run on them.
+  std::vector<at::Tensor> slot_gate_up_, slot_gate_up_scale_, slot_down_, slot_down_scale_;
+  at::Tensor slot_of_;
+  std::vector<int64_t> cached_log_;
   bool profiling_ = false;
   mutable std::array<double, kPhases> seconds_{};
 };
@@ -398,6 +464,9 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       .def("feed", &moeserve_stack::DecodeStack::feed)
       .def("resume", &moeserve_stack::DecodeStack::resume)
       .def("result", &moeserve_stack::DecodeStack::result)
+      .def("set_cached_units", &moeserve_stack::DecodeStack::set_cached_units)
+      .def("waiting_moe_index", &moeserve_stack::DecodeStack::waiting_moe_index)
+      .def("take_cached_log", &moeserve_stack::DecodeStack::take_cached_log)
       .def("set_profiling", &moeserve_stack::DecodeStack::set_profiling)
       .def("profile", &moeserve_stack::DecodeStack::profile);
 }
