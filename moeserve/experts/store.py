@@ -411,15 +411,11 @@ class ExpertStore:
     def cached_calls(self, log: Sequence[int]) -> None:
         """Layer calls a caller ran on units ready in `slot_table` (`calls_may_skip`), in order, flat: (index in
         self.layers, count, expert ids...) each. Counted and told to the policy as `experts` does for an all-hit call."""
-        assert self.policy is not None
         with self._cond:
             i = 0
             while i < len(log):
                 layer, n = self.layers[log[i]], log[i + 1]
-                self.policy.begin_layer(layer)
-                for e in log[i + 2 : i + 2 + n]:
-                    self.policy.on_hit((layer, e))
-                self.stats.layers[layer].hits += n
+                self._count_all_hit(layer, [(layer, e) for e in log[i + 2 : i + 2 + n]])
                 i += 2 + n
 
     def resident_units(self, layer: int) -> list[ExpertWeights]:
@@ -502,12 +498,17 @@ class ExpertStore:
             slots = [slot_of.get(k, -1) for k in keys]
             if -1 in slots:  # (a unit being loaded is not in _slot_of yet)
                 return None
-            self.policy.begin_layer(layer)
-            for key in keys:
-                self.policy.on_hit(key)
-            self.stats.layers[layer].hits += len(keys)
+            self._count_all_hit(layer, keys)
             self._pinned.update(keys)
         return keys, slots
+
+    def _count_all_hit(self, layer: int, keys: list[Key]) -> None:
+        """(Lock held.) A layer call whose units were all ready: its hits, and the policy told as `_acquire` does."""
+        assert self.policy is not None
+        self.policy.begin_layer(layer)
+        for key in keys:
+            self.policy.on_hit(key)
+        self.stats.layers[layer].hits += len(keys)
 
     def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, _Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.

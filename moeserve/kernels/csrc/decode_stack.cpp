@@ -240,6 +240,7 @@ class DecodeStack : public torch::CustomClassHolder {
     layer_ = 0;
     moe_index_ = 0;
     waiting_ = false;
+    cached_log_.clear();  // (a step that failed midway leaves nothing for this one to report)
     x_ = timed(kNorms, [&] { return moeserve_norm::rms_norm(h_, layers_[0].input_norm, eps_, fp32_scale_); });
     return advance();
   }
