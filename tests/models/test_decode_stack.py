@@ -99,10 +99,9 @@ def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interlea
     # The same units end up cached (the policy heard the same calls), and the C++ slot table mirrors the store's map.
     assert fused.store.cached_keys() == per_op.store.cached_keys()
     for store in (fused.store, per_op.store):
-        ready = {(store.layers[i], e): int(slot) for (i, e), slot in
-                 ((tuple(ix), v) for ix, v in zip(torch.nonzero(store.slot_table >= 0).tolist(),
-                                                  store.slot_table[store.slot_table >= 0].tolist()))}
-        assert ready == store._slot_of
+        rows = store.slot_table.tolist()
+        assert {(store.layers[i], e): s for i, row in enumerate(rows) for e, s in enumerate(row) if s >= 0} == \
+            store._slot_of
     if fused.store.capacity >= 5:  # some layer calls found every expert cached and ran in the stack
         assert fused.calls_run_in_stack > 0
 
