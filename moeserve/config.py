@@ -73,6 +73,11 @@ class EngineSettings(BaseModel):
         "auto", description="decode-only steps: fused = every layer in one C++ call (resident row-interleaved "
         "experts, kernels=cpp, bf16 on CPU), per_op = one op call per piece from Python; auto = fused where it applies"
     )
+    batch_invariant: bool = Field(
+        True, description="a request's numbers never depend on what else is in the batch (every op reduces each "
+        "row in one fixed order; torch fallbacks run in fixed blocks of rows); off = torch's faster batch-dependent "
+        "paths where moeserve's C++ ops do not apply"
+    )
     int8_cache_dir: str | None = Field(
         None, description="where quantization=int8 writes offloaded experts once, quantized, so misses read half "
         "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"

@@ -17,7 +17,7 @@ BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0),
-    "moeserve-per-op": (2.0, 2.0)}
+    "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0)}
 
 
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],

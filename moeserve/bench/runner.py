@@ -27,8 +27,14 @@ from moeserve.bench.worker import BenchWorkerError, Worker
 log = logging.getLogger("moeserve.bench")
 
 CASES = ("decode-b1", "decode-b8", "prefill")
-PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", "moeserve-no-prefetch", "moeserve-torch-kernels",
-         "moeserve-plain-experts", "moeserve-per-op")
+# moeserve against itself with one setting changed (the gain of prefetch, the C++ kernels, the interleaved layout,
+# the fused decode step; the cost of batch invariance)
+SELF_PEERS: dict[str, dict[str, Any]] = {
+    "moeserve-no-prefetch": {"prefetch": False}, "moeserve-torch-kernels": {"kernels": "torch"},
+    "moeserve-plain-experts": {"expert_layout": "plain"}, "moeserve-per-op": {"decode_step": "per_op"},
+    "moeserve-batch-variant": {"batch_invariant": False},
+}
+PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
 
 
 @dataclass(frozen=True)
@@ -105,20 +111,9 @@ def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], sk
     workers["moeserve"] = Worker("moeserve", cgroup=_cgroup(cfg, "moeserve"), **ours,
                                  **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
     for peer in cfg.peers:
-        if peer == "moeserve-no-prefetch":  # moeserve against itself: the gain from prefetch, paired
-            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, prefetch=False)
-            continue
-        if peer == "moeserve-plain-experts":  # moeserve against itself: the gain from interleaved experts, paired
-            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, expert_layout="plain",
-                                   **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
-            continue
-        if peer == "moeserve-per-op":  # moeserve against itself: the gain from the fused decode step, paired
-            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, decode_step="per_op",
-                                   **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
-            continue
-        if peer == "moeserve-torch-kernels":  # moeserve against itself: the gain from the C++ kernels, paired
-            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, kernels="torch",
-                                   **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
+        if peer in SELF_PEERS:  # moeserve against itself with one setting changed: that setting's gain, paired
+            keep_prefetch = {} if cfg.prefetch is None or "prefetch" in SELF_PEERS[peer] else {"prefetch": cfg.prefetch}
+            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, **SELF_PEERS[peer], **keep_prefetch)
             continue
         try:
             workers[peer] = _start_peer(peer, cfg, cache_dir)

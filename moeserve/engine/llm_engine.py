@@ -99,6 +99,7 @@ class LLMEngine:
             log.info("dense layers (quantization=int8): %s", self.model.int8_summary)
         log.info("expert store: %s", self.model.store.describe())
         log.info("decode step: %s", self.model.choose_decode_step(s.decode_step))
+        log.info("batch invariance: %s", self.model.use_batch_invariance(s.batch_invariant))
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
                           spec.attention.head_dim, self.dtype, self.device)
@@ -140,7 +141,7 @@ class LLMEngine:
                                       topology.fast_free_bytes)
         log.info("placement: %s", budget.reason)
         # the layout holds the same bytes per unit, so the budget above stands
-        if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout, budget.capacity < total_experts):
+        if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
             plan = (int8_expert_plan(dense_plan, self.dtype, spill, interleaved=True) if s.quantization == "int8"
                     else interleaved_expert_plan(dense_plan))
         log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
@@ -155,18 +156,16 @@ class LLMEngine:
         load_bytes = nonexpert + preloaded
         return plan, budget, store_options, load_bytes
 
-    def _choose_expert_layout(self, plan, quantization: str, want: str,  # noqa: ANN001 - ExpertPlan
-                              offloaded: bool) -> bool:
+    def _choose_expert_layout(self, plan, quantization: str, want: str) -> bool:  # noqa: ANN001 - ExpertPlan
         """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way);
-        expert_layout=interleaved raises ConfigError where it cannot apply."""
+        expert_layout=interleaved raises ConfigError where it cannot apply.
+
+        The choice never depends on where the experts live: the plain and interleaved ops round bf16 differently
+        once a row spans several blocks, so an offloaded run must use the layout (and op) a resident one uses, or
+        offloading would change the numbers. Offloaded bf16 misses are permuted to the interleaved layout as they
+        leave the read buffer (interleaved measured 0.96-1.05x plain there), int8 ones are read interleaved."""
         if want == "plain":
             log.info("expert layout: plain (set)")
-            return False
-        if want == "auto" and offloaded and quantization != "int8":
-            # int8 misses read units already interleaved from the spill file; bf16 ones are permuted on read (as
-            # they leave the O_DIRECT buffer: no extra copy), and the interleaved op gained nothing offloaded
-            log.info("expert layout: plain (auto: experts are offloaded; interleaved measured 0.96-1.05x the plain "
-                     "layout there, misses permuted as they are read; expert_layout=interleaved forces it)")
             return False
         why_not = None if self.cpp_kernels else "kernels=torch or the C++ kernels are unavailable"
         why_not = why_not or can_interleave_experts(plan, self.dtype)

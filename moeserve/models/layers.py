@@ -50,6 +50,25 @@ class ForwardBatch:
         return out
 
 
+# Batch invariance (EngineSettings.batch_invariant): torch's CPU GEMMs pick their blocking by the row count, so a row's
+# result changes with the number of rows beside it (measured: F.linear bf16 [1, 2880] x [2880, 5760]^T differs at 33+
+# rows). Where moeserve's C++ ops (one fixed order per row) do not apply, torch ops see rows in blocks of exactly
+# ROW_BLOCK (the last one zero-padded): one call shape for every batch, and within a call shape a row's result does not
+# depend on its position or neighbours (tests/engine/test_batch_invariance.py checks both).
+ROW_BLOCK = 16
+
+
+def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn, computed on blocks of exactly ROW_BLOCK rows of x [N, ...]."""
+    n = x.shape[0]
+    pad = -n % ROW_BLOCK
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    outs = [fn(x[i : i + ROW_BLOCK]) for i in range(0, n + pad, ROW_BLOCK)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out[:n] if pad else out
+
+
 class Linear:
     """y = x W^T (+ b). W [out, in] in the compute dtype, kept in one of three layouts chosen once at load:
 
@@ -89,6 +108,7 @@ class Linear:
         else:
             self.layout = "plain"
             self._weight = weight
+        self.invariant = False  # "onednn" / "plain" in fixed row blocks (see ROW_BLOCK); MoeModel.use_batch_invariance
 
     @property
     def packed(self) -> bool:
@@ -114,6 +134,11 @@ class Linear:
                                                               self.bias)
         if self.layout == "interleaved":
             return torch.ops.moeserve.linear_interleaved(x, self._weight, self.out_features, self.bias)
+        if self.invariant and x.dim() == 2:
+            return in_row_blocks(self._torch_linear, x)
+        return self._torch_linear(x)
+
+    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "onednn":
             x2 = x.reshape(-1, x.shape[-1])  # oneDNN's linear takes [rows, in]
             y = torch.ops.mkldnn._linear_pointwise(x2, self._weight, self.bias, "none", [], "")
@@ -286,10 +311,12 @@ class Attention:
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.split = [q_size, kv_size, kv_size]
         self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
+        self._sinks_f32 = None if sinks is None else sinks.float().contiguous()  # the C++ op's form
         self.rotary, self.eps = rotary, eps
         self.window = spec.sliding_window[layer]
         self.scale = spec.head_dim**-0.5
         self.cpp = False  # set by MoeModel.use_cpp_kernels
+        self.invariant = False  # torch path: every batch sequence by sequence (MoeModel.use_batch_invariance)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s = self.spec
@@ -311,23 +338,26 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = self.rotary.apply(q, batch.positions)
         k = self.rotary.apply(k, batch.positions)
-        if batch.decode_only and len(batch.slots) > 1:
+        if batch.decode_only and len(batch.slots) > 1 and not self.invariant:
             out = self._decode_batched(q, k, v, batch, kv)
         else:
             out = self._per_sequence(q, k, v, batch, kv)
         return self.o(out.reshape(n, s.num_heads * s.head_dim))
 
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o]
+
     def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """One op normalises (per head), rotates and caches; decode-only batches attend with a second one."""
+        """One op normalises (per head), rotates and caches; a second attends every token (batch-invariant)."""
         per_head = self.spec.qk_norm == "per_head"
         kc, vc = kv.layer(self.layer)
         q = torch.ops.moeserve.qk_norm_rope_cache(
             q, k, v, self.q_norm if per_head else None, self.k_norm if per_head else None, self.rotary.cos,
             self.rotary.sin, batch.positions, batch.token_slots, kc, vc, self.eps)  # [N, nh, d]
-        if batch.decode_only and self.sinks is None:
-            return torch.ops.moeserve.decode_attention(q, kc, vc, batch.token_slots, batch.positions,
-                                                       self.window or 0, self.scale)
-        return self._per_sequence(q, None, None, batch, kv)
+        # Every token, prefill or decode, alone or beside others: one op that attends each query row on its own
+        # (keys up to its position), with one fixed reduction order, so a request's numbers never depend on the batch.
+        return torch.ops.moeserve.decode_attention(q, kc, vc, batch.token_slots, batch.positions, self.window or 0,
+                                                   self.scale, self._sinks_f32)
 
     def _per_sequence(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Prefill or mixed batches: attend sequence by sequence against its cached prefix. k and v are None
@@ -390,8 +420,13 @@ class DenseMLP:
     def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
         self.gate, self.up, self.down = gate, up, down
 
+        self.invariant = False  # nothing batch-dependent of its own: its Linears carry the setting
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def linears(self) -> list[Linear]:
+        return [self.gate, self.up, self.down]
 
 
 # An expert kernel computes one expert's output for the tokens routed to it: (x [T, H], weights) -> [T, H].
@@ -448,6 +483,7 @@ class MoEBlock:
         # loop when `cpp` is set (MoeModel.use_cpp_kernels) and the kernel supports it: `swiglu_expert` on bf16 /
         # fp32 units, or a kernel with a `fused_int8_fields` attribute (int8 units of the SwiGLU plan).
         self.cpp = False
+        self.invariant = False  # MoeModel.use_batch_invariance: see ROW_BLOCK and __call__
         # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
         self.trace_hook: Callable[[int, torch.Tensor, list[int] | None], None] | None = None
         # (next MoE layer, its router): set when the store prefetches, so this block can predict that layer
@@ -512,7 +548,9 @@ class MoEBlock:
             self._fused_interleaved(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(),
                                     getattr(self.kernel, "fused_int8_fields", None))
             return self._add_shared(out, x)
-        if self.cpp and x.shape[0] <= FUSED_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float32):
+        # Batch-invariant: the fused op (per-token order) at any batch size, never the loop for some sizes only
+        fits = x.shape[0] <= FUSED_MAX_TOKENS or self.invariant
+        if self.cpp and fits and x.dtype in (torch.bfloat16, torch.float32):
             int8_fields = getattr(self.kernel, "fused_int8_fields", None)
             if self.kernel is swiglu_expert or int8_fields is not None:
                 self._fused(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(), int8_fields)
@@ -521,7 +559,7 @@ class MoEBlock:
             for e, w in chunk:
                 lo, hi = bounds[e]
                 tokens = token_of[lo:hi]
-                y = self.kernel(x[tokens], w) * weight_of[lo:hi, None]
+                y = self._expert(x[tokens], w) * weight_of[lo:hi, None]
                 # A token picks an expert at most once, so `tokens` has no repeats and a gathered add is the
                 # same single rounding as index_add_, whose CPU kernel is slow for bf16 (40% of decode, profiled).
                 out[tokens] += y.to(out.dtype)
@@ -564,6 +602,17 @@ class MoEBlock:
             else:
                 fields = [[w[i] for _, w in chunk] for i in int8_fields]  # gate_up, its scales, down, its scales
                 ops.moe_swiglu_int8_interleaved_(out, x, *fields, token_of, weight_of, spans)
+
+    def _expert(self, rows: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        """The kernel on one expert's rows; batch-invariant: in fixed blocks of rows (see ROW_BLOCK)."""
+        if not self.invariant:
+            return self.kernel(rows, w)
+        kernel = self.kernel
+        return in_row_blocks(lambda t: kernel(t, w), rows)
+
+    def linears(self) -> list[Linear]:
+        shared = [] if self.shared is None else self.shared.linears()
+        return [self.router, *shared] + ([] if self.shared_gate is None else [self.shared_gate])
 
     def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.shared is not None and self.shared_gate is not None:

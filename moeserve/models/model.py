@@ -7,6 +7,7 @@ the resident case, a budgeted cache otherwise).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from moeserve.models.layers import (
     Linear,
     MoEBlock,
     Rotary,
+    in_row_blocks,
     swiglu_expert,
 )
 from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense, linear_format
@@ -162,6 +164,7 @@ class MoeModel:
         self.norm = RMS_NORMS[spec.norm_style][0]
         self.dequantized_linears: list[str] = []  # quantized dense Linears that were dequantized at load
         self.cpp = False  # norms and attention with the moeserve C++ ops: see use_cpp_kernels
+        self.invariant = False  # batch-invariant numerics: see use_batch_invariance
         self.use_cpp_kernels(cpp)
         # Decode-only batches through every layer in one C++ call (models/decode_stack.py): see choose_decode_step.
         # The stack is built on first use for the KV cache it is given, and rebuilt if another one comes.
@@ -188,6 +191,23 @@ class MoeModel:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.cpp = on  # the fused expert op where the plan's kernel supports it
         return on
+
+    def use_batch_invariance(self, on: bool) -> str:
+        """Batch-invariant numerics (EngineSettings.batch_invariant) on every layer; returns the start-up log line."""
+        for layer in self.layers:
+            for part in (layer.attn, layer.mlp):
+                part.invariant = on
+                for lin in part.linears():
+                    lin.invariant = on
+        if self._head is not None:
+            self._head.invariant = on
+        self.invariant = on
+        if not on:
+            return "off (set): torch's batch-dependent GEMMs and attention where the C++ ops do not apply"
+        if not self.cpp:
+            return ("on, except attention and norms: with kernels=torch, torch's CPU reductions may still depend on "
+                    "the batch; kernels=cpp makes every op per row")
+        return "on (every op reduces each row in one fixed order; torch fallbacks in fixed blocks of rows)"
 
     def choose_decode_step(self, want: str) -> str:
         """Decode-step path per EngineSettings.decode_step (auto, fused, per_op); returns the one-line reason for the
@@ -226,7 +246,8 @@ class MoeModel:
             last = self.norm(last, self.final_norm, self.spec.rms_norm_eps)
         if self._head is not None:
             return self._head(last).float()
-        return torch.nn.functional.linear(last, self.embed).float()  # tied: the head is the embedding
+        tied = functools.partial(torch.nn.functional.linear, weight=self.embed)  # tied: the head is the embedding
+        return (in_row_blocks(tied, last) if self.invariant else tied(last)).float()
 
     def _fused_step(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """Every layer in one DecodeStack call; the store is told the hits (one per needed expert per layer)."""

@@ -109,3 +109,58 @@ def test_decode_attention_single_key_returns_its_value(ops) -> None:
     out = ops.decode_attention(torch.randn(1, 4, 32), kc, vc, torch.tensor([1]), torch.tensor([0]), 0, 0.1)
     expected = vc[1, :, 0].repeat_interleave(2, dim=0).reshape(1, -1)
     torch.testing.assert_close(out, expected)
+
+
+def sinks_reference(q, kc, vc, slots, pos, window, scale, sinks):  # noqa: ANN001, ANN201
+    """fp64 attention with a per-head sink logit in the softmax (gpt-oss; transformers' eager_attention_forward)."""
+    out = []
+    group = q.shape[1] // kc.shape[1]
+    for i in range(q.shape[0]):
+        lo = max(0, int(pos[i]) - window + 1) if window else 0
+        keys = kc[slots[i], :, lo : int(pos[i]) + 1].double().repeat_interleave(group, dim=0)  # [nh, L, d]
+        values = vc[slots[i], :, lo : int(pos[i]) + 1].double().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hld->hl", q[i].double(), keys) * scale
+        probs = torch.softmax(torch.cat([scores, sinks.double()[:, None]], dim=-1), dim=-1)[:, :-1]
+        out.append(torch.einsum("hl,hld->hd", probs, values).reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d", [64, 24])
+@pytest.mark.parametrize("window", [0, 16])
+def test_decode_attention_with_sinks_matches_reference(ops, dtype: torch.dtype, d: int, window: int) -> None:
+    """Sinks join the max and the row sum and have no value: against fp64, as close as without sinks."""
+    nh, nkv, slots, max_len = 8, 2, 4, 64
+    gen = torch.Generator().manual_seed(d + window + 1)
+    kc = torch.randn(slots, nkv, max_len, d, generator=gen).to(dtype)
+    vc = torch.randn(slots, nkv, max_len, d, generator=gen).to(dtype)
+    q = (torch.randn(4, nh, d, generator=gen) * 2).to(dtype)
+    sinks = torch.randn(nh, generator=gen) * 3
+    slot, pos = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 5, 40, 63])
+    got = ops.decode_attention(q, kc, vc, slot, pos, window, d**-0.5, sinks)
+    exact = sinks_reference(q, kc, vc, slot, pos, window, d**-0.5, sinks)
+    without = ops.decode_attention(q, kc, vc, slot, pos, window, d**-0.5)
+    assert (without.double() - exact).abs().max() > 1e-2  # the sinks really change the result
+    step = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), exact, rtol=step, atol=step)
+
+
+@pytest.mark.parametrize("d", [128, 24])
+def test_attention_of_a_token_does_not_depend_on_the_other_tokens(ops, d: int) -> None:
+    """Prefill, decode and mixed calls: each query row's output is the same bits whatever rows share the call
+    (the engine's batch invariance rests on this)."""
+    nh, nkv, slots, max_len = 16, 4, 6, 512
+    gen = torch.Generator().manual_seed(d)
+    kc = torch.randn(slots, nkv, max_len, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(slots, nkv, max_len, d, generator=gen).to(torch.bfloat16)
+    n = 40
+    q = torch.randn(n, nh, d, generator=gen).to(torch.bfloat16)
+    slot = torch.randint(0, slots, (n,), generator=gen)
+    pos = torch.randint(0, max_len, (n,), generator=gen)
+    sinks = torch.randn(nh, generator=gen)
+    for s in (None, sinks):
+        whole = ops.decode_attention(q, kc, vc, slot, pos, 0, d**-0.5, s)
+        for i in range(0, n, 7):
+            alone = ops.decode_attention(q[i : i + 1].contiguous(), kc, vc, slot[i : i + 1].contiguous(),
+                                         pos[i : i + 1].contiguous(), 0, d**-0.5, s)
+            assert torch.equal(alone[0], whole[i])

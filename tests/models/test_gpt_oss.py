@@ -37,22 +37,25 @@ def hf_model(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
 
 
-def hf_greedy(folder: Path, prompt: list[int], dtype: torch.dtype) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' own forward, no cache: argmax token and the full log-softmax at each step."""
+def hf_logprobs(folder: Path, prompt: list[int], tokens: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """transformers' own forward, no cache, teacher-forced on `tokens`: the full log-softmax before each."""
     model = hf_model(folder, dtype)
     ids, logps = list(prompt), []
     with torch.no_grad():
-        for _ in range(STEPS):
+        for token in tokens:
             logits = model(torch.tensor([ids])).logits[0, -1].float()
             logps.append(torch.log_softmax(logits, dim=-1))
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt) :], logps
+            ids.append(token)
+    return logps
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_greedy_matches_transformers(gpt_oss_folders, layout: str, dtype: str) -> None:
+    """Every step's logprobs within tolerance of transformers' on the same prefix, and every greedy token is
+    transformers' argmax unless its top two are closer than that tolerance (a bf16 near-tie: 1.7e-4 apart at one
+    step here, where transformers' bf16 and fp32 runs disagree with each other)."""
     folder = gpt_oss_folders[layout]
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype=dtype)
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=5)
@@ -60,9 +63,11 @@ def test_greedy_matches_transformers(gpt_oss_folders, layout: str, dtype: str) -
     tol = 1e-4 if dtype == "float32" else 5e-2
     for prompt, out in zip(PROMPTS, outs):
         ours = out.outputs[0]
-        ref_tokens, ref_logps = hf_greedy(folder, prompt, getattr(torch, dtype))
-        assert ours.token_ids == ref_tokens, f"{layout} {dtype} prompt len {len(prompt)}"
-        for step, (lp, ref) in enumerate(zip(ours.logprobs, ref_logps)):
+        ref_logps = hf_logprobs(folder, prompt, ours.token_ids, getattr(torch, dtype))
+        for step, (token, lp, ref) in enumerate(zip(ours.token_ids, ours.logprobs, ref_logps)):
+            top2 = torch.topk(ref, 2).values
+            if float(top2[0] - top2[1]) > tol:
+                assert token == int(ref.argmax()), f"{layout} {dtype} prompt len {len(prompt)} step {step}"
             for token_id, entry in lp.items():
                 assert abs(entry.logprob - float(ref[token_id])) < tol, (layout, dtype, step, token_id)
 

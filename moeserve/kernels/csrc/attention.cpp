@@ -10,6 +10,10 @@
 //   with a sliding window, else 0), with grouped-query heads. The softmax follows torch's CPU flash attention
 //   for bf16: scores q.k in fp32 times the scale, p = exp(s - max) in fp32, the row sum taken on the fp32 p,
 //   p rounded to the dtype before p @ v (fp32 accumulation), then multiplied by 1 / sum and rounded once.
+//   With sinks (gpt-oss: one learned fp32 logit per query head), the sink joins the max and the row sum
+//   (exp(sink - max)) but has no value row. The op is defined per query token, so it serves prefill and mixed
+//   batches too (each token against keys up to its own position, which qk_norm_rope_cache wrote first): a token's
+//   result never depends on which other tokens share the call, which is what makes the engine batch-invariant.
 
 #include <ATen/ATen.h>
 
@@ -140,7 +144,7 @@ template <typename T>
 static inline __attribute__((always_inline)) void attend_group(const T* q, const T* kc, const T* vc,
                                                                 int64_t kstride, int64_t vstride, int64_t lo,
                                                                 int64_t hi, int64_t group, int64_t d, float scale,
-                                                                float* scratch, T* out) {
+                                                                const float* sinks, float* scratch, T* out) {
   const int64_t len = hi - lo;
   float* qf = stage_query(q, group, d, scratch);
   float* acc = qf + group * d;
@@ -163,6 +167,7 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
     float* pg = p + g * len;
     float mx = -INFINITY;
     for (int64_t j = 0; j < len; ++j) mx = std::max(mx, pg[j]);
+    if (sinks != nullptr) mx = std::max(mx, sinks[g]);
     float sum = 0.0f;
     for (int64_t j = 0; j < len; ++j) {
       const float e = std::exp(pg[j] - mx);
@@ -175,6 +180,7 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
       const float w = pg[j];
       for (int64_t i = 0; i < d; ++i) ag[i] += w * load(vj, i);
     }
+    if (sinks != nullptr) sum += std::exp(sinks[g] - mx);
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(ag[i] * inv);
   }
@@ -182,8 +188,8 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
 
 #define MOESERVE_ATTEND_ARGS                                                                                  \
   const T *q, const T *kc, const T *vc, int64_t kstride, int64_t vstride, int64_t lo, int64_t hi,              \
-      int64_t group, int64_t d, float scale, float *scratch, T *out
-#define MOESERVE_ATTEND_CALL q, kc, vc, kstride, vstride, lo, hi, group, d, scale, scratch, out
+      int64_t group, int64_t d, float scale, const float *sinks, float *scratch, T *out
+#define MOESERVE_ATTEND_CALL q, kc, vc, kstride, vstride, lo, hi, group, d, scale, sinks, scratch, out
 
 #define MOESERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
@@ -254,6 +260,7 @@ MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
     for (; j + 16 <= len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(pg + j));
     float m = _mm512_reduce_max_ps(mx);
     for (; j < len; ++j) m = std::max(m, pg[j]);
+    if (sinks != nullptr) m = std::max(m, sinks[g]);
     const __m512 mv = _mm512_set1_ps(m);
     __m512 sv = _mm512_setzero_ps();
     for (j = 0; j < len; j += 16) {
@@ -262,7 +269,9 @@ MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
       sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
       _mm512_mask_storeu_ps(pg + j, k, round16(e, tag));
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(sv);
+    float sum = _mm512_reduce_add_ps(sv);
+    if (sinks != nullptr) sum += std::exp(sinks[g] - m);
+    inv[g] = 1.0f / sum;
   }
   for (int64_t g0 = 0; g0 < group; g0 += TG) {
     const int tg = static_cast<int>(std::min<int64_t>(TG, group - g0));
@@ -315,7 +324,8 @@ static bool cpu_has_avx512() {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale) {
+                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous [B, heads, d]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
                   k_cache.sizes() == v_cache.sizes(),
@@ -329,6 +339,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
                   positions.is_contiguous() && slots.numel() == b && positions.numel() == b,
               "decode_attention: slots and positions must be contiguous int64 [B]");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                      sinks->numel() == nh),
+              "decode_attention: sinks must be contiguous float32 [heads]");
+  const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   int64_t work = 0, longest = 0;
@@ -358,10 +372,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         const T* kc = kp + slot[i] * k_cache.stride(0) + g * k_cache.stride(1);
         const T* vc = vp + slot[i] * v_cache.stride(0) + g * v_cache.stride(1);
         T* o = op + (i * nh + g * group) * d;
+        const float* sk = sink == nullptr ? nullptr : sink + g * group;
         if (wide && d % 16 == 0 && d <= 256)
-          attend_wide<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, scratch.data(), o);
+          attend_wide<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, sk, scratch.data(), o);
         else
-          attend_generic<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, scratch.data(), o);
+          attend_generic<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, sk, scratch.data(), o);
       }
     });
   });
@@ -377,6 +392,6 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       &moeserve_attention::qk_norm_rope_cache);
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions, int window, "
-      "float scale) -> Tensor",
+      "float scale, Tensor? sinks=None) -> Tensor",
       &moeserve_attention::decode_attention);
 }

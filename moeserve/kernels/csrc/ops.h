@@ -28,7 +28,8 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                               const at::Tensor& token_slots, at::Tensor& k_cache, at::Tensor& v_cache, double eps);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale);
+                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale,
+                            const std::optional<at::Tensor>& sinks = std::nullopt);
 }  // namespace moeserve_attention
 
 namespace moeserve_routing {  // routing.cpp
