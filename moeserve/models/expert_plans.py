@@ -103,8 +103,13 @@ class DequantizingKernel:
         return bufs
 
     def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        return self.bind(w)(x)
+
+    def bind(self, w: ExpertWeights) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The unit dequantized once; the returned row-wise function runs the math on any rows of x."""
         biases = tuple(None if p.bias_field is None else w[p.bias_field] for p in self.projections)
-        return self.math(x, self.dequantize(w), biases)
+        dense = self.dequantize(w)
+        return lambda x: self.math(x, dense, biases)
 
     @property
     def buffer_nbytes(self) -> int:
@@ -380,6 +385,10 @@ class Int8Kernel:
             self.fused_int8_fields = (gate_up, gate_up_scale, down, down_scale)
 
     def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        return self.bind(w)(x)
+
+    def bind(self, w: ExpertWeights) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The unit dequantized once; the returned row-wise function runs the dense kernel on any rows of x."""
         bufs = self._buffers.get(w[0].device)
         if bufs is None:
             with torch.inference_mode(False):
@@ -396,7 +405,8 @@ class Int8Kernel:
                 codes = unpack_int8_rows(w[index], *buf.shape) if self.fused_interleaved else w[index]
                 dequantize_int8_per_channel(codes, w[scale_index], buf)
                 dense.append(buf)
-        return self.dense_kernel(x, tuple(dense))
+        weights, kernel = tuple(dense), self.dense_kernel
+        return lambda x: kernel(x, weights)
 
 
 def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None,

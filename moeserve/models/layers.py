@@ -55,16 +55,31 @@ class ForwardBatch:
 # rows). Where moeserve's C++ ops (one fixed order per row) do not apply, torch ops see rows in blocks of exactly
 # ROW_BLOCK (the last one zero-padded): one call shape for every batch, and within a call shape a row's result does not
 # depend on its position or neighbours (tests/engine/test_batch_invariance.py checks both).
-ROW_BLOCK = 16
+# The block is chosen once per process from the CPU (choose_row_block, logged): with AMX, a 32-row bf16 GEMM costs
+# about what a 1-row one does; without it, every padded row is compute.
+ROW_BLOCK_AMX, ROW_BLOCK_DEFAULT = 32, 16
+ROW_BLOCK = ROW_BLOCK_DEFAULT
+
+
+def choose_row_block() -> str:
+    """Sets ROW_BLOCK for this CPU; returns the reason for the start-up log."""
+    global ROW_BLOCK
+    try:
+        flags = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once at start-up
+    except OSError:
+        flags = ""
+    amx = " amx_bf16" in flags
+    ROW_BLOCK = ROW_BLOCK_AMX if amx else ROW_BLOCK_DEFAULT
+    return f"{ROW_BLOCK} rows ({'AMX: a padded row costs little' if amx else 'no AMX: padded rows are compute'})"
 
 
 def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """fn(x) for a row-wise fn, computed on blocks of exactly ROW_BLOCK rows of x [N, ...]."""
-    n = x.shape[0]
-    pad = -n % ROW_BLOCK
+    n, block = x.shape[0], ROW_BLOCK
+    pad = -n % block
     if pad:
         x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    outs = [fn(x[i : i + ROW_BLOCK]) for i in range(0, n + pad, ROW_BLOCK)]
+    outs = [fn(x[i : i + block]) for i in range(0, n + pad, block)]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out[:n] if pad else out
 
@@ -356,6 +371,9 @@ class Attention:
             self.rotary.sin, batch.positions, batch.token_slots, kc, vc, self.eps)  # [N, nh, d]
         # Every token, prefill or decode, alone or beside others: one op that attends each query row on its own
         # (keys up to its position), with one fixed reduction order, so a request's numbers never depend on the batch.
+        # batch_invariant=False: prefill and mixed batches take torch's attention (flash SDPA) as before.
+        if not self.invariant and not batch.decode_only:
+            return self._per_sequence(q, None, None, batch, kv)
         return torch.ops.moeserve.decode_attention(q, kc, vc, batch.token_slots, batch.positions, self.window or 0,
                                                    self.scale, self._sinks_f32)
 
@@ -607,6 +625,9 @@ class MoEBlock:
         """The kernel on one expert's rows; batch-invariant: in fixed blocks of rows (see ROW_BLOCK)."""
         if not self.invariant:
             return self.kernel(rows, w)
+        bind = getattr(self.kernel, "bind", None)  # per-unit work (dequantization) once, not once per block
+        if bind is not None:
+            return in_row_blocks(bind(w), rows)
         kernel = self.kernel
         return in_row_blocks(lambda t: kernel(t, w), rows)
 

@@ -31,6 +31,7 @@ from moeserve.models.layers import (
     Linear,
     MoEBlock,
     Rotary,
+    choose_row_block,
     in_row_blocks,
     swiglu_expert,
 )
@@ -204,10 +205,11 @@ class MoeModel:
         self.invariant = on
         if not on:
             return "off (set): torch's batch-dependent GEMMs and attention where the C++ ops do not apply"
+        block = choose_row_block()
         if not self.cpp:
             return ("on, except attention and norms: with kernels=torch, torch's CPU reductions may still depend on "
                     "the batch; kernels=cpp makes every op per row")
-        return "on (every op reduces each row in one fixed order; torch fallbacks in fixed blocks of rows)"
+        return f"on (every op reduces each row in one fixed order; torch fallbacks in fixed blocks of {block})"
 
     def choose_decode_step(self, want: str) -> str:
         """Decode-step path per EngineSettings.decode_step (auto, fused, per_op); returns the one-line reason for the

@@ -14,11 +14,13 @@ import pytest
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
+from tests.models.checkpoints import write_gpt_oss_mxfp4
 from tests.real_dims import VOCAB, write_real_dims
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "gpt-oss-20b")
+# gpt-oss's expert math runs through torch (bf16 units, and MXFP4 units dequantized per call): the fixed row blocks
+MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "gpt-oss-20b", "gpt-oss-20b-mxfp4")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True, logprobs=3, seed=7)
 
@@ -29,7 +31,10 @@ def real_checkpoint(tmp_path_factory: pytest.TempPathFactory):
 
     def get(name: str) -> Path:
         if name not in cache:
-            cache[name] = write_real_dims(tmp_path_factory.mktemp(name.replace(".", "_")), name)
+            base = name.removesuffix("-mxfp4")
+            folder = write_real_dims(tmp_path_factory.mktemp(base.replace(".", "_")), base)
+            cache[name] = (write_gpt_oss_mxfp4(folder, tmp_path_factory.mktemp("mxfp4")) if name.endswith("-mxfp4")
+                           else folder)
         return cache[name]
 
     return get
