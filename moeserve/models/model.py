@@ -207,8 +207,8 @@ class MoeModel:
             return "off (set): torch's batch-dependent GEMMs and attention where the C++ ops do not apply"
         block = choose_row_block()
         if not self.cpp:
-            return ("on, except attention and norms: with kernels=torch, torch's CPU reductions may still depend on "
-                    "the batch; kernels=cpp makes every op per row")
+            return (f"on (kernels=torch: GEMMs in fixed blocks of {block}, attention sequence by sequence; torch's "
+                    "CPU norms and softmax reduce each row alone)")
         return f"on (every op reduces each row in one fixed order; torch fallbacks in fixed blocks of {block})"
 
     def choose_decode_step(self, want: str) -> str:

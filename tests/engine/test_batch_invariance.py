@@ -58,9 +58,13 @@ def run_schedule(engine, arrivals: list[tuple[int, list[int], SamplingParams]]) 
     return done
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_every_request_equals_its_solo_run(real_checkpoint, name: str) -> None:
-    llm = LLM(str(real_checkpoint(name)), skip_tokenizer_init=True, max_num_seqs=4, max_model_len=256)
+CASES = [(name, "auto") for name in MODELS] + [("Qwen3-30B-A3B", "torch"), ("gpt-oss-20b", "torch")]
+
+
+@pytest.mark.parametrize("name,kernels", CASES)
+def test_every_request_equals_its_solo_run(real_checkpoint, name: str, kernels: str) -> None:
+    llm = LLM(str(real_checkpoint(name)), skip_tokenizer_init=True, max_num_seqs=4, max_model_len=256,
+              kernels=kernels)
     engine = llm.engine
     rng = random.Random(f"batch-invariance-{name}")
     requests = []
