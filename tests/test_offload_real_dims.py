@@ -4,7 +4,7 @@ expert width >= 768: every kernel takes several blocks per row and several threa
 tests/test_offload.py runs the wide matrix (every policy and cache size, every quantized format) in float32 on tiny
 models, where the ops take one block; this one runs where the roundings of two ops would differ. For every
 architecture and every expert-compute path (the default choices, the plain layout with the per-op step, the torch
-kernels; int8 for one model), the resident run is the reference and offloaded runs vary the cache (one unit, three,
+kernels; int8 for one model, MXFP4 for gpt-oss), the resident run is the reference and offloaded runs vary the cache (one unit, three,
 half the experts), the policy and prefetch. Every engine step's logits must be `torch.equal`.
 """
 
@@ -18,6 +18,7 @@ import torch
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from tests.logits_capture import generate_capturing_logits
+from tests.models.checkpoints import write_gpt_oss_mxfp4
 from tests.real_dims import REAL_DIMS, write_real_dims
 
 pytestmark = pytest.mark.slow
@@ -78,3 +79,9 @@ def test_offloaded_equals_resident_bf16_real_dims(real_checkpoint, name: str, pa
 
 def test_offloaded_equals_resident_int8_real_dims(real_checkpoint) -> None:
     check_offloads(real_checkpoint("Qwen3-30B-A3B"), "Qwen3-30B-A3B int8", quantization="int8")
+
+
+def test_offloaded_equals_resident_mxfp4_real_dims(real_checkpoint, tmp_path: Path) -> None:
+    """gpt-oss experts stored in MXFP4 (the real checkpoints' format): units stay MXFP4 in every tier."""
+    mxfp4 = write_gpt_oss_mxfp4(real_checkpoint("gpt-oss-20b"), tmp_path / "mxfp4")
+    check_offloads(mxfp4, "gpt-oss-20b MXFP4")
