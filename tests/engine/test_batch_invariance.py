@@ -20,7 +20,7 @@ from tests.real_dims import VOCAB, write_real_dims
 pytestmark = pytest.mark.slow
 
 # gpt-oss's expert math runs through torch (bf16 units, and MXFP4 units dequantized per call): the fixed row blocks
-MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "gpt-oss-20b", "gpt-oss-20b-mxfp4")
+MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B", "Mixtral-8x7B", "gpt-oss-20b", "gpt-oss-20b-mxfp4")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True, logprobs=3, seed=7)
 
