@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from moeserve.checkpoint.folder import read_json
 from moeserve.errors import CheckpointError, RequestError
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -26,6 +27,13 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: cannot read as UTF-8 text ({err})") from None
 
 
 class Tokenizer:
@@ -41,13 +49,7 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on malformed files
             raise CheckpointError(f"{path}: cannot load tokenizer ({str(err).splitlines()[0]})") from None
-        config_path = folder / "tokenizer_config.json"
-        self.config: dict[str, Any] = {}
-        if config_path.is_file():
-            try:
-                self.config = json.loads(config_path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as err:
-                raise CheckpointError(f"{config_path}: invalid JSON ({err})") from None
+        self.config: dict[str, Any] = read_json(folder / "tokenizer_config.json", required=False)
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             text = _token_text(self.config.get(key))
@@ -60,10 +62,10 @@ class Tokenizer:
             p = Path(override)
             if not p.is_file():
                 raise CheckpointError(f"{override}: chat template file not found")
-            return p.read_text(encoding="utf-8")
+            return _read_text(p)
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
-            return jinja_file.read_text(encoding="utf-8")
+            return _read_text(jinja_file)
         template = self.config.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -7,17 +7,20 @@ access, reads the JSON files and every shard header, and validates them. Tensor 
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moeserve.checkpoint import strict_json
 from moeserve.checkpoint.safetensors_file import FileReader, TensorRef, parse_header
 from moeserve.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# config.json, generation_config.json and the shard index are kilobytes (an index of 100k tensors ~10 MB); a
+# larger file is not one of them, and parsing it could take gigabytes.
+MAX_JSON_BYTES = 64 * 2**20
 
 
 def hf_hub_cache() -> Path:
@@ -55,14 +58,20 @@ def resolve_model_path(model: str) -> Path:
 
 
 def read_json(path: Path, required: bool = True) -> dict[str, Any]:
-    """Parse a JSON object file; a missing optional file gives {}. Errors name the file."""
+    """Parse a JSON object file; a missing optional file gives {}. Errors name the file: invalid UTF-8 or JSON,
+    a key given twice, nesting too deep, a file too large to be a config (see MAX_JSON_BYTES)."""
     if not path.is_file():
         if required:
             raise CheckpointError(f"{path}: missing (a model folder needs config.json)")
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{path}: {size} bytes, too large for a config file (at most {MAX_JSON_BYTES})")
+        data = strict_json.loads(path.read_bytes())
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path}: invalid JSON ({err})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: invalid JSON (expected an object)")
@@ -115,11 +124,8 @@ def open_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
     generation_config = read_json(path / "generation_config.json", required=False)
     index_path = path / INDEX_FILE
     if index_path.is_file():
-        index = read_json(index_path)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path}: invalid index (no weight_map)")
-        shard_names = sorted(set(weight_map.values()))
+        weight_map: dict[str, str] | None = _weight_map(path, index_path)
+        shard_names = sorted(set(weight_map.values())) if weight_map else []
     elif (path / SINGLE_FILE).is_file():
         weight_map, shard_names = None, [SINGLE_FILE]
     else:
@@ -131,11 +137,27 @@ def open_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
         if not shard_path.is_file():
             raise CheckpointError(f"{shard_path}: shard named in {INDEX_FILE} is missing")
         for name, ref in parse_header(shard_path).items():
-            if weight_map is not None and weight_map.get(name) not in (None, shard):
-                continue  # the index names another shard for this tensor: trust the index
+            if name in tensors:  # which copy would be read depends on the shard order: refuse, as for one file
+                raise CheckpointError(
+                    f"{shard_path}: tensor '{name}' is also in {tensors[name].path.name}; a tensor must be stored "
+                    "once"
+                )
             tensors[name] = ref
     if weight_map is not None:
         for name, shard in weight_map.items():
-            if name not in tensors:
+            if name not in tensors or tensors[name].path.name != Path(shard).name:
                 raise CheckpointError(f"{path / shard}: tensor '{name}' named in {INDEX_FILE} is not in that shard")
     return Checkpoint(path=path, config=config, generation_config=generation_config, tensors=tensors)
+
+
+def _weight_map(folder: Path, index_path: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every shard a plain file name in `folder`."""
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: invalid index (no weight_map)")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+            raise CheckpointError(
+                f"{index_path}: tensor '{name}' maps to {str(shard)[:80]!r}, not a shard file name in {folder}"
+            )
+    return weight_map

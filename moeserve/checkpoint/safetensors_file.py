@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import mmap
 import os
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from moeserve.checkpoint import strict_json
 from moeserve.errors import CheckpointError
 
 # safetensors dtype code -> (torch dtype, bytes per element)
@@ -43,6 +43,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
 }
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+_MAX_DIMS = 16  # no checkpoint tensor has more; a header claiming thousands is corrupt
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,12 @@ class TensorRef:
 
 
 def parse_header(path: Path) -> dict[str, TensorRef]:
-    """Read and validate the header of `path`; returns name -> TensorRef. Reads only the header bytes."""
+    """Read and validate the header of `path`; returns name -> TensorRef. Reads only the header bytes.
+
+    Refused with a one-line CheckpointError naming the file: a header length past the end of the file (or past
+    the reference implementation's 100 MB), a header that is not UTF-8 JSON or nests too deeply, a tensor named
+    twice, an entry without a known dtype, a shape of non-negative integers or two ordered offsets, a byte range
+    that does not hold its shape or runs past the end of the file, and byte ranges that overlap."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -94,16 +100,17 @@ def parse_header(path: Path) -> dict[str, TensorRef]:
             if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
                 raise CheckpointError(
                     f"{path}: broken safetensors header (header length {header_len} runs past the end of the "
-                    f"{size}-byte file); the file is truncated or not safetensors"
+                    f"{size}-byte file, or past the format's {_MAX_HEADER_BYTES}-byte limit); the file is "
+                    "truncated or not safetensors"
                 )
             raw = f.read(header_len)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = strict_json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("not an object")
-    except (UnicodeDecodeError, ValueError) as err:
+    except ValueError as err:  # UnicodeDecodeError is one
         raise CheckpointError(f"{path}: broken safetensors header (invalid JSON: {err})") from None
 
     data_start = 8 + header_len
@@ -112,27 +119,41 @@ def parse_header(path: Path) -> dict[str, TensorRef]:
         if name == "__metadata__":
             continue
         refs[name] = _tensor_ref(path, name, entry, data_start, size)
+    _check_no_overlap(path, refs.values())
     return refs
+
+
+def _ints(value: object, what: str) -> list[int]:
+    """`value` as a list of non-negative integers (JSON numbers that are not integers, bools and negative
+    numbers refused: int() would round 1.5 and accept -1)."""
+    if not isinstance(value, list) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in value):
+        raise ValueError(f"{what} must be a list of non-negative integers, got {str(value)[:80]}")
+    return value
 
 
 def _tensor_ref(path: Path, name: str, entry: object, data_start: int, file_size: int) -> TensorRef:
     try:
         if not isinstance(entry, dict):
-            raise TypeError(name)
-        code = entry["dtype"]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: broken safetensors header entry for tensor '{name}'") from None
-    if code not in DTYPES:
-        raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {code}")
+            raise ValueError("not an object")
+        code = entry.get("dtype")
+        shape = tuple(_ints(entry.get("shape"), "shape"))
+        if len(shape) > _MAX_DIMS:
+            raise ValueError(f"shape has {len(shape)} dimensions (at most {_MAX_DIMS})")
+        offsets = _ints(entry.get("data_offsets"), "data_offsets")
+        if len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise ValueError(f"data_offsets must be [begin, end] with begin <= end, got {offsets}")
+        begin, end = offsets
+    except ValueError as err:
+        raise CheckpointError(f"{path}: broken safetensors header entry for tensor '{name}' ({err})") from None
+    if not isinstance(code, str) or code not in DTYPES:
+        raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {str(code)[:40]}")
     dtype, itemsize = DTYPES[code]
     numel = 1
     for d in shape:
         numel *= d
-    if end - begin != numel * itemsize or begin < 0:
+    if end - begin != numel * itemsize:
         raise CheckpointError(
-            f"{path}: tensor '{name}' byte range [{begin}, {end}) does not match shape {list(shape)} {code}"
+            f"{path}: tensor '{name}' byte range [{begin}, {end}) does not match shape {list(shape)[:16]} {code}"
         )
     if data_start + end > file_size:
         raise CheckpointError(
@@ -140,6 +161,16 @@ def _tensor_ref(path: Path, name: str, entry: object, data_start: int, file_size
             f"(needs {data_start + end} bytes, file has {file_size}); the file is truncated, download it again"
         )
     return TensorRef(name, path, data_start + begin, end - begin, dtype, code, shape)
+
+
+def _check_no_overlap(path: Path, refs: Iterable[TensorRef]) -> None:
+    """Two tensors sharing bytes is a corrupt header (the reference implementation refuses it too)."""
+    spans = sorted((r.offset, r.offset + r.nbytes, r.name) for r in refs if r.nbytes > 0)
+    for (_, end, name), (begin, _, other) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(
+                f"{path}: broken safetensors header (tensors '{name}' and '{other}' overlap in the file)"
+            )
 
 
 DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and buffer address aligned to the device's block size

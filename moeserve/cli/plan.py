@@ -32,13 +32,11 @@ def run(args: argparse.Namespace) -> int:
     from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.engine.llm_engine import demo_model_path
     from moeserve.memory.topology import detect_topology
-    from moeserve.models.registry import get_architecture
+    from moeserve.models.validate import read_model
 
     s = engine_settings(args)
     ckpt = open_checkpoint(s.model or str(demo_model_path()))
-    where = str(ckpt.path / "config.json")
-    arch = get_architecture(ckpt.config, where)
-    spec = arch.spec(ckpt.config, where)
+    arch, spec = read_model(ckpt)
     device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     footprint, dtype_name, max_len, expert_refs = _footprint(ckpt, arch, spec, s)

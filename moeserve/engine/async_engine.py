@@ -162,7 +162,8 @@ class AsyncEngine:
         try:
             self.engine = self._make_engine()
         except BaseException as err:
-            self._die(err, "loading the model failed")
+            # an on_loaded observer reports the error itself (the server's one `error:` line); else log it here
+            self._die(err, None if self._on_loaded is not None else "loading the model failed")
             self._notify_loaded(err)
             return
         self.state = State.READY

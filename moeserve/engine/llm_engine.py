@@ -26,18 +26,18 @@ from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
-from moeserve.errors import ConfigError, RequestError
+from moeserve.errors import CheckpointError, ConfigError, RequestError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions, static_policy_options
 from moeserve.experts.trace import TraceHeader, TraceWriter
-from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
+from moeserve.memory.budget import GiB, check_fits_in_memory, choose_expert_budget, choose_host_budget
 from moeserve.memory.topology import detect_topology
 from moeserve.models.expert_plans import can_interleave_experts, int8_expert_plan, interleaved_expert_plan
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import build_model, expert_plan
 from moeserve.models.quantized import resident_nbytes
-from moeserve.models.registry import get_architecture
+from moeserve.models.validate import read_model
 from moeserve.tokenizer import Tokenizer
 
 log = logging.getLogger("moeserve")
@@ -77,9 +77,8 @@ class LLMEngine:
         if s.model is None:
             log.info("model: none given, using the bundled demo model %s", model_path)
         self.checkpoint = ckpt = open_checkpoint(model_path)
-        where = str(ckpt.path / "config.json")
-        self.arch = get_architecture(ckpt.config, where)
-        self.spec = spec = self.arch.spec(ckpt.config, where)
+        self.arch, self.spec = read_model(ckpt)  # config bounds and tensor shapes checked: nothing sized yet
+        spec = self.spec
         self.device = self._choose_device(s.device)
         self.dtype = self._choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype())
         self._choose_threads(s.threads)
@@ -139,6 +138,9 @@ class LLMEngine:
         log.info("memory: %s", topology.reason)
         budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes,
                                       topology.fast_free_bytes)
+        rotary_bytes = 16 * self.max_model_len * spec.attention.head_dim  # cos/sin tables and their fp32 build
+        check_fits_in_memory(nonexpert + rotary_bytes, kv_bytes, budget.cache_bytes, topology.fast_free_bytes,
+                             f"max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len}")
         log.info("placement: %s", budget.reason)
         # the layout holds the same bytes per unit, so the budget above stands
         if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
@@ -232,9 +234,13 @@ class LLMEngine:
     def _eos_ids(self) -> set[int]:
         gen = self.checkpoint.generation_config.get("eos_token_id")
         cfg = self.checkpoint.config.get("eos_token_id")
-        for value in (gen, cfg):
+        for value, file in ((gen, "generation_config.json"), (cfg, "config.json")):
             if value is not None:
-                return set(value) if isinstance(value, list) else {int(value)}
+                ids = value if isinstance(value, list) else [value]
+                if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                    raise CheckpointError(f"{self.checkpoint.path / file}: 'eos_token_id' must be a token id or a "
+                                          f"list of token ids, got {str(value)[:40]}")
+                return set(ids)
         tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         return {tok_eos} if tok_eos is not None else set()
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import ExpertLoadError, MoeserveError
 from moeserve.experts.affinity import AffinityPredictor
@@ -701,6 +702,7 @@ class ExpertStore:
         if self.copier is not None:
             for slot in range(self.capacity):
                 self.copier.before_use(slot)
+        check_loaded_units(self.source, self._slot_of, self._pool)  # NaN/inf in an expert: refused at load
 
 
 def static_policy_options(trace_path: str, capacity: int) -> dict[str, Any]:

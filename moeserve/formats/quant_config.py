@@ -10,7 +10,6 @@ else the model is unquantized. Supported schemes (anything else raises `Unsuppor
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from moeserve.checkpoint import strict_json
 from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format
 from moeserve.formats.catalog import (
@@ -83,12 +83,21 @@ class QuantScheme:
 def load_quant_scheme(model_dir: str | Path) -> QuantScheme:
     """Read the quantization scheme of the model folder ``model_dir`` (see module docstring)."""
     model_dir = Path(model_dir)
-    config = _read_json(model_dir / "config.json")
+    where = model_dir / "config.json"
+    config = _read_json(where)
     quant_config = config.get("quantization_config")
     modelopt_file = model_dir / "hf_quant_config.json"
     if quant_config is None and modelopt_file.is_file():
+        where = modelopt_file
         quant_config = {"quant_method": "modelopt", **_read_json(modelopt_file)}
-    return parse_quant_config(quant_config)
+    if quant_config is not None and not isinstance(quant_config, dict):
+        raise CheckpointError(f"{where}: 'quantization_config' must be an object, got {str(quant_config)[:40]}")
+    try:
+        return parse_quant_config(quant_config)
+    except (AttributeError, TypeError, ValueError) as err:  # a field of the wrong JSON type
+        raise CheckpointError(f"{where}: invalid quantization config ({err})") from None
+    except (CheckpointError, UnsupportedModelError) as err:  # name the file the scheme came from
+        raise type(err)(f"{where}: {err}") from None
 
 
 def parse_quant_config(quant_config: Mapping[str, Any] | None) -> QuantScheme:
@@ -189,10 +198,12 @@ def _string_list(config: Mapping[str, Any], key: str) -> tuple[str, ...]:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = strict_json.loads(path.read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; a model folder needs a config.json") from None
-    except (OSError, json.JSONDecodeError) as err:
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({err.strerror})") from None
+    except ValueError as err:  # invalid UTF-8 or JSON, a repeated key
         raise CheckpointError(f"{path} cannot be read as JSON: {err}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from moeserve.checkpoint.finite import check_expert_unit
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.checkpoint.safetensors_file import Placer, TensorRef
 from moeserve.errors import ConfigError, UnsupportedModelError
@@ -325,11 +326,15 @@ class Int8ExpertSource(ExpertSource):
         how = "|".join((inspect.getsource(quantize_int8_per_channel), torch.__version__, repr(self.layout),
                         repr(self.dense_source.layout), json.dumps(self.checkpoint.config, sort_keys=True)))
         self.spill = open_or_build(self.spill_root, fingerprint(files, how), sorted(self.sources),
-                                   self.layout.nbytes, lambda key, out: self.quantize_unit(*key, out),
-                                   "int8 experts")
+                                   self.layout.nbytes, self._spill_unit, "int8 experts")
         if self.spill is None:
             return "int8 misses read the 16-bit expert and quantize it (no spill file)"
         return f"int8 misses read from the spill file {self.spill.path}"
+
+    def _spill_unit(self, key: tuple[int, int], unit_bytes: torch.Tensor) -> None:
+        """One unit of the spill file, made during the load: quantized, then checked for NaN/inf (its scales)."""
+        self.quantize_unit(*key, unit_bytes)
+        check_expert_unit(self, *key, unit_bytes)
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         if self.spill is not None:

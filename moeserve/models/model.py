@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from moeserve.checkpoint.finite import check_tensor
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.engine.kv_cache import KVCache
 from moeserve.errors import ConfigError
@@ -61,6 +62,7 @@ class WeightLoader:
             self.ckpt.reader.read_into(ref, out)  # straight into the final buffer: no transient
         else:
             out = self.ckpt.reader.read(ref).to(device=self.device, dtype=dtype)
+        check_tensor(out, name, ref.path, converted=ref.dtype != dtype)  # NaN/inf: refused at load
         if self.progress is not None:
             self.progress(ref.nbytes)
         self.resident_bytes += out.numel() * out.element_size()
@@ -73,6 +75,8 @@ class WeightLoader:
         if is_stored_dense(fmt):
             return self.tensor(prefix + ".weight", (out_features, in_features))
         weight, stored_nbytes = dequantize_at_load(self.ckpt, fmt, prefix, (out_features, in_features), self.dtype)
+        stored_in = self.ckpt.ref(fmt.stored_name(prefix, fmt.roles[0])).path
+        check_tensor(weight, prefix, stored_in, note=f" ({fmt.name} weight, dequantized with its scales)")
         weight = weight.to(self.device)
         self.dequantized_linears.append(prefix)
         if self.progress is not None:

@@ -6,6 +6,8 @@ are dense); they all become fields of one frozen spec so the shared layers never
 
 from __future__ import annotations
 
+import builtins
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -84,8 +86,45 @@ class ModelSpec:
         return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
 
 
+# Bounds of the config.json integers that size memory, inclusive: generous (no released model comes near
+# them) but finite, so a corrupt or mistyped file is refused before anything is allocated from it. A field
+# read under an alias (num_local_experts for num_experts, ...) is bounded by the first name the reader asks for.
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_hidden_layers": (1, 4096),
+    "hidden_size": (1, 2**17),
+    "intermediate_size": (1, 2**20),
+    "moe_intermediate_size": (1, 2**20),
+    "shared_expert_intermediate_size": (0, 2**20),  # 0 = no shared expert
+    "num_experts": (1, 2**16),
+    "num_local_experts": (1, 2**16),
+    "num_experts_per_tok": (1, 2**16),
+    "num_attention_heads": (1, 2**14),
+    "num_key_value_heads": (1, 2**14),
+    "head_dim": (2, 2**13),
+    "vocab_size": (1, 2**24),
+    "max_position_embeddings": (1, 2**24),
+    "sliding_window": (1, 2**24),
+    "decoder_sparse_step": (1, 4096),
+}
+OTHER_INT_BOUNDS = (0, 2**31 - 1)
+# Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
+FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (1.0, math.inf),
+    "factor": (0.0, math.inf),  # rope scaling
+    "beta_fast": (0.0, math.inf),
+    "beta_slow": (0.0, math.inf),
+    "attention_factor": (0.0, math.inf),
+    "swiglu_limit": (0.0, math.inf),
+    "clip_qkv": (0.0, math.inf),
+    "original_max_position_embeddings": (0.0, 2.0**24),  # yarn; some configs write it as a float
+}
+ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
+
+
 class ConfigReader:
-    """Typed access to config.json with errors that name the key (invalid config.json is a user error)."""
+    """Typed access to config.json with errors that name the key (invalid config.json is a user error).
+    Integers and floats are checked against INT_BOUNDS / FLOAT_BOUNDS as they are read."""
 
     def __init__(self, config: dict[str, Any], where: str) -> None:
         self.config = config
@@ -101,43 +140,88 @@ class ConfigReader:
         return default
 
     def int(self, *keys: str, default: Any = ...) -> int:
-        value = self.get(*keys, default=default)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise CheckpointError(f"{self.where}: '{keys[0]}' must be an integer, got {value!r}")
-        return value
+        return check_int(self.get(*keys, default=default), keys[0], self.where)
+
+    def optional_int(self, *keys: str) -> builtins.int | None:
+        value = self.get(*keys, default=None)
+        return None if value is None else check_int(value, keys[0], self.where)
 
     def float(self, *keys: str, default: Any = ...) -> float:
-        value = self.get(*keys, default=default)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise CheckpointError(f"{self.where}: '{keys[0]}' must be a number, got {value!r}")
-        return float(value)
+        return check_float(self.get(*keys, default=default), keys[0], self.where)
+
+    def optional_float(self, *keys: str) -> builtins.float | None:
+        value = self.get(*keys, default=None)
+        return None if value is None else check_float(value, keys[0], self.where)
+
+    def optional_str(self, *keys: str) -> str | None:
+        value = self.get(*keys, default=None)
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{self.where}: '{keys[0]}' must be a string, got {_short(value)}")
+        return value
 
     def bool(self, *keys: str, default: Any = ...) -> bool:
         value = self.get(*keys, default=default)
         if not isinstance(value, bool):
-            raise CheckpointError(f"{self.where}: '{keys[0]}' must be true or false, got {value!r}")
+            raise CheckpointError(f"{self.where}: '{keys[0]}' must be true or false, got {_short(value)}")
         return value
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_int(value: Any, key: str, where: str) -> int:
+    """`value` as the integer field `key` (bools, floats and strings refused), within INT_BOUNDS."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise CheckpointError(f"{where}: '{key}' must be an integer, got {_short(value)}")
+    lo, hi = INT_BOUNDS.get(key, OTHER_INT_BOUNDS)
+    if not lo <= value <= hi:
+        raise CheckpointError(f"{where}: '{key}' = {_short(value)} is out of range [{lo}, {hi}]")
+    return value
+
+
+def check_float(value: Any, key: str, where: str) -> float:
+    """`value` as the number field `key`: finite (NaN and Infinity refused), within FLOAT_BOUNDS."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{where}: '{key}' must be a number, got {_short(value)}")
+    x = float(value)
+    lo, hi = FLOAT_BOUNDS.get(key, (-math.inf, math.inf))
+    if not (math.isfinite(x) and lo < x < hi):
+        bounds = "" if lo == -math.inf else f" > {lo:g}" if hi == math.inf else f" in ({lo:g}, {hi:g})"
+        raise CheckpointError(f"{where}: '{key}' = {_short(value)}; it must be a finite number{bounds}")
+    return x
+
+
 def read_rope(c: ConfigReader) -> RopeSpec:
-    """RoPE from transformers 5 `rope_parameters` or the legacy `rope_theta` + `rope_scaling`."""
-    params = dict(c.get("rope_parameters", default={}) or {})
+    """RoPE from transformers 5 `rope_parameters` or the legacy `rope_theta` + `rope_scaling`; every number
+    in them checked (finite, in bounds), and the parameters the rope type needs present."""
+    params = c.get("rope_parameters", default={}) or {}
     legacy = c.get("rope_scaling", default=None)
-    if isinstance(legacy, dict):
-        params = {**legacy, **params}
-    theta = float(params.pop("rope_theta", c.float("rope_theta", default=10000.0)))
+    if not isinstance(params, dict) or not isinstance(legacy, dict | None):
+        raise CheckpointError(f"{c.where}: 'rope_parameters' and 'rope_scaling' must be objects")
+    params = {**(legacy or {}), **params}
+    theta = check_float(params.pop("rope_theta", c.get("rope_theta", default=10000.0)), "rope_theta", c.where)
     rope_type = str(params.pop("rope_type", params.pop("type", "default")))
-    if rope_type not in ("default", "yarn", "linear"):
+    if rope_type not in ROPE_REQUIRED:
         raise CheckpointError(f"{c.where}: rope type '{rope_type}' is not supported (default, yarn, linear)")
+    for key in ROPE_REQUIRED[rope_type]:
+        if params.get(key) is None:
+            raise CheckpointError(f"{c.where}: rope type '{rope_type}' needs '{key}'")
+    for key, value in params.items():
+        if key in INT_BOUNDS:
+            check_int(value, key, c.where)
+        elif key in FLOAT_BOUNDS or isinstance(value, float):
+            check_float(value, key, c.where)
     return RopeSpec(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())))
 
 
 def moe_layer_pattern(c: ConfigReader, num_layers: int, num_experts: int) -> tuple[bool, ...]:
     """Qwen-style rule: layer i is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
     step = c.int("decoder_sparse_step", default=1)
-    dense = set(c.get("mlp_only_layers", default=[]) or [])
-    if step < 1:
-        raise CheckpointError(f"{c.where}: 'decoder_sparse_step' must be >= 1")
+    dense = c.get("mlp_only_layers", default=[]) or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise CheckpointError(f"{c.where}: 'mlp_only_layers' must be a list of layer numbers")
     return tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
@@ -146,7 +230,7 @@ def base_attention(c: ConfigReader, num_layers: int, **switches: Any) -> Attenti
     heads = c.int("num_attention_heads")
     head_dim = c.int("head_dim", default=hidden // heads)
     use_window = switches.pop("use_window", False)
-    window = c.get("sliding_window", default=None) if use_window else None
+    window = c.optional_int("sliding_window") if use_window else None
     windows: tuple[int | None, ...] = tuple(window for _ in range(num_layers))
     return AttentionSpec(
         num_heads=heads,
@@ -155,3 +239,21 @@ def base_attention(c: ConfigReader, num_layers: int, **switches: Any) -> Attenti
         sliding_window=windows,
         **{"qkv_bias": False, "o_bias": False, "qk_norm": "none", "clip_qkv": None, "sinks": False, **switches},
     )
+
+
+def check_spec(spec: ModelSpec, where: str) -> None:
+    """The relations between config.json fields that each field's own bounds (INT_BOUNDS) cannot say; raises a
+    CheckpointError naming `where` (config.json) and the fields."""
+    a, m = spec.attention, spec.moe
+    problems = []
+    if m.top_k > m.num_experts:
+        problems.append(f"num_experts_per_tok={m.top_k} is more than the {m.num_experts} experts per layer")
+    if a.num_heads % a.num_kv_heads:
+        problems.append(f"num_attention_heads={a.num_heads} is not a multiple of num_key_value_heads="
+                        f"{a.num_kv_heads}")
+    if a.head_dim % 2:
+        problems.append(f"head_dim={a.head_dim} is odd (rotary embeddings rotate pairs)")
+    if not any(spec.moe_layers):
+        problems.append("no layer is a MoE layer (mlp_only_layers / decoder_sparse_step leave none)")
+    if problems:
+        raise CheckpointError(f"{where}: {'; '.join(problems)}")

@@ -101,6 +101,6 @@ class GptOss(Architecture):
                 swiglu_limit=c.float("swiglu_limit", default=DEFAULT_SWIGLU_LIMIT),
                 swiglu_alpha=c.float("swiglu_alpha", default=DEFAULT_SWIGLU_ALPHA),
             ),
-            config_dtype=c.get("dtype", "torch_dtype", default=None),
+            config_dtype=c.optional_str("dtype", "torch_dtype"),
             norm_style="scale_in_fp32",
         )

@@ -47,5 +47,5 @@ class Mixtral(Architecture):
                 expert_kind="swiglu",
                 shared_intermediate_size=0,
             ),
-            config_dtype=c.get("dtype", "torch_dtype", default=None),
+            config_dtype=c.optional_str("dtype", "torch_dtype"),
         )

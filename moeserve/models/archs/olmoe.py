@@ -16,7 +16,7 @@ class Olmoe(Architecture):
         c = ConfigReader(config, where)
         num_layers = c.int("num_hidden_layers")
         bias = c.bool("attention_bias", default=False)
-        clip = c.get("clip_qkv", default=None)
+        clip = c.optional_float("clip_qkv")
         return ModelSpec(
             architecture=self.name,
             model_type=str(c.get("model_type", default="olmoe")),
@@ -29,7 +29,7 @@ class Olmoe(Architecture):
             dense_intermediate_size=c.int("intermediate_size"),
             moe_layers=tuple(True for _ in range(num_layers)),
             attention=base_attention(c, num_layers, qkv_bias=bias, o_bias=bias, qk_norm="full",
-                                     clip_qkv=None if clip is None else float(clip)),
+                                     clip_qkv=clip),
             rope=read_rope(c),
             moe=MoeSpec(
                 num_experts=c.int("num_experts", "num_local_experts"),
@@ -42,5 +42,5 @@ class Olmoe(Architecture):
                 expert_kind="swiglu",
                 shared_intermediate_size=0,
             ),
-            config_dtype=c.get("dtype", "torch_dtype", default=None),
+            config_dtype=c.optional_str("dtype", "torch_dtype"),
         )

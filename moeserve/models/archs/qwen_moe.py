@@ -53,7 +53,7 @@ def _qwen_spec(name: str, config: dict[str, Any], where: str, *, qwen3: bool) ->
             expert_kind="swiglu",
             shared_intermediate_size=0 if qwen3 else c.int("shared_expert_intermediate_size", default=0),
         ),
-        config_dtype=c.get("dtype", "torch_dtype", default=None),
+        config_dtype=c.optional_str("dtype", "torch_dtype"),
     )
 
 

@@ -1,0 +1,123 @@
+"""A checkpoint checked as a whole before anything is sized from it.
+
+`read_model(ckpt)` is how every entry point (the engine, `moeserve inspect`, `moeserve plan`) turns an opened
+checkpoint into its architecture and spec. By the time it returns:
+
+- every config.json field that sizes memory is an integer within `spec.INT_BOUNDS`, every float finite and in
+  `spec.FLOAT_BOUNDS` (checked as the spec is read, so no tuple per layer is built from a corrupt layer count);
+- the fields agree with each other (`spec.check_spec`: top-k within the experts, heads a multiple of kv heads);
+- every non-expert tensor the model will read is in the checkpoint with the shape config.json implies, and the
+  checkpoint holds no layer beyond num_hidden_layers. Expert tensors are checked by the expert plan
+  (`expert_plan`), which the engine builds before it allocates any expert memory.
+
+Shard headers were validated by `open_checkpoint` (offsets inside the files, no overlaps, names unique), so
+a shape that matches here is a byte range that can be read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+from moeserve.checkpoint.folder import Checkpoint
+from moeserve.errors import CheckpointError
+from moeserve.models.quantized import check_dense_shape, checkpoint_scheme, is_stored_dense, linear_format
+from moeserve.models.registry import Architecture, get_architecture
+from moeserve.models.spec import ModelSpec, check_spec
+
+# (checkpoint name, shape, is a Linear prefix: its weight may be stored in a quantized format)
+Expected = tuple[str, tuple[int, ...], bool]
+
+
+def read_model(ckpt: Checkpoint) -> tuple[Architecture, ModelSpec]:
+    """The architecture and spec of `ckpt`, validated as the module docstring says; CheckpointError (or
+    UnsupportedModelError) naming the file otherwise."""
+    where = str(ckpt.path / "config.json")
+    arch = get_architecture(ckpt.config, where)
+    spec = arch.spec(ckpt.config, where)
+    check_spec(spec, where)
+    check_tensor_shapes(ckpt, arch, spec)
+    return arch, spec
+
+
+def check_tensor_shapes(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> None:
+    """Every non-expert tensor present with the shape `spec` implies; no layer past spec.num_layers."""
+    _check_layer_count(ckpt, arch, spec)
+    scheme = checkpoint_scheme(ckpt)
+    for name, shape, is_linear in expected_tensors(ckpt, arch, spec):
+        if not is_linear:
+            ckpt.ref(name, shape)
+            continue
+        fmt = linear_format(ckpt, scheme, name)
+        if is_stored_dense(fmt):
+            ckpt.ref(name + ".weight", shape)
+        else:
+            check_dense_shape(ckpt, fmt, name, shape)
+
+
+def expected_tensors(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> Iterator[Expected]:
+    """The non-expert tensors `build_model` reads, with the shapes it asks for."""
+    names, h = arch.names, spec.hidden_size
+    yield names.embed, (spec.vocab_size, h), False
+    yield names.final_norm, (h,), False
+    if not (spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight")):
+        yield names.lm_head, (spec.vocab_size, h), True
+    for L in range(spec.num_layers):
+        yield from _layer_tensors(arch, spec, L)
+
+
+def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    names, h, a = arch.names, spec.hidden_size, spec.attention
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    yield from ((n(names.input_norm), (h,), False), (n(names.post_norm), (h,), False))
+    if a.qk_norm != "none":
+        per_head = a.qk_norm == "per_head"
+        yield n(names.q_norm), (a.head_dim if per_head else q,), False
+        yield n(names.k_norm), (a.head_dim if per_head else kv,), False
+    for prefix, rows, cols, bias in ((names.q_proj, q, h, a.qkv_bias), (names.k_proj, kv, h, a.qkv_bias),
+                                     (names.v_proj, kv, h, a.qkv_bias), (names.o_proj, h, q, a.o_bias)):
+        yield from _linear(n(prefix), rows, cols, bias)
+    if a.sinks:
+        yield n(names.sinks), (a.num_heads,), False
+    yield from _mlp_tensors(arch, spec, L)
+
+
+def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    names, h, m = arch.names, spec.hidden_size, spec.moe
+    if not spec.moe_layers[L]:
+        di = spec.dense_intermediate_size
+        for prefix, rows, cols in ((names.dense_gate, di, h), (names.dense_up, di, h), (names.dense_down, h, di)):
+            yield from _linear(prefix.format(L=L), rows, cols, False)
+        return
+    yield from _linear(names.router.format(L=L), m.num_experts, h, m.router_bias)
+    si = m.shared_intermediate_size
+    if si:
+        for prefix, rows, cols in ((names.shared_gate, si, h), (names.shared_up, si, h),
+                                   (names.shared_down, h, si), (names.shared_expert_gate, 1, h)):
+            yield from _linear(prefix.format(L=L), rows, cols, False)
+
+
+def _linear(prefix: str, rows: int, cols: int, bias: bool) -> Iterator[Expected]:
+    yield prefix, (rows, cols), True
+    if bias:
+        yield prefix + ".bias", (rows,), False
+
+
+def _check_layer_count(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> None:
+    """A tensor of layer >= num_hidden_layers means config.json and the weights disagree on the depth."""
+    prefix = arch.names.input_norm.split("{L}")[0]  # "model.layers."
+    pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
+    deepest = -1
+    for name in ckpt.tensors:
+        found = pattern.match(name)
+        if found is not None:
+            deepest = max(deepest, int(found.group(1)))
+    if deepest >= spec.num_layers:
+        raise CheckpointError(
+            f"{ckpt.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the checkpoint holds tensors "
+            f"of layer {deepest} ({deepest + 1} layers); the config does not belong to these weights"
+        )
