@@ -139,8 +139,9 @@ class LLMEngine:
         budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes,
                                       topology.fast_free_bytes)
         rotary_bytes = 16 * self.max_model_len * spec.attention.head_dim  # cos/sin tables and their fp32 build
-        check_fits_in_memory(nonexpert + rotary_bytes, kv_bytes, budget.cache_bytes, topology.fast_free_bytes,
-                             f"max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len}")
+        check_fits_in_memory(nonexpert, kv_bytes + rotary_bytes, budget.cache_bytes, topology.fast_free_bytes,
+                             f"max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len}, with the "
+                             "rotary tables")
         log.info("placement: %s", budget.reason)
         # the layout holds the same bytes per unit, so the budget above stands
         if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
