@@ -246,3 +246,18 @@ def test_a_giant_kv_cache_is_refused_before_allocation(model: Path) -> None:
     # 2 x 3 layers x 64 seqs x 2^24 tokens x 2 kv heads x 16 dims x 4 bytes = 24 TiB
     with pytest.raises(ConfigError, match="not enough memory: .*lower max_model_len or max_num_seqs"):
         LLM(str(model), skip_tokenizer_init=True, device="cpu", max_model_len=2**24, max_num_seqs=64)
+
+
+# ------------------------------------------------------------------------------ the other files of a folder
+def test_tokenizer_config_not_utf8_is_one_line(tiny_text_model, copy_checkpoint) -> None:
+    folder = copy_checkpoint(tiny_text_model)
+    (folder / "tokenizer_config.json").write_bytes(b'{"eos_token": "\xff"}')
+    with pytest.raises(CheckpointError, match="tokenizer_config.json: invalid JSON") as err:
+        LLM(str(folder), device="cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_eos_token_id_of_the_wrong_type_is_one_line(model: Path) -> None:
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": {"id": 2}}))
+    message = outcome(model)
+    assert "generation_config.json: 'eos_token_id' must be a token id" in message
