@@ -42,7 +42,9 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "F8_E5M2": (torch.float8_e5m2, 1),
 }
 
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the reference implementation's own limit
+# The reference implementation allows 100 MB, but parsing a header crafted of tiny JSON values takes ~20x its size
+# (1.9 GB measured for 99 MB); 32 MiB keeps that under 0.8 GB and is 3x the header of 100k tensors in one file.
+_MAX_HEADER_BYTES = 32 * 2**20
 _MAX_DIMS = 16  # no checkpoint tensor has more; a header claiming thousands is corrupt
 
 
@@ -85,9 +87,9 @@ def parse_header(path: Path) -> dict[str, TensorRef]:
     """Read and validate the header of `path`; returns name -> TensorRef. Reads only the header bytes.
 
     Refused with a one-line CheckpointError naming the file: a header length past the end of the file (or past
-    the reference implementation's 100 MB), a header that is not UTF-8 JSON or nests too deeply, a tensor named
-    twice, an entry without a known dtype, a shape of non-negative integers or two ordered offsets, a byte range
-    that does not hold its shape or runs past the end of the file, and byte ranges that overlap."""
+    _MAX_HEADER_BYTES), a header that is not UTF-8 JSON or nests too deeply, __metadata__ that is not strings, a
+    tensor named twice, an entry without a known dtype, a shape of non-negative integers or two ordered offsets,
+    a byte range that does not hold its shape or runs past the end of the file, and byte ranges that overlap."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -100,7 +102,7 @@ def parse_header(path: Path) -> dict[str, TensorRef]:
             if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
                 raise CheckpointError(
                     f"{path}: broken safetensors header (header length {header_len} runs past the end of the "
-                    f"{size}-byte file, or past the format's {_MAX_HEADER_BYTES}-byte limit); the file is "
+                    f"{size}-byte file, or past the {_MAX_HEADER_BYTES}-byte limit moeserve reads); the file is "
                     "truncated or not safetensors"
                 )
             raw = f.read(header_len)
@@ -117,6 +119,8 @@ def parse_header(path: Path) -> dict[str, TensorRef]:
     refs: dict[str, TensorRef] = {}
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise CheckpointError(f"{path}: broken safetensors header (__metadata__ must map strings to strings)")
             continue
         refs[name] = _tensor_ref(path, name, entry, data_start, size)
     _check_no_overlap(path, refs.values())

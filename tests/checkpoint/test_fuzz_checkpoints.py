@@ -216,7 +216,7 @@ def test_random_body_byte_flips(model: Path, seed: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- size bombs
-PEAK_RSS_BOUND = int(1.5 * 2**30)  # the CLI with torch imported peaks near 250 MiB here
+PEAK_RSS_BOUND = int(1.5 * 2**30)  # the CLI with torch imported peaks near 250 MiB here, 0.8 GiB when bloated
 CHILD = (
     "import atexit, os, sys\n"
     "from moeserve.memory.rss import peak_rss_bytes\n"
@@ -239,7 +239,16 @@ BOMBS = {
                           [*GENERATE, "--max-model-len", str(2**24), "--max-num-seqs", "256"],
                           "lower max_model_len or max_num_seqs", False),
     "header_length_huge_inspect": ("header", ["inspect"], "header length", True),
+    # the largest header read, made of the smallest JSON values (parsing takes ~20x the header's bytes)
+    "header_bloated_inspect": ("bloated", ["inspect"], "__metadata__ must map strings to strings", True),
 }
+
+
+def _bloated_header(path: Path) -> None:
+    """A header of just under 32 MiB: {"__metadata__": {"a": ["ab", "ab", ...]}}."""
+    size = 32 * 2**20 - 64
+    text = b'{"__metadata__":{"a":[' + b'"ab",' * ((size - 40) // 5) + b'"ab"]}}'
+    write_header_text(path, text)
 
 
 @pytest.mark.parametrize("bomb", sorted(BOMBS))
@@ -249,6 +258,8 @@ def test_size_bombs_end_in_one_line_with_bounded_memory(model: Path, tmp_path: P
         path = model / WEIGHTS
         raw = path.read_bytes()
         path.write_bytes(struct.pack("<Q", 2**63) + raw[8:])
+    elif edit == "bloated":
+        _bloated_header(model / WEIGHTS)
     else:
         write_config(model, {**read_config(model), **edit})
     peak_file = tmp_path / "peak"
