@@ -35,3 +35,8 @@ class RequestError(MoeserveError):
 
 class ExpertLoadError(MoeserveError):
     """Reading an expert from a slower tier failed; the store stays consistent and the next call may succeed."""
+
+
+class CorruptUnitError(ExpertLoadError):
+    """An expert unit read from a slower tier differs from the bytes first read (or holds NaN): the file changed or
+    is corrupt. The unit is marked bad; requests that need it fail with this error until the engine restarts."""

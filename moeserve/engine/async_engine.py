@@ -223,6 +223,11 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             stream.put(err)
 
+    def degraded(self) -> str | None:
+        """None when healthy, else one line: the engine serves, but some requests fail (LLMEngine.health_problem)."""
+        check = getattr(self.engine, "health_problem", None)
+        return check() if check is not None else None
+
     def _fail_batch(self, err: MoeserveError) -> None:
         scheduler = getattr(self.engine, "scheduler", None)
         if scheduler is not None:

@@ -316,6 +316,11 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         return req.output() if req is not None else None
 
+    def health_problem(self) -> str | None:
+        """None, or one line: expert units that failed verification (experts/verify.py); requests needing them fail."""
+        verifier = self.model.store.loader.verifier
+        return verifier.degraded() if verifier is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

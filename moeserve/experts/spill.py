@@ -4,9 +4,11 @@ an offloaded miss reads the finished unit instead of recomputing it from the lar
     <dir>/<fingerprint>/units.bin    header (magic, JSON, CRC-32 of the JSON), then unit i at data_offset + i*stride
 
 The JSON holds the fingerprint (checkpoint files, config, unit layout, what made the units), the unit size, the
-stride, the number of units and a CRC-32 per unit. A file is used only when its header parses, its CRC matches,
-every field equals what this engine expects, the file size is exactly right and a few units picked at random
-match their CRC; otherwise it is rebuilt (one log line says why). Builds write to a temporary file that is renamed
+stride, the number of units, the checksum used (experts/verify.py) and one checksum per unit. A file is used only
+when its header parses, its CRC matches, every field equals what this engine expects and the file size is exactly
+right; otherwise it is rebuilt (one log line says why). Every unit is then checked against its checksum each time a
+miss reads it (the store's UnitVerifier, seeded from this header): a unit corrupted on disk fails the request that
+needs it with an error naming this file, never a wrong answer. Builds write to a temporary file that is renamed
 into place when complete, under an exclusive lock, so two engines starting together build it once and a killed
 build never leaves a file that passes. The user's model folder is never written to.
 """
@@ -18,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import shutil
 import struct
 import time
@@ -29,12 +30,12 @@ from pathlib import Path
 import torch
 
 from moeserve.checkpoint.safetensors_file import FileReader
+from moeserve.experts.verify import Checksum, choose_checksum
 
 log = logging.getLogger("moeserve")
 
 MAGIC = b"MOESERVE-UNITS1\n"
 ALIGN = 4096  # data offset and stride: page-aligned units
-SPOT_CHECKS = 3  # units whose CRC is verified when an existing file is opened
 _SYNC_EVERY_BYTES = 256 * 2**20  # flush and drop written pages this often: the page cache stays small
 
 Key = tuple[int, int]
@@ -63,16 +64,23 @@ def _round_up(n: int, to: int) -> int:
 class UnitSpill:
     """Read access to a complete, validated spill file. Build or open one with `open_or_build`."""
 
-    def __init__(self, path: Path, keys: Sequence[Key], unit_nbytes: int, stride: int, data_offset: int) -> None:
+    def __init__(self, path: Path, keys: Sequence[Key], unit_nbytes: int, stride: int, data_offset: int,
+                 checksum_name: str, crcs: Sequence[int]) -> None:
         self.path = path
+        self.keys = list(keys)
         self.index = {k: i for i, k in enumerate(keys)}
-        self.unit_nbytes, self.stride, self.data_offset = unit_nbytes, stride, data_offset
+        self.checksum_name, self._crcs = checksum_name, list(crcs)
+        self.unit_nbytes, self.stride, self.data_offset = unit_nbytes, stride, data_offset  # public: tests, tools
         self.reader = FileReader(drop_page_cache=True)
 
     def read_unit(self, key: Key, unit_bytes: torch.Tensor) -> None:
         """Fill `unit_bytes` (contiguous CPU uint8 of unit_nbytes) with unit `key`: one read."""
         offset = self.data_offset + self.index[key] * self.stride
         self.reader.read_run(self.path, offset, [unit_bytes], f"unit {key} of {self.path.name}")
+
+    def checksums(self) -> dict[Key, int]:
+        """Each unit's checksum as written (with `checksum_name`) when the unit was made."""
+        return dict(zip(self.keys, self._crcs))
 
     def close(self) -> None:
         self.reader.close()
@@ -85,6 +93,7 @@ def open_or_build(
     unit_nbytes: int,
     make_unit: Callable[[Key, torch.Tensor], None],
     what: str,
+    checksum: Checksum | None = None,
 ) -> UnitSpill | None:
     """The spill file of fingerprint `fp` under `root`, built first if missing or invalid (`make_unit(key, out)`
     fills one unit). None when it cannot be built here (no space, read-only disk): the caller keeps making
@@ -92,11 +101,12 @@ def open_or_build(
     folder = root / fp
     path = folder / "units.bin"
     stride = _round_up(unit_nbytes, ALIGN)
+    checksum = checksum or choose_checksum()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another engine building the same file: wait for it
-            problem = _check(path, fp, keys, unit_nbytes, stride)
+            problem = _check(path, fp, keys, unit_nbytes, stride, checksum.name)
             if problem is None:
                 log.info("%s: using %s", what, path)
             else:
@@ -108,17 +118,20 @@ def open_or_build(
                     log.warning("%s: not written (%.1f GiB needed, %.1f GiB free under %s): each miss makes its "
                                 "unit again", what, need / 2**30, free / 2**30, folder)
                     return None
-                _build(path, fp, keys, unit_nbytes, stride, make_unit, what)
-            return UnitSpill(path, keys, unit_nbytes, stride, _data_offset(path))
+                _build(path, fp, keys, unit_nbytes, stride, make_unit, what, checksum)
+            with open(path, "rb") as f:
+                meta = _read_meta(f)
+            return UnitSpill(path, keys, unit_nbytes, stride, meta["data_offset"], checksum.name, meta["crc32"])
     except OSError as err:
         log.warning("%s: cannot use %s (%s): each miss makes its unit again", what, folder, err.strerror or err)
         return None
 
 
-def _header(fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int, crcs: list[int], data_offset: int) -> bytes:
-    meta = json.dumps({"version": 1, "fingerprint": fp, "unit_nbytes": unit_nbytes, "stride": stride,
+def _header(fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int, crcs: list[int], data_offset: int,
+            checksum_name: str) -> bytes:
+    meta = json.dumps({"version": 2, "fingerprint": fp, "unit_nbytes": unit_nbytes, "stride": stride,
                        "count": len(keys), "keys_digest": _keys_digest(keys), "data_offset": data_offset,
-                       "crc32": crcs}).encode()
+                       "checksum": checksum_name, "crc32": crcs}).encode()
     body = MAGIC + struct.pack("<Q", len(meta)) + meta + struct.pack("<I", zlib.crc32(meta))
     return body + b"\0" * (_round_up(len(body), ALIGN) - len(body))
 
@@ -144,12 +157,7 @@ def _read_meta(f) -> dict:  # noqa: ANN001 - a binary file
     return data
 
 
-def _data_offset(path: Path) -> int:
-    with open(path, "rb") as f:
-        return int(_read_meta(f)["data_offset"])
-
-
-def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int) -> str | None:
+def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int, checksum_name: str) -> str | None:
     """None if `path` is a complete spill file for exactly these units, else why not."""
     if not path.is_file():
         return "missing"
@@ -159,21 +167,17 @@ def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: i
             data_offset = meta["data_offset"]
             if meta.get("fingerprint") != fp:
                 return "made from another checkpoint or layout"
-            expected = {"version": 1, "unit_nbytes": unit_nbytes, "stride": stride, "count": len(keys),
-                        "keys_digest": _keys_digest(keys)}
+            expected = {"version": 2, "unit_nbytes": unit_nbytes, "stride": stride, "count": len(keys),
+                        "keys_digest": _keys_digest(keys), "checksum": checksum_name}
             for name, value in expected.items():
                 if meta.get(name) != value:
                     return f"{name} is {meta.get(name)}, expected {value}"
             crcs = meta.get("crc32")
-            if not isinstance(crcs, list) or len(crcs) != len(keys):
+            if not isinstance(crcs, list) or len(crcs) != len(keys) or not all(isinstance(c, int) for c in crcs):
                 return "per-unit checksums missing"
             size = path.stat().st_size
             if size != data_offset + len(keys) * stride:
                 return f"size {size} bytes, expected {data_offset + len(keys) * stride} (truncated?)"
-            for i in random.Random(size).sample(range(len(keys)), min(SPOT_CHECKS, len(keys))):
-                f.seek(data_offset + i * stride)
-                if zlib.crc32(f.read(unit_nbytes)) != crcs[i]:
-                    return f"unit {i} fails its checksum"
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     except (OSError, ValueError) as err:
@@ -182,13 +186,14 @@ def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: i
 
 
 def _build(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int,
-           make_unit: Callable[[Key, torch.Tensor], None], what: str) -> None:
+           make_unit: Callable[[Key, torch.Tensor], None], what: str, checksum: Checksum) -> None:
     """Write every unit to a temporary file, then its header, then rename it into place. One unit in memory."""
     t0 = time.monotonic()
     log.info("%s: writing %d units (%.2f GiB) once to %s", what, len(keys), len(keys) * stride / 2**30, path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     # The header is written last (the CRCs are known then): reserve room for the widest CRCs.
-    data_offset = _round_up(len(_header(fp, keys, unit_nbytes, stride, [2**32 - 1] * len(keys), 2**62)), ALIGN)
+    data_offset = _round_up(len(_header(fp, keys, unit_nbytes, stride, [2**32 - 1] * len(keys), 2**62,
+                                        checksum.name)), ALIGN)
     buf = torch.zeros(stride, dtype=torch.uint8)
     unit = buf[:unit_nbytes]
     crcs: list[int] = []
@@ -198,7 +203,7 @@ def _build(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: i
         view = memoryview(buf.numpy())  # type: ignore[arg-type]
         for key in keys:
             make_unit(key, unit)
-            crcs.append(zlib.crc32(view[:unit_nbytes]))
+            crcs.append(checksum.fn(unit))
             done = 0
             while done < stride:
                 done += os.pwrite(fd, view[done:], offset + done)
@@ -209,7 +214,7 @@ def _build(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: i
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 since_sync = 0
-        header = _header(fp, keys, unit_nbytes, stride, crcs, data_offset)
+        header = _header(fp, keys, unit_nbytes, stride, crcs, data_offset, checksum.name)
         os.pwrite(fd, header + b"\0" * (data_offset - len(header)), 0)
         os.fdatasync(fd)
         if hasattr(os, "posix_fadvise"):

@@ -247,7 +247,7 @@ class ExpertStore:
         host = None
         if opts.host_capacity > 0 and not self.resident:
             host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
-        self.loader = Loader(source, device, self.copier, host)
+        self.loader = Loader(source, device, self.copier, host, verify=not self.resident)
         self._io: ThreadPoolExecutor | None = None
         if not self.resident and opts.io_threads > 0:
             self._io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="moeserve-io")
@@ -265,6 +265,9 @@ class ExpertStore:
         else:
             prepare = getattr(source, "prepare_offload", None)  # test fakes may lack it
             self.source_note = prepare() if prepare is not None else None
+            known = getattr(source, "known_checksums", None)  # a spill file's header (test fakes may lack it)
+            if known is not None and self.loader.verifier is not None:
+                self.loader.verifier.seed(known(self.loader.verifier.checksum.name))
             # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
             self.policy = DeferredHits(make_policy(opts.policy, **opts.policy_options))
             if opts.prefetch:

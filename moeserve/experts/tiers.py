@@ -17,9 +17,11 @@ from enum import StrEnum
 
 import torch
 
+from moeserve.checkpoint.finite import check_expert_unit
 from moeserve.experts.policies import LRUPolicy
 from moeserve.experts.transfer import HostToDevice, host_buffer
 from moeserve.experts.unit import ExpertSource
+from moeserve.experts.verify import UnitVerifier, choose_checksum
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -79,11 +81,17 @@ class Loader:
     """Fills fast-tier slots from the slower tiers. Safe to call from the compute and the prefetch thread."""
 
     def __init__(self, source: ExpertSource, device: torch.device, copier: HostToDevice | None = None,
-                 host: HostTier | None = None) -> None:
+                 host: HostTier | None = None, verify: bool = True) -> None:
         self.source = source
         self.device = device
         self.copier = copier
         self.host = host
+        # Every unit read from the disk is checked against its first read (experts/verify.py); a resident store
+        # reads each unit once, so there is nothing to compare with (its load checks NaN: checkpoint/finite.py).
+        where = getattr(source, "unit_files", lambda layer, expert: "the checkpoint")
+        self.verifier: UnitVerifier | None = UnitVerifier(
+            choose_checksum(), lambda key: where(*key),
+            lambda key, unit: check_expert_unit(source, key[0], key[1], unit)) if verify else None
         # Device transfers share the staging buffer / host pool: one transfer at a time (the disk is one queue
         # anyway). Direct reads into RAM slots need no lock: pread has no shared file position.
         self._lock = threading.Lock()
@@ -95,8 +103,12 @@ class Loader:
     def load(self, key: Key, slot: int, slot_bytes: torch.Tensor) -> Tier:
         """Fill `slot_bytes` (fast-tier slot `slot`) with unit `key`. Raises what the source raises."""
         layer, expert = key
+        if self.verifier is not None:
+            self.verifier.before_read(key)
         if not self.staged:
             self.source.read_unit(layer, expert, slot_bytes)
+            if self.verifier is not None:
+                self.verifier.after_read(key, slot_bytes)
             return Tier.DISK
         with self._lock:
             tier = Tier.HOST
@@ -108,6 +120,8 @@ class Loader:
                     self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
                 try:
                     self.source.read_unit(layer, expert, src)
+                    if self.verifier is not None:
+                        self.verifier.after_read(key, src)
                 except BaseException:
                     if self.host is not None:
                         self.host.forget(key)  # the host slot holds garbage: nothing may map to it

@@ -160,6 +160,15 @@ class ExpertSource:
                             placers if any(p is not None for p in placers) else None)
             i = j
 
+    def unit_files(self, layer: int, expert: int) -> str:
+        """The file(s) a miss of (layer, expert) reads, for error messages."""
+        files = sorted({str(ref.path) for fs in self.sources[(layer, expert)] for ref in fs.refs})
+        return ", ".join(files) if files else "the checkpoint"
+
+    def known_checksums(self, checksum_name: str) -> dict[tuple[int, int], int]:
+        """Checksums of units known before they are read (made with `checksum_name`); none for the checkpoint."""
+        return {}
+
     def placer(self, field: str, ref: TensorRef) -> Placer | None:
         """How `ref`'s stored bytes are written into its part of unit field `field` when the dtypes match: None =
         as they are (one memcpy, or the read itself); a subclass may permute them on the way (`read_run`)."""

@@ -332,6 +332,15 @@ class Int8ExpertSource(ExpertSource):
             return "int8 misses read the 16-bit expert and quantize it (no spill file)"
         return f"int8 misses read from the spill file {self.spill.path}"
 
+    def unit_files(self, layer: int, expert: int) -> str:
+        return str(self.spill.path) if self.spill is not None else super().unit_files(layer, expert)
+
+    def known_checksums(self, checksum_name: str) -> dict[tuple[int, int], int]:
+        """The spill header's per-unit checksums, written when the units were made at load."""
+        if self.spill is None or self.spill.checksum_name != checksum_name:
+            return {}
+        return self.spill.checksums()
+
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         if self.spill is not None:
             self.spill.read_unit((layer, expert), unit_bytes)

@@ -101,6 +101,9 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         if state.engine.state == State.DEAD:
             return APIError(503, f"the engine has stopped: {state.engine.error}", "server_error",
                             code="engine_dead").response()
+        problem = state.engine.degraded()
+        if problem is not None:  # still serving what does not need the bad units: 200, and says why
+            return JSONResponse({"status": "degraded", "reason": problem})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.engine.async_engine import EngineDeadError, EngineLoadingError, QueueFullError
-from moeserve.errors import MoeserveError, RequestError
+from moeserve.errors import ExpertLoadError, MoeserveError, RequestError
 
 log = logging.getLogger("moeserve.server")
 
@@ -59,6 +59,8 @@ def from_exception(err: BaseException) -> APIError:
         return APIError(503, str(err), "server_error", code="model_loading", headers={"Retry-After": "5"})
     if isinstance(err, EngineDeadError):
         return APIError(503, str(err), "server_error", code="engine_dead")
+    if isinstance(err, ExpertLoadError):  # a server fault (a file changed, corrupt or unreadable), not the request's
+        return APIError(500, str(err), "server_error", code="expert_load_failed")
     if isinstance(err, MoeserveError):
         return APIError(400, str(err))
     log.error("internal error while serving a request", exc_info=err)

@@ -220,4 +220,5 @@ class DetokenizeResponse(ResponseModel):
 
 
 class HealthResponse(ResponseModel):
-    status: str
+    status: str  # "ok", or "degraded": serving, but some expert units failed verification (see reason)
+    reason: str | None = None

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.errors import CorruptUnitError
 from moeserve.experts import spill
+from moeserve.experts.verify import UnitVerifier, choose_checksum
 from tests.conftest import write_tiny_checkpoint
 
 KEYS = [(layer, e) for layer in (0, 1) for e in range(5)]
@@ -63,30 +65,57 @@ def test_units_read_back_are_the_units_made_and_a_second_open_makes_none(tmp_pat
     assert not list(tmp_path.glob("fp1/*.tmp-*"))  # no temporary left behind
 
 
-@pytest.mark.parametrize("damage", ["truncate", "header", "unit"])
+@pytest.mark.parametrize("damage", ["truncate", "header"])
 def test_a_damaged_spill_is_detected_logged_and_rebuilt(tmp_path, caplog, damage):
     open_spill(tmp_path, Maker()).close()
     path = tmp_path / "fp1" / "units.bin"
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         data = data[:-100]
-    elif damage == "header":
+    else:
         data[len(spill.MAGIC) + 20] ^= 0x01  # inside the JSON: its CRC no longer matches
-    else:  # every unit flipped: whichever units the spot check picks, it finds one
-        offset = spill._data_offset(path)
-        for i in range(len(KEYS)):
-            data[offset + i * 4096 + 7] ^= 0xFF
     path.write_bytes(bytes(data))
     maker = Maker()
     with caplog.at_level(logging.WARNING, logger="moeserve"):
         s = open_spill(tmp_path, maker)
     assert s is not None and sorted(maker.made) == sorted(KEYS)  # rebuilt
-    reason = {"truncate": "truncated", "header": "checksum", "unit": "fails its checksum"}[damage]
+    reason = {"truncate": "truncated", "header": "checksum"}[damage]
     assert any("unusable" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     got, want = torch.empty(NBYTES, dtype=torch.uint8), torch.empty(NBYTES, dtype=torch.uint8)
     s.read_unit(KEYS[3], got)
     unit_of(KEYS[3], want)
     assert torch.equal(got, want)
+    s.close()
+
+
+def test_every_corrupted_unit_is_caught_when_read_not_sampled_at_open(tmp_path):
+    """Units damaged on disk between runs: the header's per-unit checksums (with which the store's verifier is
+    seeded) catch EACH of them on read, whichever they are; undamaged units read fine."""
+    open_spill(tmp_path, Maker()).close()
+    path = tmp_path / "fp1" / "units.bin"
+    s = open_spill(tmp_path, Maker())
+    offset, damaged = s.data_offset, {KEYS[1], KEYS[6], KEYS[9]}
+    s.close()
+    data = bytearray(path.read_bytes())
+    for key in damaged:
+        data[offset + KEYS.index(key) * 4096 + 500] ^= 0x04  # one bit
+    path.write_bytes(bytes(data))
+    s = open_spill(tmp_path, Maker())
+    verifier = UnitVerifier(choose_checksum(), lambda key: str(path))
+    verifier.seed(s.checksums())
+    assert s.checksum_name == verifier.checksum.name
+    got = torch.empty(NBYTES, dtype=torch.uint8)
+    for key in KEYS:
+        verifier.before_read(key)
+        s.read_unit(key, got)
+        if key in damaged:
+            with pytest.raises(CorruptUnitError, match="units.bin"):
+                verifier.after_read(key, got)
+            with pytest.raises(CorruptUnitError):  # marked bad: fails at once from now on
+                verifier.before_read(key)
+        else:
+            verifier.after_read(key, got)
+    assert set(verifier.bad) == damaged
     s.close()
 
 
@@ -141,3 +170,23 @@ def test_int8_offloaded_from_the_spill_equals_int8_resident_and_reads_int8_units
     # With the spill off, misses quantize the 16-bit expert again: the same bits, twice the bytes read.
     llm_off, off = generate(folder, int8_cache_dir="off", expert_cache_gb=1e-9)
     assert off == resident and "quantize" in llm_off.engine.model.store.describe()
+
+
+def test_an_engine_never_answers_from_corrupted_spill_units(tmp_path):
+    """The tester's case: units zeroed in the spill file between two runs. The second engine opens the file (its
+    header is intact), and the first miss of a zeroed unit fails naming units.bin: no garbage answer."""
+    from moeserve.errors import ExpertLoadError
+
+    folder = write_tiny_checkpoint(tmp_path / "qwen3", "qwen3_moe", "bfloat16")
+    llm, _ = generate(folder, int8_cache_dir=str(tmp_path / "spill"), expert_cache_gb=1e-9)
+    store = llm.engine.model.store
+    path, (offset, stride, nbytes, n) = store.source.spill.path, (store.source.spill.data_offset,
+                                                                  store.source.spill.stride, store.unit_nbytes,
+                                                                  len(store.source.spill.keys))
+    llm.engine.close()
+    data = bytearray(path.read_bytes())
+    for i in range(n - 3):  # all but 3 units zeroed
+        data[offset + i * stride : offset + i * stride + nbytes] = bytes(nbytes)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ExpertLoadError, match="units.bin"):
+        generate(folder, int8_cache_dir=str(tmp_path / "spill"), expert_cache_gb=1e-9)

@@ -1,0 +1,131 @@
+"""Verified bytes: expert bytes that change on disk under a running offloaded engine never become a wrong answer.
+
+A request whose step needs the changed expert fails with a 500 naming the file; requests that do not need it go
+on with the same output as before; `/health` says the engine is degraded; the changed unit then fails at once. A
+truncated shard met at run time is a 500 too (a server fault, not the request's).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from moeserve import kernels
+from moeserve.experts.verify import choose_checksum
+from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
+
+PROMPTS = [[5, 9, 33, 2], [17, 250, 33, 4, 8, 120], [7, 7, 100, 3], [44, 12, 90, 61, 8], [1, 2, 3], [200, 150, 3]]
+
+
+def complete(url: str, prompt: list[int]) -> httpx.Response:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 1}
+    return httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+
+def experts_used(engine: Any, prompt: list[int]) -> set[tuple[int, int]]:
+    """(layer, expert) pairs a greedy run of `prompt` routes to, from the model's trace hook."""
+    used: set[tuple[int, int]] = set()
+    engine.model.set_trace_hook(lambda layer, ids, _: used.update((layer, int(e)) for e in ids.reshape(-1)))
+    from moeserve import SamplingParams
+
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.model.set_trace_hook(None)
+    return used
+
+
+def flip_expert_bytes(engine: Any, key: tuple[int, int]) -> Path:
+    """Change a byte in the middle of the first stored tensor of expert `key`, in place, as an edit would."""
+    ref = engine.model.store.source.sources[key][0].refs[0]
+    with open(ref.path, "r+b") as f:
+        f.seek(ref.offset + ref.nbytes // 2)
+        byte = f.read(1)
+        f.seek(ref.offset + ref.nbytes // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+        f.flush()
+        os.fsync(f.fileno())
+    return Path(ref.path)
+
+
+def test_expert_bytes_changed_under_a_running_server(thread_server: Any, tiny_text_model: Path,
+                                                      copy_checkpoint: Any) -> None:
+    model = copy_checkpoint(tiny_text_model)
+    # a cache of one unit: every layer call re-reads its experts from the checkpoint
+    state = make_state(engine_factory(model, expert_cache_gb=1e-9, max_num_seqs=1))
+    server: ThreadServer = thread_server(state)
+    engine = state.engine.engine
+    assert engine.model.store.loader.verifier.checksum.name == choose_checksum().name
+    before = {i: complete(server.url, p).json()["choices"][0] for i, p in enumerate(PROMPTS)}
+    used = {i: experts_used(engine, p) for i, p in enumerate(PROMPTS)}
+    # an expert the first prompt needs and at least one other prompt does not
+    target = next(k for k in sorted(used[0]) if any(k not in used[j] for j in used if j))
+    others = [j for j in used if j and target not in used[j]]
+    path = flip_expert_bytes(engine, target)
+
+    bad = complete(server.url, PROMPTS[0])
+    assert bad.status_code == 500, bad.text
+    error = bad.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "expert_load_failed"
+    assert path.name in error["message"] and "differ from those read before" in error["message"]
+    for j in others:  # the engine goes on: what does not need the changed expert answers as before
+        ok = complete(server.url, PROMPTS[j])
+        assert ok.status_code == 200 and ok.json()["choices"][0] == before[j]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert path.name in health.json()["reason"]
+    again = complete(server.url, PROMPTS[0])  # marked bad: fails at once, the same way
+    assert again.status_code == 500 and path.name in again.json()["error"]["message"]
+
+
+def test_a_truncated_shard_at_run_time_is_a_server_error(thread_server: Any, tiny_text_model: Path,
+                                                         copy_checkpoint: Any) -> None:
+    model = copy_checkpoint(tiny_text_model)
+    server: ThreadServer = thread_server(make_state(engine_factory(model, expert_cache_gb=1e-9)))
+    assert complete(server.url, PROMPTS[0]).status_code == 200
+    shard = next(model.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 8)  # the experts' bytes are gone; resident weights were loaded
+    resp = complete(server.url, PROMPTS[1])
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error", resp.text
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 4096 + 5])
+def test_unit_checksum_matches_its_python_definition(n: int) -> None:
+    """csrc/checksum.cpp against the definition in its header, computed here in Python (table CRC-32C)."""
+    import torch
+
+    if not kernels.load().available:
+        pytest.skip("C++ kernels not available here")
+    op = torch.ops.moeserve.unit_checksum
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    raw = bytes(data.numpy())
+    stripe = (n // 32) * 8
+    parts = [raw[:stripe], raw[stripe : 2 * stripe], raw[2 * stripe : 3 * stripe], raw[3 * stripe :]]
+    tail = b"".join(crc32c(p).to_bytes(4, "little") for p in parts)
+    assert op(data) == crc32c(tail)
+
+
+def crc32c(data: bytes) -> int:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    c = 0xFFFFFFFF
+    for b in data:
+        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
+    return c ^ 0xFFFFFFFF
+
+
+def test_crc32c_reference_vector() -> None:
+    import torch
+
+    assert crc32c(b"123456789") == 0xE3069283
+    if kernels.load().available:
+        assert torch.ops.moeserve.crc32c(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)) == 0xE3069283
