@@ -59,11 +59,9 @@ def write_real_dims(folder: Path, name: str, seed: int = 0, layers: int = 2, **o
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if config.model_type == "gpt_oss":  # transformers inits expert biases and sinks to zero: give them values
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.08)
-                layer.mlp.experts.down_proj_bias.normal_(0.0, 0.08)
-                layer.self_attn.sinks.normal_(0.0, 1.0)
+    if config.model_type == "gpt_oss":
+        from tests.models.checkpoints import randomize_gpt_oss_zeros
+
+        randomize_gpt_oss_zeros(model)
     model.save_pretrained(folder)
     return folder

@@ -46,13 +46,18 @@ def write_gpt_oss(folder: Path, dtype: str = "bfloat16", seed: int = 0, **overri
     config = AutoConfig.for_model("gpt_oss", **{**GPT_OSS_TINY, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    with torch.no_grad():  # transformers inits expert biases to zero: give them values so they are tested
+    randomize_gpt_oss_zeros(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+def randomize_gpt_oss_zeros(model: Any) -> None:
+    """transformers inits gpt-oss expert biases and sinks to zero: give them values so they are tested."""
+    with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.experts.gate_up_proj_bias.normal_(0.0, 0.08)
             layer.mlp.experts.down_proj_bias.normal_(0.0, 0.08)
             layer.self_attn.sinks.normal_(0.0, 1.0)
-    model.save_pretrained(folder)
-    return folder
 
 
 def write_gpt_oss_mxfp4(src: Path, folder: Path) -> Path:
