@@ -254,7 +254,7 @@ class AsyncEngine:
                     del self._streams[out.request_id]
                 targets.append((stream, out))
         for stream, out in targets:
-            stream.put(out)
+            stream.put(out.error if out.error is not None else out)  # a request that failed alone: its error
 
     def _publish_load(self) -> None:
         scheduler = getattr(self.engine, "scheduler", None)

@@ -84,6 +84,8 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids) and self.engine.has_unfinished_requests():
             for out in self.engine.step():
+                if out.error is not None:  # one request failed while the step went on (generate aborts the rest)
+                    raise out.error
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]

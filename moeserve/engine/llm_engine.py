@@ -26,7 +26,7 @@ from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
-from moeserve.errors import CheckpointError, ConfigError, RequestError
+from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, RequestError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions, static_policy_options
@@ -326,16 +326,45 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests."""
+        """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests.
+        An expert that cannot be read (ExpertLoadError) fails only the requests that need it (`_step_apart`)."""
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
+        try:
+            return self._run_step(seqs)
+        except ExpertLoadError:
+            if len({seq.request_id for seq in seqs}) < 2:
+                raise  # the batch is one request: it fails (its caller aborts it)
+        return self._step_apart(seqs)
+
+    def _run_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         batch = self._build_batch(seqs)
         logits = self.model.forward(batch, self.kv)
         if self.trace is not None:
             self.trace.end_step()
         samples = self.sampler(logits, seqs)
         return self._update(seqs, samples)
+
+    def _step_apart(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """A step of several requests failed reading an expert (corrupt or unreadable: experts/verify.py). Which
+        request needed it is not known, so each request runs alone: one that fails again ends at once (aborted,
+        its KV slot freed) with the error in its output's `error`; the others advance as in any step. Repeating
+        the step is safe: a failed forward changed no sequence, and the K/V it wrote are written again."""
+        groups: dict[str, list[Sequence]] = {}
+        for seq in seqs:
+            groups.setdefault(seq.request_id, []).append(seq)
+        outputs: list[RequestOutput] = []
+        for request_id, group in groups.items():
+            try:
+                outputs += self._run_step(group)
+            except ExpertLoadError as err:
+                log.warning("request %s failed: %s", request_id, err)
+                out = self.abort_request(request_id)
+                if out is not None:
+                    out.error = err
+                    outputs.append(out)
+        return outputs
 
     def _build_batch(self, seqs: list[Sequence]) -> ForwardBatch:
         tokens: list[int] = []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeserve.errors import MoeserveError
+
 
 @dataclass
 class Logprob:
@@ -38,3 +40,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the request failed in a step the engine went on from (an expert it needed could not be read);
+    # the request is finished (aborted) and its outputs are not an answer.
+    error: MoeserveError | None = None

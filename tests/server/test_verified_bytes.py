@@ -26,17 +26,23 @@ def complete(url: str, prompt: list[int]) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=120)
 
 
-def experts_used(engine: Any, prompt: list[int]) -> set[tuple[int, int]]:
-    """(layer, expert) pairs a greedy run of `prompt` routes to, from the model's trace hook."""
-    used: set[tuple[int, int]] = set()
-    engine.model.set_trace_hook(lambda layer, ids, _: used.update((layer, int(e)) for e in ids.reshape(-1)))
-    from moeserve import SamplingParams
+class RoutingLog:
+    """(layer, expert) pairs each request routes to, recorded by the model's trace hook on the engine's thread
+    (requests run one at a time: max_num_seqs=1, or a plain engine stepped to the end of each)."""
 
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=5))
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.model.set_trace_hook(None)
-    return used
+    def __init__(self, engine: Any) -> None:
+        self.current: set[tuple[int, int]] = set()
+        engine.model.set_trace_hook(lambda layer, ids, _: self.current.update((layer, int(e)) for e in ids.reshape(-1)))
+
+    def take(self) -> set[tuple[int, int]]:
+        used, self.current = self.current, set()
+        return used
+
+
+def pick_target(used: dict[int, set[tuple[int, int]]]) -> tuple[tuple[int, int], list[int]]:
+    """An expert prompt 0 needs and at least one other prompt does not; those other prompts."""
+    target = next(k for k in sorted(used[0]) if any(k not in used[j] for j in used if j))
+    return target, [j for j in used if j and target not in used[j]]
 
 
 def flip_expert_bytes(engine: Any, key: tuple[int, int]) -> Path:
@@ -60,11 +66,12 @@ def test_expert_bytes_changed_under_a_running_server(thread_server: Any, tiny_te
     server: ThreadServer = thread_server(state)
     engine = state.engine.engine
     assert engine.model.store.loader.verifier.checksum.name == choose_checksum().name
-    before = {i: complete(server.url, p).json()["choices"][0] for i, p in enumerate(PROMPTS)}
-    used = {i: experts_used(engine, p) for i, p in enumerate(PROMPTS)}
-    # an expert the first prompt needs and at least one other prompt does not
-    target = next(k for k in sorted(used[0]) if any(k not in used[j] for j in used if j))
-    others = [j for j in used if j and target not in used[j]]
+    routing = RoutingLog(engine)
+    before, used = {}, {}
+    for i, p in enumerate(PROMPTS):  # every unit these prompts need is read (its checksum taken) here
+        before[i] = complete(server.url, p).json()["choices"][0]
+        used[i] = routing.take()
+    target, others = pick_target(used)
     path = flip_expert_bytes(engine, target)
 
     bad = complete(server.url, PROMPTS[0])
@@ -80,6 +87,43 @@ def test_expert_bytes_changed_under_a_running_server(thread_server: Any, tiny_te
     assert path.name in health.json()["reason"]
     again = complete(server.url, PROMPTS[0])  # marked bad: fails at once, the same way
     assert again.status_code == 500 and path.name in again.json()["error"]["message"]
+
+
+def test_in_a_batch_only_the_requests_that_need_the_changed_unit_fail(tiny_text_model: Path,
+                                                                     copy_checkpoint: Any) -> None:
+    """All prompts in one batch after an expert changed on disk: the step fails on the changed unit, the engine runs
+    each request alone, and only requests that route to the unit fail; every other answer is its solo answer."""
+    from moeserve import SamplingParams
+    from moeserve.errors import ExpertLoadError
+
+    engine = engine_factory(copy_checkpoint(tiny_text_model), expert_cache_gb=1e-9, max_num_seqs=8)()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    try:
+        routing = RoutingLog(engine)
+        solo, used = {}, {}
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, params, str(i))
+            while engine.has_unfinished_requests():
+                solo.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
+            used[i] = routing.take()
+        target, others = pick_target(used)
+        path = flip_expert_bytes(engine, target)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(p, params, f"b{i}")
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update({out.request_id: out for out in engine.step() if out.finished})
+        failed = {int(rid[1:]) for rid, out in final.items() if out.error is not None}
+        assert 0 in failed and not failed & set(others)
+        assert failed <= {i for i in used if target in used[i]}  # only requests routed to the changed unit
+        for rid, out in final.items():
+            if out.error is not None:
+                assert isinstance(out.error, ExpertLoadError) and path.name in str(out.error)
+            else:  # never a different answer
+                assert out.outputs[0].token_ids == solo[rid[1:]]
+        assert engine.health_problem() is not None and path.name in engine.health_problem()
+    finally:
+        engine.close()
 
 
 def test_a_truncated_shard_at_run_time_is_a_server_error(thread_server: Any, tiny_text_model: Path,
