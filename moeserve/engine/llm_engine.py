@@ -116,6 +116,20 @@ class LLMEngine:
         if self.model.dequantized_linears:
             log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
                      len(self.model.dequantized_linears), self.dtype_name)
+        self._start_reference_scan()
+
+    def _start_reference_scan(self) -> None:
+        """Offloaded experts: the store records each unit's checksum in the background while no request runs
+        (experts/verify.py). The scan's thread holds the engine only weakly and stops when it is collected."""
+        engine = weakref.ref(self)
+
+        def idle() -> bool:
+            e = engine()
+            return e is not None and not e.scheduler.has_work()
+
+        scan = self.model.store.start_reference_scan(idle)
+        if scan is not None:
+            weakref.finalize(self, scan.stop, False)
 
     # ---------------------------------------------------------------------------------------- choices
     def _plan_memory(self, ckpt, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal

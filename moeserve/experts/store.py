@@ -39,6 +39,7 @@ from moeserve.experts.policies import DeferredHits, NoVictimError, make_policy
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
 from moeserve.experts.unit import ExpertSource
+from moeserve.experts.verify import ReferenceScan
 from moeserve.memory.hugepages import huge_page_bytes, thp_mode
 
 log = logging.getLogger("moeserve")
@@ -260,6 +261,7 @@ class ExpertStore:
         self._calls = 0  # layer calls that could guess a next layer (see PROBE_EVERY)
         self._next_layer = dict(zip(self.layers, self.layers[1:]))
         self.source_note: str | None = None
+        self.reference_scan: ReferenceScan | None = None  # start_reference_scan
         if self.resident:
             self._load_everything(progress)
         else:
@@ -441,6 +443,18 @@ class ExpertStore:
         if self.prefetcher is not None:
             self.prefetcher.submit(layer, expert_ids)
 
+    def start_reference_scan(self, idle: Callable[[], bool]) -> ReferenceScan | None:
+        """Offloaded: read, in the background while `idle()`, each unit that has no reference checksum yet and
+        record it (experts/verify.py), so a unit that changes on disk later is caught at its next miss."""
+        verifier = self.loader.verifier
+        if verifier is None or self.reference_scan is not None:
+            return self.reference_scan
+        keys = [(layer, e) for layer in self.layers for e in range(self.num_experts)]
+        self.reference_scan = ReferenceScan(verifier, keys, self.layout.nbytes,
+                                            lambda key, out: self.source.read_unit(key[0], key[1], out), idle)
+        self.reference_scan.start()
+        return self.reference_scan
+
     @property
     def staging_nbytes(self) -> int:
         """Read buffers besides the slots: the source's shared staging, plus per reading thread (the I/O threads,
@@ -449,10 +463,12 @@ class ExpertStore:
         if self.resident:
             return self.source.staging_nbytes
         threads = self.io_threads + 1 + (1 if self.prefetcher is not None else 0)
+        scan = self.layout.nbytes if self.loader.verifier is not None else 0  # the reference scan's unit (+ thread)
+        threads += 1 if scan else 0
         per_thread = self.source.per_thread_staging_nbytes
         if self._direct_reads():
             per_thread += self.source.stored_nbytes + 2 * DIRECT_ALIGN
-        return self.source.staging_nbytes + threads * per_thread
+        return self.source.staging_nbytes + threads * per_thread + scan
 
     def _direct_reads(self) -> bool:
         return bool(getattr(getattr(self.source.checkpoint, "reader", None), "direct", False))
@@ -470,6 +486,8 @@ class ExpertStore:
             return set(self._slot_of)
 
     def close(self) -> None:
+        if self.reference_scan is not None:
+            self.reference_scan.stop()
         if self.prefetcher is not None:
             self.prefetcher.close()
         if self._io is not None:

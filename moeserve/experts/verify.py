@@ -8,9 +8,14 @@ later read is checked against it. A mismatch marks the unit bad and raises Corru
 its file: the step that needed it fails (the server answers 500), the engine goes on, later requests that need the
 unit fail fast with the same message, and `/health` reports the engine as degraded.
 
-What this does not catch: a unit already wrong at its first read that holds finite numbers (the checkpoint has no
-reference hash to compare with); reading every unit at start-up to hash it would cost a full pass over the
-checkpoint (minutes for a 60 GB model) for that case only.
+A unit no request has read yet gets its checksum from the reference scan (`ReferenceScan`): after the load, a
+background thread reads every unit that has none, one at a time and only while the engine is idle, so a unit
+changed on disk under a running server is caught even when no request had needed it before. Until the scan has
+reached a unit, that unit's first miss takes the reference (a change before then goes unseen).
+
+What this does not catch: a unit already wrong when first read (at the scan or a miss) that holds finite numbers:
+the checkpoint carries no checksum to compare with. (The int8 spill file does: its units are checked against the
+checksums written when they were made.)
 
 The checksum (`choose_checksum`): the C++ op `unit_checksum` (csrc/checksum.cpp: CRC-32C in 4 stripes, 15.8 GB/s
 on the 2-core dev VM, about 20x the disk's uncached read speed) where the C++ kernels are loaded, else zlib's
@@ -19,15 +24,18 @@ CRC-32 (2.2 GB/s here). The name of the one in use is written into spill headers
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.errors import CorruptUnitError, MoeserveError
+
+log = logging.getLogger("moeserve")
 
 Key = tuple[int, int]
 
@@ -67,6 +75,10 @@ class UnitVerifier:
         """Checksums known before any read (a spill file's header)."""
         with self._lock:
             self.expected.update(expected)
+
+    def has_reference(self, key: Key) -> bool:
+        """Whether `key` has a checksum to be checked against (seeded, or from an earlier read)."""
+        return key in self.expected
 
     def before_read(self, key: Key) -> None:
         """Raise CorruptUnitError at once for a unit already found bad."""
@@ -109,3 +121,60 @@ class UnitVerifier:
             return None
         first = next(iter(bad.values()))
         return f"{len(bad)} expert unit(s) failed verification; requests that need them fail: {first}"
+
+
+class ReferenceScan:
+    """A background thread that reads each unit without a reference checksum once, while `idle()` says the engine
+    has nothing to do (it checks before each unit: a request waits for one unit's read at most), and records the
+    checksum (`UnitVerifier.after_read`, NaN check included). A unit it cannot read is skipped: its misses report
+    the error. `done` is set when every unit has a reference or was skipped."""
+
+    def __init__(self, verifier: UnitVerifier, keys: Iterable[Key], unit_nbytes: int,
+                 read: Callable[[Key, torch.Tensor], None], idle: Callable[[], bool]) -> None:
+        self.verifier, self.keys, self.unit_nbytes, self.read, self.idle = verifier, list(keys), unit_nbytes, read, idle
+        self.done = threading.Event()
+        self.scanned = self.unreadable = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeserve-verify", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, join: bool = True) -> None:
+        """Stop after the unit being read (`join`: wait for that; never from the scan's own thread)."""
+        self._stop.set()
+        if join and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        todo = [k for k in self.keys if not self.verifier.has_reference(k)]
+        if todo:
+            log.info("verify: reading %d expert units (%.2f GiB) in the background while idle, to record their "
+                     "checksums", len(todo), len(todo) * self.unit_nbytes / 2**30)
+        t0 = time.monotonic()
+        unit_bytes = torch.empty(self.unit_nbytes, dtype=torch.uint8) if todo else None
+        for key in todo:
+            while not self.idle():
+                if self._stop.wait(0.05):  # a request is running: look again shortly
+                    return
+            if self._stop.is_set():
+                return
+            if self.verifier.has_reference(key) or key in self.verifier.bad:  # a miss read it meanwhile
+                continue
+            assert unit_bytes is not None
+            try:
+                self.read(key, unit_bytes)
+            except Exception as err:  # an unreadable unit: its misses will fail with the error
+                self.unreadable += 1
+                if self.unreadable == 1:  # one line, not one per unit of a truncated file
+                    log.warning("verify: expert %d of layer %d not readable now (%s)", key[1], key[0], err)
+                continue
+            try:
+                self.verifier.after_read(key, unit_bytes)
+            except CorruptUnitError:
+                pass  # NaN on its first read: marked bad, /health says degraded
+            self.scanned += 1
+        if todo:
+            log.info("verify: checksums of %d units recorded in %.1f s (%d unreadable)", self.scanned,
+                     time.monotonic() - t0, self.unreadable)
+        self.done.set()

@@ -89,6 +89,30 @@ def test_expert_bytes_changed_under_a_running_server(thread_server: Any, tiny_te
     assert again.status_code == 500 and path.name in again.json()["error"]["message"]
 
 
+def test_units_no_request_read_yet_are_caught_after_the_reference_scan(thread_server: Any, tiny_text_model: Path,
+                                                                       copy_checkpoint: Any) -> None:
+    """The tester's case: experts zeroed in the checkpoint under a running server before any request read them.
+    The reference scan (idle, after the load) recorded every unit's checksum: the request fails, no garbage 200."""
+    model = copy_checkpoint(tiny_text_model)
+    state = make_state(engine_factory(model, expert_cache_gb=1e-9, max_num_seqs=1))
+    server: ThreadServer = thread_server(state)
+    store = state.engine.engine.model.store
+    scan = store.reference_scan
+    assert scan is not None and scan.done.wait(300)  # a readiness signal, not a sleep
+    assert scan.scanned == store.total_experts and not store.stats.bytes_read  # no request has run
+    layer = store.layers[0]
+    for expert in range(store.num_experts):  # whichever experts a prompt routes to in this layer: zeroed
+        ref = store.source.sources[(layer, expert)][0].refs[0]
+        with open(ref.path, "r+b") as f:
+            f.seek(ref.offset)
+            f.write(bytes(ref.nbytes))
+    resp = complete(server.url, PROMPTS[0])
+    assert resp.status_code == 500 and resp.json()["error"]["code"] == "expert_load_failed", resp.text
+    assert ref.path.name in resp.json()["error"]["message"]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "degraded" and ref.path.name in health["reason"]
+
+
 def test_in_a_batch_only_the_requests_that_need_the_changed_unit_fail(tiny_text_model: Path,
                                                                      copy_checkpoint: Any) -> None:
     """All prompts in one batch after an expert changed on disk: the step fails on the changed unit, the engine runs
