@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeserve import kernels  # noqa: E402
 from moeserve.checkpoint.safetensors_file import FileReader  # noqa: E402
-from moeserve.experts.verify import choose_checksum  # noqa: E402
+from moeserve.experts.verify import _zlib_crc32, choose_checksum  # noqa: E402
 
 
 def main() -> None:
@@ -48,7 +49,9 @@ def main() -> None:
         unit = torch.empty(nbytes, dtype=torch.uint8)
         reads, hashes = [], []
         for _ in range(args.rounds):
-            os.posix_fadvise(os.open(path, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
             for i in range(args.units):
                 t0 = time.perf_counter()
                 reader.read_run(path, i * nbytes, [unit], f"unit {i}")
@@ -62,6 +65,15 @@ def main() -> None:
     print(f"checksum {checksum.name}: {nbytes / h / 1e9:.1f} GB/s ({h * 1e3:.2f} ms per {nbytes / 1e6:.1f} MB unit)")
     print(f"uncached read: {nbytes / r / 1e9:.2f} GB/s ({r * 1e3:.2f} ms per unit)")
     print(f"checksum / read per miss: {h / r:.3f} (medians of {len(reads)} misses)")
+    fallback = statistics.median(_timed(_zlib_crc32, unit) for _ in range(5))
+    print(f"fallback without the C++ kernels ({_zlib_crc32.__name__}): {nbytes / fallback / 1e9:.1f} GB/s, "
+          f"{fallback / r:.3f} of the read")
+
+
+def _timed(fn: Callable[[torch.Tensor], int], unit: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    fn(unit)
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from moeserve.checkpoint.safetensors_file import FileReader
-from moeserve.experts.verify import Checksum, choose_checksum
+from moeserve.experts.verify import Checksum, checksum_named, choose_checksum
 
 log = logging.getLogger("moeserve")
 
@@ -106,7 +106,7 @@ def open_or_build(
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another engine building the same file: wait for it
-            problem = _check(path, fp, keys, unit_nbytes, stride, checksum.name)
+            problem = _check(path, fp, keys, unit_nbytes, stride)
             if problem is None:
                 log.info("%s: using %s", what, path)
             else:
@@ -121,7 +121,7 @@ def open_or_build(
                 _build(path, fp, keys, unit_nbytes, stride, make_unit, what, checksum)
             with open(path, "rb") as f:
                 meta = _read_meta(f)
-            return UnitSpill(path, keys, unit_nbytes, stride, meta["data_offset"], checksum.name, meta["crc32"])
+            return UnitSpill(path, keys, unit_nbytes, stride, meta["data_offset"], meta["checksum"], meta["crc32"])
     except OSError as err:
         log.warning("%s: cannot use %s (%s): each miss makes its unit again", what, folder, err.strerror or err)
         return None
@@ -157,7 +157,7 @@ def _read_meta(f) -> dict:  # noqa: ANN001 - a binary file
     return data
 
 
-def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int, checksum_name: str) -> str | None:
+def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: int) -> str | None:
     """None if `path` is a complete spill file for exactly these units, else why not."""
     if not path.is_file():
         return "missing"
@@ -168,10 +168,12 @@ def _check(path: Path, fp: str, keys: Sequence[Key], unit_nbytes: int, stride: i
             if meta.get("fingerprint") != fp:
                 return "made from another checkpoint or layout"
             expected = {"version": 2, "unit_nbytes": unit_nbytes, "stride": stride, "count": len(keys),
-                        "keys_digest": _keys_digest(keys), "checksum": checksum_name}
+                        "keys_digest": _keys_digest(keys)}
             for name, value in expected.items():
                 if meta.get(name) != value:
                     return f"{name} is {meta.get(name)}, expected {value}"
+            if checksum_named(str(meta.get("checksum"))) is None:  # kernels=torch reads a file the C++ op made
+                return f"its checksum {meta.get('checksum')} cannot be computed here"
             crcs = meta.get("crc32")
             if not isinstance(crcs, list) or len(crcs) != len(keys) or not all(isinstance(c, int) for c in crcs):
                 return "per-unit checksums missing"

@@ -269,7 +269,9 @@ class ExpertStore:
             self.source_note = prepare() if prepare is not None else None
             known = getattr(source, "known_checksums", None)  # a spill file's header (test fakes may lack it)
             if known is not None and self.loader.verifier is not None:
-                self.loader.verifier.seed(known(self.loader.verifier.checksum.name))
+                checksum_name, checksums = known()
+                if checksums:
+                    self.loader.verifier.seed(checksums, checksum_name)
             # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
             self.policy = DeferredHits(make_policy(opts.policy, **opts.policy_options))
             if opts.prefetch:

@@ -165,9 +165,10 @@ class ExpertSource:
         files = sorted({str(ref.path) for fs in self.sources[(layer, expert)] for ref in fs.refs})
         return ", ".join(files) if files else "the checkpoint"
 
-    def known_checksums(self, checksum_name: str) -> dict[tuple[int, int], int]:
-        """Checksums of units known before they are read (made with `checksum_name`); none for the checkpoint."""
-        return {}
+    def known_checksums(self) -> tuple[str, dict[tuple[int, int], int]]:
+        """Checksums of units known before they are read, and the name of the checksum that made them
+        (experts/verify.py); none for the checkpoint."""
+        return "", {}
 
     def placer(self, field: str, ref: TensorRef) -> Placer | None:
         """How `ref`'s stored bytes are written into its part of unit field `field` when the dtypes match: None =

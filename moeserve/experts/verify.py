@@ -5,8 +5,11 @@ file was replaced or edited under a running server, a bad sector, a truncated co
 answer with no error. The first read of a unit records its checksum (for the spill file: the checksums written
 with it when it was built, read from its header) and checks it for NaN / infinity (checkpoint/finite.py); every
 later read is checked against it. A mismatch marks the unit bad and raises CorruptUnitError naming the unit and
-its file: the step that needed it fails (the server answers 500), the engine goes on, later requests that need the
-unit fail fast with the same message, and `/health` reports the engine as degraded.
+its file: the step that needed it fails and LLMEngine.step runs the batch again request by request, so only the
+requests that need the unit fail (the server answers 500); the engine goes on, later requests that need the unit
+fail fast with the same message (a bad unit stays bad until a restart), and `/health` reports the engine as
+degraded. A read that fails or comes back short (a truncated file) is an ExpertLoadError too, but marks nothing:
+the next miss reads again.
 
 A unit no request has read yet gets its checksum from the reference scan (`ReferenceScan`): after the load, a
 background thread reads every unit that has none, one at a time and only while the engine is idle, so a unit
@@ -17,9 +20,10 @@ What this does not catch: a unit already wrong when first read (at the scan or a
 the checkpoint carries no checksum to compare with. (The int8 spill file does: its units are checked against the
 checksums written when they were made.)
 
-The checksum (`choose_checksum`): the C++ op `unit_checksum` (csrc/checksum.cpp: CRC-32C in 4 stripes, 15.8 GB/s
-on the 2-core dev VM, about 20x the disk's uncached read speed) where the C++ kernels are loaded, else zlib's
-CRC-32 (2.2 GB/s here). The name of the one in use is written into spill headers.
+The checksum (`choose_checksum`): the C++ op `unit_checksum` (csrc/checksum.cpp: CRC-32C in 4 stripes, 24-26 GB/s
+on the 2-core dev VM against 1.5-2.3 GB/s for the uncached read of a 9.4 MB unit: 6-9% of a miss) where the C++
+kernels are loaded, else zlib's CRC-32 (3.1-3.6 GB/s: 65-75% of a miss; scripts/bench_checksum.py). The name of
+the one in use is written into spill headers; a verifier seeded from a header uses that header's checksum.
 """
 
 from __future__ import annotations
@@ -50,13 +54,24 @@ def _zlib_crc32(unit_bytes: torch.Tensor) -> int:
     return zlib.crc32(memoryview(unit_bytes.numpy()))  # type: ignore[arg-type]
 
 
+ZLIB = Checksum("crc32-zlib", _zlib_crc32)
+
+
 def choose_checksum() -> Checksum:
     """The C++ unit_checksum when the kernels library is loaded in this process, else zlib's CRC-32."""
     try:
         op = torch.ops.moeserve.unit_checksum
     except (AttributeError, RuntimeError):
-        return Checksum("crc32-zlib", _zlib_crc32)
+        return ZLIB
     return Checksum("crc32c-4stripe", lambda t: int(op(t)))
+
+
+def checksum_named(name: str) -> Checksum | None:
+    """The checksum called `name` (as written in a spill header) if this process can compute it, else None."""
+    if name == ZLIB.name:
+        return ZLIB
+    chosen = choose_checksum()
+    return chosen if chosen.name == name else None
 
 
 class UnitVerifier:
@@ -71,9 +86,18 @@ class UnitVerifier:
         self.seconds = 0.0
         self._lock = threading.Lock()
 
-    def seed(self, expected: Mapping[Key, int]) -> None:
-        """Checksums known before any read (a spill file's header)."""
+    def seed(self, expected: Mapping[Key, int], checksum_name: str | None = None) -> None:
+        """Checksums known before any read (a spill file's header), made with `checksum_name` (default: this
+        verifier's). Before any read the verifier switches to that checksum, if this process can compute it;
+        otherwise they are dropped (each unit's first read then gives its reference)."""
         with self._lock:
+            if checksum_name is not None and checksum_name != self.checksum.name:
+                other = checksum_named(checksum_name)
+                if other is None or self.expected:
+                    log.info("verify: the %s checksums known beforehand are not used here (%s)", checksum_name,
+                             "cannot compute them" if other is None else "units were read already")
+                    return
+                self.checksum = other
             self.expected.update(expected)
 
     def has_reference(self, key: Key) -> bool:

@@ -335,11 +335,11 @@ class Int8ExpertSource(ExpertSource):
     def unit_files(self, layer: int, expert: int) -> str:
         return str(self.spill.path) if self.spill is not None else super().unit_files(layer, expert)
 
-    def known_checksums(self, checksum_name: str) -> dict[tuple[int, int], int]:
+    def known_checksums(self) -> tuple[str, dict[tuple[int, int], int]]:
         """The spill header's per-unit checksums, written when the units were made at load."""
-        if self.spill is None or self.spill.checksum_name != checksum_name:
-            return {}
-        return self.spill.checksums()
+        if self.spill is None:
+            return "", {}
+        return self.spill.checksum_name, self.spill.checksums()
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         if self.spill is not None:

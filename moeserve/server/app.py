@@ -92,7 +92,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     auth = [_api_key_check(state)]
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
+    async def health(strict: bool = False) -> Response:
         if state.draining:
             return APIError(503, "shutting down", "server_error", code="shutting_down").response()
         if state.engine.state == State.LOADING:
@@ -102,6 +102,8 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
             return APIError(503, f"the engine has stopped: {state.engine.error}", "server_error",
                             code="engine_dead").response()
         problem = state.engine.degraded()
+        if problem is not None and strict:  # for a load balancer that should route around a degraded replica
+            return APIError(503, problem, "server_error", code="degraded").response()
         if problem is not None:  # still serving what does not need the bad units: 200, and says why
             return JSONResponse({"status": "degraded", "reason": problem})
         return JSONResponse({"status": "ok"})

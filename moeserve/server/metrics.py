@@ -160,6 +160,12 @@ def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:
         lines.append(f"{name}{_labels({**labels, 'tier': 'host'})} {_fmt(host_bytes)}")
     lines += _gauge("expert_prefetched_total", "Expert units loaded ahead of a predicted use.", total("prefetched"),
                     labels, "counter")
+    lines += _gauge("expert_load_errors_total", "Expert reads from a slower tier that failed (unreadable, or "
+                    "bytes that differ from their first read).", store.stats.load_errors, labels, "counter")
+    verifier = getattr(getattr(store, "loader", None), "verifier", None)
+    if verifier is not None:
+        lines += _gauge("expert_units_bad", "Expert units that failed verification: requests that need them fail "
+                        "(500) and /health says degraded.", len(verifier.bad), labels)
     return lines
 
 

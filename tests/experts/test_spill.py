@@ -119,6 +119,44 @@ def test_every_corrupted_unit_is_caught_when_read_not_sampled_at_open(tmp_path):
     s.close()
 
 
+def test_a_spill_made_with_another_checksum_is_used_and_still_checked(tmp_path, caplog):
+    """A file made where the C++ kernels were off (zlib CRC-32) opened where they are on: not rebuilt; the verifier
+    takes the header's checksum, and a damaged unit is still caught. A checksum this process cannot compute: the
+    file is rebuilt."""
+    from moeserve import kernels
+    from moeserve.experts.verify import ZLIB, Checksum
+
+    kernels.load()  # this process's own checksum is then the C++ one, where it builds
+    spill.open_or_build(tmp_path, "fp1", KEYS, NBYTES, Maker(), "test units", checksum=ZLIB).close()
+    path = tmp_path / "fp1" / "units.bin"
+    maker = Maker()
+    s = open_spill(tmp_path, maker)
+    assert maker.made == [] and s.checksum_name == ZLIB.name
+    data = bytearray(path.read_bytes())
+    data[s.data_offset + KEYS.index(KEYS[2]) * 4096 + 9] ^= 0x80
+    path.write_bytes(bytes(data))
+    verifier = UnitVerifier(choose_checksum(), lambda key: str(path))
+    verifier.seed(s.checksums(), s.checksum_name)
+    assert verifier.checksum.name == ZLIB.name
+    got = torch.empty(NBYTES, dtype=torch.uint8)
+    for key in KEYS:
+        s.read_unit(key, got)
+        if key == KEYS[2]:
+            with pytest.raises(CorruptUnitError):
+                verifier.after_read(key, got)
+        else:
+            verifier.after_read(key, got)
+    s.close()
+    spill.open_or_build(tmp_path, "fp2", KEYS, NBYTES, Maker(), "test units",
+                        checksum=Checksum("made-up", ZLIB.fn)).close()
+    maker = Maker()
+    with caplog.at_level(logging.WARNING, logger="moeserve"):
+        s = open_spill(tmp_path, maker, "fp2")
+    assert sorted(maker.made) == sorted(KEYS) and s.checksum_name == choose_checksum().name
+    assert any("made-up cannot be computed here" in r.getMessage() for r in caplog.records)
+    s.close()
+
+
 def test_fingerprint_changes_with_the_checkpoint_files_and_the_recipe(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x" * 10)

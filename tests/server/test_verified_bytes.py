@@ -85,6 +85,9 @@ def test_expert_bytes_changed_under_a_running_server(thread_server: Any, tiny_te
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     assert path.name in health.json()["reason"]
+    strict = httpx.get(server.url + "/health", params={"strict": "true"})  # what a load balancer probes
+    assert strict.status_code == 503 and strict.json()["error"]["code"] == "degraded"
+    assert f'moeserve:expert_units_bad{{model_name="{MODEL_NAME}"}} 1.0' in httpx.get(server.url + "/metrics").text
     again = complete(server.url, PROMPTS[0])  # marked bad: fails at once, the same way
     assert again.status_code == 500 and path.name in again.json()["error"]["message"]
 
