@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from moeserve import kernels
 from moeserve.experts.verify import choose_checksum
 from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
 
@@ -163,40 +161,3 @@ def test_a_truncated_shard_at_run_time_is_a_server_error(thread_server: Any, tin
         f.truncate(shard.stat().st_size // 8)  # the experts' bytes are gone; resident weights were loaded
     resp = complete(server.url, PROMPTS[1])
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error", resp.text
-
-
-@pytest.mark.parametrize("n", [0, 1, 7, 8, 31, 32, 33, 4096 + 5])
-def test_unit_checksum_matches_its_python_definition(n: int) -> None:
-    """csrc/checksum.cpp against the definition in its header, computed here in Python (table CRC-32C)."""
-    import torch
-
-    if not kernels.load().available:
-        pytest.skip("C++ kernels not available here")
-    op = torch.ops.moeserve.unit_checksum
-    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
-    raw = bytes(data.numpy())
-    stripe = (n // 32) * 8
-    parts = [raw[:stripe], raw[stripe : 2 * stripe], raw[2 * stripe : 3 * stripe], raw[3 * stripe :]]
-    tail = b"".join(crc32c(p).to_bytes(4, "little") for p in parts)
-    assert op(data) == crc32c(tail)
-
-
-def crc32c(data: bytes) -> int:
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    c = 0xFFFFFFFF
-    for b in data:
-        c = table[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
-
-
-def test_crc32c_reference_vector() -> None:
-    import torch
-
-    assert crc32c(b"123456789") == 0xE3069283
-    if kernels.load().available:
-        assert torch.ops.moeserve.crc32c(torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)) == 0xE3069283
