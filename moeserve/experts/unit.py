@@ -165,6 +165,10 @@ class ExpertSource:
         files = sorted({str(ref.path) for fs in self.sources[(layer, expert)] for ref in fs.refs})
         return ", ".join(files) if files else "the checkpoint"
 
+    def corrupt_advice(self, layer: int, expert: int) -> str:
+        """What to do when the bytes of (layer, expert) read from `unit_files` differ from their first read."""
+        return "restore it and restart the server"
+
     def known_checksums(self) -> tuple[str, dict[tuple[int, int], int]]:
         """Checksums of units known before they are read, and the name of the checksum that made them
         (experts/verify.py); none for the checkpoint."""

@@ -78,8 +78,9 @@ class UnitVerifier:
     """Checksums per unit (first read, or seeded from a spill header) and the units found bad. Thread-safe."""
 
     def __init__(self, checksum: Checksum, where: Callable[[Key], str],
-                 first_read_check: Callable[[Key, torch.Tensor], None] | None = None) -> None:
-        self.checksum, self.where, self.first_read_check = checksum, where, first_read_check
+                 first_read_check: Callable[[Key, torch.Tensor], None] | None = None,
+                 advice: Callable[[Key], str] = lambda key: "restore it and restart the server") -> None:
+        self.checksum, self.where, self.first_read_check, self.advice = checksum, where, first_read_check, advice
         self.expected: dict[Key, int] = {}
         self.bad: dict[Key, str] = {}
         self.checks = 0
@@ -131,7 +132,7 @@ class UnitVerifier:
         if value != want:
             self._mark_bad(key, f"expert {key[1]} of layer {key[0]}: the bytes read from {self.where(key)} differ "
                                 f"from those read before ({self.checksum.name} {value:08x}, expected {want:08x}): "
-                                "the file changed or is corrupt; restore it and restart the server")
+                                f"the file changed or is corrupt; {self.advice(key)}")
 
     def _mark_bad(self, key: Key, reason: str) -> None:
         with self._lock:

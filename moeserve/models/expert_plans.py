@@ -335,6 +335,11 @@ class Int8ExpertSource(ExpertSource):
     def unit_files(self, layer: int, expert: int) -> str:
         return str(self.spill.path) if self.spill is not None else super().unit_files(layer, expert)
 
+    def corrupt_advice(self, layer: int, expert: int) -> str:
+        if self.spill is None:
+            return super().corrupt_advice(layer, expert)
+        return "delete it and restart the server (it is made again from the checkpoint)"
+
     def known_checksums(self) -> tuple[str, dict[tuple[int, int], int]]:
         """The spill header's per-unit checksums, written when the units were made at load."""
         if self.spill is None:
