@@ -166,6 +166,9 @@ class AsyncEngine:
             self._die(err, None if self._on_loaded is not None else "loading the model failed")
             self._notify_loaded(err)
             return
+        scan = getattr(self.engine, "start_reference_scan", None)  # LLMEngine: checksums of offloaded experts
+        if scan is not None:
+            scan()
         self.state = State.READY
         self._notify_loaded(None)
         try:

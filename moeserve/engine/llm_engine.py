@@ -116,11 +116,12 @@ class LLMEngine:
         if self.model.dequantized_linears:
             log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
                      len(self.model.dequantized_linears), self.dtype_name)
-        self._start_reference_scan()
 
-    def _start_reference_scan(self) -> None:
+    def start_reference_scan(self) -> None:
         """Offloaded experts: the store records each unit's checksum in the background while no request runs
-        (experts/verify.py). The scan's thread holds the engine only weakly and stops when it is collected."""
+        (experts/verify.py). The scan's thread holds the engine only weakly and stops when it is collected.
+        Started by the server (AsyncEngine), where files may change under a long-running process; an offline
+        `LLM` relies on each unit's first read, so its disk traffic is only what its requests need."""
         engine = weakref.ref(self)
 
         def idle() -> bool:

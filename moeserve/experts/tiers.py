@@ -93,7 +93,7 @@ class Loader:
         self.verifier: UnitVerifier | None = UnitVerifier(
             choose_checksum(), lambda key: where(*key),
             lambda key, unit: check_expert_unit(source, key[0], key[1], unit),
-            lambda key: advice(*key)) if verify else None
+            lambda key: advice(*key), padding=source.layout.padding()) if verify else None
         # Device transfers share the staging buffer / host pool: one transfer at a time (the disk is one queue
         # anyway). Direct reads into RAM slots need no lock: pread has no shared file position.
         self._lock = threading.Lock()

@@ -53,6 +53,15 @@ class UnitLayout:
             offset += field.nbytes
         return UnitLayout(tuple(fields), -(-offset // ALIGN_BYTES) * ALIGN_BYTES)
 
+    def padding(self) -> list[tuple[int, int]]:
+        """The [start, end) byte ranges of the unit that no field covers (alignment gaps and the tail)."""
+        gaps, at = [], 0
+        for f in sorted(self.fields, key=lambda f: f.offset):
+            if f.offset > at:
+                gaps.append((at, f.offset))
+            at = max(at, f.offset + f.nbytes)
+        return gaps + ([(at, self.nbytes)] if at < self.nbytes else [])
+
     def field(self, name: str) -> UnitField:
         for f in self.fields:
             if f.name == name:

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +79,13 @@ class UnitVerifier:
 
     def __init__(self, checksum: Checksum, where: Callable[[Key], str],
                  first_read_check: Callable[[Key, torch.Tensor], None] | None = None,
-                 advice: Callable[[Key], str] = lambda key: "restore it and restart the server") -> None:
+                 advice: Callable[[Key], str] = lambda key: "restore it and restart the server",
+                 padding: Sequence[tuple[int, int]] = ()) -> None:
         self.checksum, self.where, self.first_read_check, self.advice = checksum, where, first_read_check, advice
+        # The unit's alignment gaps between fields ([start, end) byte ranges): a read never writes them, so they
+        # hold whatever the slot held before; they are zeroed before hashing (nothing reads them), so equal fields
+        # give equal checksums.
+        self.padding = tuple(padding)
         self.expected: dict[Key, int] = {}
         self.bad: dict[Key, str] = {}
         self.checks = 0
@@ -115,6 +120,8 @@ class UnitVerifier:
         """Check the unit just read into `unit_bytes` (contiguous CPU uint8); raise CorruptUnitError if it differs
         from its first read (or its seeded checksum), or if its first read holds NaN / infinity."""
         t0 = time.perf_counter()
+        for start, end in self.padding:
+            unit_bytes[start:end].zero_()
         value = self.checksum.fn(unit_bytes)
         with self._lock:
             self.checks += 1

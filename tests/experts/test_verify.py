@@ -142,3 +142,27 @@ def test_a_stopped_scan_reads_nothing_more() -> None:
     scan.start()
     scan.stop()  # while it waits for idle
     assert not scan.done.is_set() and not verifier.expected
+
+
+def test_stale_bytes_in_the_alignment_gaps_never_change_a_checksum() -> None:
+    """A read writes the fields only; the gaps between them keep what the slot held before (another unit). Equal
+    fields must verify equal whatever the gaps hold (found on fp8-block units, whose small scale fields leave gaps)."""
+    from moeserve.experts.unit import UnitLayout
+
+    layout = UnitLayout.build([("w", torch.float8_e4m3fn, (32, 64)), ("s", torch.float32, (1, 2)),
+                               ("b", torch.bfloat16, (3,))])
+    gaps = layout.padding()
+    assert gaps and all(a < b for a, b in gaps)
+    covered = sum(f.nbytes for f in layout.fields) + sum(b - a for a, b in gaps)
+    assert covered == layout.nbytes  # fields and gaps tile the unit
+    verifier = UnitVerifier(choose_checksum(), lambda key: "file", padding=gaps)
+    fields = torch.randint(0, 256, (layout.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for garbage in (0, 255, 17):
+        unit = fields.clone()
+        for a, b in gaps:
+            unit[a:b] = garbage
+        verifier.after_read((0, 0), unit)  # raises on a mismatch
+    unit = fields.clone()
+    unit[layout.fields[1].offset] ^= 1  # a field byte: caught
+    with pytest.raises(CorruptUnitError):
+        verifier.after_read((0, 0), unit)
