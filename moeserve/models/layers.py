@@ -437,8 +437,7 @@ class DenseMLP:
 
     def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
         self.gate, self.up, self.down = gate, up, down
-
-        self.invariant = False  # nothing batch-dependent of its own: its Linears carry the setting
+        self.invariant = False  # set with the other parts; nothing batch-dependent of its own (its Linears are)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
