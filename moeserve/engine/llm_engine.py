@@ -20,7 +20,7 @@ import torch
 from moeserve import kernels
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.config import EngineSettings, did_you_mean
-from moeserve.engine.kv_cache import KVCache
+from moeserve.state.kv_cache import KVCache
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams

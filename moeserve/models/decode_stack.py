@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from moeserve.engine.kv_cache import KVCache
+from moeserve.state.kv_cache import KVCache
 from moeserve.models.layers import DenseMLP, Linear
 
 

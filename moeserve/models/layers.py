@@ -17,7 +17,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from moeserve.engine.kv_cache import KVCache
+from moeserve.state.kv_cache import KVCache
 from moeserve.experts.store import ExpertStore, ExpertWeights
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
 from moeserve.memory.hugepages import on_huge_pages

@@ -16,7 +16,7 @@ import torch
 
 from moeserve.checkpoint.finite import check_tensor
 from moeserve.checkpoint.folder import Checkpoint
-from moeserve.engine.kv_cache import KVCache
+from moeserve.state.kv_cache import KVCache
 from moeserve.errors import ConfigError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
