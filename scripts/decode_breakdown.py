@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.models import layers
+from moeserve.models import layers, moe
 from moeserve.models import layers as layers_mod
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
               expert_cache_gb=args.expert_cache_gb, decode_step=args.decode_step)
-    if llm.engine.model.fused_decode:
+    if llm.engine.model.decode_step is not None:
         fused_breakdown(llm, args.rounds, args.tokens)
         return
     seconds: dict[str, float] = collections.defaultdict(float)
@@ -60,7 +60,7 @@ def main() -> None:
     llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
     torch.ops.__dict__["moeserve"] = TimedOps(torch.ops.moeserve)
     layers.Attention.__call__ = timed("block Attention (ops included)", layers.Attention.__call__)  # type: ignore[method-assign]
-    layers.MoEBlock.__call__ = timed("block MoEBlock (ops included)", layers.MoEBlock.__call__)  # type: ignore[method-assign]
+    moe.MoEBlock.__call__ = timed("block MoEBlock (ops included)", moe.MoEBlock.__call__)  # type: ignore[method-assign]
     for _ in range(args.rounds):
         seconds.clear()
         t0 = time.perf_counter()
@@ -88,7 +88,7 @@ def fused_breakdown(llm: LLM, rounds: int, tokens: int) -> None:
     gemv_bytes = {  # weight bytes per decode step of the GEMV phases (biases and scales included)
         "qkv GEMV": sum(layer.attn.qkv.nbytes for layer in layers),
         "o_proj GEMV": sum(layer.attn.o.nbytes for layer in layers),
-        "router GEMV": sum(layer.mlp.router.nbytes for layer in layers if isinstance(layer.mlp, layers_mod.MoEBlock)),
+        "router GEMV": sum(layer.mlp.router.nbytes for layer in layers if isinstance(layer.mlp, moe.MoEBlock)),
         "dense MLP GEMVs": sum(lin.nbytes for layer in layers if isinstance(layer.mlp, layers_mod.DenseMLP)
                                for lin in (layer.mlp.gate, layer.mlp.up, layer.mlp.down)),
     }
@@ -108,13 +108,13 @@ def fused_breakdown(llm: LLM, rounds: int, tokens: int) -> None:
     for _ in range(rounds):
         hits0 = model.store.stats.hits + model.store.stats.misses  # experts computed (offloaded: misses too)
         head_seconds[0] = 0.0
-        model._stack.set_profiling(True)
+        model.decode_step.stack(llm.engine.kv).set_profiling(True)
         t0 = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True))
         t1 = time.perf_counter()
         head_step = head_seconds[0] / (tokens + 1)
-        names, secs = model._stack.profile()
-        model._stack.set_profiling(False)
+        names, secs = model.decode_step.stack(llm.engine.kv).profile()
+        model.decode_step.stack(llm.engine.kv).set_profiling(False)
         hits1 = model.store.stats.hits + model.store.stats.misses
         t2 = time.perf_counter()
         llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))  # prefill + sampling

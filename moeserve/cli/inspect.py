@@ -28,13 +28,13 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
 
     from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.engine.llm_engine import demo_model_path
-    from moeserve.models.expert_plans import expert_plan_for
-    from moeserve.models.quantized import describe_formats, expert_tensor_names
+    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.inventory import describe_formats, expert_tensor_names
     from moeserve.models.validate import read_model
 
     ckpt = open_checkpoint(model or str(demo_model_path()))
     arch, spec = read_model(ckpt)
-    plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)  # the dtype only matters for unquantized units
+    plan = expert_plan(ckpt, arch, spec, torch.bfloat16)  # the dtype only matters for unquantized units
     experts = expert_tensor_names(plan)
     expert_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name in experts)
     other_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name not in experts)

@@ -73,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
     """(ModelFootprint, dtype name, max_model_len, expert TensorRefs) as the engine would choose them."""
-    from moeserve.state.kv_cache import KVCache
     from moeserve.engine.llm_engine import _CODE_TO_NAME, DEFAULT_MAX_MODEL_LEN_CAP, DTYPES
-    from moeserve.models.model import expert_plan
-    from moeserve.models.quantized import resident_nbytes
+    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.inventory import resident_nbytes
+    from moeserve.state.kv_cache import KVCache
 
     dtype_name: str
     if s.dtype != "auto":

@@ -20,7 +20,6 @@ import torch
 from moeserve import kernels
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.config import EngineSettings, did_you_mean
-from moeserve.state.kv_cache import KVCache
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
@@ -33,11 +32,17 @@ from moeserve.experts.store import StoreOptions, static_policy_options
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import GiB, check_fits_in_memory, choose_expert_budget, choose_host_budget
 from moeserve.memory.topology import detect_topology
-from moeserve.models.expert_plans import can_interleave_experts, int8_expert_plan, interleaved_expert_plan
+from moeserve.models.expert_plans import (
+    can_interleave_experts,
+    expert_plan,
+    int8_expert_plan,
+    interleaved_expert_plan,
+)
+from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
-from moeserve.models.model import build_model, expert_plan
-from moeserve.models.quantized import resident_nbytes
+from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
+from moeserve.state.kv_cache import KVCache
 from moeserve.tokenizer import Tokenizer
 
 log = logging.getLogger("moeserve")
@@ -93,12 +98,11 @@ class LLMEngine:
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
                                      plan, budget.capacity, s.cache_policy, advance, store_options,
-                                     cpp=self.cpp_kernels, dense_int8=s.quantization == "int8")
-        if self.model.int8_summary:
-            log.info("dense layers (quantization=int8): %s", self.model.int8_summary)
+                                     ModelOptions(self.cpp_kernels, s.quantization == "int8", s.batch_invariant,
+                                                  s.decode_step))
         log.info("expert store: %s", self.model.store.describe())
-        log.info("decode step: %s", self.model.choose_decode_step(s.decode_step))
-        log.info("batch invariance: %s", self.model.use_batch_invariance(s.batch_invariant))
+        for name, reason in self.model.choices:
+            log.info("%s: %s", name, reason)
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
                           spec.attention.head_dim, self.dtype, self.device)

@@ -10,18 +10,18 @@ heads, d = head dim, E = experts, k = experts per token.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from moeserve.models.linear import Linear
+from moeserve.models.spec import AttentionSpec, RopeSpec
 from moeserve.state.kv_cache import KVCache
-from moeserve.experts.store import ExpertStore, ExpertWeights
-from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
-from moeserve.memory.hugepages import on_huge_pages
-from moeserve.models.spec import AttentionSpec, MoeSpec, RopeSpec
 
 
 @dataclass
@@ -49,182 +49,6 @@ class ForwardBatch:
             out.append(acc - 1)
         return out
 
-
-# Batch invariance (EngineSettings.batch_invariant): torch's CPU GEMMs pick their blocking by the row count, so a row's
-# result changes with the number of rows beside it (measured: F.linear bf16 [1, 2880] x [2880, 5760]^T differs at 33+
-# rows). Where moeserve's C++ ops (one fixed order per row) do not apply, torch ops see rows in blocks of exactly
-# ROW_BLOCK (the last one zero-padded): one call shape for every batch, and within a call shape a row's result does not
-# depend on its position or neighbours (tests/engine/test_batch_invariance.py checks both).
-# The block is chosen once per process from the CPU (choose_row_block, logged): with AMX, a 32-row bf16 GEMM costs
-# about what a 1-row one does; without it, every padded row is compute.
-ROW_BLOCK_AMX, ROW_BLOCK_DEFAULT = 32, 16
-ROW_BLOCK = ROW_BLOCK_DEFAULT
-
-
-def choose_row_block() -> str:
-    """Sets ROW_BLOCK for this CPU; returns the reason for the start-up log."""
-    global ROW_BLOCK
-    try:
-        flags = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once at start-up
-    except OSError:
-        flags = ""
-    amx = " amx_bf16" in flags
-    ROW_BLOCK = ROW_BLOCK_AMX if amx else ROW_BLOCK_DEFAULT
-    return f"{ROW_BLOCK} rows ({'AMX: a padded row costs little' if amx else 'no AMX: padded rows are compute'})"
-
-
-def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for a row-wise fn, computed on blocks of exactly ROW_BLOCK rows of x [N, ...]."""
-    n, block = x.shape[0], ROW_BLOCK
-    pad = -n % block
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    outs = [fn(x[i : i + block]) for i in range(0, n + pad, block)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out[:n] if pad else out
-
-
-class Linear:
-    """y = x W^T (+ b). W [out, in] in the compute dtype, kept in one of three layouts chosen once at load:
-
-    - "interleaved" (the moeserve C++ kernels are on, bf16, CPU with AVX512-BF16, in % 32 == 0): rows in blocks
-      of 4 with their 32-element chunks side by side, read by `torch.ops.moeserve.linear_interleaved` as one
-      sequential stream per block (see csrc/dense_gemv.cpp). Measured at batch 1 on the bench machine: 20-30 GB/s
-      against 13-20 GB/s for oneDNN's packed GEMV, and 5 us against 26 us for a router-sized [32, 1024] one. Each
-      output is one fp32 dot product rounded once, whatever the batch size.
-    - "onednn" (bf16 on a CPU where oneDNN computes bf16 natively, without the C++ kernels): reordered into
-      oneDNN's blocked layout; ~1.6x the speed of F.linear on the plain layout, bit-identical to it (tests in
-      tests/models/test_linear_packing.py).
-    - "int8" (quantization="int8" with the C++ kernels on, bf16 compute, in % 32 == 0): per-output-row symmetric
-      int8 codes (moeserve.formats.int8) in a layout like "interleaved" (pack_int8_rows) plus float32 scales, read by
-      `torch.ops.moeserve.linear_interleaved_int8` (csrc/dense_gemv_int8.cpp): half the bytes of "interleaved";
-      each output is one fp32 dot product of the exact codes with x, times the row scale, rounded once.
-    - "plain": F.linear.
-
-    `weight` gives a plain copy for inspection (dequantized for "int8"), never used on the hot path.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpp: bool = False,
-                 int8: bool = False) -> None:
-        self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
-        self.bias = bias
-        self._scale: torch.Tensor | None = None
-        if cpp and int8 and can_quantize_int8(weight, bias):
-            self.layout = "int8"
-            codes, self._scale = quantize_int8_per_channel(weight)
-            self._weight = on_huge_pages(pack_int8_rows(codes))
-            self._dtype = weight.dtype
-        elif cpp and _can_interleave(weight, bias):
-            self.layout = "interleaved"
-            self._weight = on_huge_pages(interleave_rows(weight))  # streamed every step: 2 MiB pages
-        elif _can_pack(weight):
-            self.layout = "onednn"
-            self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        else:
-            self.layout = "plain"
-            self._weight = weight
-        self.invariant = False  # "onednn" / "plain" in fixed row blocks (see ROW_BLOCK); MoeModel.use_batch_invariance
-
-    @property
-    def packed(self) -> bool:
-        """True when the weight is in oneDNN's blocked layout."""
-        return self.layout == "onednn"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """W [out, in] as a plain tensor (a copy unless the layout is plain)."""
-        if self.layout == "interleaved":
-            return deinterleave_rows(self._weight, self.out_features, self.in_features)
-        if self.layout == "int8":
-            assert self._scale is not None
-            out = torch.empty(self.out_features, self.in_features, dtype=self._dtype)
-            dequantize_int8_per_channel(unpack_int8_rows(self._weight, self.out_features, self.in_features),
-                                        self._scale, out)
-            return out
-        return self._weight.to_dense() if self.layout == "onednn" else self._weight
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "int8":
-            return torch.ops.moeserve.linear_interleaved_int8(x, self._weight, self._scale, self.out_features,
-                                                              self.bias)
-        if self.layout == "interleaved":
-            return torch.ops.moeserve.linear_interleaved(x, self._weight, self.out_features, self.bias)
-        if self.invariant and x.dim() == 2:
-            return in_row_blocks(self._torch_linear, x)
-        return self._torch_linear(x)
-
-    def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "onednn":
-            x2 = x.reshape(-1, x.shape[-1])  # oneDNN's linear takes [rows, in]
-            y = torch.ops.mkldnn._linear_pointwise(x2, self._weight, self.bias, "none", [], "")
-            return y.view(*x.shape[:-1], y.shape[-1])
-        return F.linear(x, self._weight, self.bias)
-
-    @property
-    def nbytes(self) -> int:
-        n = self._weight.numel() * self._weight.element_size()
-        if self._scale is not None:
-            n += self._scale.numel() * self._scale.element_size()
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    """A 2-D bf16 CPU weight, on a build and CPU where oneDNN computes bf16 natively."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def _can_interleave(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """A 2-D bf16 CPU weight whose rows split into 32-element chunks, on a CPU the C++ GEMV runs on."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and (bias is None or bias.dtype == torch.bfloat16)
-            and bool(torch.ops.moeserve.gemv_bf16_supported()))
-
-
-def can_quantize_int8(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """A 2-D bf16 CPU weight whose rows split into 32-element chunks: what the int8 GEMV takes (its AVX512-BF16
-    path, or a portable one elsewhere)."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and (bias is None or bias.dtype == torch.bfloat16))
-
-
-def interleave_rows(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] (K % 32 == 0) -> flat [N*K]: blocks of 4 rows with their 32-element chunks side by side
-    (packed[((b * K/32 + c) * 4 + r) * 32 + i] = W[4b + r, 32c + i]), then the N % 4 leftover rows as they are."""
-    n, k = w.shape
-    n4 = n // 4 * 4
-    blocks = w[:n4].reshape(n4 // 4, 4, k // 32, 32).permute(0, 2, 1, 3).reshape(-1)
-    return torch.cat([blocks, w[n4:].reshape(-1)])
-
-
-def pack_int8_rows(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes [N, K] (K % 32 == 0, in [-127, 127]) -> flat int8 [N*K] in linear_interleaved_int8's layout
-    (csrc/dense_gemv_int8.cpp): blocks of 4 rows, chunk c of a block = rows (0, 1) then (2, 3), each pair as 4 groups
-    of [8 codes of its first row, 8 of its second], codes in sign-magnitude; then the N % 4 leftover rows as they
-    are (two's complement)."""
-    n, k = q.shape
-    n4 = n // 4 * 4
-    head = q[:n4]
-    mag = head.abs().to(torch.uint8)
-    sm = torch.where(head < 0, mag | 0x80, mag)
-    blocks = sm.reshape(n4 // 4, 2, 2, k // 32, 4, 8).permute(0, 3, 1, 4, 2, 5).reshape(-1).view(torch.int8)
-    return torch.cat([blocks, q[n4:].reshape(-1)])
-
-
-def unpack_int8_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The inverse of pack_int8_rows: int8 codes [N, K]."""
-    n4 = n // 4 * 4
-    sm = packed[: n4 * k].view(torch.uint8).reshape(n4 // 4, k // 32, 2, 4, 2, 8).permute(0, 2, 4, 1, 3, 5)
-    mag = (sm & 0x7F).to(torch.int16).reshape(n4, k)
-    head = torch.where(sm.reshape(n4, k) >= 0x80, -mag, mag).to(torch.int8)
-    return torch.cat([head, packed[n4 * k :].reshape(n - n4, k)])
-
-
-def deinterleave_rows(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The inverse of interleave_rows: W [N, K]."""
-    n4 = n // 4 * 4
-    blocks = packed[: n4 * k].reshape(n4 // 4, k // 32, 4, 32).permute(0, 2, 1, 3).reshape(n4, k)
-    return torch.cat([blocks, packed[n4 * k :].reshape(n - n4, k)])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -320,6 +144,8 @@ class Attention:
         sinks: torch.Tensor | None,
         rotary: Rotary,
         eps: float,
+        cpp: bool = False,
+        invariant: bool = False,
     ) -> None:
         self.spec, self.layer = spec, layer
         self.qkv, self.o = qkv, o
@@ -330,8 +156,8 @@ class Attention:
         self.rotary, self.eps = rotary, eps
         self.window = spec.sliding_window[layer]
         self.scale = spec.head_dim**-0.5
-        self.cpp = False  # set by MoeModel.use_cpp_kernels
-        self.invariant = False  # torch path: every batch sequence by sequence (MoeModel.use_batch_invariance)
+        self.cpp = cpp  # the moeserve C++ ops (ModelOptions.cpp)
+        self.invariant = invariant  # batch-invariant: the torch path runs every batch sequence by sequence
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s = self.spec
@@ -361,6 +187,20 @@ class Attention:
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o]
+
+    def why_not_stacked(self) -> str | None:
+        """None when the fused decode stack can run this attention, else why not (one line)."""
+        s = self.spec
+        if s.sinks or s.clip_qkv is not None or s.qk_norm == "full":
+            return "attention sinks, qkv clipping or a full-width q/k norm"
+        return _not_gemv(self.linears())
+
+    def add_to_stack(self, stack: Any, kv: KVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        per_head = self.spec.qk_norm == "per_head"
+        k_cache, v_cache = kv.layer(self.layer)
+        stack.add_layer(input_norm, post_norm, *self.qkv.gemv_tensors(), self.qkv.bias, *self.o.gemv_tensors(),
+                        self.o.bias, self.q_norm if per_head else None, self.k_norm if per_head else None,
+                        k_cache, v_cache, self.window or 0)
 
     def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """One op normalises (per head), rotates and caches; a second attends every token (batch-invariant)."""
@@ -432,12 +272,29 @@ class Attention:
         return torch.matmul(probs.to(values.dtype), values)
 
 
-class DenseMLP:
+class MLP(ABC):
+    """The feed-forward part of a decoder layer (dense, or MoE in models/moe.py)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def linears(self) -> list[Linear]: ...
+
+    @abstractmethod
+    def why_not_stacked(self) -> str | None:
+        """None when the fused decode stack (models/decode_stack.py) can run this part, else why not."""
+
+    @abstractmethod
+    def add_to_stack(self, stack: Any) -> None:
+        """Give this part to a torch.classes.moeserve.DecodeStack whose layer it completes."""
+
+
+class DenseMLP(MLP):
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
     def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
         self.gate, self.up, self.down = gate, up, down
-        self.invariant = False  # set with the other parts; nothing batch-dependent of its own (its Linears are)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -445,203 +302,24 @@ class DenseMLP:
     def linears(self) -> list[Linear]:
         return [self.gate, self.up, self.down]
 
+    def why_not_stacked(self) -> str | None:
+        if any(lin.bias is not None for lin in self.linears()):
+            return "a dense MLP with biases"
+        return _not_gemv(self.linears())
 
-# An expert kernel computes one expert's output for the tokens routed to it: (x [T, H], weights) -> [T, H].
-ExpertKernel = Callable[[torch.Tensor, ExpertWeights], torch.Tensor]
-
-
-def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]."""
-    gate_up, down = w[0], w[1]
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    def add_to_stack(self, stack: Any) -> None:
+        stack.add_dense_mlp(*(t for lin in self.linears() for t in lin.gemv_tensors()))
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up) -> [T, I].
-
-    gate is clamped above only, up on both sides; out = gate * sigmoid(alpha * gate) * (up + 1).
-    """
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-    gate = gate.clamp(min=None, max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-
-
-def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: torch.Tensor,
-                        down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """One gpt-oss expert, operation by operation as transformers: x [T, H] @ gate_up_t [H, 2I] + bias,
-    clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views."""
-    gate_up = x @ gate_up_t + gate_up_bias
-    return clamped_swiglu(gate_up, limit, alpha) @ down_t + down_bias
-
-
-# Batches of more tokens than this run the per-expert torch loop (oneDNN GEMMs) instead of the fused C++ op, which
-# is built for decode: it reads each weight row once for all of an expert's tokens, but re-reads the tokens per row.
-FUSED_MAX_TOKENS = 64
-
-
-class MoEBlock:
-    """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
-
-    def __init__(
-        self,
-        spec: MoeSpec,
-        layer: int,
-        router: Linear,
-        store: ExpertStore,
-        kernel: ExpertKernel,
-        shared: DenseMLP | None = None,
-        shared_gate: Linear | None = None,
-    ) -> None:
-        self.spec, self.layer, self.router, self.store = spec, layer, router, store
-        self.kernel, self.shared, self.shared_gate = kernel, shared, shared_gate
-        # The fused C++ expert op (torch.ops.moeserve.moe_swiglu_ / moe_swiglu_int8_) replaces the per-expert
-        # loop when `cpp` is set (MoeModel.use_cpp_kernels) and the kernel supports it: `swiglu_expert` on bf16 /
-        # fp32 units, or a kernel with a `fused_int8_fields` attribute (int8 units of the SwiGLU plan).
-        self.cpp = False
-        self.invariant = False  # MoeModel.use_batch_invariance: see ROW_BLOCK and __call__
-        # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
-        self.trace_hook: Callable[[int, torch.Tensor, list[int] | None], None] | None = None
-        # (next MoE layer, its router): set when the store prefetches, so this block can predict that layer
-        self.predict_next: tuple[int, Linear] | None = None
-
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, k], expert ids [N, k]) for the tokens x [N, H]."""
-        s = self.spec
-        logits = self.router(x)  # [N, E]
-        if s.routing == "topk_softmax":
-            top, ids = torch.topk(logits, s.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, ids = torch.topk(probs, s.top_k, dim=-1)
-        if s.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return (top if s.weights_in_fp32 else top.to(logits.dtype)), ids
-
-    def predict(self, x: torch.Tensor) -> list[int]:
-        """The next MoE layer's experts for x [N, H], most often chosen first: its router applied to this
-        layer's input (hidden states change little from one layer to the next). A guess; only costs I/O."""
-        assert self.predict_next is not None
-        router = self.predict_next[1]
-        top = torch.topk(router(x), self.spec.top_k, dim=-1).indices  # [N, k]
-        counts = torch.bincount(top.reshape(-1), minlength=self.spec.num_experts)  # [E]
-        order = torch.argsort(counts, descending=True, stable=True)
-        return order[counts[order] > 0].tolist()
-
-    def pairs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """The (token, slot) pairs of x [N, H] grouped by expert, ascending, each expert's in token order:
-        (expert ids [N, k], token_of [N*k], weight_of [N*k] (the routing weights' values), count per expert)."""
-        s = self.spec
-        if self.cpp:  # one C++ call: the same ATen softmax/topk kernels, then a stable counting sort
-            mode = 1 if s.routing == "topk_softmax" else 0
-            token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_pairs(self.router(x), s.top_k, mode,
-                                                                            s.norm_topk_prob, s.weights_in_fp32)
-            return ids, token_of, weight_of, counts.tolist()  # tolist: the one host sync per layer
-        weights, ids = self.route(x)
-        flat = ids.reshape(-1)  # [N*k]
-        order = torch.argsort(flat, stable=True)
-        counts_list = torch.bincount(flat, minlength=s.num_experts).tolist()
-        return ids, order // ids.shape[1], weights.reshape(-1)[order], counts_list
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, token_of, weight_of, counts = self.pairs(x)
-        # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
-        # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
-        wanted = self.trace_hook is not None or getattr(self.store, "predictor", None) is None
-        predicted = self.predict(x) if self.predict_next is not None and wanted else None
-        if self.trace_hook is not None:
-            self.trace_hook(self.layer, ids, predicted)
-        bounds, start = {}, 0
-        for e, c in enumerate(counts):
-            if c:
-                bounds[e] = (start, start + c)
-                start += c
-        out = torch.zeros_like(x)
-        # Experts are added in ascending id order whatever the chunking, so offloading never changes a bit.
-        hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
-        chunks = self.store.experts(self.layer, list(bounds), prefetch=hint)
-        if getattr(self.kernel, "fused_interleaved", False):  # units held row-interleaved: the op, any batch
-            self._fused_interleaved(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(),
-                                    getattr(self.kernel, "fused_int8_fields", None))
-            return self._add_shared(out, x)
-        # Batch-invariant: the fused op (per-token order) at any batch size, never the loop for some sizes only
-        fits = x.shape[0] <= FUSED_MAX_TOKENS or self.invariant
-        if self.cpp and fits and x.dtype in (torch.bfloat16, torch.float32):
-            int8_fields = getattr(self.kernel, "fused_int8_fields", None)
-            if self.kernel is swiglu_expert or int8_fields is not None:
-                self._fused(out, x.contiguous(), chunks, bounds, token_of, weight_of.float(), int8_fields)
-                return self._add_shared(out, x)
-        for chunk in chunks:
-            for e, w in chunk:
-                lo, hi = bounds[e]
-                tokens = token_of[lo:hi]
-                y = self._expert(x[tokens], w) * weight_of[lo:hi, None]
-                # A token picks an expert at most once, so `tokens` has no repeats and a gathered add is the
-                # same single rounding as index_add_, whose CPU kernel is slow for bf16 (40% of decode, profiled).
-                out[tokens] += y.to(out.dtype)
-        return self._add_shared(out, x)
-
-    def _fused(self, out: torch.Tensor, x: torch.Tensor, chunks, bounds: dict[int, tuple[int, int]],  # noqa: ANN001
-               token_of: torch.Tensor, weight_of: torch.Tensor, int8_fields: tuple[int, int, int, int] | None,
-               ) -> None:
-        """One C++ call per chunk of experts: every expert's SwiGLU for its tokens, weighted, added into `out`
-        in ascending expert order with the roundings of the loop above (see csrc/moe_experts.cpp)."""
-        ops = torch.ops.moeserve
-        for chunk in chunks:
-            spans: list[int] = []
-            if int8_fields is None:
-                gate_up, down = [], []
-                for e, w in chunk:
-                    gate_up.append(w[0])
-                    down.append(w[1])
-                    spans += bounds[e]
-                ops.moe_swiglu_(out, x, gate_up, down, token_of, weight_of, spans)
-            else:
-                gu, gus, dn, dns = int8_fields
-                fields: tuple[list[torch.Tensor], ...] = ([], [], [], [])
-                for e, w in chunk:
-                    for lst, i in zip(fields, (gu, gus, dn, dns)):
-                        lst.append(w[i])
-                    spans += bounds[e]
-                ops.moe_swiglu_int8_(out, x, *fields, token_of, weight_of, spans)
-
-    def _fused_interleaved(self, out: torch.Tensor, x: torch.Tensor, chunks, bounds: dict[int, tuple[int, int]],  # noqa: ANN001
-                           token_of: torch.Tensor, weight_of: torch.Tensor,
-                           int8_fields: tuple[int, int, int, int] | None) -> None:
-        """One C++ call per chunk on row-interleaved units (bf16, or int8 codes + scales at `int8_fields`)."""
-        ops = torch.ops.moeserve
-        for chunk in chunks:
-            spans = [i for e, _ in chunk for i in bounds[e]]
-            if int8_fields is None:
-                ops.moe_swiglu_interleaved_(out, x, [w[0] for _, w in chunk], [w[1] for _, w in chunk], token_of,
-                                            weight_of, spans)
-            else:
-                fields = [[w[i] for _, w in chunk] for i in int8_fields]  # gate_up, its scales, down, its scales
-                ops.moe_swiglu_int8_interleaved_(out, x, *fields, token_of, weight_of, spans)
-
-    def _expert(self, rows: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-        """The kernel on one expert's rows; batch-invariant: in fixed blocks of rows (see ROW_BLOCK)."""
-        if not self.invariant:
-            return self.kernel(rows, w)
-        bind = getattr(self.kernel, "bind", None)  # per-unit work (dequantization) once, not once per block
-        if bind is not None:
-            return in_row_blocks(bind(w), rows)
-        kernel = self.kernel
-        return in_row_blocks(lambda t: kernel(t, w), rows)
-
-    def linears(self) -> list[Linear]:
-        shared = [] if self.shared is None else self.shared.linears()
-        return [self.router, *shared] + ([] if self.shared_gate is None else [self.shared_gate])
-
-    def _add_shared(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
-        return out
+def _not_gemv(linears: list[Linear]) -> str | None:
+    for lin in linears:
+        if not lin.in_gemv_layout:
+            return f"a dense Linear in the {lin.layout!r} layout (the C++ GEMV layouts are needed)"
+    return None
 
 
 class DecoderLayer:
-    def __init__(self, attn: Attention, mlp: DenseMLP | MoEBlock, input_norm, post_norm, eps: float,
+    def __init__(self, attn: Attention, mlp: MLP, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                  norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm) -> None:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm, self.eps, self.norm = input_norm, post_norm, eps, norm
@@ -649,3 +327,10 @@ class DecoderLayer:
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         h = h + self.attn(self.norm(h, self.input_norm, self.eps), batch, kv)
         return h + self.mlp(self.norm(h, self.post_norm, self.eps))
+
+    def why_not_stacked(self) -> str | None:
+        return self.attn.why_not_stacked() or self.mlp.why_not_stacked()
+
+    def add_to_stack(self, stack: Any, kv: KVCache) -> None:
+        self.attn.add_to_stack(stack, kv, self.input_norm, self.post_norm)
+        self.mlp.add_to_stack(stack)

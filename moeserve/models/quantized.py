@@ -1,6 +1,5 @@
 """Quantized checkpoints on the model side: the scheme of a checkpoint, dense quantized Linears dequantized at
-load, and `describe_formats` (what `moeserve inspect` prints: the format of each tensor group and the bytes a
-token reads in stored format).
+load, and which module a stored tensor belongs to (models/inventory.py builds its reports on it).
 
 The byte layouts and exact dequantization live in `moeserve.formats`; this module only asks a `Format` for
 its tensors and calls it, never branching on which format it is.
@@ -8,10 +7,7 @@ its tensors and calls it, never branching on which format it is.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,9 +17,6 @@ from moeserve.formats import Format, QuantScheme, load_quant_scheme
 from moeserve.formats.catalog import DenseFormat
 
 _DENSE = DenseFormat()
-
-if TYPE_CHECKING:
-    from moeserve.models.model import ExpertPlan
 
 
 def checkpoint_scheme(ckpt: Checkpoint) -> QuantScheme:
@@ -88,96 +81,12 @@ def dequantize_at_load(
     return out, sum(r.nbytes for r in refs.values())
 
 
-def expert_tensor_names(plan: ExpertPlan) -> set[str]:
-    """Checkpoint names of the tensors that hold experts (a stacked tensor once, whatever slices it gives)."""
-    # Row slices are named "<tensor>[<expert>]" (TensorRef.row_slice).
-    return {r.name.partition("[")[0] for fs in plan.sources.values() for f in fs for r in f.refs}
-
-
-def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> int:
-    """Bytes the non-expert weights take once loaded in `dtype`: quantized Linears count at their dequantized
-    size (they are dequantized at load), every other tensor at its element count times the dtype size."""
-    scheme = checkpoint_scheme(ckpt)
-    experts = expert_tensor_names(plan)
-    total, seen_modules = 0, set()
-    for name, ref in ckpt.tensors.items():
-        if name in experts:
-            continue
-        module = _quantized_module(scheme, name, ckpt.tensors)
-        if module is None:
-            total += ref.numel * dtype.itemsize
-        elif module not in seen_modules:
-            seen_modules.add(module)
-            fmt = scheme.format_for(module)
-            numel = 1
-            for d in fmt.dequantized_shape(meta_tensors(ckpt, fmt, module)):
-                numel *= d
-            total += numel * dtype.itemsize
-    return total
-
-
-@dataclass(frozen=True)
-class TensorGroup:
-    """Tensors of one kind (e.g. every layer's q_proj) with the format they are stored in."""
-
-    group: str  # the tensor name with layer and expert indices replaced by '*'
-    format: str  # a `Format` name, or the stored dtype code of tensors outside any Linear (norms, embeddings)
-    tensors: int
-    stored_bytes: int
-
-
-@dataclass(frozen=True)
-class FormatReport:
-    groups: tuple[TensorGroup, ...]
-    scheme: str  # the quant_method, "none" when unquantized
-    expert_stored_bytes: int  # one expert of one layer, all its tensors, as stored
-    bytes_per_token: int  # stored bytes a decoded token reads: non-expert weights + top_k experts per layer
-
-
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
-
-
-def describe_formats(ckpt: Checkpoint) -> FormatReport:
-    """The format of each tensor group of `ckpt` and the stored bytes a decoded token reads.
-
-    Groups key on the tensor name with every numeric index replaced by '*' (so all layers and experts of one
-    projection form one group). A tensor's format is the scheme's format for the module it belongs to when it
-    is one of that format's stored tensors, otherwise its dtype code. Bytes per token count every non-expert
-    tensor except the embedding table (one row per token, negligible) plus top_k experts per MoE layer, each at
-    its stored size: the decode-time memory traffic of the weights.
-    """
-    from moeserve.models.expert_plans import expert_plan_for
-    from moeserve.models.registry import get_architecture
-
-    scheme = checkpoint_scheme(ckpt)
-    where = str(ckpt.path / "config.json")
-    arch = get_architecture(ckpt.config, where)
-    spec = arch.spec(ckpt.config, where)
-    groups: dict[tuple[str, str], list[int]] = {}
-    for name, ref in ckpt.tensors.items():
-        key = (_INDEX.sub(".*", name), _format_of(scheme, name, ref.dtype_code, ckpt.tensors))
-        entry = groups.setdefault(key, [0, 0])
-        entry[0] += 1
-        entry[1] += ref.nbytes
-    plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)
-    expert_names = expert_tensor_names(plan)
-    one_expert = sum(r.nbytes for f in next(iter(plan.sources.values())) for r in f.refs)
-    nonexpert = sum(
-        r.nbytes for n, r in ckpt.tensors.items() if n not in expert_names and n != arch.names.embed
-    )
-    per_token = nonexpert + len(spec.moe_layer_ids) * spec.moe.top_k * one_expert
-    if spec.tie_word_embeddings and not ckpt.has(arch.names.lm_head + ".weight"):
-        per_token += ckpt.ref(arch.names.embed).nbytes  # the tied head reads the whole table every token
-    rows = tuple(TensorGroup(g, f, n, b) for (g, f), (n, b) in sorted(groups.items()))
-    return FormatReport(rows, scheme.method, one_expert, per_token)
-
-
-def _format_of(scheme: QuantScheme, name: str, dtype_code: str, names: Collection[str]) -> str:
-    module = _quantized_module(scheme, name, names)
+def format_of(scheme: QuantScheme, name: str, dtype_code: str, names: Collection[str]) -> str:
+    module = quantized_module(scheme, name, names)
     return dtype_code if module is None else scheme.format_for(module).name
 
 
-def _quantized_module(scheme: QuantScheme, name: str, names: Collection[str]) -> str | None:
+def quantized_module(scheme: QuantScheme, name: str, names: Collection[str]) -> str | None:
     """The quantized module whose stored tensors (all present in `names`) include `name`, or None."""
     for module in _candidate_modules(name):
         fmt = scheme.format_for(module)

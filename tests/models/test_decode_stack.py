@@ -11,6 +11,7 @@ import torch
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.errors import ConfigError
+from moeserve.models.decode_stack import choose_decode_step
 from tests.kernels.ops import cpp_ops
 from tests.logits_capture import generate_capturing_logits
 
@@ -29,14 +30,15 @@ def run(folder, decode_step: str, **settings):
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", decode_step=decode_step, **settings)
     model = llm.engine.model
     fused_steps = 0
-    fused_step = model._fused_step
+    if model.decode_step is not None:
+        fused_step = model.decode_step.run
 
-    def counting(*a):  # noqa: ANN002, ANN202
-        nonlocal fused_steps
-        fused_steps += 1
-        return fused_step(*a)
+        def counting(*a):  # noqa: ANN002, ANN202
+            nonlocal fused_steps
+            fused_steps += 1
+            return fused_step(*a)
 
-    model._fused_step = counting
+        model.decode_step.run = counting
     model.calls_run_in_stack = 0  # layer calls the stack ran on cached units and reported (store.cached_calls)
     report = model.store.cached_calls
 
@@ -63,7 +65,7 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, arc
     folder = tiny_checkpoint(arch, **overrides)
     fused, logits, tokens, steps, hits = run(folder, "fused", quantization=quantization)
     per_op, ref_logits, ref_tokens, ref_steps, ref_hits = run(folder, "per_op", quantization=quantization)
-    assert fused.fused_decode and not per_op.fused_decode
+    assert fused.decode_step is not None and per_op.decode_step is None
     assert steps == PARAMS.max_tokens - 1 and ref_steps == 0  # every decode step after the prefill
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
@@ -89,8 +91,8 @@ def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interlea
     settings = dict(quantization=quantization, expert_layout=layout, expert_cache_gb=cache_gb)
     fused, logits, tokens, steps, traffic = run(folder, "fused", **settings)
     per_op, ref_logits, ref_tokens, ref_steps, ref_traffic = run(folder, "per_op", **settings)
-    assert not fused.store.resident and fused.fused_decode and not per_op.fused_decode
-    assert "stopping at a MoE layer only when the store must read" in fused.choose_decode_step("auto")
+    assert not fused.store.resident and fused.decode_step is not None and per_op.decode_step is None
+    assert "stopping at a MoE layer only when the store must read" in dict(fused.choices)["decode step"]
     assert steps == PARAMS.max_tokens - 1 and ref_steps == 0
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
@@ -111,9 +113,10 @@ def test_auto_chooses_with_a_reason(interleaved_ok, tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_moe")
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16")
     model = llm.engine.model
-    assert model.fused_decode
-    assert "one C++ call" in model.choose_decode_step("auto")
-    assert "per_op, set" in model.choose_decode_step("per_op") and not model.fused_decode
+    assert model.decode_step is not None
+    assert "one C++ call" in dict(model.choices)["decode step"]
+    step, reason = choose_decode_step(model, "per_op")
+    assert "per_op, set" in reason and step is None
     llm.engine.close()
 
 
@@ -127,13 +130,13 @@ def test_fused_refused_where_it_cannot_apply(interleaved_ok, tiny_checkpoint, se
     with pytest.raises(ConfigError, match=re.escape(why)):
         LLM(str(folder), skip_tokenizer_init=True, **{"dtype": "bfloat16", **settings, "decode_step": "fused"})
     llm = LLM(str(folder), skip_tokenizer_init=True, **{"dtype": "bfloat16", **settings})  # auto: per op
-    assert not llm.engine.model.fused_decode
+    assert llm.engine.model.decode_step is None
     llm.engine.close()
 
 
 def test_shared_expert_and_full_qk_norm_run_per_op(interleaved_ok, tiny_checkpoint):
     for arch, why in (("qwen2_moe", "shared expert"), ("olmoe", "full-width q/k norm")):
         llm = LLM(str(tiny_checkpoint(arch)), skip_tokenizer_init=True, dtype="bfloat16")
-        assert not llm.engine.model.fused_decode
-        assert why in llm.engine.model.choose_decode_step("auto")
+        assert llm.engine.model.decode_step is None
+        assert why in dict(llm.engine.model.choices)["decode step"]
         llm.engine.close()

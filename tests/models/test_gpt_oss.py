@@ -114,15 +114,15 @@ def test_gpt_oss_20b_shapes_plan_and_report(tmp_path: Path) -> None:
     """Real gpt-oss-20b shapes (header only, nothing read): the expert unit is exactly its stored MXFP4 bytes,
     and describe_formats gives the stored bytes a decoded token reads."""
     from moeserve.checkpoint.folder import open_checkpoint
-    from moeserve.models.expert_plans import expert_plan_for
-    from moeserve.models.quantized import describe_formats
+    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.inventory import describe_formats
     from tests.models.checkpoints import gpt_oss_20b_header_only
 
     ckpt = open_checkpoint(gpt_oss_20b_header_only(tmp_path / "gpt-oss-20b"))
     arch = get_architecture(ckpt.config, "c")
     spec = arch.spec(ckpt.config, "c")
     assert spec.attention.sliding_window[:2] == (128, None) and spec.moe.top_k == 4
-    plan = expert_plan_for(ckpt, arch, spec, torch.bfloat16)
+    plan = expert_plan(ckpt, arch, spec, torch.bfloat16)
     h = i = 2880
     gate_up = 2 * i * (h // 32) * 16 + 2 * i * (h // 32) + 2 * i * 2  # blocks + E8M0 scales + bf16 bias
     down = h * (i // 32) * 16 + h * (i // 32) + h * 2
@@ -143,7 +143,7 @@ def test_clamped_swiglu_matches_transformers_beyond_the_limit() -> None:
     from transformers import AutoConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from moeserve.models.layers import clamped_swiglu
+    from moeserve.models.unit_math import clamped_swiglu
 
     experts = GptOssExperts(AutoConfig.for_model("gpt_oss", hidden_size=8, intermediate_size=8))
     gate_up = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 15

@@ -9,8 +9,11 @@ import torch
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.models.expert_plans import InterleavedExpertSource, InterleavedSwiGLU
-from moeserve.models.layers import MoEBlock, interleave_rows, swiglu_expert
+from moeserve.models.expert_kernels import CppInterleavedSwiGLU
+from moeserve.models.expert_sources import InterleavedExpertSource
+from moeserve.models.linear import interleave_rows
+from moeserve.models.moe import MoEBlock
+from moeserve.models.unit_math import InterleavedSwiGLU, SwiGLUMath, swiglu_expert
 from tests.kernels.ops import cpp_ops
 from tests.logits_capture import generate_capturing_logits
 
@@ -30,8 +33,13 @@ def run(folder, **settings):
     return llm.engine, logits, [o.outputs[0].token_ids for o in outs]
 
 
+def expert_kernel(engine):
+    return next(layer.mlp.experts for layer in engine.model.layers if isinstance(layer.mlp, MoEBlock))
+
+
 def moe_kernel(engine):
-    return next(layer.mlp.kernel for layer in engine.model.layers if isinstance(layer.mlp, MoEBlock))
+    """The units' reference math (the plan's UnitMath)."""
+    return expert_kernel(engine).math
 
 
 @pytest.mark.parametrize("cache_experts,prefetch", [(3, False), (1, True)])
@@ -52,7 +60,7 @@ def test_interleaved_answers_match_the_torch_path(interleaved_ok, tiny_checkpoin
     folder = tiny_checkpoint("qwen3_moe")
     fast, fast_logits, _ = run(folder)
     plain, plain_logits, _ = run(folder, kernels="torch")
-    assert isinstance(moe_kernel(fast), InterleavedSwiGLU) and moe_kernel(plain) is swiglu_expert
+    assert isinstance(moe_kernel(fast), InterleavedSwiGLU) and isinstance(moe_kernel(plain), SwiGLUMath)
     # different kernels (dot products summed in another order): bf16-level agreement, step by step (the
     # prefill step and the first decode step see the same inputs in both runs)
     for a, b in zip(fast_logits[:2], plain_logits[:2]):
@@ -81,7 +89,7 @@ def test_expert_layout_setting(interleaved_ok, tiny_checkpoint):
 
     folder = tiny_checkpoint("qwen3_moe")
     plain, plain_logits, _ = run(folder, expert_layout="plain")
-    assert moe_kernel(plain) is swiglu_expert  # the plain-layout fused op (decode) and torch loop (prefill)
+    assert isinstance(moe_kernel(plain), SwiGLUMath)  # the plain-layout fused op (decode) and torch loop (prefill)
     forced, forced_logits, _ = run(folder, expert_layout="interleaved")
     assert isinstance(moe_kernel(forced), InterleavedSwiGLU)
     assert (forced_logits[0] - plain_logits[0]).abs().max().item() <= 0.05 * plain_logits[0].abs().max().item()
@@ -94,7 +102,7 @@ def test_auto_layout_interleaves_offloaded_experts_as_resident_ones(interleaved_
     are interleaved under auto as resident ones are (misses are permuted as they are read)."""
     folder = tiny_checkpoint("qwen3_moe")
     bf16, _, _ = run(folder, expert_cache_gb=1e-6)
-    assert getattr(moe_kernel(bf16), "fused_interleaved", False) and not bf16.model.store.resident
+    assert isinstance(expert_kernel(bf16), CppInterleavedSwiGLU) and not bf16.model.store.resident
     if bool(cpp_ops().moe_int8_interleaved_supported()):
         int8, _, _ = run(folder, expert_cache_gb=1e-6, quantization="int8", int8_cache_dir=str(tmp_path))
-        assert getattr(moe_kernel(int8), "fused_interleaved", False) and not int8.model.store.resident
+        assert isinstance(expert_kernel(int8), CppInterleavedSwiGLU) and not int8.model.store.resident

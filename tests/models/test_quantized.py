@@ -20,9 +20,9 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.errors import UnsupportedModelError
-from moeserve.models.expert_plans import DequantizingKernel
-from moeserve.models.model import expert_plan
-from moeserve.models.quantized import describe_formats
+from moeserve.models.expert_plans import expert_plan
+from moeserve.models.inventory import describe_formats
+from moeserve.models.unit_math import DequantizingKernel
 from tests.models import checkpoints as C
 
 STEPS = 16
@@ -146,7 +146,7 @@ def test_offloaded_equals_resident_and_a_miss_reads_the_stored_bytes(folders, fm
 def test_kernel_dequantizes_into_the_same_buffers_every_call(folders) -> None:
     folder, _ = folders("nvfp4-ct")
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32")
-    kernel = llm.engine.model.layers[0].mlp.kernel
+    kernel = llm.engine.model.layers[0].mlp.experts.math
     assert isinstance(kernel, DequantizingKernel)
     store = llm.engine.model.store
     (chunk,) = list(store.experts(0, [0, 1]))
@@ -216,7 +216,7 @@ def test_cuda_offloaded_equals_resident_and_matches_cpu_tokens(folders, fmt: str
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_resident_estimate_equals_what_the_loader_holds(folders, fmt: str) -> None:
     """The budget's non-expert bytes count quantized Linears at their dequantized size, experts not at all."""
-    from moeserve.models.quantized import resident_nbytes
+    from moeserve.models.inventory import resident_nbytes
 
     folder, _ = folders(fmt)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16")

@@ -1,0 +1,96 @@
+"""What a checkpoint holds, by the expert plan: which tensors are experts, what the rest takes once loaded, and
+`describe_formats` (what `moeserve inspect` prints: the format of each tensor group and the bytes a token reads in
+stored format)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.checkpoint.folder import Checkpoint
+from moeserve.models.expert_plans import ExpertPlan, expert_plan
+from moeserve.models.quantized import checkpoint_scheme, format_of, meta_tensors, quantized_module
+from moeserve.models.registry import get_architecture
+
+
+def expert_tensor_names(plan: ExpertPlan) -> set[str]:
+    """Checkpoint names of the tensors that hold experts (a stacked tensor once, whatever slices it gives)."""
+    # Row slices are named "<tensor>[<expert>]" (TensorRef.row_slice).
+    return {r.name.partition("[")[0] for fs in plan.sources.values() for f in fs for r in f.refs}
+
+
+def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> int:
+    """Bytes the non-expert weights take once loaded in `dtype`: quantized Linears count at their dequantized
+    size (they are dequantized at load), every other tensor at its element count times the dtype size."""
+    scheme = checkpoint_scheme(ckpt)
+    experts = expert_tensor_names(plan)
+    total, seen_modules = 0, set()
+    for name, ref in ckpt.tensors.items():
+        if name in experts:
+            continue
+        module = quantized_module(scheme, name, ckpt.tensors)
+        if module is None:
+            total += ref.numel * dtype.itemsize
+        elif module not in seen_modules:
+            seen_modules.add(module)
+            fmt = scheme.format_for(module)
+            numel = 1
+            for d in fmt.dequantized_shape(meta_tensors(ckpt, fmt, module)):
+                numel *= d
+            total += numel * dtype.itemsize
+    return total
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """Tensors of one kind (e.g. every layer's q_proj) with the format they are stored in."""
+
+    group: str  # the tensor name with layer and expert indices replaced by '*'
+    format: str  # a `Format` name, or the stored dtype code of tensors outside any Linear (norms, embeddings)
+    tensors: int
+    stored_bytes: int
+
+
+@dataclass(frozen=True)
+class FormatReport:
+    groups: tuple[TensorGroup, ...]
+    scheme: str  # the quant_method, "none" when unquantized
+    expert_stored_bytes: int  # one expert of one layer, all its tensors, as stored
+    bytes_per_token: int  # stored bytes a decoded token reads: non-expert weights + top_k experts per layer
+
+
+_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+
+
+def describe_formats(ckpt: Checkpoint) -> FormatReport:
+    """The format of each tensor group of `ckpt` and the stored bytes a decoded token reads.
+
+    Groups key on the tensor name with every numeric index replaced by '*' (so all layers and experts of one
+    projection form one group). A tensor's format is the scheme's format for the module it belongs to when it
+    is one of that format's stored tensors, otherwise its dtype code. Bytes per token count every non-expert
+    tensor except the embedding table (one row per token, negligible) plus top_k experts per MoE layer, each at
+    its stored size: the decode-time memory traffic of the weights.
+    """
+    scheme = checkpoint_scheme(ckpt)
+    where = str(ckpt.path / "config.json")
+    arch = get_architecture(ckpt.config, where)
+    spec = arch.spec(ckpt.config, where)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for name, ref in ckpt.tensors.items():
+        key = (_INDEX.sub(".*", name), format_of(scheme, name, ref.dtype_code, ckpt.tensors))
+        entry = groups.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += ref.nbytes
+    plan = expert_plan(ckpt, arch, spec, torch.bfloat16)
+    expert_names = expert_tensor_names(plan)
+    one_expert = sum(r.nbytes for f in next(iter(plan.sources.values())) for r in f.refs)
+    nonexpert = sum(
+        r.nbytes for n, r in ckpt.tensors.items() if n not in expert_names and n != arch.names.embed
+    )
+    per_token = nonexpert + len(spec.moe_layer_ids) * spec.moe.top_k * one_expert
+    if spec.tie_word_embeddings and not ckpt.has(arch.names.lm_head + ".weight"):
+        per_token += ckpt.ref(arch.names.embed).nbytes  # the tied head reads the whole table every token
+    rows = tuple(TensorGroup(g, f, n, b) for (g, f), (n, b) in sorted(groups.items()))
+    return FormatReport(rows, scheme.method, one_expert, per_token)

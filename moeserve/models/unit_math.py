@@ -1,0 +1,228 @@
+"""What one expert computes from the fields of its unit: one `UnitMath` per kind of unit.
+
+A unit (experts/unit.py) is one expert's bytes as a plan laid them out: SwiGLU matrices in the compute dtype, the
+same matrices row-interleaved, int8 codes with scales, or any quantized format's stored tensors. Its UnitMath is
+the reference computation on it, with torch: `bind(w)` does the per-unit work once (dequantization) and returns a
+row-wise function of the tokens x [T, H] -> [T, H]. `fused_units()` says whether moeserve's fused C++ expert ops
+can run these units directly, and where the fields they read are; the expert kernel factory
+(models/expert_kernels.py) reads it once, when the model is built. Nothing else asks a UnitMath what it is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.experts.store import ExpertWeights
+from moeserve.formats import Format
+from moeserve.formats.int8 import dequantize_int8_per_channel
+from moeserve.models.linear import deinterleave_rows, unpack_int8_rows
+
+RowFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FusedUnits:
+    """Units a fused C++ SwiGLU op reads directly: the unit field indices of gate_up [2I, H], down [H, I] and, for
+    int8 codes, their per-row float32 scales; `interleaved`: the matrices are held flat in the 4-row interleaved
+    layout (linear.interleave_rows / pack_int8_rows) instead of [out, in]."""
+
+    interleaved: bool
+    gate_up: int = 0
+    gate_up_scale: int | None = None
+    down: int = 1
+    down_scale: int | None = None
+
+    @property
+    def int8(self) -> bool:
+        return self.gate_up_scale is not None
+
+    @property
+    def fields(self) -> tuple[int, int | None, int, int | None]:
+        return self.gate_up, self.gate_up_scale, self.down, self.down_scale
+
+
+class UnitMath(ABC):
+    """One expert's output for the tokens routed to it, from its unit's field views (in layout order)."""
+
+    @abstractmethod
+    def bind(self, w: ExpertWeights) -> RowFn:
+        """The unit made ready once (e.g. dequantized into a reused buffer); the function runs any rows of x.
+        Valid until the next `bind` of this object (buffers are shared: one forward at a time)."""
+
+    def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+        return self.bind(w)(x)
+
+    def fused_units(self) -> FusedUnits | None:
+        """Where a fused C++ expert op finds its fields in these units; None: no such op (the torch loop runs)."""
+        return None
+
+
+def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]."""
+    gate_up, down = w[0], w[1]
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+class SwiGLUMath(UnitMath):
+    """Qwen / Mixtral / OLMoE experts in the compute dtype: gate_up [2I, H] (gate rows first) and down [H, I]."""
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        return lambda x: swiglu_expert(x, w)
+
+    def fused_units(self) -> FusedUnits:
+        return FusedUnits(interleaved=False)
+
+
+class InterleavedSwiGLU(UnitMath):
+    """SwiGLU units whose gate_up and down are held flat in the 4-row interleaved layout of the dense C++ GEMV,
+    read by `moe_swiglu_interleaved_` as one sequential stream per 4 rows (csrc/moe_experts.cpp). The torch form
+    here computes on de-interleaved copies: a slow reference, never the hot path."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        self.hidden, self.inter = hidden, inter
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        h, i = self.hidden, self.inter
+        dense = (deinterleave_rows(w[0], 2 * i, h), deinterleave_rows(w[1], h, i))
+        return lambda x: swiglu_expert(x, dense)
+
+    def fused_units(self) -> FusedUnits:
+        return FusedUnits(interleaved=True)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up) -> [T, I].
+
+    gate is clamped above only, up on both sides; out = gate * sigmoid(alpha * gate) * (up + 1).
+    """
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: torch.Tensor,
+                        down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """One gpt-oss expert, operation by operation as transformers: x [T, H] @ gate_up_t [H, 2I] + bias,
+    clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views."""
+    gate_up = x @ gate_up_t + gate_up_bias
+    return clamped_swiglu(gate_up, limit, alpha) @ down_t + down_bias
+
+
+class GptOssMath(UnitMath):
+    """gpt-oss experts in the compute dtype, as stored: gate_up [H, 2I], its bias, down [I, H], its bias."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        self.limit, self.alpha = limit, alpha
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        gate_up_t, gate_up_bias, down_t, down_bias = w
+        return lambda x: gpt_oss_expert_math(x, gate_up_t, gate_up_bias, down_t, down_bias, self.limit, self.alpha)
+
+
+# ------------------------------------------------------------------------------------ stored (quantized) formats
+# (x [T, H], dense weights [out, in] per projection, bias per projection or None) -> [T, H]
+ExpertMath = Callable[[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One stored weight of a projection: its format, its rows of the dense buffer, its unit fields by role."""
+
+    fmt: Format
+    rows: tuple[int, int]
+    role_fields: tuple[tuple[str, int], ...]  # (role, index into the unit's field views)
+
+
+@dataclass(frozen=True)
+class Projection:
+    shape: tuple[int, int]
+    shards: tuple[Shard, ...]
+    bias_field: int | None
+
+
+class DequantizingKernel(UnitMath):
+    """Units in a stored (quantized) format: dequantize each projection into a reused buffer, then the math.
+
+    The buffers (one per projection, in the compute dtype, allocated on first use per device) are shared by
+    every layer: a call finishes with them before the next call starts (one forward at a time).
+    """
+
+    def __init__(self, projections: Sequence[Projection], dtype: torch.dtype, math: ExpertMath) -> None:
+        self.projections, self.dtype, self.math = tuple(projections), dtype, math
+        self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        bufs = self._buffers.get(device)
+        if bufs is None:
+            with torch.inference_mode(False):  # ordinary tensors: writable inside and outside inference mode
+                bufs = tuple(torch.empty(p.shape, dtype=self.dtype, device=device) for p in self.projections)
+            self._buffers[device] = bufs
+        return bufs
+
+    def dequantize(self, w: ExpertWeights) -> tuple[torch.Tensor, ...]:
+        """Dense [out, in] weights of the unit `w` (views of this kernel's buffers, valid until the next call)."""
+        bufs = self.buffers(w[0].device)
+        for proj, buf in zip(self.projections, bufs):
+            for shard in proj.shards:
+                tensors = {role: w[index] for role, index in shard.role_fields}
+                shard.fmt.dequantize(tensors, buf[shard.rows[0] : shard.rows[1]])
+        return bufs
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        biases = tuple(None if p.bias_field is None else w[p.bias_field] for p in self.projections)
+        dense = self.dequantize(w)
+        return lambda x: self.math(x, dense, biases)
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return sum(p.shape[0] * p.shape[1] for p in self.projections) * self.dtype.itemsize
+
+
+class Int8Kernel(UnitMath):
+    """Units of a dense plan with every matrix as int8 codes + per-row float32 scales (quantization="int8"): the
+    reference dequantizes the codes into reused buffers and runs the dense plan's math on them.
+
+    Over SwiGLU units the fused C++ ops read the codes directly (`fused_units`): half the bytes of bf16 streamed,
+    no dequantized buffer. They compute dot(codes, x) * scale in fp32, where this reference computes with
+    codes * scale rounded to the compute dtype, so the two differ by that one rounding per weight.
+    """
+
+    def __init__(self, dense: UnitMath, dense_shapes: Sequence[tuple[int, ...]],
+                 targets: tuple[tuple[int, int | None], ...], dtype: torch.dtype, interleaved: bool = False) -> None:
+        self.dense, self.targets, self.dtype = dense, targets, dtype
+        self.interleaved = interleaved  # codes held flat in pack_int8_rows' layout
+        self.shapes = tuple(dense_shapes)
+        self._buffers: dict[torch.device, list[torch.Tensor | None]] = {}
+        self._fused: FusedUnits | None = None
+        plain = dense.fused_units()
+        if plain is not None and not plain.interleaved and len(targets) == 2 and all(s is not None
+                                                                                      for _, s in targets):
+            (gate_up, gate_up_scale), (down, down_scale) = targets
+            self._fused = FusedUnits(interleaved, gate_up, gate_up_scale, down, down_scale)
+
+    def fused_units(self) -> FusedUnits | None:
+        return self._fused
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        bufs = self._buffers.get(w[0].device)
+        if bufs is None:
+            with torch.inference_mode(False):
+                bufs = [None if s is None else torch.empty(shape, dtype=self.dtype, device=w[0].device)
+                        for shape, (_, s) in zip(self.shapes, self.targets)]
+            self._buffers[w[0].device] = bufs
+        dense = []
+        for buf, (index, scale_index) in zip(bufs, self.targets):
+            if buf is None or scale_index is None:
+                dense.append(w[index])
+            else:
+                codes = unpack_int8_rows(w[index], *buf.shape) if self.interleaved else w[index]
+                dequantize_int8_per_channel(codes, w[scale_index], buf)
+                dense.append(buf)
+        return self.dense.bind(tuple(dense))
