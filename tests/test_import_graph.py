@@ -1,0 +1,120 @@
+"""The package's import graph: no circles, and the layers import only downwards.
+
+Edges are every `import moeserve...` / `from moeserve... import` in a module, at the top or inside a function (a
+lazy import that only dodges a circle is still a circle), except under `if TYPE_CHECKING:` (annotations only).
+A package's `__init__` counts as importing what it imports. The test reads the sources with `ast`: nothing is
+imported, so it is fast and sees every branch.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "moeserve"
+
+# Plugin registration, the one allowed circle: the registry imports the architecture package so that every
+# architecture module registers itself (each imports the registry to do so).
+PLUGIN_REGISTRATION = {("moeserve.models.registry", "moeserve.models.archs")}
+
+# Which top-level parts may not import which (a lower layer never reaches up).
+FORBIDDEN = {
+    "experts": ("bench", "engine", "models", "server", "cli"),
+    "models": ("engine", "server", "cli", "bench"),
+    "state": ("engine", "models", "server", "cli", "bench", "experts"),
+    "formats": ("engine", "models", "server", "cli", "bench", "experts"),
+    "checkpoint": ("engine", "models", "server", "cli", "bench", "experts"),
+    "memory": ("engine", "server", "cli", "bench"),
+    "engine": ("server", "cli", "bench"),
+    "server": ("cli", "bench"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_lines(tree)
+        deps: set[str] = set()
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from moeserve.models import layers` imports the module moeserve.models.layers
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            deps.update(t for t in targets if t in modules and t != name and (name, t) not in PLUGIN_REGISTRATION)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path a -> ... -> a, or None."""
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                found = visit(dep)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_has_no_import_circle() -> None:
+    graph = import_graph()
+    assert len(graph) > 50  # the walk found the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("part", sorted(FORBIDDEN))
+def test_lower_layers_never_import_upper_ones(part: str) -> None:
+    graph = import_graph()
+    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith(f"moeserve.{part}.") or m == f"moeserve.{part}"
+                 for d in deps if d.split(".")[1] in FORBIDDEN[part])
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_a_circle_and_a_lazy_import() -> None:
+    """The test can fail: a made-up graph with a circle through a function-level import is caught."""
+    tree = ast.parse("def f():\n    from moeserve.b import x\n")
+    assert isinstance(tree.body[0], ast.FunctionDef)
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
