@@ -27,7 +27,7 @@ def test_truncated_shard_fails_the_call_and_the_next_call_works(tiny_checkpoint,
             llm.generate(PROMPT, PARAMS)
         message = str(err.value)
         assert "\n" not in message and "model.safetensors" in message and "of layer" in message
-        assert not store._loading and not store._pinned
+        assert not store.cache.loading_keys and not store.cache.pinned_keys
         assert not llm.engine.has_unfinished_requests()
         shard.write_bytes(whole)  # the file is whole again (same inode: the open descriptor sees it)
         again = llm.generate(PROMPT, PARAMS)[0].outputs[0].token_ids

@@ -1,46 +1,49 @@
-"""Replay a routing trace through the eviction policies with the expert store's exact semantics.
+"""Replay a routing trace through the eviction policies: the expert store's own `SlotCache`, driven as the store
+drives it.
 
-One global cache of ``capacity`` experts over all MoE layers. Per layer call (`LayerCall`), the store:
+One global cache of ``capacity`` experts over all MoE layers. Per layer call (`LayerCall`), as `ExpertStore.experts`:
 
 1. splits the needed experts (unique, ascending) into chunks of at most ``capacity`` (normally one chunk);
-2. per chunk: ``policy.begin_layer``; pins the chunk; counts cached keys as hits (``on_hit``); loads the
-   others (misses), evicting ``policy.choose_victim(pinned)`` whenever the cache is full;
+2. per chunk: pins it, ``begin_call`` (``policy.begin_layer``, the cached keys counted as hits and told to the
+   policy), then each miss in order takes a slot (free, or ``policy.choose_victim(pinned)``'s) and lands;
 3. optionally prefetches the experts expected in the NEXT layer call while this one is pinned (only when the
-   call was one chunk); a prefetch is a read, not a hit or a miss, and never evicts a pinned or
-   just-prefetched key; then releases the pins.
+   call was one chunk): the guesses already cached are protected, the others read while a slot is free or held
+   by a key neither pinned nor protected, so a prefetch never evicts what it predicted. A prefetch is a read,
+   not a hit or a miss. Then the pins are released.
 
 ``hit_rate = hits / (hits + misses)`` over needed (layer, expert) uses, one per layer call (not per token).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from moeserve.errors import ConfigError
-from moeserve.experts.affinity import AffinityPredictor
+from moeserve.experts.calls import (
+    LayerCall,
+    calls_from_steps,
+    static_reserve,
+    usage_counts,
+)
+from moeserve.experts.guess import OnlineGuesses
 from moeserve.experts.policies import Key, make_policy
-from moeserve.experts.trace import Step
+from moeserve.experts.slot_cache import SlotCache
+
+__all__ = [
+    "PREFETCH_MODES", "GridResult", "LayerCall", "OnlinePrefetch", "SimResult", "affinity_predictions",
+    "calls_from_steps", "layer_only", "per_expert_calls", "run_grid", "simulate", "static_reserve", "usage_counts",
+]
 
 # none: demand loading only. oracle: the next layer call's exact experts (an upper bound). predicted: the
 # predictions recorded in the trace. affinity: a layer-to-next-layer co-occurrence table fitted on the
-# warm-up part of the trace and then frozen (`affinity_predictions`). online: `AffinityPredictor`
-# (moeserve/experts/affinity.py) learning as the trace replays (after the warm-up part, if any), with a
-# chance threshold and a read budget (`OnlinePrefetch`): what the engine can do.
+# warm-up part of the trace and then frozen (`affinity_predictions`). online: the store's own guesses
+# (`OnlineGuesses`, moeserve/experts/guess.py: an AffinityPredictor learning as the trace replays, after the
+# warm-up part if any, and the store's read gate), with `OnlinePrefetch`'s settings: what the engine does.
 PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online")
-
-
-@dataclass(frozen=True)
-class LayerCall:
-    """What one MoE layer asks the store for in one forward step."""
-
-    layer: int
-    expert_ids: tuple[int, ...]  # unique, ascending
-    predicted: tuple[Key, ...] = ()  # keys recorded as predicted for the next layer call (may be empty)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class SimResult:
     prefetched: int = 0  # prefetch reads
     prefetch_used: int = 0  # prefetched keys that were needed before they were evicted
     steps: int = 0  # forward steps (tokens at batch 1) replayed
+    per_layer: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (hits, misses)
 
     @property
     def accesses(self) -> int:
@@ -89,62 +93,36 @@ class SimResult:
 
 @dataclass(frozen=True)
 class OnlinePrefetch:
-    """Settings of the ``online`` prefetch mode: an `AffinityPredictor` learning while the trace replays.
+    """Settings of the ``online`` prefetch mode: the store's `OnlineGuesses` learning while the trace replays.
 
-    When a layer call starts (the layer has routed: its experts are known) the predictor observes them and
-    predicts the next layer call of the same step; once the call's demand loads are done, up to ``width`` predicted experts whose calibrated chance is at least
-    ``min_prob`` are prefetched, most likely first, skipping cached ones. With ``budget`` set, prefetch reads
-    never exceed ``budget`` x the demand misses so far (a credit of ``budget`` per miss, one spent per
-    prefetch read, at most ``width`` saved up). ``history`` is replayed through the predictor only (no cache)
-    before the evaluated steps: the past it may learn from.
+    Every layer call is observed before its loads; once its demand loads are done, up to ``width`` experts of the
+    next layer call (None: as many as this call needed, as the store does) with calibrated chance at least
+    ``min_prob`` are guessed; the cached ones are protected, the others read while such uncached guesses have
+    been used at least ``min_prob`` of the time (the store's read gate). ``history`` is replayed through the
+    predictor only (no cache) before the evaluated steps: the past it may learn from.
     """
 
     num_experts: int
-    width: int
+    width: int | None = None
     min_prob: float = 0.0
-    budget: float | None = None
     history: Sequence[Sequence[LayerCall]] = ()
 
-    def predictor(self) -> AffinityPredictor:
-        pred = AffinityPredictor(self.num_experts)
+    def guesses(self) -> OnlineGuesses:
+        guesses = OnlineGuesses(self.num_experts, self.min_prob)
         for step in self.history:
             for call in step:
-                pred.observe(call.layer, call.expert_ids)
-        return pred
+                guesses.predictor.observe(call.layer, call.expert_ids)
+        return guesses
 
 
-def calls_from_steps(steps: Iterable[Step]) -> list[list[LayerCall]]:
-    """Trace steps -> per step, the layer calls the store would see (with recorded predictions, if any)."""
-    out: list[list[LayerCall]] = []
-    for step in steps:
-        calls = []
-        for rec in step:
-            predicted: tuple[Key, ...] = ()
-            if rec.predicted is not None and rec.predicted_layer is not None:
-                target = rec.predicted_layer
-                predicted = tuple((target, int(e)) for e in sorted(set(rec.predicted.reshape(-1).tolist())))
-            calls.append(LayerCall(rec.layer, tuple(rec.unique_experts()), predicted))
-        out.append(calls)
-    return out
-
-
-def usage_counts(steps: Iterable[Sequence[LayerCall]]) -> Counter[Key]:
-    """How many layer calls needed each (layer, expert): the profile the static policy pins from."""
-    counts: Counter[Key] = Counter()
-    for step in steps:
-        for call in step:
-            counts.update((call.layer, e) for e in call.expert_ids)
-    return counts
-
-
-def per_expert_calls(steps: Iterable[Sequence[LayerCall]]) -> list[list[LayerCall]]:
+def per_expert_calls(steps: Sequence[Sequence[LayerCall]]) -> list[list[LayerCall]]:
     """Every layer call split into one call per expert (ascending): a cache that sees single-expert
     requests and pins nothing else. This is the access model of the classic per-access simulators (and of
     the FLAME README's sanity figures); the engine's store pins a layer's whole set instead."""
     return [[LayerCall(c.layer, (e,)) for c in step for e in c.expert_ids] for step in steps]
 
 
-def layer_only(steps: Iterable[Sequence[LayerCall]], layer: int) -> list[list[LayerCall]]:
+def layer_only(steps: Sequence[Sequence[LayerCall]], layer: int) -> list[list[LayerCall]]:
     """Only ``layer``'s calls: replaying them models a private per-layer cache."""
     return [[c for c in step if c.layer == layer] for step in steps]
 
@@ -164,7 +142,7 @@ def simulate(
 ) -> SimResult:
     """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``.
 
-    ``prefetch="online"`` needs ``online`` (the predictor's settings); "affinity" here means: prefetch
+    ``prefetch="online"`` needs ``online`` (the guesses' settings); "affinity" here means: prefetch
     ``call.predicted``, like "predicted".
     """
     if capacity < 1:
@@ -174,82 +152,59 @@ def simulate(
     if prefetch == "online" and online is None:
         raise ConfigError("prefetch 'online' needs its settings (OnlinePrefetch)")
     calls = [call for step in steps for call in step]
-    # Per call: the next call of the same step (online prediction stays within a forward step).
+    # Per call: the next call of the same step (online guesses stay within a forward step).
     next_in_step: list[LayerCall | None] = []
     for step in steps:
-        next_in_step.extend(list(step[1:]) + [None] if step else [])
-    predictor = online.predictor() if online is not None and prefetch == "online" else None
-    budget = online.budget if online is not None and predictor is not None else None
-    credit = 0.0  # prefetch reads still allowed by the budget
+        next_in_step.extend([*step[1:], None])
     options = dict(policy_options or {})
     if policy == "belady":
         options["future"] = [chunk for call in calls for chunk in _chunks(call, capacity)]
-    pol = make_policy(policy, **options)
-    result = SimResult(policy=policy, capacity=capacity, prefetch=prefetch, steps=len(steps))
-    cache: set[Key] = set()
-    unused_prefetch: set[Key] = set()  # prefetched keys not needed yet
-
-    def make_room(pinned: set[Key]) -> None:
-        victim = pol.choose_victim(pinned)
-        cache.remove(victim)
-        unused_prefetch.discard(victim)
-        pol.on_evict(victim)
-
+    cache = SlotCache(capacity, make_policy(policy, **options))
+    guesses = online.guesses() if online is not None and prefetch == "online" else None
     for index, call in enumerate(calls):
+        if guesses is not None:  # the layer has routed: its experts are known before any load
+            guesses.observe(call.layer, call.expert_ids)
         chunks = _chunks(call, capacity)
-        upcoming: list[Key] = []
-        if predictor is not None and online is not None:
-            # The layer has routed: its experts are known before any load, so is its guess for the next one.
-            predictor.observe(call.layer, call.expert_ids)
-            nxt = next_in_step[index]
-            if nxt is not None and len(chunks) == 1:
-                upcoming = [
-                    (nxt.layer, e) for e in predictor.predict(nxt.layer, online.width, online.min_prob)
-                ]
         for chunk in chunks:
-            pol.begin_layer(call.layer)
-            pinned = set(chunk)
-            missing = []
-            for key in chunk:
-                if key in cache:
-                    result.hits += 1
-                    pol.on_hit(key)
-                    if key in unused_prefetch:
-                        unused_prefetch.remove(key)
-                        result.prefetch_used += 1
-                else:
-                    missing.append(key)
-            for key in missing:
-                if len(cache) >= capacity:
-                    make_room(pinned)
-                cache.add(key)
-                pol.on_insert(key)
-                result.misses += 1
-            if budget is not None and online is not None:
-                credit = min(float(online.width), credit + budget * len(missing))
-        if prefetch == "none" or len(chunks) > 1:
-            continue
-        if prefetch == "oracle":
-            upcoming = _chunks(calls[index + 1], capacity)[0] if index + 1 < len(calls) else []
-        elif prefetch != "online":  # predicted / affinity: the call carries its prediction, most likely first
-            upcoming = list(call.predicted)
-        for key in upcoming:
-            if key in cache:
-                continue
-            if len(pinned) >= capacity:
-                break  # no unpinned slot left to prefetch into
-            if budget is not None:
-                if credit < 1.0:
-                    break  # read budget spent
-                credit -= 1.0
-            if len(cache) >= capacity:
-                make_room(pinned)
-            cache.add(key)
-            pinned.add(key)
-            unused_prefetch.add(key)
-            pol.on_insert(key, prefetched=True)
-            result.prefetched += 1
-    return result
+            _demand(cache, call.layer, chunk)
+            if len(chunks) == 1 and prefetch != "none":
+                upcoming: Sequence[Key] = call.predicted
+                if prefetch == "oracle":
+                    upcoming = _chunks(calls[index + 1], capacity)[0] if index + 1 < len(calls) else []
+                elif guesses is not None and online is not None:
+                    upcoming = _online_guess(guesses, cache, next_in_step[index], online.width or len(chunk))
+                _prefetch(cache, chunk, upcoming)
+            cache.release(chunk)
+    stats = cache.stats
+    return SimResult(policy=policy, capacity=capacity, prefetch=prefetch, hits=stats.hits, misses=stats.misses,
+                     prefetched=stats.prefetched, prefetch_used=stats.prefetch_used, steps=len(steps),
+                     per_layer={layer: (st.hits, st.misses) for layer, st in sorted(stats.layers.items())})
+
+
+def _demand(cache: SlotCache, layer: int, chunk: list[Key]) -> None:
+    """One chunk's demand loads, as `ExpertStore._acquire` makes them (its reads land at once here)."""
+    cache.pin(chunk)
+    for key in cache.begin_call(layer, chunk):
+        cache.take_miss_slot(key)
+        cache.finish_read(key)
+
+
+def _online_guess(guesses: OnlineGuesses, cache: SlotCache, nxt: LayerCall | None, width: int) -> list[Key]:
+    if nxt is None:
+        return []
+    likely = guesses.predict(nxt.layer, width)
+    return [(nxt.layer, e) for e in guesses.choose(nxt.layer, likely, lambda e: cache.holds((nxt.layer, e)))]
+
+
+def _prefetch(cache: SlotCache, chunk: list[Key], upcoming: Sequence[Key]) -> None:
+    """Prefetch as the store's prefetcher does, to completion: never evicting `chunk` nor a guess."""
+    if not upcoming:
+        return
+    cache.protect(chunk)
+    for key in cache.plan_prefetch(upcoming):
+        if cache.take_prefetch_slot(key) is None:
+            break  # no slot left that holds neither a pinned nor a protected key
+        cache.finish_read(key, prefetched=True)
 
 
 def affinity_predictions(
@@ -303,11 +258,6 @@ class GridResult:
         return None
 
 
-def static_reserve(steps: Iterable[Sequence[LayerCall]]) -> int:
-    """Slots the static policy leaves to LRU: the largest expert set one layer call needed."""
-    return max((len(call.expert_ids) for step in steps for call in step), default=1)
-
-
 def run_grid(
     steps: Sequence[Sequence[LayerCall]],
     policies: Sequence[str],
@@ -349,14 +299,14 @@ def run_grid(
         online = replace(online, history=fit)
     results = []
     for prefetch in prefetches:
-        replay = affinity if prefetch == "affinity" else evaluate
+        calls = affinity if prefetch == "affinity" else evaluate
         for policy in policies:
             for capacity in capacities:
                 options = dict((policy_options or {}).get(policy, {}))
                 if policy == "static":
                     options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
                 mode = "predicted" if prefetch == "affinity" else prefetch
-                result = simulate(replay, policy, capacity, mode, options, online)
+                result = simulate(calls, policy, capacity, mode, options, online)
                 result.prefetch = prefetch
                 results.append(result)
     return GridResult(results, fit_steps=len(fit), eval_steps=len(evaluate))

@@ -44,20 +44,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--online-width",
         type=int,
-        default=12,
-        help="online prefetch: at most this many guesses per layer call",
+        default=None,
+        help="online prefetch: at most this many guesses per layer call (default: as many experts as the call "
+        "needed, as the engine does)",
     )
     p.add_argument(
         "--online-min-prob",
         type=float,
         default=0.4,
         help="online prefetch: only guesses whose calibrated chance of being used is at least this",
-    )
-    p.add_argument(
-        "--online-budget",
-        type=float,
-        default=None,
-        help="online prefetch: prefetch reads at most this many times the demand misses (default: no cap)",
     )
     p.add_argument(
         "--expert-mib",
@@ -104,11 +99,9 @@ def run(args: argparse.Namespace) -> int:
     prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
     capacities = _capacities(args.capacity)
     header, steps = load_calls(args.trace)
-    if args.online_width < 1 or not 0.0 <= args.online_min_prob <= 1.0:
+    if (args.online_width is not None and args.online_width < 1) or not 0.0 <= args.online_min_prob <= 1.0:
         raise ConfigError("--online-width must be >= 1 and --online-min-prob in [0, 1]")
-    if args.online_budget is not None and args.online_budget < 0:
-        raise ConfigError("--online-budget must be >= 0")
-    online = OnlinePrefetch(header.num_experts, args.online_width, args.online_min_prob, args.online_budget)
+    online = OnlinePrefetch(header.num_experts, args.online_width, args.online_min_prob)
     grid = run_grid(
         steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width, online
     )
@@ -118,10 +111,10 @@ def run(args: argparse.Namespace) -> int:
         f"fitted on {grid.fit_steps} steps, evaluated on {grid.eval_steps}"
     )
     if "online" in prefetches:
-        budget = "no cap" if args.online_budget is None else f"<= {args.online_budget:g} x demand misses"
+        width = "as many as the call needed" if args.online_width is None else f"up to {args.online_width}"
         print(
-            f"online prefetch: up to {args.online_width} guesses per layer call with chance >= "
-            f"{args.online_min_prob:g}, prefetch reads {budget}"
+            f"online prefetch (the engine's guesses): {width} guesses per layer call with chance >= "
+            f"{args.online_min_prob:g}; uncached ones read while such guesses were used as often"
         )
     print(format_table(grid, policies, capacities, prefetches, args.expert_mib))
     if args.json:

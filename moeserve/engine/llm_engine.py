@@ -26,9 +26,10 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, RequestError
+from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
-from moeserve.experts.store import StoreOptions, static_policy_options
+from moeserve.experts.store import StoreOptions
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import GiB, check_fits_in_memory, choose_expert_budget, choose_host_budget
 from moeserve.memory.topology import detect_topology

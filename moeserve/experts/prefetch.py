@@ -1,56 +1,55 @@
 """Prefetch: load the experts predicted for the next MoE layer in a background thread, so I/O overlaps compute.
 
-The MoE block of layer L predicts layer L+1's experts (L+1's router applied to L's hidden states) and hands them
-to the store with its `experts(...)` call; once L's own experts are in, the store submits them here. The thread
-loads them, most likely first, into free slots or the slots of unpinned victims, and stops at the first of:
-the list is done; no slot is left that is neither pinned by the compute thread, nor one of the guessing layer's
-experts, nor prefetched by this request;
-the compute thread has moved on (`cancel`, called when it acquires the next layer: from then on demand loads are
-the ones that matter). A wrong guess costs a read and a slot, never correctness: prefetched units are the same
-bytes a demand miss would read, and a unit is only visible once fully written.
+Once a layer's experts are in, the store protects the guesses already cached and submits the others here
+(experts/slot_cache.py: `plan_prefetch`). The thread loads them, most likely first, through the store's
+`load(key, wanted)`, which puts each into a free slot or the slot of a victim that is neither pinned by the compute
+thread, nor being loaded, nor protected (the guessing layer's experts, the guesses: a prefetch never evicts what
+it predicted). It stops at the first of: the list is done; `load` found no such slot; the compute thread has moved
+on (`cancel`, called when it acquires the next layer: from then on demand loads are the ones that matter). A wrong
+guess costs a read and a slot, never correctness: prefetched units are the same bytes a demand miss would read,
+and a unit is only visible once fully written.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Collection, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from moeserve.experts.store import ExpertStore
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("moeserve")
 
+Key = tuple[int, int]  # (layer, expert)
+# load(key, wanted): read `key` into a prefetch slot unless `wanted()` (asked under `cond`) is False; False when it
+# read nothing and the request should stop (no room, or unwanted). Raises what the read raises.
+LoadUnit = Callable[[Key, Callable[[], bool]], bool]
+
 
 class Prefetcher:
-    """One daemon thread per store. All state is guarded by the store's condition variable."""
+    """One daemon thread per store. Its state is guarded by `cond`, the store's condition variable."""
 
-    def __init__(self, store: ExpertStore) -> None:
-        self.store = store
-        self._cond = store._cond
-        self._request: tuple[int, list[int], frozenset[tuple[int, int]]] | None = None
+    def __init__(self, cond: threading.Condition, load: LoadUnit) -> None:
+        self._cond = cond
+        self._load = load
+        self._request: tuple[list[Key], int] | None = None  # (keys, epoch)
         self._epoch = 0  # bumped by cancel(): a running request of an older epoch stops
         self._closed = False
         self._busy = False  # a request is being loaded
         self._warned = False
         self._thread: threading.Thread | None = None
 
-    def submit(self, layer: int, expert_ids: Sequence[int], protect: Collection[tuple[int, int]] = ()) -> None:
-        """Replace any pending request with loading `expert_ids` of `layer` (most likely first), never evicting
-        `protect` (the experts of the layer that made the guess, as the cache simulator models it)."""
-        with self._cond:
-            if self._closed:
-                return
-            self._request = (layer, list(expert_ids), frozenset(protect))
-            self._epoch += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="moeserve-prefetch", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+    def submit(self, keys: Sequence[Key]) -> None:
+        """(`cond` held.) Replace any pending request with loading `keys`, most likely first."""
+        if self._closed:
+            return
+        self._epoch += 1
+        self._request = (list(keys), self._epoch)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="moeserve-prefetch", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def cancel(self) -> None:
-        """(Store lock held.) Drop the pending request and stop the running one after its current unit."""
+        """(`cond` held.) Drop the pending request and stop the running one after its current unit."""
         self._request = None
         self._epoch += 1
 
@@ -76,37 +75,26 @@ class Prefetcher:
                 if self._closed:
                     return
                 assert self._request is not None
-                (layer, expert_ids, protect), epoch = self._request, self._epoch
+                keys, epoch = self._request
                 self._request = None
                 self._busy = True
             try:
-                self._load_all(layer, expert_ids, protect, epoch)
+                self._load_all(keys, epoch)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _load_all(self, layer: int, expert_ids: list[int], protect: frozenset[tuple[int, int]], epoch: int) -> None:
-        store = self.store
-        mine = set(protect)  # the guessing layer's experts and the units this request brought in: never victims
-
-        def wanted() -> bool:  # checked under the store lock, right before a slot is taken
+    def _load_all(self, keys: list[Key], epoch: int) -> None:
+        def wanted() -> bool:  # asked under `cond`, right before a slot is taken
             return self._epoch == epoch and not self._closed
 
-        for expert in expert_ids:
-            key = (layer, expert)
-            with self._cond:
-                if not wanted():
-                    return
-                if key in store._slot_of or key in store._loading:
-                    continue
+        for key in keys:
             try:
-                if not store._load(key, prefetched=True, protect=mine, wanted=wanted):
+                if not self._load(key, wanted):
                     return  # no unprotected slot left, or the compute thread moved on
             except Exception as err:  # a wrong or failed prefetch costs nothing: the demand load will retry
                 if not self._warned:
                     log.warning("prefetch of expert %d of layer %d failed (%s); demand loads will retry",
-                                expert, layer, err)
+                                key[1], key[0], err)
                     self._warned = True
-                continue
-            mine.add(key)

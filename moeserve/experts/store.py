@@ -4,19 +4,21 @@
         for expert_id, weights in chunk:                 # weights: typed views of the unit's fields
             ...
 
-The store keeps a pool of `capacity` slots in the fast tier, each one ExpertUnit. A needed expert that is cached
-is a hit; otherwise it is loaded from a slower tier (see `tiers.Loader`) into a free slot or the slot of a victim
-chosen by the eviction policy. Experts of the chunk being computed are pinned: never evicted under it. When a layer
-needs more experts than there are slots, they come in several chunks, in ascending expert order, so the MoE layer
-adds their outputs in the same order as when everything is resident: placement never changes a bit of the result.
+The store keeps a pool of `capacity` slots in the fast tier, each one ExpertUnit. Which unit is in which slot, the
+pins, the eviction policy's calls, prefetch protection and the counters are a `SlotCache` (experts/slot_cache.py:
+pure, the same class `moeserve simulate` replays traces through); the store wraps it in one condition variable
+and moves the bytes. A needed expert that is cached is a hit; otherwise it is loaded from a slower tier (see
+`tiers.Loader`) into a free slot or the slot of a victim chosen by the eviction policy. Experts of the chunk being
+computed are pinned: never evicted under it. When a layer needs more experts than there are slots, they come in
+several chunks, in ascending expert order, so the MoE layer adds their outputs in the same order as when
+everything is resident: placement never changes a bit of the result.
 
-"Everything resident" is the case capacity >= number of experts: all units are loaded at start-up and every
-access is a hit. There is no second code path.
+"Everything resident" is the case capacity >= number of experts: all units are loaded at start-up, never move, and
+every access is a hit (no policy, no second code path for the callers).
 
-Threads: the compute thread calls `experts`; a `Prefetcher` thread may load predicted experts meanwhile. One
-condition variable guards the maps, the policy and the statistics. A slot being filled belongs to its loader
-alone (it is in `_loading`, neither free nor mapped), so no thread ever reads a half-written unit. The policy is
-driven exactly as `moeserve.bench.simulate` models it (begin_layer per chunk, hits before misses).
+Threads: the compute thread calls `experts`; I/O threads read its misses; a `Prefetcher` thread may load predicted
+experts meanwhile (through `_prefetch_unit`). A slot being filled belongs to its reader alone (loading in the
+cache: neither free nor mapped), so no thread ever reads a half-written unit.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,93 +37,22 @@ import torch
 from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import ExpertLoadError, MoeserveError
-from moeserve.experts.affinity import AffinityPredictor
-from moeserve.experts.policies import DeferredHits, NoVictimError, make_policy
+from moeserve.experts.guess import OnlineGuesses, Predictor
+from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
+from moeserve.experts.prefetch import Prefetcher
+from moeserve.experts.slot_cache import Key, LayerStats, SlotCache, StoreStats, format_stats
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
 from moeserve.experts.unit import ExpertSource
 from moeserve.experts.verify import ReferenceScan
 from moeserve.memory.hugepages import huge_page_bytes, thp_mode
 
+__all__ = ["ExpertStore", "ExpertWeights", "LayerStats", "StoreOptions", "StoreStats", "format_stats"]
+
 log = logging.getLogger("moeserve")
 
-Key = tuple[int, int]  # (layer, expert)
 ExpertWeights = tuple[torch.Tensor, ...]  # views of one unit's fields, in layout order
-
-
-@dataclass
-class LayerStats:
-    hits: int = 0
-    misses: int = 0
-    bytes_from_disk: int = 0
-    bytes_from_host: int = 0
-    prefetched: int = 0  # units loaded ahead of a predicted use (their bytes are in bytes_from_*)
-    prefetch_used: int = 0  # prefetched units that were needed before being evicted
-
-    @property
-    def bytes_read(self) -> int:
-        return self.bytes_from_disk + self.bytes_from_host
-
-
-@dataclass
-class StoreStats:
-    """Counters since start-up; per layer and in total. Hits and misses count needed experts per layer call."""
-
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    load_errors: int = 0
-    # Seconds the compute thread was blocked on expert reads (misses, and prefetches it needed in flight), and
-    # seconds spent reading misses on any thread: where an offloaded token's time goes.
-    wait_seconds: float = 0.0
-    read_seconds: float = 0.0
-
-    def layer(self, layer: int) -> LayerStats:
-        st = self.layers.get(layer)
-        if st is None:
-            st = self.layers[layer] = LayerStats()
-        return st
-
-    def _total(self, name: str) -> int:
-        return sum(getattr(s, name) for s in self.layers.values())
-
-    hits = property(lambda self: self._total("hits"))
-    misses = property(lambda self: self._total("misses"))
-    bytes_from_disk = property(lambda self: self._total("bytes_from_disk"))
-    bytes_from_host = property(lambda self: self._total("bytes_from_host"))
-    bytes_read = property(lambda self: self._total("bytes_read"))
-    prefetched = property(lambda self: self._total("prefetched"))
-    prefetch_used = property(lambda self: self._total("prefetch_used"))
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 1.0
-
-    @property
-    def prefetch_accuracy(self) -> float | None:
-        """Share of prefetched units that were used before eviction (None before any prefetch)."""
-        return self.prefetch_used / self.prefetched if self.prefetched else None
-
-
-def format_stats(stats: StoreStats) -> str:
-    """A per-layer table of hits, misses, MiB read per tier and prefetch use, then the totals."""
-    head = f"{'layer':>5} {'hits':>8} {'misses':>8} {'hit%':>6} {'disk MiB':>9} {'host MiB':>9} " \
-           f"{'prefetch':>8} {'used':>6}"
-    rows = [head]
-
-    def row(name: str, s: Any) -> str:
-        total = s.hits + s.misses
-        rate = 100.0 * s.hits / total if total else 100.0
-        return (f"{name:>5} {s.hits:>8} {s.misses:>8} {rate:>6.1f} {s.bytes_from_disk / 2**20:>9.1f} "
-                f"{s.bytes_from_host / 2**20:>9.1f} {s.prefetched:>8} {s.prefetch_used:>6}")
-
-    for layer in sorted(stats.layers):
-        rows.append(row(str(layer), stats.layers[layer]))
-    rows.append(row("all", stats))
-    accuracy = stats.prefetch_accuracy
-    rows.append(f"hit rate {100 * stats.hit_rate:.1f}%, prefetch accuracy "
-                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}, load errors {stats.load_errors}, "
-                f"compute thread waited {stats.wait_seconds:.2f} s on reads ({stats.read_seconds:.2f} s reading)")
-    return "\n".join(rows)
+Chunk = list[tuple[int, ExpertWeights]]  # (expert id, its weights), ascending
 
 
 @dataclass(frozen=True)
@@ -135,52 +67,11 @@ class StoreOptions:
     # Threads reading the misses of one chunk at the same time (the disk serves several requests at once, and
     # the compute thread works on the experts already in meanwhile); 0 = the compute thread reads them in turn.
     io_threads: int = 2
-    # What prefetch loads: "affinity" = the experts the store's own AffinityPredictor (learned online from the
-    # layers' accesses, moeserve/experts/affinity.py) gives at least `prefetch_min_prob` chance of being used by
-    # the next layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
+    # What prefetch loads: "affinity" = the experts the store's own guesses (experts/guess.py: an AffinityPredictor
+    # learned online from the layers' accesses) give at least `prefetch_min_prob` chance of being used by the next
+    # layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
     prefetch_predictor: str = "affinity"
     prefetch_min_prob: float = 0.5
-
-
-PROBE_EVERY = 8  # with the prefetch read gate shut, the predictor guesses on one layer call in this many
-PROBE_AFTER = 64  # ... once this many first uncached guesses were scored (before that it always guesses)
-
-
-class _ReadCalibration:
-    """How often a guess that is NOT cached gets used, per position among a guess's uncached experts: the chance
-    that prefetching it pays its read. The predictor's own calibration covers every guess, and the likely ones are
-    mostly cached already; the uncached rest can be far less likely (large bench model: 1 in 5 of the uncached
-    top-4 guesses used, where the top 4 hold 82% of the next layer's experts). Every guess is scored when its layer
-    runs, read or not, so the estimate keeps learning while prefetch reads nothing."""
-
-    def __init__(self, num_experts: int) -> None:
-        self._guesses = [0] * num_experts  # per position: uncached guesses scored
-        self._used = [0] * num_experts  # per position: those the layer then used
-        self._pending: dict[int, list[int]] = {}  # layer -> its uncached guesses, not scored yet
-
-    def chance(self, position: int) -> float:
-        return (self._used[position] + 1) / (self._guesses[position] + 2)
-
-    def scored(self, position: int) -> int:
-        """Uncached guesses at `position` scored so far."""
-        return self._guesses[position]
-
-    def keep(self, layer: int, uncached: list[int], min_prob: float) -> list[int]:
-        """The leading uncached guesses (most likely first) whose position has been used >= `min_prob` of the
-        time; remembers all of them to score when `layer` runs."""
-        self._pending[layer] = uncached
-        n = 0
-        while n < len(uncached) and self.chance(n) >= min_prob:
-            n += 1
-        return uncached[:n]
-
-    def check(self, layer: int, used: Collection[int]) -> None:
-        guessed = self._pending.pop(layer, None)
-        if guessed:
-            needed = set(used)
-            for position, e in enumerate(guessed):
-                self._guesses[position] += 1
-                self._used[position] += e in needed
 
 
 @dataclass(eq=False)
@@ -219,71 +110,81 @@ class ExpertStore:
         self.capacity = max(1, min(capacity, self.total_experts))
         self.device = device
         self.resident = self.capacity >= self.total_experts
-        self.stats = StoreStats()
-        for layer in self.layers:  # every entry exists up front: readers on other threads never see the dict grow
-            self.stats.layer(layer)
-        self._cond = threading.Condition()
-        # [capacity, unit_nbytes] uint8: one row per slot. Views per slot are built once (nothing per call).
-        # On CPU every decode step streams these: 2 MiB pages where the kernel allows (moeserve.memory.hugepages).
-        self.huge_pages = False
-        if device.type == "cpu":
-            flat, self.huge_pages = huge_page_bytes(self.capacity * self.layout.nbytes)
-            self._pool = flat.view(self.capacity, self.layout.nbytes)
-        else:
-            self._pool = torch.empty(self.capacity, self.layout.nbytes, dtype=torch.uint8, device=device)
-        self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
-        self._slot_of: dict[Key, int] = {}  # units ready in a slot
-        # The same map as a table for C++ (the DecodeStack runs layers whose experts are all cached without asking,
-        # see cached_calls): slot_table[i, e] = the slot of expert e of self.layers[i], -1 if not ready. Written
-        # through the numpy view (~100 ns a write) wherever _slot_of changes: _publish and _unpublish.
-        self.slot_table = torch.full((len(self.layers), num_experts), -1, dtype=torch.int32)
-        self._slot_rows = self.slot_table.numpy()
-        self._row_of = {layer: i for i, layer in enumerate(self.layers)}
-        self._loading: dict[Key, int] = {}  # units being written into a slot (by either thread)
-        self._free_slots = list(range(self.capacity - 1, -1, -1))
-        self._pinned: set[Key] = set()  # the compute thread's current chunk
-        self._prefetch_unused: set[Key] = set()
-        ops = opts.ops if opts.ops is not None else (CudaOps(device) if device.type == "cuda" else None)
-        self.copier = HostToDevice(ops, self.capacity, self.layout.nbytes) if ops is not None else None
-        host = None
-        if opts.host_capacity > 0 and not self.resident:
-            host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
-        self.loader = Loader(source, device, self.copier, host, verify=not self.resident)
-        self._io: ThreadPoolExecutor | None = None
-        if not self.resident and opts.io_threads > 0:
-            self._io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="moeserve-io")
-        self.io_threads = opts.io_threads if self._io is not None else 0
-        self.policy = None
-        self.prefetcher = None
-        self.predictor: AffinityPredictor | None = None  # prefetch guesses from this store's own history
+        self._cond = threading.Condition()  # guards the cache, the prefetcher's requests and the time counters
+        self._make_slots()
+        evict: EvictionPolicy | None = None
+        if not self.resident:
+            # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
+            evict = DeferredHits(make_policy(opts.policy, **opts.policy_options))
+        self.cache = SlotCache(self.capacity, evict, self.layers, self._map)
+        self.stats = self.cache.stats
+        self._make_tiers(opts)
+        self.prefetcher: Prefetcher | None = None
+        self.guesses: OnlineGuesses | None = None  # prefetch guesses from this store's own history
         self.prefetch_min_prob = opts.prefetch_min_prob
-        self._reads_worth = _ReadCalibration(num_experts)
-        self._calls = 0  # layer calls that could guess a next layer (see PROBE_EVERY)
         self._next_layer = dict(zip(self.layers, self.layers[1:]))
         self.source_note: str | None = None
         self.reference_scan: ReferenceScan | None = None  # start_reference_scan
         if self.resident:
             self._load_everything(progress)
-        else:
-            prepare = getattr(source, "prepare_offload", None)  # test fakes may lack it
-            self.source_note = prepare() if prepare is not None else None
-            known = getattr(source, "known_checksums", None)  # a spill file's header (test fakes may lack it)
-            if known is not None and self.loader.verifier is not None:
-                checksum_name, checksums = known()
-                if checksums:
-                    self.loader.verifier.seed(checksums, checksum_name)
-            # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
-            self.policy = DeferredHits(make_policy(opts.policy, **opts.policy_options))
-            if opts.prefetch:
-                from moeserve.experts.prefetch import Prefetcher
+            return
+        self.source_note = source.prepare_offload()
+        checksum_name, checksums = source.known_checksums()  # e.g. a spill file's header
+        if checksums and self.loader.verifier is not None:
+            self.loader.verifier.seed(checksums, checksum_name)
+        if opts.prefetch:
+            if opts.prefetch_predictor not in ("affinity", "hint"):
+                raise MoeserveError(f"unknown prefetch_predictor {opts.prefetch_predictor!r} (affinity, hint)")
+            self.prefetcher = Prefetcher(self._cond, self._prefetch_unit)
+            if opts.prefetch_predictor == "affinity":
+                self.guesses = OnlineGuesses(num_experts, opts.prefetch_min_prob)
 
-                self.prefetcher = Prefetcher(self)
-                if opts.prefetch_predictor == "affinity":
-                    self.predictor = AffinityPredictor(num_experts)
-                elif opts.prefetch_predictor != "hint":
-                    raise MoeserveError(f"unknown prefetch_predictor {opts.prefetch_predictor!r} (affinity, hint)")
+    def _make_slots(self) -> None:
+        """The pool, one [unit_nbytes] uint8 row per slot, its views (built once: nothing per call) and the
+        slot table. On CPU every decode step streams the pool: 2 MiB pages where the kernel allows."""
+        nbytes = self.layout.nbytes
+        self.huge_pages = False
+        if self.device.type == "cpu":
+            flat, self.huge_pages = huge_page_bytes(self.capacity * nbytes)
+            self._pool = flat.view(self.capacity, nbytes)
+        else:
+            self._pool = torch.empty(self.capacity, nbytes, dtype=torch.uint8, device=self.device)
+        self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
+        # The cache's map as a table for C++ (the DecodeStack runs layers whose experts are all cached without
+        # asking, see report_cached_calls): slot_table[i, e] = the slot of expert e of self.layers[i], -1 if not
+        # ready. Written through the numpy view (~100 ns a write) by `_map`, which the cache calls on every change.
+        self.slot_table = torch.full((len(self.layers), self.num_experts), -1, dtype=torch.int32)
+        self._slot_rows = self.slot_table.numpy()
+        self._row_of = {layer: i for i, layer in enumerate(self.layers)}
+
+    def _make_tiers(self, opts: StoreOptions) -> None:
+        ops = opts.ops if opts.ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else None)
+        self.copier = HostToDevice(ops, self.capacity, self.layout.nbytes) if ops is not None else None
+        host = None
+        if opts.host_capacity > 0 and not self.resident:
+            host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
+        self.loader = Loader(self.source, self.device, self.copier, host, verify=not self.resident)
+        self._io: ThreadPoolExecutor | None = None
+        if not self.resident and opts.io_threads > 0:
+            self._io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="moeserve-io")
+        self.io_threads = opts.io_threads if self._io is not None else 0
 
     # ------------------------------------------------------------------------------------------- public
+    @property
+    def policy(self) -> EvictionPolicy | None:
+        """The eviction policy (None when everything is resident)."""
+        return self.cache.policy
+
+    @property
+    def predictor(self) -> Predictor | None:
+        """The store's own prefetch predictor (None: no prefetch, or the caller's hints)."""
+        return self.guesses.predictor if self.guesses is not None else None
+
+    @property
+    def takes_hints(self) -> bool:
+        """Whether prefetch loads the caller's guesses (`experts(..., prefetch=)`): only then are they worth making."""
+        return self.prefetcher is not None and self.guesses is None
+
     @property
     def unit_nbytes(self) -> int:
         return self.layout.nbytes
@@ -309,93 +210,63 @@ class ExpertStore:
                          f"{pinned})")
         if self.copier is not None:
             parts.append(f"transfers: {self.copier.mode.reason}")
-        if self.resident:
-            parts.append("all experts resident")
-        else:
-            assert self.policy is not None
-            how = "off"
-            if self.prefetcher is not None:
-                how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
-                       "chance in the next layer, read only while such guesses not in the cache were used as often)"
-                       if self.predictor is not None else "on (the caller's guesses)")
-            parts.append(f"policy {self.policy.name}, prefetch {how}")
-            if self.source_note:
-                parts.append(self.source_note)
-            parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
-                         "the compute of experts already in" if self.io_threads else
-                         "misses read by the compute thread in turn")
-            parts.append(f"{'O_DIRECT' if self._direct_reads() else 'page-cache'} reads, read buffers up to "
-                         f"{self.staging_nbytes / 2**20:.1f} MiB")
+        if self.policy is None:
+            return "; ".join(parts + ["all experts resident"])
+        how = "off"
+        if self.prefetcher is not None:
+            how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
+                   "chance in the next layer, read only while such guesses not in the cache were used as often)"
+                   if self.guesses is not None else "on (the caller's guesses)")
+        parts.append(f"policy {self.policy.name}, prefetch {how}")
+        if self.source_note:
+            parts.append(self.source_note)
+        parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
+                     "the compute of experts already in" if self.io_threads else
+                     "misses read by the compute thread in turn")
+        parts.append(f"{'O_DIRECT' if self._direct_reads() else 'page-cache'} reads, read buffers up to "
+                     f"{self.staging_nbytes / 2**20:.1f} MiB")
         return "; ".join(parts)
 
     def experts(self, layer: int, expert_ids: Sequence[int],
-                prefetch: tuple[int, Sequence[int]] | None = None) -> Iterator[list[tuple[int, ExpertWeights]]]:
+                prefetch: tuple[int, Sequence[int]] | None = None) -> Iterator[Chunk]:
         """Yield the needed experts in chunks that fit the cache, ascending by expert id.
 
         Each chunk's experts are pinned until the next chunk is requested (or the generator ends).
-        `prefetch` = (next layer, predicted expert ids, most likely first): once this layer's experts are in,
-        the prefetcher starts loading them (only when this layer fits in one chunk, so it cannot evict any of
-        this layer's experts). A load failure raises ExpertLoadError; the store stays consistent.
+        `prefetch` = (next layer, predicted expert ids, most likely first), used when the store takes hints: once
+        this layer's experts are in, the prefetcher loads them (only when this layer fits in one chunk, so it
+        cannot evict any of this layer's experts). A load failure raises ExpertLoadError; the store stays
+        consistent.
         """
         if self.resident:
             with self._cond:
-                self.stats.layer(layer).hits += len(expert_ids)
-            yield [(e, self._slot_views[self._slot_of[(layer, e)]]) for e in expert_ids]
+                self.cache.count_resident_hits(layer, len(expert_ids))
+            yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, self.cache.slots((layer, e) for e in expert_ids))]
             return
         if self.prefetcher is None and len(expert_ids) <= self.capacity:
-            # Decode's common case, every expert cached: the general path below, minus its machinery for misses
-            # and prefetch (same policy calls, same pins and statistics). Each call runs right after a layer's
-            # compute has streamed tens of MB through the CPU caches, so every line of Python here is a cache miss.
-            pinned = self._pin_if_all_cached(layer, expert_ids)
-            if pinned is not None:
-                keys, slots = pinned
+            # Decode's common case, every expert cached: the general path below minus its machinery for misses
+            # (same policy calls, pins and statistics). Each call runs right after a layer's compute has streamed
+            # tens of MB through the CPU caches, so every line of Python here is a cache miss.
+            keys = [(layer, e) for e in expert_ids]
+            with self._cond:
+                slots = self.cache.all_cached(layer, keys)
+            if slots is not None:
                 try:
                     yield from self._lend(expert_ids, slots)
                 finally:
                     with self._cond:
-                        self._pinned.difference_update(keys)
+                        self.cache.release(keys)
                 return
         ids = list(expert_ids)
+        if self.guesses is not None:
+            self.guesses.observe(layer, ids)
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
-        if self.predictor is not None:  # the store's own guess replaces the caller's
-            self.predictor.observe(layer, ids)
-            self._reads_worth.check(layer, ids)
-            nxt = self._next_layer.get(layer)
-            # Once guesses not in the cache have proved not worth reading (the gate below shut after PROBE_AFTER
-            # of them were scored), guess only every PROBE_EVERY-th layer call, enough to notice when they become
-            # worth it: the guessing is Python at every layer with the caches cold (~1.5 ms of a 22 ms token on
-            # the large bench model, where the gate stays shut).
-            self._calls += nxt is not None
-            rw = self._reads_worth
-            probe = (rw.chance(0) >= self.prefetch_min_prob or rw.scored(0) < PROBE_AFTER
-                     or self._calls % PROBE_EVERY == 0)
-            guess = [] if nxt is None or not probe else self.predictor.predict(nxt, len(ids), self.prefetch_min_prob)
-            if guess and nxt is not None:
-                with self._cond:
-                    uncached = [e for e in guess if (nxt, e) not in self._slot_of and (nxt, e) not in self._loading]
-                guess = self._reads_worth.keep(nxt, uncached, self.prefetch_min_prob)
-            prefetch = (nxt, guess) if guess and nxt is not None else None
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending = self._acquire(layer, keys)  # key -> its read in flight (the misses)
             try:
-                if prefetch is not None and len(chunks) == 1 and self.prefetcher is not None:
-                    self.prefetcher.submit(prefetch[0], prefetch[1], protect=keys)
-                # Yield the chunk in ascending runs of experts that are in, so the caller computes them while
-                # the misses after them are still being read; the order of experts never changes.
-                i = 0
-                while i < len(keys):
-                    if keys[i] in pending:
-                        self._wait_read(pending.pop(keys[i]))
-                    j = i + 1
-                    while j < len(keys) and (keys[j] not in pending or pending[keys[j]].landed):
-                        if keys[j] in pending:
-                            self._wait_read(pending.pop(keys[j]))  # done: re-raises its error, if any
-                        j += 1
-                    with self._cond:
-                        slots = [self._slot_of[k] for k in keys[i:j]]
-                    yield from self._lend(chunk[i:j], slots)
-                    i = j
+                if len(chunks) == 1 and self.prefetcher is not None:
+                    self._submit_prefetch(layer, keys, prefetch)
+                yield from self._lend_as_landed(chunk, keys, pending)
             finally:
                 for read in pending.values():  # the caller stopped early or a read failed: let the others land
                     try:
@@ -403,47 +274,73 @@ class ExpertStore:
                     except ExpertLoadError:
                         pass
                 with self._cond:
-                    self._pinned.difference_update(keys)
+                    self.cache.release(keys)
 
     @property
     def calls_may_skip(self) -> bool:
         """Whether a caller may compute a layer whose experts are all ready in `slot_table` without asking
-        `experts`, then report it with `cached_calls`: offloaded, on CPU, and nothing evicts behind the caller's back
-        (no prefetch thread; a call's demand reads have all landed when it returns)."""
+        `experts`, then report it with `report_cached_calls`: offloaded, on CPU, and nothing evicts behind the
+        caller's back (no prefetch thread; a call's demand reads have all landed when it returns)."""
         return not self.resident and self.prefetcher is None and self.device.type == "cpu"
 
     def slot_units(self) -> list[ExpertWeights]:
         """The views of every slot of the fast tier, by slot (fixed for the store's life; see `slot_table`)."""
         return list(self._slot_views)
 
-    def cached_calls(self, log: Sequence[int]) -> None:
-        """Layer calls a caller ran on units ready in `slot_table` (`calls_may_skip`), in order, flat: (index in
-        self.layers, count, expert ids...) each. Counted and told to the policy as `experts` does for an all-hit call."""
+    def report_cached_calls(self, log: Sequence[int] = (), hits_per_layer: Sequence[int] = ()) -> None:
+        """Layer calls a caller ran on units it found ready without asking `experts` (the C++ decode stack).
+
+        `log`: such calls on slots of `slot_table` (`calls_may_skip`), in order, flat: (index in self.layers,
+        count, expert ids...) each; counted and told to the policy as `experts` does for an all-hit call.
+        `hits_per_layer`: a resident store only (no policy to tell), needed experts per entry of self.layers, for
+        calls on `resident_units`.
+        """
         with self._cond:
             i = 0
             while i < len(log):
                 layer, n = self.layers[log[i]], log[i + 1]
-                self._count_all_hit(layer, [(layer, e) for e in log[i + 2 : i + 2 + n]])
+                self.cache.record_call(layer, [(layer, e) for e in log[i + 2 : i + 2 + n]])
                 i += 2 + n
+            for layer, hits in zip(self.layers, hits_per_layer):
+                self.cache.count_resident_hits(layer, hits)
+
+    def cached_calls(self, log: Sequence[int]) -> None:
+        """Deprecated: `report_cached_calls(log)`."""
+        warnings.warn("ExpertStore.cached_calls: use report_cached_calls(log)", DeprecationWarning, stacklevel=2)
+        self.report_cached_calls(log)
+
+    def count_resident_hits(self, hits_per_layer: Sequence[int]) -> None:
+        """Deprecated: `report_cached_calls(hits_per_layer=...)`."""
+        warnings.warn("ExpertStore.count_resident_hits: use report_cached_calls(hits_per_layer=...)",
+                      DeprecationWarning, stacklevel=2)
+        self.report_cached_calls(hits_per_layer=hits_per_layer)
 
     def resident_units(self, layer: int) -> list[ExpertWeights]:
         """Resident store only: the views of every expert of `layer`, by expert id. They never move or get evicted
         (a resident store loads each unit once into its own slot), so a caller may hold them for the process's
-        life; it then counts its uses with `count_resident_hits`."""
+        life; it then reports its uses with `report_cached_calls(hits_per_layer=...)`."""
         if not self.resident:
             raise MoeserveError("resident_units: the store is not resident (experts move between tiers)")
-        return [self._slot_views[self._slot_of[(layer, e)]] for e in range(self.num_experts)]
-
-    def count_resident_hits(self, hits_per_layer: Sequence[int]) -> None:
-        """Add hits counted outside `experts` (one per needed expert per layer call) for each of `self.layers`."""
-        with self._cond:
-            for layer, n in zip(self.layers, hits_per_layer):
-                self.stats.layers[layer].hits += n
+        return [self._slot_views[s] for s in self.cache.slots((layer, e) for e in range(self.num_experts))]
 
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         """A hint that `layer` will soon need `expert_ids` (most likely first). No-op when resident or off."""
         if self.prefetcher is not None:
-            self.prefetcher.submit(layer, expert_ids)
+            with self._cond:
+                self._start_prefetch([(layer, e) for e in expert_ids])
+
+    def cancel_prefetch(self) -> None:
+        """Drop the pending guesses, their protection, and stop the one being loaded after its current unit (e.g.
+        the step ended: a guess for a layer of this step is stale). No-op without prefetch."""
+        if self.prefetcher is not None:
+            with self._cond:
+                self.prefetcher.cancel()
+                self.cache.end_protection()
+
+    def cached_keys(self) -> set[Key]:
+        """The (layer, expert) units ready in the fast tier now."""
+        with self._cond:
+            return self.cache.cached_keys()
 
     def start_reference_scan(self, idle: Callable[[], bool]) -> ReferenceScan | None:
         """Offloaded: read, in the background while `idle()`, each unit that has no reference checksum yet and
@@ -475,18 +372,6 @@ class ExpertStore:
     def _direct_reads(self) -> bool:
         return bool(getattr(getattr(self.source.checkpoint, "reader", None), "direct", False))
 
-    def cancel_prefetch(self) -> None:
-        """Drop the pending guesses and stop the one being loaded after its current unit (e.g. the step ended:
-        a guess for a layer of this step is stale). No-op without prefetch."""
-        if self.prefetcher is not None:
-            with self._cond:
-                self.prefetcher.cancel()
-
-    def cached_keys(self) -> set[Key]:
-        """The (layer, expert) units ready in the fast tier now."""
-        with self._cond:
-            return set(self._slot_of)
-
     def close(self) -> None:
         if self.reference_scan is not None:
             self.reference_scan.stop()
@@ -494,13 +379,11 @@ class ExpertStore:
             self.prefetcher.close()
         if self._io is not None:
             self._io.shutdown(wait=True)
-        close = getattr(self.source, "close", None)
-        if close is not None:
-            close()
+        self.source.close()
         self.source.checkpoint.close()
 
     # ------------------------------------------------------------------------------------------ internals
-    def _lend(self, expert_ids: Sequence[int], slots: list[int]) -> Iterator[list[tuple[int, ExpertWeights]]]:
+    def _lend(self, expert_ids: Sequence[int], slots: list[int]) -> Iterator[Chunk]:
         """Yield the views of `slots` (ready, pinned) as one run of the caller's chunk; on a device, each slot's
         transfer is waited for before use and released after (HostToDevice)."""
         if self.copier is not None:
@@ -512,27 +395,23 @@ class ExpertStore:
             if self.copier is not None:
                 self.copier.after_use(slots)
 
-    def _pin_if_all_cached(self, layer: int, expert_ids: Sequence[int]) -> tuple[list[Key], list[int]] | None:
-        """When every needed unit of `layer` is ready in a slot: pin them, count the hits, tell the policy (as
-        `_acquire` does for hits) and return (keys, slots). Otherwise None, with nothing changed."""
-        assert self.policy is not None
-        keys = [(layer, e) for e in expert_ids]
-        with self._cond:
-            slot_of = self._slot_of
-            slots = [slot_of.get(k, -1) for k in keys]
-            if -1 in slots:  # (a unit being loaded is not in _slot_of yet)
-                return None
-            self._count_all_hit(layer, keys)
-            self._pinned.update(keys)
-        return keys, slots
-
-    def _count_all_hit(self, layer: int, keys: list[Key]) -> None:
-        """(Lock held.) A layer call whose units were all ready: its hits, and the policy told as `_acquire` does."""
-        assert self.policy is not None
-        self.policy.begin_layer(layer)
-        for key in keys:
-            self.policy.on_hit(key)
-        self.stats.layers[layer].hits += len(keys)
+    def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, _Read]) -> Iterator[Chunk]:
+        """Yield the chunk in ascending runs of experts that are in, so the caller computes them while the misses
+        after them are still being read; the order of experts never changes. Takes the reads it waits for out of
+        `pending`."""
+        i = 0
+        while i < len(keys):
+            if keys[i] in pending:
+                self._wait_read(pending.pop(keys[i]))
+            j = i + 1
+            while j < len(keys) and (keys[j] not in pending or pending[keys[j]].landed):
+                if keys[j] in pending:
+                    self._wait_read(pending.pop(keys[j]))  # done: re-raises its error, if any
+                j += 1
+            with self._cond:
+                slots = self.cache.slots(keys[i:j])
+            yield from self._lend(chunk[i:j], slots)
+            i = j
 
     def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, _Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
@@ -540,55 +419,34 @@ class ExpertStore:
         Every miss gets its slot (and its `on_insert`) here, in ascending order as the simulator does; its
         bytes land later, on an I/O thread (or on the compute thread, see `_wait_read`).
         """
-        assert self.policy is not None
+        cache = self.cache
         reads: dict[Key, _Read] = {}
         with self._cond:
             if self.prefetcher is not None:
                 self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
-            self.policy.begin_layer(layer)
-            self._pinned.update(keys)
-            if any(k in self._loading for k in keys):
+            cache.pin(keys)
+            if cache.loading_any(keys):
                 t0 = time.perf_counter()
-                while any(k in self._loading for k in keys):
+                while cache.loading_any(keys):
                     self._cond.wait()
                 self.stats.wait_seconds += time.perf_counter() - t0
-            st = self.stats.layer(layer)
-            missing = []
-            for key in keys:
-                if key in self._slot_of:
-                    st.hits += 1
-                    self.policy.on_hit(key)
-                    if key in self._prefetch_unused:
-                        self._prefetch_unused.discard(key)
-                        st.prefetch_used += 1
-                else:
-                    missing.append(key)
             try:
-                for key in missing:
-                    slot = self._take_slot(key, self._pinned, wait=True)
-                    assert slot is not None
-                    self.policy.on_insert(key)
-                    st.misses += 1
+                for key in cache.begin_call(layer, keys):
+                    slot = cache.take_miss_slot(key)
+                    while slot is None:  # every ready unit is pinned: prefetches in flight free slots when done
+                        self._cond.wait()
+                        slot = cache.take_miss_slot(key)
                     reads[key] = _Read(key, slot)
             except BaseException:
                 for read in reads.values():
-                    self._abandon(read.key, read.slot)
-                self._pinned.difference_update(keys)
+                    cache.abandon_read(read.key)
+                cache.release(keys)
+                self._cond.notify_all()
                 raise
-        if self._io is None:  # no I/O threads: read every miss now, in order, and yield the chunk whole
-            todo = list(reads.values())
-            try:
-                while todo:
-                    t0 = time.perf_counter()
-                    self._read_slot(todo[0].key, todo[0].slot)
-                    self.stats.wait_seconds += time.perf_counter() - t0
-                    todo.pop(0)
-            except BaseException:
-                with self._cond:
-                    for later in todo[1:]:  # todo[0] failed and gave its slot back itself
-                        self._abandon(later.key, later.slot)
-                    self._pinned.difference_update(keys)
-                raise
+        if not reads:
+            return reads
+        if self._io is None:
+            self._read_in_turn(keys, list(reads.values()))
             return {}
         # The first miss with no expert before it to compute meanwhile is read right here (no thread hand-off);
         # the others go to the I/O threads at once, so the disk has them all queued.
@@ -596,6 +454,22 @@ class ExpertStore:
             if n > 0 or read.key != keys[0]:
                 read.future = self._io.submit(self._read_slot, read.key, read.slot)
         return reads
+
+    def _read_in_turn(self, keys: list[Key], todo: list[_Read]) -> None:
+        """No I/O threads: read every miss of the chunk now, in order (the chunk is then yielded whole)."""
+        try:
+            while todo:
+                t0 = time.perf_counter()
+                self._read_slot(todo[0].key, todo[0].slot)
+                self.stats.wait_seconds += time.perf_counter() - t0
+                todo.pop(0)
+        except BaseException:
+            with self._cond:
+                for later in todo[1:]:  # todo[0] failed and gave its slot back itself
+                    self.cache.abandon_read(later.key)
+                self.cache.release(keys)
+                self._cond.notify_all()
+            raise
 
     def _wait_read(self, read: _Read) -> None:
         """Block until `read` has landed (raising its ExpertLoadError). A read no I/O thread has started yet is
@@ -611,128 +485,87 @@ class ExpertStore:
             self.stats.wait_seconds += time.perf_counter() - t0
 
     def _read_slot(self, key: Key, slot: int) -> None:
-        """Fill `slot` (already taken, `key` in `_loading` and inserted in the policy) and publish it."""
+        """Fill `slot` (taken for the demand miss `key`) and publish it."""
         t0 = time.perf_counter()
         try:
             tier = self.loader.load(key, slot, self._pool[slot])
         except Exception as err:
             with self._cond:
-                self._abandon(key, slot)
+                self.cache.abandon_read(key)
                 self.stats.load_errors += 1
+                self._cond.notify_all()
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
         with self._cond:
             self.stats.read_seconds += time.perf_counter() - t0
-            del self._loading[key]
-            self._publish(key, slot)
-            self._count_read(key, tier)
+            self.cache.finish_read(key, self._read_nbytes(tier), from_host=tier is Tier.HOST)
             self._cond.notify_all()
 
-    def _publish(self, key: Key, slot: int) -> None:
-        """(Lock held, or no other thread yet.) `key`'s unit is ready in `slot`."""
-        self._slot_of[key] = slot
-        self._slot_rows[self._row_of[key[0]], key[1]] = slot
+    def _read_nbytes(self, tier: Tier) -> int:
+        return self.layout.nbytes if tier is Tier.HOST else self.source.stored_nbytes
 
-    def _unpublish(self, key: Key) -> int:
-        """(Lock held.) `key`'s unit leaves its slot (evicted); returns the slot."""
-        self._slot_rows[self._row_of[key[0]], key[1]] = -1
-        return self._slot_of.pop(key)
-
-    def _abandon(self, key: Key, slot: int) -> None:
-        """(Lock held.) A demand read that will not land: the slot holds garbage and maps to nothing."""
-        assert self.policy is not None
-        if self._loading.pop(key, None) is not None:
-            self._free_slots.append(slot)
-            self.policy.on_evict(key)
-        self._cond.notify_all()
-
-    def _count_read(self, key: Key, tier: Tier) -> None:
-        st = self.stats.layer(key[0])
-        if tier is Tier.HOST:
-            st.bytes_from_host += self.layout.nbytes
+    def _submit_prefetch(self, layer: int, keys: list[Key], hint: tuple[int, Sequence[int]] | None) -> None:
+        """Once `keys` (all of `layer`'s call) are acquired: the next layer's guess, the store's own or the
+        caller's `hint`, goes to the prefetcher, never evicting `keys`."""
+        nxt = self._next_layer.get(layer)
+        if self.guesses is not None:
+            likely = self.guesses.predict(nxt, len(keys)) if nxt is not None else []
+        elif hint is not None:
+            nxt, likely = hint[0], list(hint[1])
         else:
-            st.bytes_from_disk += self.source.stored_nbytes
-
-    def _take_slot(self, key: Key, pinned: Collection[Key], wait: bool) -> int | None:
-        """(Lock held.) A slot for `key`, marked loading: free, or an evicted unpinned victim's.
-
-        When every cached unit is pinned, wait for in-flight loads to land (compute thread) or give up (None).
-        """
-        assert self.policy is not None
-        while True:
-            if self._free_slots:
-                slot = self._free_slots.pop()
-                break
-            try:
-                victim = self.policy.choose_victim(pinned)
-            except NoVictimError:
-                if not wait or all(k in pinned for k in self._loading):  # only loads that free nothing
-                    if wait:
-                        raise MoeserveError("expert cache: no evictable slot although nothing is loading; "
-                                            "this is a bug in the store") from None
-                    return None
-                self._cond.wait()  # slots held by prefetches in flight: they become evictable when done
-                continue
-            slot = self._unpublish(victim)
-            self.policy.on_evict(victim)
-            self._prefetch_unused.discard(victim)
-            break
-        self._loading[key] = slot
-        return slot
-
-    def _load(self, key: Key, prefetched: bool, protect: Collection[Key] = (),
-              wanted: Callable[[], bool] | None = None) -> bool:
-        """Load `key` into a slot on the prefetch thread (False when it found no room or is no longer `wanted`).
-        Victims are never pinned by the compute thread, being loaded, nor in `protect`."""
-        assert prefetched, "demand misses are read through _acquire"
+            return
+        if not likely or nxt is None:
+            return
         with self._cond:
-            if wanted is not None and not wanted():
+            ids = self.guesses.choose(nxt, likely, lambda e: self.cache.holds((nxt, e))) if self.guesses else likely
+            if ids:
+                self.cache.protect(keys)
+                self._start_prefetch([(nxt, e) for e in ids])
+
+    def _start_prefetch(self, guess: list[Key]) -> None:
+        """(Lock held.) Protect the guesses already cached; the prefetcher reads the others."""
+        assert self.prefetcher is not None
+        todo = self.cache.plan_prefetch(guess)
+        if todo:
+            self.prefetcher.submit(todo)
+
+    def _prefetch_unit(self, key: Key, wanted: Callable[[], bool]) -> bool:
+        """(Prefetch thread.) Read `key` into a slot whose unit is neither pinned, loading nor protected; False
+        when there is none or the request is no longer `wanted`."""
+        with self._cond:
+            if not wanted():
                 return False
-            pinned = self._pinned | set(protect) | set(self._loading)
-            slot = self._take_slot(key, pinned, wait=False)
+            if self.cache.holds(key):  # it came in since the request was made
+                return True
+            slot = self.cache.take_prefetch_slot(key)
             if slot is None:
                 return False
         try:
             tier = self.loader.load(key, slot, self._pool[slot])
         except Exception:
             with self._cond:
-                del self._loading[key]
-                self._free_slots.append(slot)  # the slot holds garbage now: nothing maps to it
+                self.cache.abandon_read(key, prefetched=True)
                 self.stats.load_errors += 1
                 self._cond.notify_all()
             raise
         with self._cond:
-            del self._loading[key]
-            self._publish(key, slot)
-            assert self.policy is not None
-            self.policy.on_insert(key, prefetched=True)
-            self._count_read(key, tier)
-            st = self.stats.layer(key[0])
-            st.prefetched += 1
-            self._prefetch_unused.add(key)
+            self.cache.finish_read(key, self._read_nbytes(tier), from_host=tier is Tier.HOST, prefetched=True)
             self._cond.notify_all()
         return True
+
+    def _map(self, key: Key, slot: int) -> None:
+        """(Lock held, or no other thread yet.) The cache's map changed: mirror it in `slot_table`."""
+        self._slot_rows[self._row_of[key[0]], key[1]] = slot
 
     def _load_everything(self, progress: Callable[[int], None] | None) -> None:
         """Resident case: every unit into its slot, streaming one unit at a time."""
         for layer in self.layers:
             for e in range(self.num_experts):
-                slot = self._free_slots.pop()
+                slot = self.cache.place((layer, e))
                 self.loader.load((layer, e), slot, self._pool[slot])
-                self._publish((layer, e), slot)
                 if progress is not None:
                     progress(self.source.stored_nbytes)
         if self.copier is not None:
             for slot in range(self.capacity):
                 self.copier.before_use(slot)
-        check_loaded_units(self.source, self._slot_of, self._pool)  # NaN/inf in an expert: refused at load
-
-
-def static_policy_options(trace_path: str, capacity: int) -> dict[str, Any]:
-    """Options of the `static` policy from a recorded routing trace: pin the most used experts, leaving enough
-    slots to LRU for the largest set one layer call needed (as the cache simulator does)."""
-    from moeserve.bench.simulate import calls_from_steps, static_reserve, usage_counts
-    from moeserve.experts.trace import read_trace
-
-    calls = calls_from_steps(read_trace(trace_path))
-    return {"counts": usage_counts(calls), "num_pinned": max(0, capacity - static_reserve(calls))}
+        check_loaded_units(self.source, self.cache.slot_map(), self._pool)  # NaN/inf in an expert: refused at load

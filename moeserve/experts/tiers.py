@@ -88,12 +88,10 @@ class Loader:
         self.host = host
         # Every unit read from the disk is checked against its first read (experts/verify.py); a resident store
         # reads each unit once, so there is nothing to compare with (its load checks NaN: checkpoint/finite.py).
-        where = getattr(source, "unit_files", lambda layer, expert: "the checkpoint")
-        advice = getattr(source, "corrupt_advice", lambda layer, expert: "restore it and restart the server")
         self.verifier: UnitVerifier | None = UnitVerifier(
-            choose_checksum(), lambda key: where(*key),
+            choose_checksum(), lambda key: source.unit_files(*key),
             lambda key, unit: check_expert_unit(source, key[0], key[1], unit),
-            lambda key: advice(*key), padding=source.layout.padding()) if verify else None
+            lambda key: source.corrupt_advice(*key), padding=source.layout.padding()) if verify else None
         # Device transfers share the staging buffer / host pool: one transfer at a time (the disk is one queue
         # anyway). Direct reads into RAM slots need no lock: pread has no shared file position.
         self._lock = threading.Lock()

@@ -17,7 +17,7 @@ import torch
 from moeserve.bench.simulate import LayerCall, simulate
 from moeserve.errors import ExpertLoadError
 from moeserve.experts.store import ExpertStore, StoreOptions, format_stats
-from moeserve.experts.unit import UnitLayout
+from moeserve.experts.unit import ExpertSource, UnitLayout
 
 WIDTH = 8  # floats per fake unit
 
@@ -27,12 +27,11 @@ class FakeCheckpoint:
         pass
 
 
-class FakeSource:
+class FakeSource(ExpertSource):
     """Unit (layer, expert) = WIDTH floats all equal to 100 * layer + expert. Can fail or be slow on demand."""
 
     def __init__(self, delay_s: float = 0.0, slow: dict[tuple[int, int], float] | None = None) -> None:
-        self.layout = UnitLayout.build([("w", torch.float32, (WIDTH,))])
-        self.checkpoint = FakeCheckpoint()
+        super().__init__(FakeCheckpoint(), UnitLayout.build([("w", torch.float32, (WIDTH,))]), {})  # type: ignore[arg-type]
         self.reads: list[tuple[int, int]] = []
         self.fail: set[tuple[int, int]] = set()
         self.delay_s = delay_s
@@ -45,7 +44,8 @@ class FakeSource:
     def stored_nbytes(self) -> int:
         return WIDTH * 4
 
-    staging_nbytes = per_thread_staging_nbytes = 0  # reads straight into the unit
+    def unit_files(self, layer: int, expert: int) -> str:
+        return "the fake source"
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         if (layer, expert) in self.fail:
@@ -119,9 +119,9 @@ def test_pinned_chunk_is_never_evicted_under_the_consumer():
     # Another access while the chunk is pinned must not take its slots (cache of 2: nothing is evictable).
     store.prefetch(1, [5])  # prefetch is off: a no-op
     assert {e for e, _ in chunk} == {3, 4}
-    assert store._pinned == {(0, 3), (0, 4)}
+    assert store.cache.pinned_keys == {(0, 3), (0, 4)}
     gen.close()
-    assert store._pinned == set()
+    assert store.cache.pinned_keys == set()
 
 
 def test_a_call_of_cached_experts_takes_the_short_path_with_the_same_pins_and_counts():
@@ -132,10 +132,10 @@ def test_a_call_of_cached_experts_takes_the_short_path_with_the_same_pins_and_co
     store._acquire = lambda *a: calls.append(a) or general(*a)  # type: ignore[method-assign]
     gen = store.experts(0, [3, 4])
     chunk = next(gen)
-    assert [e for e, _ in chunk] == [3, 4] and store._pinned == {(0, 3), (0, 4)}
+    assert [e for e, _ in chunk] == [3, 4] and store.cache.pinned_keys == {(0, 3), (0, 4)}
     assert all(torch.all(w == e) for e, (w,) in chunk)
     gen.close()
-    assert store._pinned == set() and calls == []  # the short path: no _acquire
+    assert store.cache.pinned_keys == set() and calls == []  # the short path: no _acquire
     st = store.stats.layer(0)
     assert (st.hits, st.misses) == (2, 2)
     use(store, 0, [4, 5])  # 5 is not cached: the general path again
@@ -165,7 +165,7 @@ def test_failed_read_leaves_store_consistent_and_next_call_works(io_threads):
     with pytest.raises(ExpertLoadError, match="expert 5 of layer 0") as err:
         use(store, 0, [5])
     assert "\n" not in str(err.value)
-    assert store._pinned == set() and not store._loading
+    assert store.cache.pinned_keys == set() and not store.cache.loading_keys
     assert (0, 5) not in store.cached_keys()
     assert store.stats.load_errors == 1
     # The slot that held garbage was freed, not mapped: every remaining unit is right, and the store still works.
@@ -202,7 +202,7 @@ def test_experts_already_in_are_yielded_while_a_later_miss_is_still_read():
         assert (0, 7) not in store.source.landed_at  # expert 7 is still being read
         rest = [e for chunk in gen for e, _ in chunk]
         assert rest == [7] and store.source.landed_at[(0, 7)] > got_first
-        assert store._pinned == set() and not store._loading
+        assert store.cache.pinned_keys == set() and not store.cache.loading_keys
     finally:
         store.close()
 
@@ -213,7 +213,7 @@ def test_failed_read_among_several_misses_leaves_the_store_consistent():
         store.source.fail.add((0, 3))
         with pytest.raises(ExpertLoadError, match="expert 3 of layer 0"):
             use(store, 0, [1, 3, 5, 6])
-        assert store._pinned == set() and not store._loading
+        assert store.cache.pinned_keys == set() and not store.cache.loading_keys
         assert (0, 3) not in store.cached_keys() and store.stats.load_errors == 1
         # The slots of the other reads are either mapped (they landed) or free, never lost: the cache still works
         # at full capacity and every unit holds what it should.
@@ -270,7 +270,7 @@ def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
     # By the predictor's count the guess is half right, but its uncached part is never used: after two or three
     # reads while the calibration has no evidence, the store reads no more guesses.
     store = make_store(capacity=4, layers=(0, 1), num_experts=12, prefetch=True)
-    store.predictor = _HalfRightGuess()  # type: ignore[assignment]
+    store.guesses.predictor = _HalfRightGuess()
     try:
         reads = []
         for _ in range(12):
@@ -279,7 +279,7 @@ def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
             reads.append(store.stats.prefetched)
             use(store, 1, [2, 3])
         assert reads[-1] == reads[3] <= 4, reads  # without the calibration: one more read every call
-        assert store._reads_worth.chance(0) < 0.5
+        assert store.guesses.reads_worth.chance(0) < 0.5
     finally:
         store.close()
 
@@ -287,19 +287,19 @@ def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
 def test_with_the_read_gate_shut_the_predictor_is_only_probed():
     """Once PROBE_AFTER uncached guesses proved not worth reading, the store asks its predictor on one layer call
     in PROBE_EVERY (still scoring those guesses, so the gate can open again), instead of at every call."""
-    from moeserve.experts.store import PROBE_AFTER, PROBE_EVERY
+    from moeserve.experts.guess import PROBE_AFTER, PROBE_EVERY
 
     store = make_store(capacity=4, layers=(0, 1), num_experts=12, prefetch=True)
     guesser = _HalfRightGuess()
-    store.predictor = guesser  # type: ignore[assignment]
+    store.guesses.predictor = guesser
     try:
         for _ in range(4 * PROBE_AFTER):  # a guess for layer 1 at every layer-0 call; its uncached part is unused
             use(store, 0, [0])
             assert store.prefetcher is not None and store.prefetcher.wait_idle()
             use(store, 1, [2, 3])
-            if store._reads_worth.scored(0) >= PROBE_AFTER:
+            if store.guesses.reads_worth.scored(0) >= PROBE_AFTER:
                 break
-        assert store._reads_worth.chance(0) < 0.5 and store._reads_worth.scored(0) >= PROBE_AFTER
+        assert store.guesses.reads_worth.chance(0) < 0.5 and store.guesses.reads_worth.scored(0) >= PROBE_AFTER
         before = guesser.calls
         for _ in range(8 * PROBE_EVERY):  # 8 * PROBE_EVERY layer-0 calls (layer 1 has no next layer to guess)
             use(store, 0, [0])
@@ -378,7 +378,7 @@ def test_compute_thread_never_sees_a_half_written_unit_under_concurrent_prefetch
                 use(store, layer, ids, prefetch=guess)  # asserts every unit's contents
         assert store.stats.prefetched > 0
         assert store.prefetcher is not None and store.prefetcher.wait_idle()  # the last guesses may be in flight
-        assert not store._loading and not store._pinned
+        assert not store.cache.loading_keys and not store.cache.pinned_keys
     finally:
         store.close()
 

@@ -103,7 +103,7 @@ def test_offloaded_fused_step_gives_the_per_op_logits_and_store_traffic(interlea
     for store in (fused.store, per_op.store):
         rows = store.slot_table.tolist()
         assert {(store.layers[i], e): s for i, row in enumerate(rows) for e, s in enumerate(row) if s >= 0} == \
-            store._slot_of
+            store.cache.slot_map()
     if fused.store.capacity >= 5:  # some layer calls found every expert cached and ran in the stack
         assert fused.calls_run_in_stack > 0
 
