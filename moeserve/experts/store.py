@@ -16,9 +16,10 @@ everything is resident: placement never changes a bit of the result.
 "Everything resident" is the case capacity >= number of experts: all units are loaded at start-up, never move, and
 every access is a hit (no policy, no second code path for the callers).
 
-Threads: the compute thread calls `experts`; I/O threads read its misses; a `Prefetcher` thread may load predicted
-experts meanwhile (through `_prefetch_unit`). A slot being filled belongs to its reader alone (loading in the
-cache: neither free nor mapped), so no thread ever reads a half-written unit.
+Threads: the compute thread calls `experts`; I/O threads read its misses (experts/reads.py); a `Prefetcher` thread
+may load predicted experts meanwhile (experts/prefetch.py). They share the store's one condition variable and its
+cache. A slot being filled belongs to its reader alone (loading in the cache: neither free nor mapped), so no
+thread ever reads a half-written unit.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,10 +36,11 @@ import torch
 
 from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
-from moeserve.errors import ExpertLoadError, MoeserveError
+from moeserve.errors import MoeserveError
 from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
 from moeserve.experts.prefetch import Prefetcher
+from moeserve.experts.reads import MissReader, Read
 from moeserve.experts.slot_cache import Key, LayerStats, SlotCache, StoreStats, format_stats
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
@@ -72,19 +73,6 @@ class StoreOptions:
     # layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
     prefetch_predictor: str = "affinity"
     prefetch_min_prob: float = 0.5
-
-
-@dataclass(eq=False)
-class _Read:
-    """A demand miss being read: its key, the slot it fills, and its task on an I/O thread (None: not queued)."""
-
-    key: Key
-    slot: int
-    future: Future[None] | None = None
-
-    @property
-    def landed(self) -> bool:
-        return self.future is not None and self.future.done()
 
 
 class ExpertStore:
@@ -120,9 +108,7 @@ class ExpertStore:
         self.stats = self.cache.stats
         self._make_tiers(opts)
         self.prefetcher: Prefetcher | None = None
-        self.guesses: OnlineGuesses | None = None  # prefetch guesses from this store's own history
         self.prefetch_min_prob = opts.prefetch_min_prob
-        self._next_layer = dict(zip(self.layers, self.layers[1:]))
         self.source_note: str | None = None
         self.reference_scan: ReferenceScan | None = None  # start_reference_scan
         if self.resident:
@@ -135,9 +121,9 @@ class ExpertStore:
         if opts.prefetch:
             if opts.prefetch_predictor not in ("affinity", "hint"):
                 raise MoeserveError(f"unknown prefetch_predictor {opts.prefetch_predictor!r} (affinity, hint)")
-            self.prefetcher = Prefetcher(self._cond, self._prefetch_unit)
-            if opts.prefetch_predictor == "affinity":
-                self.guesses = OnlineGuesses(num_experts, opts.prefetch_min_prob)
+            own = opts.prefetch_predictor == "affinity"
+            guesses = OnlineGuesses(num_experts, opts.prefetch_min_prob) if own else None
+            self.prefetcher = Prefetcher(self._cond, self.cache, self._fill, self.layers, guesses)
 
     def _make_slots(self) -> None:
         """The pool, one [unit_nbytes] uint8 row per slot, its views (built once: nothing per call) and the
@@ -164,16 +150,19 @@ class ExpertStore:
         if opts.host_capacity > 0 and not self.resident:
             host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
         self.loader = Loader(self.source, self.device, self.copier, host, verify=not self.resident)
-        self._io: ThreadPoolExecutor | None = None
-        if not self.resident and opts.io_threads > 0:
-            self._io = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="moeserve-io")
-        self.io_threads = opts.io_threads if self._io is not None else 0
+        self._misses = MissReader(self._cond, self.cache, self._fill, 0 if self.resident else opts.io_threads)
+        self.io_threads = self._misses.io_threads
 
     # ------------------------------------------------------------------------------------------- public
     @property
     def policy(self) -> EvictionPolicy | None:
         """The eviction policy (None when everything is resident)."""
         return self.cache.policy
+
+    @property
+    def guesses(self) -> OnlineGuesses | None:
+        """The store's own prefetch guesses, learned from its layer calls (None: no prefetch, or hints)."""
+        return self.prefetcher.guesses if self.prefetcher is not None else None
 
     @property
     def predictor(self) -> Predictor | None:
@@ -240,7 +229,8 @@ class ExpertStore:
         if self.resident:
             with self._cond:
                 self.cache.count_resident_hits(layer, len(expert_ids))
-            yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, self.cache.slots((layer, e) for e in expert_ids))]
+            held = self.cache.slots((layer, e) for e in expert_ids)
+            yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, held)]
             return
         if self.prefetcher is None and len(expert_ids) <= self.capacity:
             # Decode's common case, every expert cached: the general path below minus its machinery for misses
@@ -257,22 +247,19 @@ class ExpertStore:
                         self.cache.release(keys)
                 return
         ids = list(expert_ids)
-        if self.guesses is not None:
-            self.guesses.observe(layer, ids)
+        if self.prefetcher is not None:
+            self.prefetcher.observe(layer, ids)
         chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
-            pending = self._acquire(layer, keys)  # key -> its read in flight (the misses)
+            pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
             try:
+                pending = self._acquire(layer, keys)
                 if len(chunks) == 1 and self.prefetcher is not None:
-                    self._submit_prefetch(layer, keys, prefetch)
+                    self.prefetcher.after_acquire(layer, keys, prefetch)
                 yield from self._lend_as_landed(chunk, keys, pending)
             finally:
-                for read in pending.values():  # the caller stopped early or a read failed: let the others land
-                    try:
-                        self._wait_read(read)
-                    except ExpertLoadError:
-                        pass
+                self._misses.settle(pending)  # the caller stopped early or a read failed: let the others land
                 with self._cond:
                     self.cache.release(keys)
 
@@ -326,8 +313,7 @@ class ExpertStore:
     def prefetch(self, layer: int, expert_ids: Sequence[int]) -> None:
         """A hint that `layer` will soon need `expert_ids` (most likely first). No-op when resident or off."""
         if self.prefetcher is not None:
-            with self._cond:
-                self._start_prefetch([(layer, e) for e in expert_ids])
+            self.prefetcher.hint(layer, expert_ids)
 
     def cancel_prefetch(self) -> None:
         """Drop the pending guesses, their protection, and stop the one being loaded after its current unit (e.g.
@@ -335,7 +321,6 @@ class ExpertStore:
         if self.prefetcher is not None:
             with self._cond:
                 self.prefetcher.cancel()
-                self.cache.end_protection()
 
     def cached_keys(self) -> set[Key]:
         """The (layer, expert) units ready in the fast tier now."""
@@ -377,8 +362,7 @@ class ExpertStore:
             self.reference_scan.stop()
         if self.prefetcher is not None:
             self.prefetcher.close()
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        self._misses.close()
         self.source.close()
         self.source.checkpoint.close()
 
@@ -395,32 +379,32 @@ class ExpertStore:
             if self.copier is not None:
                 self.copier.after_use(slots)
 
-    def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, _Read]) -> Iterator[Chunk]:
+    def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, Read]) -> Iterator[Chunk]:
         """Yield the chunk in ascending runs of experts that are in, so the caller computes them while the misses
         after them are still being read; the order of experts never changes. Takes the reads it waits for out of
         `pending`."""
         i = 0
         while i < len(keys):
             if keys[i] in pending:
-                self._wait_read(pending.pop(keys[i]))
+                self._misses.wait(pending.pop(keys[i]))
             j = i + 1
             while j < len(keys) and (keys[j] not in pending or pending[keys[j]].landed):
                 if keys[j] in pending:
-                    self._wait_read(pending.pop(keys[j]))  # done: re-raises its error, if any
+                    self._misses.wait(pending.pop(keys[j]))  # done: re-raises its error, if any
                 j += 1
             with self._cond:
                 slots = self.cache.slots(keys[i:j])
             yield from self._lend(chunk[i:j], slots)
             i = j
 
-    def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, _Read]:
+    def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
 
         Every miss gets its slot (and its `on_insert`) here, in ascending order as the simulator does; its
-        bytes land later, on an I/O thread (or on the compute thread, see `_wait_read`).
+        bytes land later, on an I/O thread or the compute thread (experts/reads.py).
         """
         cache = self.cache
-        reads: dict[Key, _Read] = {}
+        slots: dict[Key, int] = {}
         with self._cond:
             if self.prefetcher is not None:
                 self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
@@ -436,122 +420,18 @@ class ExpertStore:
                     while slot is None:  # every ready unit is pinned: prefetches in flight free slots when done
                         self._cond.wait()
                         slot = cache.take_miss_slot(key)
-                    reads[key] = _Read(key, slot)
+                    slots[key] = slot
             except BaseException:
-                for read in reads.values():
-                    cache.abandon_read(read.key)
-                cache.release(keys)
+                for key in slots:
+                    cache.abandon_read(key)
                 self._cond.notify_all()
                 raise
-        if not reads:
-            return reads
-        if self._io is None:
-            self._read_in_turn(keys, list(reads.values()))
-            return {}
-        # The first miss with no expert before it to compute meanwhile is read right here (no thread hand-off);
-        # the others go to the I/O threads at once, so the disk has them all queued.
-        for n, read in enumerate(reads.values()):
-            if n > 0 or read.key != keys[0]:
-                read.future = self._io.submit(self._read_slot, read.key, read.slot)
-        return reads
+        return self._misses.start(keys, slots) if slots else {}
 
-    def _read_in_turn(self, keys: list[Key], todo: list[_Read]) -> None:
-        """No I/O threads: read every miss of the chunk now, in order (the chunk is then yielded whole)."""
-        try:
-            while todo:
-                t0 = time.perf_counter()
-                self._read_slot(todo[0].key, todo[0].slot)
-                self.stats.wait_seconds += time.perf_counter() - t0
-                todo.pop(0)
-        except BaseException:
-            with self._cond:
-                for later in todo[1:]:  # todo[0] failed and gave its slot back itself
-                    self.cache.abandon_read(later.key)
-                self.cache.release(keys)
-                self._cond.notify_all()
-            raise
-
-    def _wait_read(self, read: _Read) -> None:
-        """Block until `read` has landed (raising its ExpertLoadError). A read no I/O thread has started yet is
-        taken back and done on this thread: the compute thread never idles while its own miss waits in a queue."""
-        t0 = time.perf_counter()
-        try:
-            if read.future is None or read.future.cancel():
-                read.future = None
-                self._read_slot(read.key, read.slot)
-            else:
-                read.future.result()
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - t0
-
-    def _read_slot(self, key: Key, slot: int) -> None:
-        """Fill `slot` (taken for the demand miss `key`) and publish it."""
-        t0 = time.perf_counter()
-        try:
-            tier = self.loader.load(key, slot, self._pool[slot])
-        except Exception as err:
-            with self._cond:
-                self.cache.abandon_read(key)
-                self.stats.load_errors += 1
-                self._cond.notify_all()
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
-        with self._cond:
-            self.stats.read_seconds += time.perf_counter() - t0
-            self.cache.finish_read(key, self._read_nbytes(tier), from_host=tier is Tier.HOST)
-            self._cond.notify_all()
-
-    def _read_nbytes(self, tier: Tier) -> int:
-        return self.layout.nbytes if tier is Tier.HOST else self.source.stored_nbytes
-
-    def _submit_prefetch(self, layer: int, keys: list[Key], hint: tuple[int, Sequence[int]] | None) -> None:
-        """Once `keys` (all of `layer`'s call) are acquired: the next layer's guess, the store's own or the
-        caller's `hint`, goes to the prefetcher, never evicting `keys`."""
-        nxt = self._next_layer.get(layer)
-        if self.guesses is not None:
-            likely = self.guesses.predict(nxt, len(keys)) if nxt is not None else []
-        elif hint is not None:
-            nxt, likely = hint[0], list(hint[1])
-        else:
-            return
-        if not likely or nxt is None:
-            return
-        with self._cond:
-            ids = self.guesses.choose(nxt, likely, lambda e: self.cache.holds((nxt, e))) if self.guesses else likely
-            if ids:
-                self.cache.protect(keys)
-                self._start_prefetch([(nxt, e) for e in ids])
-
-    def _start_prefetch(self, guess: list[Key]) -> None:
-        """(Lock held.) Protect the guesses already cached; the prefetcher reads the others."""
-        assert self.prefetcher is not None
-        todo = self.cache.plan_prefetch(guess)
-        if todo:
-            self.prefetcher.submit(todo)
-
-    def _prefetch_unit(self, key: Key, wanted: Callable[[], bool]) -> bool:
-        """(Prefetch thread.) Read `key` into a slot whose unit is neither pinned, loading nor protected; False
-        when there is none or the request is no longer `wanted`."""
-        with self._cond:
-            if not wanted():
-                return False
-            if self.cache.holds(key):  # it came in since the request was made
-                return True
-            slot = self.cache.take_prefetch_slot(key)
-            if slot is None:
-                return False
-        try:
-            tier = self.loader.load(key, slot, self._pool[slot])
-        except Exception:
-            with self._cond:
-                self.cache.abandon_read(key, prefetched=True)
-                self.stats.load_errors += 1
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            self.cache.finish_read(key, self._read_nbytes(tier), from_host=tier is Tier.HOST, prefetched=True)
-            self._cond.notify_all()
-        return True
+    def _fill(self, key: Key, slot: int) -> tuple[int, bool]:
+        """Read `key`'s unit into `slot` (taken for it, no lock held): (bytes read, served by the host tier)."""
+        tier = self.loader.load(key, slot, self._pool[slot])
+        return (self.layout.nbytes, True) if tier is Tier.HOST else (self.source.stored_nbytes, False)
 
     def _map(self, key: Key, slot: int) -> None:
         """(Lock held, or no other thread yet.) The cache's map changed: mirror it in `slot_table`."""
