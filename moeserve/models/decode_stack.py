@@ -40,7 +40,7 @@ def why_not_fused(model: MoeModel) -> str | None:
     if model.embed.device.type != "cpu" or model.embed.dtype != torch.bfloat16:
         return "it runs bf16 on CPU only"
     store = model.store
-    if not store.resident and store.prefetcher is not None and store.predictor is None:
+    if store.takes_hints:
         return "the store prefetches the caller's hints (prefetch_predictor='hint'), which the per-op path computes"
     for layer in model.layers:
         why = layer.why_not_stacked()
@@ -85,7 +85,7 @@ class FusedResident(_Fused):
 
     def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         last = self.stack(kv).step(h, batch.positions, batch.token_slots, self._hits)
-        self.model.store.count_resident_hits(self._hits.tolist())
+        self.model.store.report_cached_calls(hits_per_layer=self._hits.tolist())
         self._hits.zero_()
         return last
 
@@ -123,7 +123,7 @@ class FusedOffloaded(_Fused):
         while True:
             log = stack.take_cached_log()
             if log.numel():
-                store.cached_calls(log.tolist())
+                store.report_cached_calls(log.tolist())
             if ids.numel() == 0:
                 return stack.result()
             for chunk in store.experts(self.moe_layers[stack.waiting_moe_index()], ids.tolist()):

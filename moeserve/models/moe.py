@@ -93,7 +93,7 @@ class MoEBlock(MLP):
         routed = self.routing.route(x, self.router(x))
         # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
         # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
-        wanted = self.trace_hook is not None or self.store.predictor is None
+        wanted = self.trace_hook is not None or self.store.takes_hints
         predicted = self.predict(x) if self.predict_next is not None and wanted else None
         if self.trace_hook is not None:
             self.trace_hook(self.layer, routed.ids, predicted)

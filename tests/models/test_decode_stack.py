@@ -39,16 +39,16 @@ def run(folder, decode_step: str, **settings):
             return fused_step(*a)
 
         model.decode_step.run = counting
-    model.calls_run_in_stack = 0  # layer calls the stack ran on cached units and reported (store.cached_calls)
-    report = model.store.cached_calls
+    model.calls_run_in_stack = 0  # layer calls the stack ran on cached units and reported (report_cached_calls)
+    report = model.store.report_cached_calls
 
-    def reporting(log):  # noqa: ANN001, ANN202
+    def reporting(log=(), hits_per_layer=()):  # noqa: ANN001, ANN202
         i = 0
         while i < len(log):
             model.calls_run_in_stack, i = model.calls_run_in_stack + 1, i + 2 + log[i + 1]
-        report(log)
+        report(log, hits_per_layer)
 
-    model.store.cached_calls = reporting
+    model.store.report_cached_calls = reporting
     logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
     hits = {layer: (s.hits, s.misses, s.bytes_read) for layer, s in model.store.stats.layers.items()}
     return model, logits, [o.outputs[0].token_ids for o in outs], fused_steps, hits
