@@ -353,6 +353,23 @@ def test_store_with_prefetch_matches_the_simulator_when_each_prefetch_completes(
         store.close()
 
 
+def test_prefetch_never_evicts_a_guess_that_is_already_cached():
+    # LRU, 3 slots. Layer 1 will need 5 and 6; (1, 5) is cached and the least recently used unit. Reading the
+    # guess 6 must take (0, 1)'s slot, not (1, 5)'s: the prefetcher protects the guesses it skips as cached.
+    store = make_store(capacity=3, policy="lru", prefetch=True, prefetch_predictor="hint")
+    try:
+        use(store, 1, [5])
+        use(store, 0, [1])
+        use(store, 0, [0], prefetch=(1, [5, 6]))
+        assert store.prefetcher is not None and store.prefetcher.wait_idle()
+        assert store.cached_keys() == {(1, 5), (1, 6), (0, 0)}
+        before = store.stats.misses
+        use(store, 1, [5, 6])
+        assert store.stats.misses == before and store.stats.prefetch_used == 1
+    finally:
+        store.close()
+
+
 def test_prefetch_never_evicts_the_pinned_chunk():
     store = make_store(capacity=2, prefetch=True, prefetch_predictor="hint")
     try:
