@@ -1,15 +1,16 @@
 """Eviction policies for the expert cache: pure Python, no torch, no numpy.
 
-The cache is one global cache over all MoE layers; a key is ``(layer, expert)``. The expert store (and the
-simulator in `moeserve.bench.simulate`, which models the store exactly) drives a policy like this, once per
-``acquire(layer, expert_ids)`` (once per chunk when a layer needs more experts than the cache holds)::
+The cache is one global cache over all MoE layers; a key is ``(layer, expert)``. `SlotCache`
+(experts/slot_cache.py, which both the expert store and the simulator in `moeserve.bench.simulate` drive) calls a
+policy like this, once per layer call (once per chunk when a layer needs more experts than the cache holds)::
 
     policy.begin_layer(layer)
     for key in needed keys already cached:  policy.on_hit(key)          # these are pinned first
     for key in needed keys not cached:
         if cache is full: victim = policy.choose_victim(pinned); evict it; policy.on_evict(victim)
         load key; policy.on_insert(key)
-    (optional prefetch for the next layer: evict as above, load, policy.on_insert(key, prefetched=True))
+    (optional prefetch for the next layer: evict as above, never a pinned or predicted key, load,
+     policy.on_insert(key, prefetched=True))
 
 Every operation is O(1) or O(log n) amortised (OrderedDict, heaps with lazy deletion); LFRU's
 `choose_victim` also looks at one candidate per MoE layer (O(layers), never O(cache)). See docs/policies.md.

@@ -83,11 +83,11 @@ class Prefetcher:
     def _submit(self, guess: list[Key]) -> None:
         """(`cond` held.) Protect the guesses already cached; queue the others, replacing any pending request."""
         todo = self._cache.plan_prefetch(guess)
-        if self._closed or not todo:
+        if self._closed:
             return
         self._epoch += 1
-        self._request = (todo, self._epoch)
-        if self._thread is None:
+        self._request = (todo, self._epoch) if todo else None
+        if todo and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="moeserve-prefetch", daemon=True)
             self._thread.start()
         self._cond.notify_all()

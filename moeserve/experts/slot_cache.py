@@ -234,7 +234,7 @@ class SlotCache:
 
     def _count_hits(self, layer: int, keys: Sequence[Key]) -> None:
         """The one place hits are counted (and told to the policy)."""
-        st = self.stats.layers.get(layer) or self.stats.layer(layer)
+        st = self.stats.layer(layer)
         st.hits += len(keys)
         if self.policy is not None:
             on_hit = self.policy.on_hit
