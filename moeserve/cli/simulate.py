@@ -111,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         f"fitted on {grid.fit_steps} steps, evaluated on {grid.eval_steps}"
     )
     if "online" in prefetches:
-        width = "as many as the call needed" if args.online_width is None else f"up to {args.online_width}"
+        width = "as many as it needed experts" if args.online_width is None else str(args.online_width)
         print(
-            f"online prefetch (the engine's guesses): {width} guesses per layer call with chance >= "
+            f"online prefetch (the engine's guesses): per layer call, up to {width} guesses with chance >= "
             f"{args.online_min_prob:g}; uncached ones read while such guesses were used as often"
         )
     print(format_table(grid, policies, capacities, prefetches, args.expert_mib))
