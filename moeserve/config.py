@@ -44,7 +44,8 @@ class EngineSettings(BaseModel):
     kv_cache_gb: float | None = Field(
         None, gt=0, description="KV cache budget in GiB (default: enough for max_num_seqs x max_model_len)"
     )
-    seed: int = Field(0, description="seed of the default random generator")
+    seed: int = Field(0, description="seed of the sampling generator of requests without their own seed "
+                                     "(same seed, same requests in the same order: same tokens)")
     threads: int | None = Field(None, ge=1, description="CPU threads for compute (default: all cores)")
     skip_tokenizer_init: bool = Field(False, description="run without tokenizer files, on token-id prompts")
     chat_template: str | None = Field(None, description="path of a jinja chat template overriding the model's")

@@ -112,7 +112,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             tok = self.tokenizer
             decode_token = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
-        self.sampler = Sampler(decode_token)
+        self.sampler = Sampler(decode_token, s.seed)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
         self.load_seconds = time.monotonic() - t0

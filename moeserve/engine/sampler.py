@@ -2,7 +2,8 @@
 
 Log-probabilities are those of the model's raw distribution (log-softmax of the logits before penalties and
 temperature), as vLLM reports by default. Greedy (temperature 0) is argmax; sampling draws from each sequence's
-own generator when it has a seed, so a seeded request gives the same tokens whatever else runs beside it.
+own generator when it has a seed, so a seeded request gives the same tokens whatever else runs beside it, and
+from the engine's generator (seeded with EngineSettings.seed) otherwise.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def _plain_greedy(seq: Sequence) -> bool:
 
 
 class Sampler:
-    def __init__(self, decode_token: Callable[[int], str | None] | None = None) -> None:
+    def __init__(self, decode_token: Callable[[int], str | None] | None = None, seed: int | None = None) -> None:
+        """`seed` (EngineSettings.seed): the generator of requests without a seed of their own, so two engines
+        with the same seed given the same requests in the same order sample the same tokens (None: torch's
+        global generator)."""
         self.decode_token = decode_token
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict[int, Logprob] | None]]:
         """logits: fp32 [B, V], one row per sequence in `seqs`."""
@@ -80,7 +85,7 @@ class Sampler:
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
             # Extreme parameters can overflow; never let one request's numbers kill the engine.
             return int(torch.argmax(logits))
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        return int(torch.multinomial(probs, 1, generator=seq.generator or self.generator))
 
     def _logprobs(self, logits: torch.Tensor, token: int, k: int | None) -> dict[int, Logprob] | None:
         if k is None:
