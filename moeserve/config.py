@@ -7,7 +7,7 @@ The same fields feed three doors, so they can never drift apart:
 
 Precedence: explicit keyword / flag > environment > default. An unknown keyword or an unknown ``MOESERVE_*``
 variable is an error with a "did you mean" (a misspelt setting that is silently ignored is how a server ends up
-running a broken kernel for hours; see CONTEXT.md failure 5). Settings are frozen once built.
+running a broken kernel for hours). Settings are frozen once built.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ class EngineSettings(BaseModel):
     dtype: DType = Field("auto", description="compute dtype; auto = the checkpoint's dtype")
     device: Device = Field("auto", description="where compute runs; auto = cuda if available, else cpu")
     max_model_len: int | None = Field(
-        None, ge=1, description="context length in tokens (default: the model's, capped by the KV budget)"
+        None, ge=1, description="context length in tokens (default: the model's, capped at 4096 to bound the KV cache)"
     )
     max_num_seqs: int = Field(8, ge=1, description="sequences decoded together in one batch")
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV cache budget in GiB (default: enough for max_num_seqs x max_model_len)"
+        None, gt=0, description="ceiling on the KV cache, GiB (2**30 bytes): start-up refuses when max_num_seqs x "
+        "max_model_len needs more; the cache is sized by those two (default: no ceiling)"
     )
     seed: int = Field(0, description="seed of the sampling generator of requests without their own seed "
                                      "(same seed, same requests in the same order: same tokens)")
@@ -50,9 +51,9 @@ class EngineSettings(BaseModel):
     skip_tokenizer_init: bool = Field(False, description="run without tokenizer files, on token-id prompts")
     chat_template: str | None = Field(None, description="path of a jinja chat template overriding the model's")
     expert_cache_gb: float | None = Field(
-        None, ge=0, description="fast-tier budget for experts in GiB (default: chosen from free memory)"
+        None, ge=0, description="fast-tier budget for experts, GiB (2**30 bytes) (default: chosen from free memory)"
     )
-    host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB")
+    host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes)")
     cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
     # Off by default. With the old guess (next layer's router on this layer's input) prefetch measured 0.71-0.73x
     # at batch 1 (wrong guesses read ~7x more). The store now guesses with its own affinity predictor (>= 50%

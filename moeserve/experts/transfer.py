@@ -1,7 +1,8 @@
 """Host -> device copies of expert units: asynchronous only from pinned memory, synchronous otherwise.
 
 A CUDA copy with ``non_blocking=True`` from pageable (unpinned) host memory is undefined behaviour in practice: the
-source can be reused before the DMA reads it (CONTEXT.md failure 4c). So the choice is made once, at start-up:
+source can be reused before the DMA reads it, and the expert silently holds the next unit's bytes. So the choice
+is made once, at start-up:
 
 - pinning works: units are staged in pinned memory and copied on a side stream; an event recorded after each copy
   is what the compute stream waits on before a kernel reads the slot, and what the next reuse of the staging

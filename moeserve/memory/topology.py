@@ -2,7 +2,7 @@
 
 On unified memory (Apple silicon, NVIDIA GB10 / Grace-Blackwell desktops, Jetson) the "GPU memory" and the "host
 RAM" are the same DRAM: budgeting them separately would count every byte twice and is how a 128 GB box gets
-OOM-killed (CONTEXT.md failure 1). CUDA reports such devices as integrated.
+OOM-killed by its own server. CUDA reports such devices as integrated.
 """
 
 from __future__ import annotations
