@@ -226,6 +226,15 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             stream.put(err)
 
+    def startup_choices(self) -> dict[str, str]:
+        """The loaded engine's start-up choices by name, as logged (LLMEngine.choices); empty while loading."""
+        return dict(getattr(self.engine, "choices", None) or {})
+
+    def expert_store(self) -> Any:
+        """The loaded engine's ExpertStore (its statistics for /metrics), or None while loading or without one."""
+        model = getattr(self.engine, "model", None)
+        return getattr(model, "store", None)
+
     def degraded(self) -> str | None:
         """None when healthy, else one line: the engine serves, but some requests fail (LLMEngine.health_problem)."""
         check = getattr(self.engine, "health_problem", None)

@@ -10,9 +10,10 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -79,6 +80,7 @@ class LLMEngine:
     def __init__(self, settings: EngineSettings) -> None:
         t0 = time.monotonic()
         self.settings = s = settings
+        self._choices: dict[str, str] = {}  # every start-up choice, by name: see `choices`
         model_path = s.model or str(demo_model_path())
         if s.model is None:
             log.info("model: none given, using the bundled demo model %s", model_path)
@@ -101,9 +103,9 @@ class LLMEngine:
                                      plan, budget.capacity, s.cache_policy, advance, store_options,
                                      ModelOptions(self.cpp_kernels, s.quantization == "int8", s.batch_invariant,
                                                   s.decode_step))
-        log.info("expert store: %s", self.model.store.describe())
+        self._chose("expert store", self.model.store.describe())
         for name, reason in self.model.choices:
-            log.info("%s: %s", name, reason)
+            self._chose(name, reason)
         self.trace = self._open_trace(s.record_trace, model_path)
         self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
                           spec.attention.head_dim, self.dtype, self.device)
@@ -121,6 +123,16 @@ class LLMEngine:
         if self.model.dequantized_linears:
             log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
                      len(self.model.dequantized_linears), self.dtype_name)
+
+    def _chose(self, name: str, text: str) -> None:
+        """A choice made at start-up: logged ("name: value (reason)") and kept in `choices`."""
+        log.info("%s: %s", name, text)
+        self._choices[name] = text
+
+    @property
+    def choices(self) -> Mapping[str, str]:
+        """Every choice made at start-up, by name, as the log printed it (value and reason): read-only."""
+        return MappingProxyType(self._choices)
 
     def start_reference_scan(self) -> None:
         """Offloaded experts: the store records each unit's checksum in the background while no request runs
@@ -155,25 +167,25 @@ class LLMEngine:
         nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
         total_experts = len(plan.sources)
         topology = detect_topology(self.device)
-        log.info("memory: %s", topology.reason)
+        self._chose("memory", topology.reason)
         budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes,
                                       topology.fast_free_bytes)
         rotary_bytes = 16 * self.max_model_len * spec.attention.head_dim  # cos/sin tables and their fp32 build
         check_fits_in_memory(nonexpert, kv_bytes + rotary_bytes, budget.cache_bytes, topology.fast_free_bytes,
                              f"max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len}, with the "
                              "rotary tables")
-        log.info("placement: %s", budget.reason)
+        self._chose("placement", budget.reason)
         # the layout holds the same bytes per unit, so the budget above stands
         if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
             plan = (int8_expert_plan(dense_plan, self.dtype, spill, interleaved=True) if s.quantization == "int8"
                     else interleaved_expert_plan(dense_plan))
-        log.info("experts: %s (quantization=%s)", plan.description, s.quantization)
+        self._chose("experts", f"{plan.description} (quantization={s.quantization})")
         host = choose_host_budget(s.host_cache_gb, plan.layout.nbytes, total_experts, budget.capacity,
                                   self.device.type, topology.unified)
-        log.info("host tier: %s", host.reason)
+        self._chose("host tier", host.reason)
         store_options = self._store_options(s, budget.capacity, host.capacity)
-        log.info("KV cache: %d slots x %d tokens = %.1f MiB (%s)", s.max_num_seqs, self.max_model_len,
-                 kv_bytes / 2**20, self.dtype_name)
+        self._chose("KV cache", f"{s.max_num_seqs} slots x {self.max_model_len} tokens = {kv_bytes / 2**20:.1f} MiB "
+                                f"({self.dtype_name})")
 
         preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
         load_bytes = nonexpert + preloaded
@@ -188,7 +200,7 @@ class LLMEngine:
         offloading would change the numbers. Offloaded bf16 misses are permuted to the interleaved layout as they
         leave the read buffer (interleaved measured 0.96-1.05x plain there), int8 ones are read interleaved."""
         if want == "plain":
-            log.info("expert layout: plain (set)")
+            self._chose("expert layout", "plain (set)")
             return False
         why_not = None if self.cpp_kernels else "kernels=torch or the C++ kernels are unavailable"
         why_not = why_not or can_interleave_experts(plan, self.dtype)
@@ -198,7 +210,7 @@ class LLMEngine:
                 why_not = "the kernels were built without AVX512-BF16" + ("/VBMI" if quantization == "int8" else "")
         if why_not is not None and want == "interleaved":
             raise ConfigError(f"expert_layout=interleaved is not possible here: {why_not} (use auto or plain)")
-        log.info("expert layout: %s", ("rows interleaved in blocks of 4 (the fused C++ op streams each block; "
+        self._chose("expert layout", ("rows interleaved in blocks of 4 (the fused C++ op streams each block; "
                                        f"{'set' if want == 'interleaved' else 'auto'})") if why_not is None
                  else f"plain ({why_not})")
         return why_not is None
@@ -212,44 +224,44 @@ class LLMEngine:
             raise ConfigError("device=cuda but no CUDA device is available (use device=cpu or auto)")
         if want == "auto":
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-            log.info("device: %s (auto: %s)", dev, "CUDA available" if dev == "cuda" else "no CUDA device")
+            self._chose("device", f"{dev} (auto: {'CUDA available' if dev == 'cuda' else 'no CUDA device'})")
             return torch.device(dev)
-        log.info("device: %s (set)", want)
+        self._chose("device", f"{want} (set)")
         return torch.device(want)
 
     def _choose_dtype(self, want: str, config_dtype: str | None, stored_code: str) -> torch.dtype:
         if want != "auto":
-            log.info("dtype: %s (set)", want)
+            self._chose("dtype", f"{want} (set)")
             return DTYPES[want]
         name = config_dtype if config_dtype in DTYPES else _CODE_TO_NAME.get(stored_code, "bfloat16")
         why = "config.json dtype" if config_dtype in DTYPES else f"most weights are stored as {stored_code}"
-        log.info("dtype: %s (auto: %s)", name, why)
+        self._chose("dtype", f"{name} (auto: {why})")
         return DTYPES[str(name)]
 
     def _choose_threads(self, want: int | None) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         n = want or cores
         torch.set_num_threads(n)
-        log.info("threads: %d (%s)", n, "set" if want else f"auto: all {cores} usable cores")
+        self._chose("threads", f"{n} ({'set' if want else f'auto: all {cores} usable cores'})")
 
     def _choose_kernels(self, want: str) -> bool:
         """The moeserve C++ ops (norms, attention, dense GEMVs; each where its dtype applies) or torch's only;
         kernels=cpp raises ConfigError when they cannot be built or run here."""
         use, reason = kernels.choose(want, self.device.type)
-        log.info("kernels: %s (%s: %s)", "cpp" if use else "torch", want, reason)
+        self._chose("kernels", f"{'cpp' if use else 'torch'} ({want}: {reason})")
         return use
 
     def _choose_max_model_len(self, want: int | None, model_max: int) -> int:
         if want is not None:
             if want > model_max:
                 raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
-            log.info("max_model_len: %d (set)", want)
+            self._chose("max_model_len", f"{want} (set)")
             return want
         n = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
         why = "the model's limit" if n == model_max else (
             f"the model allows {model_max}; capped at {DEFAULT_MAX_MODEL_LEN_CAP} to bound the KV cache, "
             "set max_model_len for more")
-        log.info("max_model_len: %d (auto: %s)", n, why)
+        self._chose("max_model_len", f"{n} (auto: {why})")
         return n
 
     def _eos_ids(self) -> set[int]:

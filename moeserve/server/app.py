@@ -116,7 +116,8 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
         max_len = state.max_model_len if state.engine.state == State.READY else None
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=max_len)])
+        choices = state.engine.startup_choices() or None
+        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=max_len, startup_choices=choices)])
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

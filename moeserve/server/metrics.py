@@ -25,7 +25,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 def _labels(labels: dict[str, str]) -> str:
     if not labels:
         return ""
-    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+    body = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34)).replace(chr(10), chr(92) + "n")}"'
                     for k, v in sorted(labels.items()))
     return "{" + body + "}"
 
@@ -128,12 +128,24 @@ class ServerMetrics:
         for counter in (self.prompt_tokens, self.generation_tokens, self.request_success, self.rejected):
             lines += counter.render(self.labels)
         lines += _expert_lines(engine, self.labels)
+        lines += _choice_lines(engine, self.labels)
         return "\n".join(lines) + "\n"
+
+
+def _choice_lines(engine: Any, labels: dict[str, str]) -> list[str]:
+    """Every start-up choice as an info-style gauge (value 1): what the engine chose and why, by name."""
+    choices = engine.startup_choices()
+    if not choices:
+        return []
+    name = "moeserve:startup_choice"
+    lines = [f"# HELP {name} A choice made at start-up (name, and the value with its reason as logged).",
+             f"# TYPE {name} gauge"]
+    return lines + [f"{name}{_labels({**labels, 'name': k, 'value': v})} 1" for k, v in choices.items()]
 
 
 def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:
     """Expert-cache counters from the store (absent while loading or for engines without a store)."""
-    store = getattr(getattr(getattr(engine, "engine", None), "model", None), "store", None)
+    store = engine.expert_store()
     if store is None:
         return []
     layer_stats = list(store.stats.layers.values())  # a copy: the engine thread may add layers meanwhile
@@ -206,7 +218,7 @@ class StatsLogger:
     def line(self) -> str | None:
         """The line for the period since the previous call, or None if nothing happened."""
         now = time.monotonic()
-        store = getattr(getattr(getattr(self.engine, "engine", None), "model", None), "store", None)
+        store = self.engine.expert_store()
         layer_stats = list(store.stats.layers.values()) if store is not None else []
         hits = sum(s.hits for s in layer_stats)
         misses = sum(s.misses for s in layer_stats)

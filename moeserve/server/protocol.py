@@ -143,6 +143,7 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "moeserve"
     max_model_len: int | None = None
+    startup_choices: dict[str, str] | None = None  # moeserve's: every choice made at start-up, as logged
 
 
 class ModelList(ResponseModel):
