@@ -55,10 +55,8 @@ class EngineSettings(BaseModel):
     )
     host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes)")
     cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
-    # Off by default. With the old guess (next layer's router on this layer's input) prefetch measured 0.71-0.73x
-    # at batch 1 (wrong guesses read ~7x more). The store now guesses with its own affinity predictor (>= 50%
-    # calibrated chance): 1.14x median (p70: 1.11x) in a 10-round alternated run on the loaded machine, 0.99x in
-    # a 6-round one (docs/expert-store.md): not yet a proven win, so it stays off. It never changes the output.
+    # Off by default: on the bench models (near-uniform routing) no guess pays for its read, and no measurement yet
+    # shows a win on real routing (docs/benchmarks.md keeps the figures). It never changes the output.
     prefetch: bool = Field(False, description="predict and load the next layer's experts in the background")
     quantization: Literal["none", "int8"] = Field(
         "none", description="on-load weight quantization of 16-bit checkpoints"
