@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,17 +289,6 @@ class ExpertStore:
                 i += 2 + n
             for layer, hits in zip(self.layers, hits_per_layer):
                 self.cache.count_resident_hits(layer, hits)
-
-    def cached_calls(self, log: Sequence[int]) -> None:
-        """Deprecated: `report_cached_calls(log)`."""
-        warnings.warn("ExpertStore.cached_calls: use report_cached_calls(log)", DeprecationWarning, stacklevel=2)
-        self.report_cached_calls(log)
-
-    def count_resident_hits(self, hits_per_layer: Sequence[int]) -> None:
-        """Deprecated: `report_cached_calls(hits_per_layer=...)`."""
-        warnings.warn("ExpertStore.count_resident_hits: use report_cached_calls(hits_per_layer=...)",
-                      DeprecationWarning, stacklevel=2)
-        self.report_cached_calls(hits_per_layer=hits_per_layer)
 
     def resident_units(self, layer: int) -> list[ExpertWeights]:
         """Resident store only: the views of every expert of `layer`, by expert id. They never move or get evicted
