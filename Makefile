@@ -9,11 +9,14 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first, pinned: the CPU wheel 2.13.0. A looser requirement would download a CUDA build.
+# torch first, pinned to 2.13.0. Which build that is depends on where pip finds it: a local CPU wheel where one is
+# provided (PIP_FIND_LINKS), else PyPI's, which on Linux x86_64 is the CUDA build. TORCH_INDEX picks an index:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu     (no GPU: the CPU wheel, no CUDA libraries)
+TORCH_INDEX ?=
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

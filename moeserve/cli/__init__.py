@@ -28,12 +28,27 @@ SUBCOMMANDS = [
 ]
 
 
+def _version() -> str:
+    """moeserve's version and torch's (its local tag says the build: +cpu, +cu128, ...)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from moeserve import __version__
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"moeserve {__version__} (torch {torch_version})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeserve",
         description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print moeserve's version and torch's, then exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:

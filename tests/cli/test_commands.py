@@ -43,3 +43,16 @@ def test_inspect_counts_by_hand(tiny_checkpoint, capsys) -> None:
             "bytes": moe_layers * e * h * i * 4} in r["formats"]
     assert main(["inspect", str(tiny_checkpoint("qwen3_moe"))]) == 0
     assert "Qwen3MoeForCausalLM" in capsys.readouterr().out
+
+
+def test_version_prints_moeserve_and_torch(capsys) -> None:
+    import pytest
+    import torch
+
+    import moeserve
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"moeserve {moeserve.__version__} (torch {torch.__version__})"
