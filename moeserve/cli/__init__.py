@@ -8,6 +8,7 @@ sets ``func=run`` (``run(args) -> int``). Errors that are `MoeserveError` print 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import sys
@@ -44,12 +45,16 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moeserve",
+        allow_abbrev=False,
         description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     parser.add_argument("--version", action="version", version=_version(),
                         help="print moeserve's version and torch's, then exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # No abbreviated flags: `--expert-cache 0.005` must not silently mean --expert-cache-gb (nor stop meaning it
+    # the day another flag shares the prefix).
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"moeserve.cli.{name}")

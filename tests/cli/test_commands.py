@@ -56,3 +56,12 @@ def test_version_prints_moeserve_and_torch(capsys) -> None:
     assert exit_info.value.code == 0
     out = capsys.readouterr().out.strip()
     assert out == f"moeserve {moeserve.__version__} (torch {torch.__version__})"
+
+
+def test_abbreviated_flags_are_refused(tiny_text_model, capsys) -> None:
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(tiny_text_model), "--prompt", "Hi", "--max-tok", "3"])  # --max-tokens abbreviated
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --max-tok" in capsys.readouterr().err
