@@ -8,11 +8,11 @@ sets ``func=run`` (``run(args) -> int``). Errors that are `MoeserveError` print 
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import logging
 import sys
 import traceback
+from typing import Any
 
 from moeserve.errors import MoeserveError
 
@@ -42,10 +42,17 @@ def _version() -> str:
     return f"moeserve {__version__} (torch {torch_version})"
 
 
+class _StrictParser(argparse.ArgumentParser):
+    """An ArgumentParser that never accepts an abbreviated flag."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _StrictParser(
         prog="moeserve",
-        allow_abbrev=False,
         description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
     )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -54,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     # No abbreviated flags: `--expert-cache 0.005` must not silently mean --expert-cache-gb (nor stop meaning it
     # the day another flag shares the prefix).
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False))
+                                parser_class=_StrictParser)
     for name in SUBCOMMANDS:
         try:
             module = importlib.import_module(f"moeserve.cli.{name}")
