@@ -41,6 +41,15 @@ class EngineSettings(BaseModel):
         None, ge=1, description="context length in tokens (default: the model's, capped at 4096 to bound the KV cache)"
     )
     max_num_seqs: int = Field(8, ge=1, description="sequences decoded together in one batch")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="tokens computed per engine step; long prompts are prefilled in chunks of at most "
+        "this many tokens, interleaved with the running decodes (default: 2048)"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of a prompt prefix already computed (hashed per full block); the "
+        "output is bit-identical with or without"
+    )
+    block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
     kv_cache_gb: float | None = Field(
         None, gt=0, description="ceiling on the KV cache, GiB (2**30 bytes): start-up refuses when max_num_seqs x "
         "max_model_len needs more; the cache is sized by those two (default: no ceiling)"

@@ -73,10 +73,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
     """(ModelFootprint, dtype name, max_model_len, expert TensorRefs) as the engine would choose them."""
-    from moeserve.engine.llm_engine import _CODE_TO_NAME, DEFAULT_MAX_MODEL_LEN_CAP, DTYPES
+    from moeserve.engine.llm_engine import _CODE_TO_NAME, DTYPES
     from moeserve.models.expert_plans import expert_plan
     from moeserve.models.inventory import resident_nbytes
-    from moeserve.state.kv_cache import KVCache
 
     dtype_name: str
     if s.dtype != "auto":
@@ -86,13 +85,12 @@ def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - i
     else:
         dtype_name = _CODE_TO_NAME.get(ckpt.stored_dtype(), "bfloat16")
     dtype = DTYPES[dtype_name]
-    max_len = s.max_model_len or min(spec.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+    max_len = s.max_model_len or spec.max_position_embeddings
     plan = expert_plan(ckpt, arch, spec, dtype)
     refs = [r for fs in plan.sources.values() for f in fs for r in f.refs]
     # Stacked expert tensors (gpt-oss) and quantized dense Linears counted as the engine counts them.
     nonexpert = resident_nbytes(ckpt, plan, dtype)
-    kv = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, max_len, spec.attention.num_kv_heads,
-                              spec.attention.head_dim, dtype)
+    kv = 2 * spec.num_layers * max_len * spec.attention.num_kv_heads * spec.attention.head_dim * dtype.itemsize
     first = next(iter(plan.sources.values()))
     footprint = ModelFootprint(
         resident_bytes=nonexpert,

@@ -44,14 +44,15 @@ from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kv_cache import PagedKVCache, bytes_per_block, fixed_pool_bytes, kv_groups, size_pools
+from moeserve.state.manager import SequenceMemory
 from moeserve.tokenizer import Tokenizer
 
 log = logging.getLogger("moeserve")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CODE_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-DEFAULT_MAX_MODEL_LEN_CAP = 4096
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def demo_model_path() -> Path:
@@ -97,7 +98,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         self.cpp_kernels = self._choose_kernels(s.kernels)
-        plan, budget, store_options, load_bytes = self._plan_memory(ckpt, spec, s)
+        self.max_num_batched_tokens = self._choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs)
+        self.kv_groups = kv_groups(spec.attention.sliding_window)
+        self._block_bytes = [bytes_per_block(len(g.layers), s.block_size, spec.attention.num_kv_heads,
+                                             spec.attention.head_dim, self.dtype) for g in self.kv_groups]
+        plan, budget, store_options, load_bytes, kv_bytes = self._plan_memory(ckpt, spec, s)
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
                                      plan, budget.capacity, s.cache_policy, advance, store_options,
@@ -107,9 +112,15 @@ class LLMEngine:
         for name, reason in self.model.choices:
             self._chose(name, reason)
         self.trace = self._open_trace(s.record_trace, model_path)
-        self.kv = KVCache(spec.num_layers, s.max_num_seqs, self.max_model_len, spec.attention.num_kv_heads,
-                          spec.attention.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(s.max_num_seqs, self.kv.allocate, self.kv.release, lambda: self.kv.free_slots)
+        num_blocks = size_pools(self.kv_groups, self._block_bytes, kv_bytes, s.block_size, s.max_num_seqs,
+                                self.max_num_batched_tokens, self.max_model_len)
+        self.kv = PagedKVCache(self.kv_groups, num_blocks, s.block_size, spec.attention.num_kv_heads,
+                               spec.attention.head_dim, self.dtype, self.device)
+        self.memory = SequenceMemory([g.kind for g in self.kv_groups], num_blocks, s.block_size,
+                                     s.enable_prefix_caching)
+        self._chose("KV cache", f"paged: {self.kv.describe()} ({self.dtype_name}); prefix caching "
+                                f"{'on' if self.memory.prefix_caching else 'off'}")
+        self.scheduler = Scheduler(s.max_num_seqs, self.max_num_batched_tokens, self.memory)
         decode_token = None
         if self.tokenizer is not None:
             tok = self.tokenizer
@@ -156,14 +167,18 @@ class LLMEngine:
         spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
         if s.quantization == "int8":
             plan = int8_expert_plan(dense_plan, self.dtype, spill)
-        kv_bytes = KVCache.bytes_needed(spec.num_layers, s.max_num_seqs, self.max_model_len,
-                                        spec.attention.num_kv_heads, spec.attention.head_dim, self.dtype)
-        if s.kv_cache_gb is not None and kv_bytes > s.kv_cache_gb * GiB:
-            raise ConfigError(
-                f"KV cache for max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len} needs "
-                f"{kv_bytes / GiB:.2f} GiB, more than kv_cache_gb={s.kv_cache_gb:g}: "
-                "lower max_model_len or max_num_seqs, or raise kv_cache_gb"
-            )
+        fixed_kv, kv_per_token = fixed_pool_bytes(self.kv_groups, self._block_bytes, s.block_size, s.max_num_seqs,
+                                                  self.max_num_batched_tokens, self.max_model_len)
+        one_seq = fixed_kv + kv_per_token * (self.max_model_len + s.block_size)
+        if s.kv_cache_gb is not None:
+            kv_bytes = int(s.kv_cache_gb * GiB)
+            if kv_bytes < one_seq:
+                raise ConfigError(
+                    f"kv_cache_gb={s.kv_cache_gb:g} cannot hold one sequence of max_model_len={self.max_model_len} "
+                    f"tokens ({one_seq / GiB:.3f} GiB): lower max_model_len or raise kv_cache_gb")
+        else:
+            kv_bytes = fixed_kv + kv_per_token * min(s.max_num_seqs * self.max_model_len,
+                                                     max(self.max_model_len, 32768))
         nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
         total_experts = len(plan.sources)
         topology = detect_topology(self.device)
@@ -172,8 +187,7 @@ class LLMEngine:
                                       topology.fast_free_bytes)
         rotary_bytes = 16 * self.max_model_len * spec.attention.head_dim  # cos/sin tables and their fp32 build
         check_fits_in_memory(nonexpert, kv_bytes + rotary_bytes, budget.cache_bytes, topology.fast_free_bytes,
-                             f"max_num_seqs={s.max_num_seqs} x max_model_len={self.max_model_len}, with the "
-                             "rotary tables")
+                             f"max_model_len={self.max_model_len}, with the rotary tables")
         self._chose("placement", budget.reason)
         # the layout holds the same bytes per unit, so the budget above stands
         if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
@@ -184,12 +198,10 @@ class LLMEngine:
                                   self.device.type, topology.unified)
         self._chose("host tier", host.reason)
         store_options = self._store_options(s, budget.capacity, host.capacity)
-        self._chose("KV cache", f"{s.max_num_seqs} slots x {self.max_model_len} tokens = {kv_bytes / 2**20:.1f} MiB "
-                                f"({self.dtype_name})")
 
         preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
         load_bytes = nonexpert + preloaded
-        return plan, budget, store_options, load_bytes
+        return plan, budget, store_options, load_bytes, kv_bytes
 
     def _choose_expert_layout(self, plan, quantization: str, want: str) -> bool:  # noqa: ANN001 - ExpertPlan
         """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way);
@@ -257,11 +269,16 @@ class LLMEngine:
                 raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
             self._chose("max_model_len", f"{want} (set)")
             return want
-        n = min(model_max, DEFAULT_MAX_MODEL_LEN_CAP)
-        why = "the model's limit" if n == model_max else (
-            f"the model allows {model_max}; capped at {DEFAULT_MAX_MODEL_LEN_CAP} to bound the KV cache, "
-            "set max_model_len for more")
-        self._chose("max_model_len", f"{n} (auto: {why})")
+        self._chose("max_model_len", f"{model_max} (auto: the model's max_position_embeddings)")
+        return model_max
+
+    def _choose_batched_tokens(self, want: int | None, max_num_seqs: int) -> int:
+        n = want if want is not None else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+        if n < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={n} cannot hold one decode token of each of "
+                              f"max_num_seqs={max_num_seqs} sequences: raise it or lower max_num_seqs")
+        self._chose("max_num_batched_tokens", f"{n} ({'set' if want is not None else 'default'}): longer prompts "
+                    "are prefilled in chunks of this many tokens between decode steps")
         return n
 
     def _eos_ids(self) -> set[int]:
@@ -325,6 +342,8 @@ class LLMEngine:
         self.check_prompt(ids)
         seqs = [Sequence(request_id, i, ids, params, self.max_model_len, self.eos_token_ids)
                 for i in range(params.n)]
+        for seq in seqs:
+            seq.first_sibling = seqs[0]
         self.requests[request_id] = Request(request_id, text, ids, seqs)
         self.scheduler.add(seqs)
         return request_id
@@ -343,7 +362,7 @@ class LLMEngine:
                                param="prompt")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its KV slots. Returns its final output, or None if unknown."""
+        """Stop a request now and free its KV blocks. Returns its final output, or None if unknown."""
         self.scheduler.abort(request_id)
         req = self.requests.pop(request_id, None)
         return req.output() if req is not None else None
@@ -360,32 +379,51 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests.
         An expert that cannot be read (ExpertLoadError) fails only the requests that need it (`_step_apart`)."""
-        seqs = self.scheduler.schedule()
-        if not seqs:
-            return []
+        scheduled = self.scheduler.schedule()
+        outputs = self._fail_unservable()
+        if not scheduled:
+            return outputs
         try:
-            return self._run_step(seqs)
+            return outputs + self._run_step(scheduled)
         except ExpertLoadError:
-            if len({seq.request_id for seq in seqs}) < 2:
+            if len({seq.request_id for seq, _ in scheduled}) < 2:
                 raise  # the batch is one request: it fails (its caller aborts it)
-        return self._step_apart(seqs)
+        return outputs + self._step_apart(scheduled)
 
-    def _run_step(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        batch = self._build_batch(seqs)
+    def _fail_unservable(self) -> list[RequestOutput]:
+        """Sequences the KV pools cannot hold even alone (the memory split prevents it; a last guard)."""
+        outputs = []
+        while self.scheduler.unservable:
+            seq = self.scheduler.unservable.pop()
+            out = self.abort_request(seq.request_id)
+            if out is not None:
+                out.error = RequestError(f"the sequence ({seq.length} tokens) does not fit in the KV cache "
+                                         f"({self.kv.describe()}): lower max_tokens or raise kv_cache_gb",
+                                         param="messages", code="context_length_exceeded")
+                outputs.append(out)
+        return outputs
+
+    def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        batch = self._build_batch(scheduled)
         logits = self.model.forward(batch, self.kv)
         if self.trace is not None:
             self.trace.end_step()
-        samples = self.sampler(logits, seqs)
+        self.scheduler.computed(scheduled)
+        done = [i for i, (seq, _) in enumerate(scheduled) if seq.num_cached == seq.length]  # else: a prefill chunk
+        if not done:
+            return []
+        seqs = [scheduled[i][0] for i in done]
+        samples = self.sampler(logits[done] if len(done) < len(scheduled) else logits, seqs)
         return self._update(seqs, samples)
 
-    def _step_apart(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def _step_apart(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         """A step of several requests failed reading an expert (corrupt or unreadable: experts/verify.py). Which
         request needed it is not known, so each request runs alone: one that fails again ends at once (aborted,
-        its KV slot freed) with the error in its output's `error`; the others advance as in any step. Repeating
+        its KV blocks freed) with the error in its output's `error`; the others advance as in any step. Repeating
         the step is safe: a failed forward changed no sequence, and the K/V it wrote are written again."""
-        groups: dict[str, list[Sequence]] = {}
-        for seq in seqs:
-            groups.setdefault(seq.request_id, []).append(seq)
+        groups: dict[str, list[tuple[Sequence, int]]] = {}
+        for item in scheduled:
+            groups.setdefault(item[0].request_id, []).append(item)
         outputs: list[RequestOutput] = []
         for request_id, group in groups.items():
             try:
@@ -398,35 +436,42 @@ class LLMEngine:
                     outputs.append(out)
         return outputs
 
-    def _build_batch(self, seqs: list[Sequence]) -> ForwardBatch:
+    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ForwardBatch:
+        """The step's tokens and, per KV group, their cache rows and the sequences' block tables."""
+        bs = self.kv.block_size
         tokens: list[int] = []
         positions: list[int] = []
-        token_slots: list[int] = []
-        num_new: list[int] = []
-        for seq in seqs:
-            new = seq.tokens_to_compute()
-            tokens += new
-            positions += range(seq.num_cached, seq.num_cached + len(new))
-            token_slots += [seq.slot] * len(new)
-            num_new.append(len(new))
+        rows: list[int] = []
+        groups = range(len(self.kv_groups))
+        slots: list[list[int]] = [[] for _ in groups]
+        for b, (seq, n) in enumerate(scheduled):
+            start = seq.num_cached
+            tokens += seq.tokens_to_compute(n)
+            span = range(start, start + n)
+            positions += span
+            rows += [b] * n
+            assert seq.blocks is not None
+            for g in groups:
+                table = seq.blocks.tables[g]
+                slots[g] += [table[p // bs] * bs + p % bs for p in span]
+        tables = [[seq.blocks.tables[g] for seq, _ in scheduled] for g in groups]  # type: ignore[union-attr]
         dev = self.device
-        batch = ForwardBatch(
+        decode_only = len(tokens) == len(scheduled)
+        return ForwardBatch(
             token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slots=[s.slot for s in seqs],
-            starts=[s.num_cached for s in seqs],
-            num_new=num_new,
-            token_slots=torch.tensor(token_slots, dtype=torch.long, device=dev),
+            starts=[seq.num_cached for seq, _ in scheduled],
+            num_new=[n for _, n in scheduled],
+            slot_mappings=[torch.tensor(m, dtype=torch.long, device=dev) for m in slots],
+            block_tables=[_table_tensor(t, dev) for t in tables],
+            tables=tables,
+            rows=None if decode_only else torch.tensor(rows, dtype=torch.long, device=dev),
         )
-        if batch.decode_only:  # one token per sequence: its slot and position are per token already
-            batch.slots_t, batch.starts_t = batch.token_slots, batch.positions
-        return batch
 
     def _update(self, seqs: list[Sequence], samples: list) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, Request] = {}
         for seq, (token, logprobs) in zip(seqs, samples):
-            seq.num_cached = seq.length
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -450,6 +495,14 @@ class LLMEngine:
         self.model.store.close()
         if self.trace is not None:
             self.trace.close()
+
+
+def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as int64 [B, longest], padded (and freed entries, -1) with block 0: never read (the ops read
+    only the blocks of the positions they attend)."""
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.long,
+                        device=device)
 
 
 class _progress:

@@ -1,64 +1,170 @@
-"""Scheduler: which sequences run in the next step. Pure Python (no torch), unit-testable.
+"""Scheduler: which sequences compute how many tokens in the next step. Pure Python (no torch), unit-testable.
 
-Continuous batching: at every step boundary, waiting requests are admitted while KV slots are free and fewer
-than max_num_seqs sequences run; finished and aborted sequences leave. One step runs the prefill of newly
-admitted sequences and one decode token of every running sequence together, so the MoE layers see all of the
-batch's tokens at once and fetch each expert once for all of them.
+Continuous batching with chunked prefill over a paged KV cache (state/manager.py). Each step has a budget of
+`max_num_batched_tokens` tokens, filled in this order:
+
+1. every running sequence that decodes (one token each), oldest first;
+2. waiting sequences, first come first served, while fewer than `max_num_seqs` run: each starts from its prefix-
+   cache hit and computes as much of the rest as the budget leaves (a long prompt: one chunk now, the rest in
+   later steps);
+3. running sequences still prefilling, oldest first, one chunk each from what is left.
+
+So a decode never waits for a long prompt for more than one step's budget, and a short request arriving during a
+long prefill is admitted at the next step. When a running sequence needs a block and the pools are empty, the
+newest running sequence is preempted: its blocks are freed and it goes back to the front of the queue, to be
+recomputed from its tokens (prompt and output so far) when it is admitted again (vLLM's recompute preemption; the
+prefix cache often makes that cheap). The sequences of a request with n > 1 share its prompt through the prefix
+cache: the second and later ones are admitted once the first has computed the prompt.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from dataclasses import dataclass
 
 from moeserve.engine.sequence import Sequence, Status
+from moeserve.state.manager import SequenceMemory
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens of prefills and recomputations (not decodes)
+    last_step_tokens: int = 0
+    last_step_prefill_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int, allocate_slot: Callable[[], int], release_slot: Callable[[int], None],
-                 free_slots: Callable[[], int]) -> None:
-        self.max_num_seqs = max_num_seqs
-        self._allocate, self._release, self._free_slots = allocate_slot, release_slot, free_slots
-        self.waiting: deque[list[Sequence]] = deque()  # one entry per request: its n sequences
-        self.running: list[Sequence] = []
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, memory: SequenceMemory) -> None:
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot hold one decode token of "
+                             f"each of max_num_seqs={max_num_seqs} sequences")
+        self.max_num_seqs, self.max_num_batched_tokens, self.memory = max_num_seqs, max_num_batched_tokens, memory
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: oldest first
+        self.unservable: list[Sequence] = []  # cannot fit the pools even alone: the engine fails their requests
+        self.stats = SchedulerStats()
 
     def add(self, seqs: list[Sequence]) -> None:
-        self.waiting.append(seqs)
+        for seq in seqs:
+            seq.blocks = self.memory.new()
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     @property
     def num_waiting(self) -> int:
-        return sum(len(g) for g in self.waiting)
+        return len(self.waiting)
 
-    def schedule(self) -> list[Sequence]:
-        """Admit what fits (whole requests, first come first served), then return every running sequence."""
-        while self.waiting:
-            group = self.waiting[0]
-            if len(self.running) + len(group) > self.max_num_seqs or self._free_slots() < len(group):
+    # ------------------------------------------------------------------------------------------ schedule
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to compute) for the next step, within the token budget and the block pools."""
+        budget = self.max_num_batched_tokens
+        out: list[tuple[Sequence, int]] = []
+        decoding = [s for s in self.running if s.length - s.num_cached == 1]
+        prefilling = [s for s in self.running if s.length - s.num_cached > 1]
+        preemptions = self.stats.preemptions
+        for seq in decoding:
+            if budget == 0:
                 break
+            if seq.status == Status.RUNNING and self._grow(seq, 1):
+                out.append((seq, 1))
+                budget -= 1
+        if self.stats.preemptions == preemptions:  # no admission while the pools are short
+            budget = self._admit(budget, out)
+        for seq in prefilling:
+            if budget == 0:
+                break
+            n = min(seq.length - seq.num_cached, budget)
+            if seq.status == Status.RUNNING and self._grow(seq, n):
+                out.append((seq, n))
+                budget -= n
+        out = [(s, n) for s, n in out if s.status == Status.RUNNING]  # a later growth may preempt an earlier one
+        self.stats.steps += 1
+        self.stats.last_step_tokens = sum(n for _, n in out)
+        self.stats.last_step_prefill_tokens = sum(n for s, n in out if s.length - s.num_cached > 1)
+        self.stats.prefill_tokens += self.stats.last_step_prefill_tokens
+        return out
+
+    def _grow(self, seq: Sequence, n: int) -> bool:
+        """Blocks for `n` more tokens of running `seq`, preempting the newest running sequences while the pools
+        are short. False when `seq` itself had to go."""
+        assert seq.blocks is not None
+        while not self.memory.grow(seq.blocks, seq.num_cached + n):
+            victim = self.running[-1]
+            alone = len(self.running) == 1
+            self._preempt(victim)
+            if victim is seq:
+                if alone:  # nothing else holds blocks: it can never fit
+                    self.waiting.remove(seq)
+                    self.unservable.append(seq)
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert seq.blocks is not None
+        self.running.remove(seq)
+        self.memory.free(seq.blocks)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _admit(self, budget: int, out: list[tuple[Sequence, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._ready(seq):
+                break
+            assert seq.blocks is not None
+            tokens = seq.all_token_ids
+            cached = self.memory.admit(seq.blocks, tokens)
+            n = min(seq.length - cached, budget)
+            if not self.memory.grow(seq.blocks, cached + n):
+                self.memory.free(seq.blocks)
+                if not self.running:  # the pools are empty of sequences and still too small
+                    self.waiting.popleft()
+                    self.unservable.append(seq)
+                    continue
+                break
+            self.memory.stats.queried_tokens += len(tokens)
+            self.memory.stats.hit_tokens += cached
             self.waiting.popleft()
-            for seq in group:
-                seq.slot = self._allocate()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-        return list(self.running)
+            seq.num_cached = cached
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            out.append((seq, n))
+            budget -= n
+        return budget
+
+    def _ready(self, seq: Sequence) -> bool:
+        """A later sequence of an n > 1 request waits while the first one computes the prompt it will share."""
+        first = seq.first_sibling
+        if first is None or first is seq or not self.memory.prefix_caching:
+            return True
+        return not (first.status == Status.RUNNING and first.num_cached < len(first.prompt_token_ids))
+
+    # ------------------------------------------------------------------------------------------ results
+    def computed(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The step ran: each sequence's tokens are in the cache (registered for prefix reuse)."""
+        for seq, n in scheduled:
+            seq.num_cached += n
+            assert seq.blocks is not None
+            self.memory.computed(seq.blocks, seq.all_token_ids, seq.num_cached)
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and free its KV slot."""
+        """Remove a finished or aborted sequence and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
-            self._release(seq.slot)
-            seq.slot = -1
+        if seq.blocks is not None:
+            self.memory.free(seq.blocks)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Abort every sequence of `request_id`, waiting or running; returns them."""
-        aborted: list[Sequence] = []
-        for group in list(self.waiting):
-            if group and group[0].request_id == request_id:
-                self.waiting.remove(group)
-                aborted.extend(group)
+        aborted = [s for s in self.waiting if s.request_id == request_id]
+        for seq in aborted:
+            self.waiting.remove(seq)
         for seq in [s for s in self.running if s.request_id == request_id]:
             self.finish(seq)
             aborted.append(seq)

@@ -9,6 +9,7 @@ import torch
 
 from moeserve.engine.outputs import CompletionOutput, Logprob
 from moeserve.engine.sampling_params import SamplingParams
+from moeserve.state.manager import SeqBlocks
 
 
 class Status(enum.Enum):
@@ -27,7 +28,8 @@ class Sequence:
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.status = Status.WAITING
-        self.slot = -1
+        self.blocks: SeqBlocks | None = None  # its KV blocks (the scheduler gives them)
+        self.first_sibling: Sequence | None = None  # sequence 0 of its request (n > 1 share its prompt)
         self.num_cached = 0  # tokens whose K/V are in the cache
         self.text = ""  # detokenized output (stop string cut applied once finished)
         # Incremental detokenization (what vLLM does): each step decodes only the tokens from _prefix_offset on
@@ -52,9 +54,9 @@ class Sequence:
     def length(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def tokens_to_compute(self) -> list[int]:
-        """Tokens whose K/V are not cached yet: the whole prompt at first, then the last sampled token."""
-        return self.all_token_ids[self.num_cached :]
+    def tokens_to_compute(self, n: int) -> list[int]:
+        """The next `n` tokens whose K/V are not cached yet (prompt chunks at first, then the last sampled token)."""
+        return self.all_token_ids[self.num_cached : self.num_cached + n]
 
     def append(self, token_id: int, logprobs: dict[int, Logprob] | None,
                detokenize: Callable[[list[int]], str] | None) -> None:

@@ -27,7 +27,7 @@ from moeserve.errors import ConfigError
 from moeserve.models.expert_kernels import FUSED_MAX_TOKENS
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.passes import LayerPass
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:
     from moeserve.models.model import MoeModel
@@ -55,18 +55,18 @@ class _Fused(LayerPass):
     def __init__(self, model: MoeModel) -> None:
         self.model = model
         self._stack: Any = None
-        self._kv: KVCache | None = None
+        self._kv: PagedKVCache | None = None
         self._hits = torch.zeros(len(model.store.layers), dtype=torch.int64)
 
     def accepts(self, batch: ForwardBatch) -> bool:
-        return batch.decode_only and batch.token_slots is not None
+        return batch.decode_only
 
-    def stack(self, kv: KVCache) -> Any:
+    def stack(self, kv: PagedKVCache) -> Any:
         if self._stack is None or self._kv is not kv:
             self._stack, self._kv = self._build(kv), kv
         return self._stack
 
-    def _build(self, kv: KVCache) -> Any:
+    def _build(self, kv: PagedKVCache) -> Any:
         model = self.model
         spec, a = model.spec, model.spec.attention
         attn0 = model.layers[0].attn
@@ -83,8 +83,8 @@ class _Fused(LayerPass):
 class FusedResident(_Fused):
     """Every unit held by the stack (a resident store's units never move)."""
 
-    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        last = self.stack(kv).step(h, batch.positions, batch.token_slots, self._hits)
+    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        last = self.stack(kv).step(h, batch.positions, batch.slot_mappings, batch.block_tables, self._hits)
         self.model.store.report_cached_calls(hits_per_layer=self._hits.tolist())
         self._hits.zero_()
         return last
@@ -104,7 +104,7 @@ class FusedOffloaded(_Fused):
     def accepts(self, batch: ForwardBatch) -> bool:
         return super().accepts(batch) and batch.token_ids.shape[0] <= FUSED_MAX_TOKENS
 
-    def _build(self, kv: KVCache) -> Any:
+    def _build(self, kv: PagedKVCache) -> Any:
         stack = super()._build(kv)
         store = self.model.store
         if store.calls_may_skip:  # layers whose experts are all cached run without stopping
@@ -113,13 +113,13 @@ class FusedOffloaded(_Fused):
                                    store.slot_table)
         return stack
 
-    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """At a layer with an expert to read, the store yields the needed units in chunks and the stack computes
         them; cached-only layers are logged by the stack and reported to the store before its next call, so its
         policy hears the calls in their order."""
         stack, store = self.stack(kv), self.model.store
         gu, gus, dn, dns = self.fields
-        ids = stack.begin(h, batch.positions, batch.token_slots, self._hits)
+        ids = stack.begin(h, batch.positions, batch.slot_mappings, batch.block_tables, self._hits)
         while True:
             log = stack.take_cached_log()
             if log.numel():

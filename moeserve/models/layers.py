@@ -21,21 +21,25 @@ import torch.nn.functional as F
 
 from moeserve.models.linear import Linear
 from moeserve.models.spec import AttentionSpec, RopeSpec
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kv_cache import PagedKVCache
 
 
 @dataclass
 class ForwardBatch:
-    """The new tokens of one engine step, flattened over sequences, and where each sequence's KV lives."""
+    """The new tokens of one engine step, flattened over sequences, and where each sequence's KV lives.
+
+    Per KV group g (state/kv_cache.py): `slot_mappings[g][i]` is the cache row token i is written to,
+    `block_tables[g][b]` sequence b's block table (padded with 0 past its end: the ops read only the blocks of
+    positions they attend), `tables[g][b]` the same as a list (the torch path)."""
 
     token_ids: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64, absolute position of each token in its sequence
-    slots: list[int]  # KV cache slot per sequence
     starts: list[int]  # tokens already cached per sequence (= position of its first new token)
     num_new: list[int]  # new tokens per sequence; sum == N
-    slots_t: torch.Tensor | None = None  # [B] slots on device (decode-only batches)
-    starts_t: torch.Tensor | None = None  # [B]
-    token_slots: torch.Tensor | None = None  # [N] int64, KV slot of each token (the C++ attention path needs it)
+    slot_mappings: list[torch.Tensor]  # per group [N] int64
+    block_tables: list[torch.Tensor]  # per group [B, max blocks] int64
+    tables: list[list[list[int]]]  # per group, per sequence
+    rows: torch.Tensor | None = None  # [N] int64: the sequence of each token (None when decode-only: row i)
 
     @cached_property
     def decode_only(self) -> bool:
@@ -48,7 +52,6 @@ class ForwardBatch:
             acc += n
             out.append(acc - 1)
         return out
-
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -124,8 +127,11 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(mscale)
 
 
+QUERY_BLOCK = 16  # query positions per call of the batch-invariant torch attention (Attention._aligned_blocks)
+
+
 class Attention:
-    """Grouped-query attention over a slot-based KV cache; optional q/k norm, biases, sinks, sliding window.
+    """Grouped-query attention over the paged KV cache; optional q/k norm, biases, sinks, sliding window.
 
     q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits).
     With `cpp` set (the moeserve C++ ops are loaded), the per-head q/k norm, the rotary embedding and the KV
@@ -159,7 +165,7 @@ class Attention:
         self.cpp = cpp  # the moeserve C++ ops (ModelOptions.cpp)
         self.invariant = invariant  # batch-invariant: the torch path runs every batch sequence by sequence
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
         q, k, v = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d], [N, nkv*d] (views)
@@ -168,7 +174,7 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
-        if self.cpp and batch.token_slots is not None:
+        if self.cpp:
             out = self._cpp_attention(q, k, v, batch, kv)
             return self.o(out.reshape(n, s.num_heads * s.head_dim))
         q = q.view(n, s.num_heads, s.head_dim)
@@ -179,7 +185,10 @@ class Attention:
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         q = self.rotary.apply(q, batch.positions)
         k = self.rotary.apply(k, batch.positions)
-        if batch.decode_only and len(batch.slots) > 1 and not self.invariant:
+        if self.invariant:
+            self._write(k, v, batch, kv)
+            out = self._aligned_blocks(q, batch, kv)
+        elif batch.decode_only and len(batch.num_new) > 1:
             out = self._decode_batched(q, k, v, batch, kv)
         else:
             out = self._per_sequence(q, k, v, batch, kv)
@@ -195,42 +204,58 @@ class Attention:
             return "attention sinks, qkv clipping or a full-width q/k norm"
         return _not_gemv(self.linears())
 
-    def add_to_stack(self, stack: Any, kv: KVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+    def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
         per_head = self.spec.qk_norm == "per_head"
         k_cache, v_cache = kv.layer(self.layer)
         stack.add_layer(input_norm, post_norm, *self.qkv.gemv_tensors(), self.qkv.bias, *self.o.gemv_tensors(),
                         self.o.bias, self.q_norm if per_head else None, self.k_norm if per_head else None,
-                        k_cache, v_cache, self.window or 0)
+                        k_cache, v_cache, self.window or 0, kv.group_of(self.layer))
 
-    def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """One op normalises (per head), rotates and caches; a second attends every token (batch-invariant)."""
         per_head = self.spec.qk_norm == "per_head"
         kc, vc = kv.layer(self.layer)
+        g = kv.group_of(self.layer)
         q = torch.ops.moeserve.qk_norm_rope_cache(
             q, k, v, self.q_norm if per_head else None, self.k_norm if per_head else None, self.rotary.cos,
-            self.rotary.sin, batch.positions, batch.token_slots, kc, vc, self.eps)  # [N, nh, d]
+            self.rotary.sin, batch.positions, batch.slot_mappings[g], kc, vc, self.eps)  # [N, nh, d]
         # Every token, prefill or decode, alone or beside others: one op that attends each query row on its own
         # (keys up to its position), with one fixed reduction order, so a request's numbers never depend on the batch.
         # batch_invariant=False: prefill and mixed batches take torch's attention (flash SDPA) as before.
         if not self.invariant and not batch.decode_only:
             return self._per_sequence(q, None, None, batch, kv)
-        return torch.ops.moeserve.decode_attention(q, kc, vc, batch.token_slots, batch.positions, self.window or 0,
-                                                   self.scale, self._sinks_f32)
+        return torch.ops.moeserve.decode_attention(q, kc, vc, batch.block_tables[g], batch.rows, batch.positions,
+                                                   self.window or 0, self.scale, self._sinks_f32)
 
-    def _per_sequence(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def _write(self, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> None:
+        """k, v [N, nkv, d] into their cache rows."""
+        kc, vc = kv.layer(self.layer)
+        rows = batch.slot_mappings[kv.group_of(self.layer)]
+        blocks, offsets = rows // kv.block_size, rows % kv.block_size
+        kc[blocks, :, offsets] = k
+        vc[blocks, :, offsets] = v
+
+    def _gather(self, cache: torch.Tensor, table: list[int], lo: int, end: int, bs: int) -> torch.Tensor:
+        """Positions [lo, end) of one sequence from `cache` [blocks, nkv, bs, d]: [nkv, end - lo, d]."""
+        first = lo // bs
+        ids = torch.tensor(table[first : -(-end // bs)], dtype=torch.long, device=cache.device)
+        rows = cache[ids].transpose(0, 1).reshape(cache.shape[1], -1, cache.shape[3])
+        return rows[:, lo - first * bs : end - first * bs]
+
+    def _per_sequence(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Prefill or mixed batches: attend sequence by sequence against its cached prefix. k and v are None
         when the new tokens' keys and values are in the cache already."""
-        kc, vc = kv.layer(self.layer)  # [slots, nkv, max_len, d]
+        if k is not None and v is not None:
+            self._write(k, v, batch, kv)
+        kc, vc = kv.layer(self.layer)  # [blocks, nkv, bs, d]
+        tables, bs = batch.tables[kv.group_of(self.layer)], kv.block_size
         outs, off = [], 0
-        for slot, start, num in zip(batch.slots, batch.starts, batch.num_new):
+        for table, start, num in zip(tables, batch.starts, batch.num_new):
             end = start + num
-            if k is not None and v is not None:
-                kc[slot, :, start:end] = k[off : off + num].transpose(0, 1)
-                vc[slot, :, start:end] = v[off : off + num].transpose(0, 1)
             q_s = q[off : off + num].transpose(0, 1).unsqueeze(0)  # [1, nh, num, d]
             lo = 0 if self.window is None else max(0, end - num - self.window + 1)
-            keys = kc[slot, :, lo:end].unsqueeze(0)  # [1, nkv, L, d]
-            values = vc[slot, :, lo:end].unsqueeze(0)
+            keys = self._gather(kc, table, lo, end, bs).unsqueeze(0)  # [1, nkv, L, d]
+            values = self._gather(vc, table, lo, end, bs).unsqueeze(0)
             q_pos = torch.arange(start, end, device=q.device)[:, None]
             k_pos = torch.arange(lo, end, device=q.device)[None, :]
             visible = k_pos <= q_pos
@@ -240,15 +265,49 @@ class Attention:
             off += num
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
-    def _decode_batched(self, q, k, v, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Every sequence adds one token: one padded attention call for the whole batch."""
+    def _aligned_blocks(self, q, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Batch-invariant torch attention: queries in blocks of QUERY_BLOCK positions aligned to multiples of it
+        (rows outside the step zero-padded), each block against the keys from its first row's window start to its
+        end (later ones masked). A block's call shape depends only on its positions, never on how the sequence
+        was chunked, batched or taken from the prefix cache, so neither does any row's result (masked keys get
+        probability exactly 0)."""
         kc, vc = kv.layer(self.layer)
-        assert batch.slots_t is not None and batch.starts_t is not None
-        slots, pos = batch.slots_t, batch.starts_t  # [B]
-        kc[slots, :, pos] = k  # k [B, nkv, d]
-        vc[slots, :, pos] = v
+        tables, bs = batch.tables[kv.group_of(self.layer)], kv.block_size
+        r = QUERY_BLOCK if bs % QUERY_BLOCK == 0 else bs
+        outs, off = [], 0
+        for table, start, num in zip(tables, batch.starts, batch.num_new):
+            end = start + num
+            for a in range(start - start % r, end, r):
+                lo_row, hi_row = max(a, start), min(a + r, end)
+                q_blk = q.new_zeros(r, *q.shape[1:])
+                q_blk[lo_row - a : hi_row - a] = q[off + lo_row - start : off + hi_row - start]
+                lo = 0 if self.window is None else max(0, a - self.window + 1)
+                keys = self._gather(kc, table, lo, a + r, bs).unsqueeze(0)  # [1, nkv, L, d]
+                values = self._gather(vc, table, lo, a + r, bs).unsqueeze(0)
+                q_pos = torch.arange(a, a + r, device=q.device)[:, None]
+                k_pos = torch.arange(lo, a + r, device=q.device)[None, :]
+                visible = k_pos <= q_pos
+                if self.window is not None:
+                    visible &= k_pos > q_pos - self.window
+                out = self._attend(q_blk.transpose(0, 1).unsqueeze(0), keys, values, visible)[0].transpose(0, 1)
+                outs.append(out[lo_row - a : hi_row - a])
+            off += num
+        return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+    def _decode_batched(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Every sequence adds one token: one padded attention call for the whole batch."""
+        self._write(k, v, batch, kv)
+        kc, vc = kv.layer(self.layer)
+        table = batch.block_tables[kv.group_of(self.layer)]  # [B, W]
+        pos = batch.positions  # [B]
         length = max(batch.starts) + 1
-        keys, values = kc[slots, :, :length], vc[slots, :, :length]  # [B, nkv, L, d]
+        width = -(-length // kv.block_size)
+        b, nkv, d = table.shape[0], kc.shape[1], kc.shape[3]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, W, nkv, bs, d] -> [B, nkv, L, d]
+            return cache[table[:, :width]].transpose(1, 2).reshape(b, nkv, -1, d)[:, :, :length]
+
+        keys, values = gather(kc), gather(vc)
         k_pos = torch.arange(length, device=q.device)[None, :]
         visible = k_pos <= pos[:, None]  # [B, L]
         if self.window is not None:
@@ -324,13 +383,13 @@ class DecoderLayer:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm, self.eps, self.norm = input_norm, post_norm, eps, norm
 
-    def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         h = h + self.attn(self.norm(h, self.input_norm, self.eps), batch, kv)
         return h + self.mlp(self.norm(h, self.post_norm, self.eps))
 
     def why_not_stacked(self) -> str | None:
         return self.attn.why_not_stacked() or self.mlp.why_not_stacked()
 
-    def add_to_stack(self, stack: Any, kv: KVCache) -> None:
+    def add_to_stack(self, stack: Any, kv: PagedKVCache) -> None:
         self.attn.add_to_stack(stack, kv, self.input_norm, self.post_norm)
         self.mlp.add_to_stack(stack)

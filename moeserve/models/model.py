@@ -27,7 +27,7 @@ from moeserve.models.moe import CppRouting, MoEBlock, Routing, TorchRouting
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kv_cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class MoeModel:
         self.choices: list[tuple[str, str]] = [("decode step", decode_reason)]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
         h = self.embed[batch.token_ids]  # [N, H]
         step = self.decode_step

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moeserve.models.layers import DecoderLayer, ForwardBatch
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kv_cache import PagedKVCache
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -30,14 +30,14 @@ class LayerPass(ABC):
         return True
 
     @abstractmethod
-    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor: ...
+    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor: ...
 
 
 class TorchLayers(LayerPass):
     def __init__(self, layers: Sequence[DecoderLayer], final_norm: torch.Tensor, norm: Norm, eps: float) -> None:
         self.layers, self.final_norm, self.norm, self.eps = list(layers), final_norm, norm, eps
 
-    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         for layer in self.layers:
             h = layer(h, batch, kv)
         return self.norm(h[batch.last_token_index()], self.final_norm, self.eps)
@@ -50,7 +50,7 @@ class CppLayers(LayerPass):
                  fp32_scale: bool) -> None:
         self.layers, self.final_norm, self.eps, self.fp32_scale = list(layers), final_norm, eps, fp32_scale
 
-    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def run(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         ops, eps, fp32_scale, layers = torch.ops.moeserve, self.eps, self.fp32_scale, self.layers
         x = ops.rms_norm(h, layers[0].input_norm, eps, fp32_scale)
         for i, layer in enumerate(layers):

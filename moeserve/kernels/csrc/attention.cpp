@@ -1,13 +1,16 @@
 // Attention pieces of the decode step that torch runs as dozens of small ops per layer:
 //
 // qk_norm_rope_cache: per-head RMSNorm of q and k (optional), NeoX rotary embedding at each token's position,
-//   and the write of k and v into the slot-based KV cache; returns the rotated q [N, heads, d]. Numerics follow
+//   and the write of k and v into the paged KV cache (row slot_mapping[i] = block * block_size + offset of token
+//   i); returns the rotated q [N, heads, d]. Numerics follow
 //   moeserve.models.layers (rms_norm, then Rotary.apply: x * cos + rotate_half(x) * sin with every product and
 //   the sum rounded to the dtype, as torch's bf16 ops round), so only the fp32 sum of squares of the norm may
 //   differ from the torch path, by its summation order.
 //
-// decode_attention: one query token per sequence against keys [lo, pos] of its slot (lo = pos - window + 1
-//   with a sliding window, else 0), with grouped-query heads. The softmax follows torch's CPU flash attention
+// decode_attention: one query token per row against keys [lo, pos] of its sequence (lo = pos - window + 1
+//   with a sliding window, else 0), read through the sequence's block table (key p lives in block
+//   table[p / block_size], row p % block_size), with grouped-query heads. Keys are visited in ascending position
+//   whatever the blocks, so the result is the same bits for any block size or block placement. The softmax follows torch's CPU flash attention
 //   for bf16: scores q.k in fp32 times the scale, p = exp(s - max) in fp32, the row sum taken on the fp32 p,
 //   p rounded to the dtype before p @ v (fp32 accumulation), then multiplied by 1 / sum and rounded once.
 //   With sinks (gpt-oss: one learned fp32 logit per query head), the sink joins the max and the row sum
@@ -62,17 +65,18 @@ static inline void norm_rope_head(const T* x, const W* norm_w, const T* cos, con
 at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                              const at::Tensor& token_slots, at::Tensor& k_cache, at::Tensor& v_cache, double eps) {
+                              const at::Tensor& slot_mapping, at::Tensor& k_cache, at::Tensor& v_cache, double eps) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 2 && v.dim() == 2, "qk_norm_rope_cache: q, k, v must be [N, heads*d]");
   TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "qk_norm_rope_cache: rows contiguous");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "qk_norm_rope_cache: caches must be [slots, kv_heads, max_len, d] with d contiguous");
+              "qk_norm_rope_cache: caches must be [blocks, kv_heads, block_size, d] with d contiguous");
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kBFloat16 || st == at::kFloat, "qk_norm_rope_cache: bf16 or fp32");
   TORCH_CHECK(k.scalar_type() == st && v.scalar_type() == st && k_cache.scalar_type() == st &&
                   v_cache.scalar_type() == st && cos.scalar_type() == st && sin.scalar_type() == st,
               "qk_norm_rope_cache: one dtype for q, k, v, caches and rotary tables");
-  const int64_t n = q.size(0), nkv = k_cache.size(1), d = k_cache.size(3), max_len = k_cache.size(2);
+  const int64_t n = q.size(0), nkv = k_cache.size(1), d = k_cache.size(3), block_size = k_cache.size(2);
+  const int64_t rows = k_cache.size(0) * block_size;
   TORCH_CHECK(d % 2 == 0 && d <= kMaxHeadDim, "qk_norm_rope_cache: even head dim <= 512");
   TORCH_CHECK(k.size(0) == n && v.size(0) == n && k.size(1) == nkv * d && v.size(1) == nkv * d &&
                   q.size(1) % d == 0,
@@ -80,10 +84,10 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d &&
                   sin.sizes() == cos.sizes(),
               "qk_norm_rope_cache: rotary tables must be contiguous [max_len, d]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && token_slots.scalar_type() == at::kLong &&
-                  positions.is_contiguous() && token_slots.is_contiguous() && positions.numel() == n &&
-                  token_slots.numel() == n,
-              "qk_norm_rope_cache: positions and token_slots must be contiguous int64 [N]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == n &&
+                  slot_mapping.numel() == n,
+              "qk_norm_rope_cache: positions and slot_mapping must be contiguous int64 [N]");
   const bool has_norm = q_norm.has_value();
   TORCH_CHECK(has_norm == k_norm.has_value(), "qk_norm_rope_cache: give both norms or neither");
   if (has_norm) {
@@ -93,11 +97,10 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
   }
   const int64_t nh = q.size(1) / d;
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t* slot = token_slots.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_len && pos[i] < cos.size(0), "qk_norm_rope_cache: position ", pos[i],
-                " out of range");
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < k_cache.size(0), "qk_norm_rope_cache: slot ", slot[i], " out of range");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos.size(0), "qk_norm_rope_cache: position ", pos[i], " out of range");
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < rows, "qk_norm_rope_cache: cache row ", slot[i], " out of range");
   }
   at::Tensor out = at::empty({n, nh, d}, q.options());
   dispatch_dtype(st, [&](auto* tag) {
@@ -118,14 +121,35 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
         for (int64_t hd = 0; hd < nh; ++hd)
           norm_rope_head<T, T>(qp + i * q.stride(0) + hd * d, qn, c, s, d, e, op + (i * nh + hd) * d);
         for (int64_t g = 0; g < nkv; ++g) {
-          norm_rope_head<T, T>(kp + i * k.stride(0) + g * d, kn, c, s, d, e,
-                               kc + slot[i] * ks0 + g * ks1 + pos[i] * ks2);
-          std::memcpy(vc + slot[i] * vs0 + g * vs1 + pos[i] * vs2, vp + i * v.stride(0) + g * d, d * sizeof(T));
+          const int64_t blk = slot[i] / block_size, off = slot[i] % block_size;
+          norm_rope_head<T, T>(kp + i * k.stride(0) + g * d, kn, c, s, d, e, kc + blk * ks0 + g * ks1 + off * ks2);
+          std::memcpy(vc + blk * vs0 + g * vs1 + off * vs2, vp + i * v.stride(0) + g * d, d * sizeof(T));
         }
       }
     });
   });
   return out;
+}
+
+// The keys (or values) of one (sequence, kv head): block table `table`, rows `row_stride` apart inside a block,
+// blocks `block_stride` apart; `base` points at the head's rows of block 0.
+template <typename T>
+struct Rows {
+  const T* base;
+  const int64_t* table;
+  int64_t block_stride, row_stride, block_size;
+};
+
+// f(j, row) for the rows of positions lo .. hi-1 in order (j = position - lo), one block at a time.
+template <typename T, typename F>
+static inline __attribute__((always_inline)) void for_rows(const Rows<T>& r, int64_t lo, int64_t hi, F&& f) {
+  int64_t p = lo;
+  while (p < hi) {
+    const int64_t b = p / r.block_size, off = p - b * r.block_size;
+    const int64_t end = std::min(hi, (b + 1) * r.block_size);
+    const T* row = r.base + r.table[b] * r.block_stride + off * r.row_stride;
+    for (; p < end; ++p, row += r.row_stride) f(p - lo, row);
+  }
 }
 
 // The scratch of one (sequence, kv head) item: the group's queries in fp32 [group, d], then their output
@@ -141,16 +165,15 @@ static inline float* stage_query(const T* q, int64_t group, int64_t d, float* sc
 
 // One (sequence, kv head) pair: its `group` query heads against keys [lo, hi) of the slot.
 template <typename T>
-static inline __attribute__((always_inline)) void attend_group(const T* q, const T* kc, const T* vc,
-                                                                int64_t kstride, int64_t vstride, int64_t lo,
-                                                                int64_t hi, int64_t group, int64_t d, float scale,
-                                                                const float* sinks, float* scratch, T* out) {
+static inline __attribute__((always_inline)) void attend_group(const T* q, const Rows<T>& kr, const Rows<T>& vr,
+                                                                int64_t lo, int64_t hi, int64_t group, int64_t d,
+                                                                float scale, const float* sinks, float* scratch,
+                                                                T* out) {
   const int64_t len = hi - lo;
   float* qf = stage_query(q, group, d, scratch);
   float* acc = qf + group * d;
   float* p = acc + group * d;
-  for (int64_t j = 0; j < len; ++j) {
-    const T* kj = kc + (lo + j) * kstride;
+  for_rows(kr, lo, hi, [&](int64_t j, const T* kj) {
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf + g * d;
       float part[16] = {0};
@@ -162,7 +185,7 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
         for (int l = 0; l < w; ++l) part[l] += part[l + w];
       p[g * len + j] = part[0] * scale;
     }
-  }
+  });
   for (int64_t g = 0; g < group; ++g) {
     float* pg = p + g * len;
     float mx = -INFINITY;
@@ -175,11 +198,10 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
       pg[j] = round_as<T>(e);
     }
     float* ag = acc + g * d;
-    for (int64_t j = 0; j < len; ++j) {
-      const T* vj = vc + (lo + j) * vstride;
+    for_rows(vr, lo, hi, [&](int64_t j, const T* vj) {
       const float w = pg[j];
       for (int64_t i = 0; i < d; ++i) ag[i] += w * load(vj, i);
-    }
+    });
     if (sinks != nullptr) sum += std::exp(sinks[g] - mx);
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; ++i) out[g * d + i] = from_f<T>(ag[i] * inv);
@@ -187,9 +209,9 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
 }
 
 #define MOESERVE_ATTEND_ARGS                                                                                  \
-  const T *q, const T *kc, const T *vc, int64_t kstride, int64_t vstride, int64_t lo, int64_t hi,              \
-      int64_t group, int64_t d, float scale, const float *sinks, float *scratch, T *out
-#define MOESERVE_ATTEND_CALL q, kc, vc, kstride, vstride, lo, hi, group, d, scale, sinks, scratch, out
+  const T *q, const Rows<T> &kr, const Rows<T> &vr, int64_t lo, int64_t hi, int64_t group, int64_t d,          \
+      float scale, const float *sinks, float *scratch, T *out
+#define MOESERVE_ATTEND_CALL q, kr, vr, lo, hi, group, d, scale, sinks, scratch, out
 
 #define MOESERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
@@ -243,13 +265,17 @@ MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
   float* p = qf + 2 * group * d;      // scores, then probabilities [group, len]
   float* inv = p + group * len;       // 1 / row sum per head [group]
   __m512 kv[NV];
-  for (int64_t j = 0; j < len; ++j) {
-    const T* kj = kc + (lo + j) * kstride;
-    for (int c = 0; c < NV; ++c) kv[c] = load16(kj + 16 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * d), kv[0]);
-      for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), kv[c], a);
-      p[g * len + j] = _mm512_reduce_add_ps(a) * scale;
+  for (int64_t pos = lo; pos < hi;) {  // for_rows, spelt out: a lambda here would need the target attribute too
+    const int64_t b = pos / kr.block_size, end = std::min(hi, (b + 1) * kr.block_size);
+    const T* kj = kr.base + kr.table[b] * kr.block_stride + (pos - b * kr.block_size) * kr.row_stride;
+    for (; pos < end; ++pos, kj += kr.row_stride) {
+      const int64_t j = pos - lo;
+      for (int c = 0; c < NV; ++c) kv[c] = load16(kj + 16 * c);
+      for (int64_t g = 0; g < group; ++g) {
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qf + g * d), kv[0]);
+        for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * d + 16 * c), kv[c], a);
+        p[g * len + j] = _mm512_reduce_add_ps(a) * scale;
+      }
     }
   }
   const T* tag = nullptr;
@@ -278,14 +304,18 @@ MOESERVE_AVX512 static void attend_avx512(MOESERVE_ATTEND_ARGS) {
     __m512 acc[TG][NV];
     for (int t = 0; t < TG; ++t)
       for (int c = 0; c < NV; ++c) acc[t][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < len; ++j) {
-      const T* vj = vc + (lo + j) * vstride;
-      __m512 v[NV];
-      for (int c = 0; c < NV; ++c) v[c] = load16(vj + 16 * c);
-      for (int t = 0; t < TG; ++t) {
-        if (t >= tg) break;
-        const __m512 w = _mm512_set1_ps(p[(g0 + t) * len + j]);
-        for (int c = 0; c < NV; ++c) acc[t][c] = _mm512_fmadd_ps(w, v[c], acc[t][c]);
+    for (int64_t pos = lo; pos < hi;) {
+      const int64_t b = pos / vr.block_size, end = std::min(hi, (b + 1) * vr.block_size);
+      const T* vj = vr.base + vr.table[b] * vr.block_stride + (pos - b * vr.block_size) * vr.row_stride;
+      for (; pos < end; ++pos, vj += vr.row_stride) {
+        const int64_t j = pos - lo;
+        __m512 v[NV];
+        for (int c = 0; c < NV; ++c) v[c] = load16(vj + 16 * c);
+        for (int t = 0; t < TG; ++t) {
+          if (t >= tg) break;
+          const __m512 w = _mm512_set1_ps(p[(g0 + t) * len + j]);
+          for (int c = 0; c < NV; ++c) acc[t][c] = _mm512_fmadd_ps(w, v[c], acc[t][c]);
+        }
       }
     }
     for (int t = 0; t < tg; ++t) {
@@ -324,32 +354,48 @@ static bool cpu_has_avx512() {
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale,
+                            const at::Tensor& block_tables, const std::optional<at::Tensor>& rows,
+                            const at::Tensor& positions, int64_t window, double scale,
                             const std::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous [B, heads, d]");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "decode_attention: q must be contiguous [N, heads, d]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
                   k_cache.sizes() == v_cache.sizes(),
-              "decode_attention: caches must be [slots, kv_heads, max_len, d] with d contiguous");
+              "decode_attention: caches must be [blocks, kv_heads, block_size, d] with d contiguous");
   const auto st = q.scalar_type();
   TORCH_CHECK((st == at::kBFloat16 || st == at::kFloat) && k_cache.scalar_type() == st &&
                   v_cache.scalar_type() == st,
               "decode_attention: bf16 or fp32, one dtype");
-  const int64_t b = q.size(0), nh = q.size(1), d = q.size(2), nkv = k_cache.size(1), max_len = k_cache.size(2);
+  const int64_t b = q.size(0), nh = q.size(1), d = q.size(2), nkv = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0);
   TORCH_CHECK(k_cache.size(3) == d && nh % nkv == 0, "decode_attention: head dims do not match");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  positions.is_contiguous() && slots.numel() == b && positions.numel() == b,
-              "decode_attention: slots and positions must be contiguous int64 [B]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "decode_attention: block_tables must be contiguous int64 [sequences, max blocks]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == b,
+              "decode_attention: positions must be contiguous int64 [N]");
+  TORCH_CHECK(!rows.has_value() || (rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == b),
+              "decode_attention: rows must be contiguous int64 [N]");
+  TORCH_CHECK(rows.has_value() || block_tables.size(0) == b,
+              "decode_attention: without rows, one block table per query row");
   TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
                                       sinks->numel() == nh),
               "decode_attention: sinks must be contiguous float32 [heads]");
   const float* sink = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
-  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* row = rows.has_value() ? rows->data_ptr<int64_t>() : nullptr;
   const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1), seqs = block_tables.size(0);
   int64_t work = 0, longest = 0;
   for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_len, "decode_attention: position ", pos[i], " out of range");
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < k_cache.size(0), "decode_attention: slot ", slot[i], " out of range");
+    const int64_t r = row == nullptr ? i : row[i];
+    TORCH_CHECK(r >= 0 && r < seqs, "decode_attention: row ", r, " out of range");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < width * bs, "decode_attention: position ", pos[i],
+                " is past the block table");
     const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0;
+    for (int64_t blk = lo / bs; blk <= pos[i] / bs; ++blk) {
+      const int64_t id = table[r * width + blk];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "decode_attention: block ", id, " (position ", blk * bs,
+                  ") out of range");
+    }
     longest = std::max(longest, pos[i] + 1 - lo);
     work += (pos[i] + 1 - lo) * nh * d;
   }
@@ -368,15 +414,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / nkv, g = item % nkv;
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[i] - window + 1) : 0, hi = pos[i] + 1;
+        const int64_t* t = table + (row == nullptr ? i : row[i]) * width;
         const T* qg = qp + (i * nh + g * group) * d;
-        const T* kc = kp + slot[i] * k_cache.stride(0) + g * k_cache.stride(1);
-        const T* vc = vp + slot[i] * v_cache.stride(0) + g * v_cache.stride(1);
+        const Rows<T> kr{kp + g * k_cache.stride(1), t, k_cache.stride(0), k_cache.stride(2), bs};
+        const Rows<T> vr{vp + g * v_cache.stride(1), t, v_cache.stride(0), v_cache.stride(2), bs};
         T* o = op + (i * nh + g * group) * d;
         const float* sk = sink == nullptr ? nullptr : sink + g * group;
         if (wide && d % 16 == 0 && d <= 256)
-          attend_wide<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, sk, scratch.data(), o);
+          attend_wide<T>(qg, kr, vr, lo, hi, group, d, sc, sk, scratch.data(), o);
         else
-          attend_generic<T>(qg, kc, vc, k_cache.stride(2), v_cache.stride(2), lo, hi, group, d, sc, sk, scratch.data(), o);
+          attend_generic<T>(qg, kr, vr, lo, hi, group, d, sc, sk, scratch.data(), o);
       }
     });
   });
@@ -388,10 +435,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 TORCH_LIBRARY_FRAGMENT(moeserve, m) {
   m.def(
       "qk_norm_rope_cache(Tensor q, Tensor k, Tensor v, Tensor? q_norm, Tensor? k_norm, Tensor cos, Tensor sin, "
-      "Tensor positions, Tensor token_slots, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps) -> Tensor",
+      "Tensor positions, Tensor slot_mapping, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps) -> Tensor",
       &moeserve_attention::qk_norm_rope_cache);
   m.def(
-      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions, int window, "
-      "float scale, Tensor? sinks=None) -> Tensor",
+      "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor? rows, "
+      "Tensor positions, int window, float scale, Tensor? sinks=None) -> Tensor",
       &moeserve_attention::decode_attention);
 }

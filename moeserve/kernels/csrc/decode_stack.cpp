@@ -25,7 +25,7 @@
 // Offloaded experts (the store moves units between tiers, so no unit can be held here): a MoE layer added with
 // `add_moe_external` has its router only, and a step becomes a conversation with the caller, who asks the store:
 //
-//   ids = begin(h, positions, slots, hits)       runs up to the first such layer's routing; its needed experts
+//   ids = begin(h, positions, slot_mappings, block_tables, hits)   runs up to the first such layer's routing; its needed experts
 //   while ids.numel():                           (ascending, int64), or an empty tensor once every layer ran
 //       layer = MoE layer number waiting_moe_index()
 //       for chunk in store.experts(layer, ids):  units as the store yields them, ascending, several calls
@@ -48,6 +48,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <optional>
@@ -75,8 +76,9 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   PackedLinear qkv, o;
   std::optional<at::Tensor> q_norm, k_norm;
-  at::Tensor k_cache, v_cache;  // [slots, kv_heads, max_len, d]
+  at::Tensor k_cache, v_cache;  // [blocks, kv_heads, block_size, d] of the layer's KV group
   int64_t window = 0;           // sliding window, 0 = none
+  int64_t group = 0;            // its KV group: which slot mapping and block tables of a step it reads
   // The MLP: a MoE block (router + units per expert; scales empty for bf16 units) or a dense SwiGLU MLP.
   bool moe = false;
   bool external = false;  // a MoE layer whose units the caller feeds at each step (add_moe_external)
@@ -116,7 +118,7 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_scale,
                  std::optional<at::Tensor> qkv_bias, at::Tensor o, std::optional<at::Tensor> o_scale,
                  std::optional<at::Tensor> o_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 at::Tensor k_cache, at::Tensor v_cache, int64_t window) {
+                 at::Tensor k_cache, at::Tensor v_cache, int64_t window, int64_t group) {
     TORCH_CHECK(layers_.empty() || layers_.back().moe || layers_.back().down.out > 0,
                 "DecodeStack: the previous layer has no MLP yet");
     Layer l;
@@ -131,6 +133,9 @@ class DecodeStack : public torch::CustomClassHolder {
     l.k_cache = std::move(k_cache);
     l.v_cache = std::move(v_cache);
     l.window = window;
+    TORCH_CHECK(group >= 0, "DecodeStack: negative KV group");
+    l.group = group;
+    groups_ = std::max(groups_, group + 1);
     layers_.push_back(std::move(l));
   }
 
@@ -217,25 +222,32 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // h [N, H] (one new token per sequence, hidden states after the embedding; updated in place to the residual
-  // stream after the last layer), positions and token_slots int64 [N], hits int64 [MoE layers] (added to). Returns
-  // the final-normed hidden states [N, H]. Every MoE layer's units must be held here (add_moe).
-  at::Tensor step(at::Tensor h, const at::Tensor& positions, const at::Tensor& token_slots, at::Tensor hits) {
+  // stream after the last layer), positions int64 [N], per KV group the cache row of each token (slot_mappings,
+  // int64 [N]) and each sequence's block table (int64 [N, max blocks]), hits int64 [MoE layers] (added to).
+  // Returns the final-normed hidden states [N, H]. Every MoE layer's units must be held here (add_moe).
+  at::Tensor step(at::Tensor h, const at::Tensor& positions, std::vector<at::Tensor> slot_mappings,
+                  std::vector<at::Tensor> block_tables, at::Tensor hits) {
     TORCH_CHECK(external_layers_ == 0, "DecodeStack.step: some MoE layers are fed by the caller (begin/feed/resume)");
-    begin(std::move(h), positions, token_slots, std::move(hits));
+    begin(std::move(h), positions, std::move(slot_mappings), std::move(block_tables), std::move(hits));
     return result();
   }
 
   // Starts a step (arguments as `step`) and runs it up to the first layer added with add_moe_external: returns the
   // experts that layer needs (int64, ascending), or an empty tensor when the step ran to its end (then `result`).
-  at::Tensor begin(at::Tensor h, const at::Tensor& positions, const at::Tensor& token_slots, at::Tensor hits) {
+  at::Tensor begin(at::Tensor h, const at::Tensor& positions, std::vector<at::Tensor> slot_mappings,
+                   std::vector<at::Tensor> block_tables, at::Tensor hits) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
     TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous(), "DecodeStack: h must be contiguous [N, H]");
     TORCH_CHECK(layers_.back().moe || layers_.back().down.out > 0, "DecodeStack: the last layer has no MLP");
     TORCH_CHECK(hits.scalar_type() == at::kLong && hits.is_contiguous() && hits.numel() == moe_layers_,
                 "DecodeStack: hits must be int64 [MoE layers]");
+    TORCH_CHECK(static_cast<int64_t>(slot_mappings.size()) == groups_ &&
+                    static_cast<int64_t>(block_tables.size()) == groups_,
+                "DecodeStack: one slot mapping and one block table tensor per KV group");
     h_ = std::move(h);
     positions_ = positions;
-    slots_ = token_slots;
+    slot_mappings_ = std::move(slot_mappings);
+    block_tables_ = std::move(block_tables);
     hits_ = std::move(hits);
     layer_ = 0;
     moe_index_ = 0;
@@ -306,10 +318,11 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor a = timed(kAttention, [&] {
           const std::vector<at::Tensor> qkv = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
           const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm,
-                                                                      cos_, sin_, positions_, slots_, l.k_cache,
-                                                                      l.v_cache, eps_);
-          return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, slots_, positions_, l.window,
-                                                      attn_scale_);
+                                                                      cos_, sin_, positions_,
+                                                                      slot_mappings_[l.group], l.k_cache, l.v_cache,
+                                                                      eps_);
+          return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, block_tables_[l.group], std::nullopt,
+                                                      positions_, l.window, attn_scale_);
         });
         const at::Tensor o = timed(kOProj, [&] { return l.o(a.reshape({n, q_size})); });
         x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, o, l.post_norm, eps_, fp32_scale_); });
@@ -435,7 +448,9 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t moe_layers_ = 0, external_layers_ = 0;
   bool int8_units_ = false, plain_units_ = false;
   // The step in progress (begin .. result): its tensors, the next layer to run, and the fed layer's state.
-  at::Tensor h_, positions_, slots_, hits_, x_, m_, token_of_, weight_of_;
+  at::Tensor h_, positions_, hits_, x_, m_, token_of_, weight_of_;
+  std::vector<at::Tensor> slot_mappings_, block_tables_;  // per KV group
+  int64_t groups_ = 0;
   size_t layer_ = 0;
   int64_t moe_index_ = 0;
   bool waiting_ = false;

@@ -26,9 +26,10 @@ namespace moeserve_attention {  // attention.cpp
 at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const std::optional<at::Tensor>& q_norm, const std::optional<at::Tensor>& k_norm,
                               const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
-                              const at::Tensor& token_slots, at::Tensor& k_cache, at::Tensor& v_cache, double eps);
+                              const at::Tensor& slot_mapping, at::Tensor& k_cache, at::Tensor& v_cache, double eps);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& slots, const at::Tensor& positions, int64_t window, double scale,
+                            const at::Tensor& block_tables, const std::optional<at::Tensor>& rows,
+                            const at::Tensor& positions, int64_t window, double scale,
                             const std::optional<at::Tensor>& sinks = std::nullopt);
 }  // namespace moeserve_attention
 
