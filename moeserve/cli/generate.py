@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-token-ids", help="comma-separated token ids (works without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print results as JSON lines")
-    p.add_argument("--stats", action="store_true", help="print expert-cache statistics after generating")
+    p.add_argument("--stats", action="store_true", help="print expert-cache and KV-cache statistics after generating")
     add_sampling_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -63,7 +63,17 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  [{step}] {chosen} {lp[chosen].logprob:.4f} | {tops}")
     if args.stats:
         print(_stats_text(llm))
+        print(sequence_memory_text(llm.engine.sequence_memory_stats()))
     return 0
+
+
+def sequence_memory_text(m: dict[str, float]) -> str:
+    """One line: KV blocks, preemptions, prefix-cache hit rate, prefill tokens per step."""
+    per_step = m["prefill_tokens"] / m["steps"] if m["steps"] else 0.0
+    return (f"kv cache: {int(m['kv_blocks_used'])} of {int(m['kv_blocks_total'])} blocks used, "
+            f"{int(m['preemptions'])} preemptions, prefix cache hit rate {m['prefix_hit_rate']:.3f} "
+            f"({int(m['prefix_hit_tokens'])} of {int(m['prefix_queried_tokens'])} prompt tokens), "
+            f"{per_step:.1f} prefill tokens per step over {int(m['steps'])} steps")
 
 
 def _stats_text(llm) -> str:  # noqa: ANN001

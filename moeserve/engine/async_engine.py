@@ -230,6 +230,11 @@ class AsyncEngine:
         """The loaded engine's start-up choices by name, as logged (LLMEngine.choices); empty while loading."""
         return dict(getattr(self.engine, "choices", None) or {})
 
+    def sequence_memory_stats(self) -> dict[str, float]:
+        """The loaded engine's KV-block, preemption and prefix-cache figures; empty while loading."""
+        stats = getattr(self.engine, "sequence_memory_stats", None)
+        return stats() if stats is not None else {}
+
     def expert_store(self) -> Any:
         """The loaded engine's ExpertStore (its statistics for /metrics), or None while loading or without one."""
         model = getattr(self.engine, "model", None)
@@ -275,7 +280,7 @@ class AsyncEngine:
         self.num_running = len({s.request_id for s in scheduler.running})
         with self._cv:
             pending = sum(1 for kind, _ in self._commands if kind == "add")
-        self.num_waiting = len(scheduler.waiting) + pending
+        self.num_waiting = len({s.request_id for s in scheduler.waiting}) + pending
 
     def _die(self, err: BaseException, why: str | None) -> None:
         if why is not None:

@@ -372,6 +372,19 @@ class LLMEngine:
         verifier = self.model.store.loader.verifier
         return verifier.degraded() if verifier is not None else None
 
+    def sequence_memory_stats(self) -> dict[str, float]:
+        """KV blocks, preemptions, prefix-cache hits and prefill tokens per step, for /metrics and --stats."""
+        usage = self.memory.usage()
+        used, total = sum(u for _, u, _ in usage), sum(t for _, _, t in usage)
+        sched, prefix = self.scheduler.stats, self.memory.stats
+        return {
+            "kv_blocks_used": used, "kv_blocks_total": total, "kv_usage": used / total if total else 0.0,
+            "preemptions": sched.preemptions, "steps": sched.steps, "prefill_tokens": sched.prefill_tokens,
+            "last_step_prefill_tokens": sched.last_step_prefill_tokens,
+            "prefix_queried_tokens": prefix.queried_tokens, "prefix_hit_tokens": prefix.hit_tokens,
+            "prefix_hit_rate": prefix.hit_rate, "prefix_evictions": sum(p.evictions for p in self.memory.pools),
+        }
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 

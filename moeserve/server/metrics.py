@@ -128,6 +128,7 @@ class ServerMetrics:
         for counter in (self.prompt_tokens, self.generation_tokens, self.request_success, self.rejected):
             lines += counter.render(self.labels)
         lines += _expert_lines(engine, self.labels)
+        lines += _sequence_memory_lines(engine, self.labels)
         lines += _choice_lines(engine, self.labels)
         return "\n".join(lines) + "\n"
 
@@ -141,6 +142,31 @@ def _choice_lines(engine: Any, labels: dict[str, str]) -> list[str]:
     lines = [f"# HELP {name} A choice made at start-up (name, and the value with its reason as logged).",
              f"# TYPE {name} gauge"]
     return lines + [f"{name}{_labels({**labels, 'name': k, 'value': v})} 1" for k, v in choices.items()]
+
+
+def _sequence_memory_lines(engine: Any, labels: dict[str, str]) -> list[str]:
+    """The paged KV cache (engine/scheduler.py, state/manager.py): blocks, preemptions, prefix cache, prefill."""
+    stats = engine.sequence_memory_stats() if engine is not None else {}
+    if not stats:
+        return []
+    lines = _gauge("kv_cache_usage_perc", "Fraction of KV cache blocks held by sequences (1 = full).",
+                   stats["kv_usage"], labels)
+    name = PREFIX + "kv_cache_blocks"
+    lines += [f"# HELP {name} KV cache blocks, by state.", f"# TYPE {name} gauge",
+              f"{name}{_labels({**labels, 'state': 'used'})} {_fmt(stats['kv_blocks_used'])}",
+              f"{name}{_labels({**labels, 'state': 'free'})} "
+              f"{_fmt(stats['kv_blocks_total'] - stats['kv_blocks_used'])}"]
+    for key, metric, doc in (
+        ("preemptions", "num_preemptions_total", "Sequences preempted (blocks freed, recomputed later)."),
+        ("prefix_queried_tokens", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_hit_tokens", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+        ("prefill_tokens", "prefill_tokens_total", "Prompt (and recomputed) tokens computed."),
+        ("steps", "engine_steps_total", "Engine steps run."),
+    ):
+        lines += _gauge(metric, doc, stats[key], labels, "counter")
+    lines += _gauge("last_step_prefill_tokens", "Prefill tokens in the last engine step (chunked prefill: at most "
+                    "max_num_batched_tokens).", stats["last_step_prefill_tokens"], labels)
+    return lines
 
 
 def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:

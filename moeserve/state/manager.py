@@ -39,6 +39,8 @@ class SeqBlocks:
 
 @dataclass
 class PrefixStats:
+    """Counted by the scheduler at each admission that holds (a failed one is tried again)."""
+
     queried_tokens: int = 0  # prompt tokens looked up at admission
     hit_tokens: int = 0  # of which found computed
 
@@ -65,7 +67,6 @@ class SequenceMemory:
     def admit(self, seq: SeqBlocks, prompt: Sequence[int]) -> int:
         """Take the cached blocks of the longest usable prefix of `prompt`; returns how many tokens they hold."""
         assert not seq.held, "admit a sequence that holds no blocks"
-        self.stats.queried_tokens += len(prompt)
         if not self.prefix_caching:
             return 0
         bs = self.block_size
@@ -95,7 +96,6 @@ class SequenceMemory:
                 else:
                     table.append(-1)
         seq.hashes = hashes[:k]
-        self.stats.hit_tokens += k * bs
         return k * bs
 
     # -------------------------------------------------------------------------------------------- growth
