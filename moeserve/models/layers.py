@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.linear import Linear
+from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import AttentionSpec, RopeSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -350,12 +350,18 @@ class MLP(ABC):
 
 
 class DenseMLP(MLP):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)). Batch-invariant: the whole MLP in fixed blocks of rows, so the
+    element-wise ops see one shape too (torch's vectorized loops finish a tensor's tail with scalar code that
+    rounds otherwise: which elements fall in the tail must not depend on the batch)."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+    def __init__(self, gate: Linear, up: Linear, down: Linear, invariant: bool = False) -> None:
         self.gate, self.up, self.down = gate, up, down
+        self.invariant = invariant
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._mlp, x) if self.invariant else self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
     def linears(self) -> list[Linear]:

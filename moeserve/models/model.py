@@ -204,14 +204,14 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         if m.shared_intermediate_size:
             si = m.shared_intermediate_size
             shared = DenseMLP(load.linear(n(names.shared_gate), si, h), load.linear(n(names.shared_up), si, h),
-                              load.linear(n(names.shared_down), h, si))
+                              load.linear(n(names.shared_down), h, si), opts.batch_invariant)
             shared_gate = load.linear(n(names.shared_expert_gate), 1, h, quantize=False)
         router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
-        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate)
+        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.batch_invariant)
     else:
         di = spec.dense_intermediate_size
         mlp = DenseMLP(load.linear(n(names.dense_gate), di, h), load.linear(n(names.dense_up), di, h),
-                       load.linear(n(names.dense_down), h, di))
+                       load.linear(n(names.dense_down), h, di), opts.batch_invariant)
     norm, norm_dtype = RMS_NORMS[spec.norm_style]
     return DecoderLayer(attn, mlp, load.tensor(n(names.input_norm), (h,), norm_dtype),
                         load.tensor(n(names.post_norm), (h,), norm_dtype), spec.rms_norm_eps, norm)

@@ -19,7 +19,7 @@ import torch
 from moeserve.experts.store import ExpertStore
 from moeserve.models.expert_kernels import ExpertKernel, RoutedTokens
 from moeserve.models.layers import MLP, DenseMLP
-from moeserve.models.linear import Linear
+from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import MoeSpec
 
 
@@ -71,8 +71,10 @@ class MoEBlock(MLP):
     """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
 
     def __init__(self, spec: MoeSpec, layer: int, router: Linear, store: ExpertStore, experts: ExpertKernel,
-                 routing: Routing, shared: DenseMLP | None = None, shared_gate: Linear | None = None) -> None:
+                 routing: Routing, shared: DenseMLP | None = None, shared_gate: Linear | None = None,
+                 invariant: bool = False) -> None:
         self.spec, self.layer, self.router, self.store = spec, layer, router, store
+        self.invariant = invariant  # the gated shared expert in fixed row blocks (see DenseMLP)
         self.experts, self.routing = experts, routing
         self.shared, self.shared_gate = shared, shared_gate
         # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
@@ -101,8 +103,12 @@ class MoEBlock(MLP):
         out = torch.zeros_like(x)
         self.experts.run(out, routed, self.store.experts(self.layer, routed.experts, prefetch=hint))
         if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            out = out + (in_row_blocks(self._gated_shared, x) if self.invariant else self._gated_shared(x))
         return out
+
+    def _gated_shared(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.shared is not None and self.shared_gate is not None
+        return torch.sigmoid(self.shared_gate(x)) * self.shared._mlp(x)
 
     def linears(self) -> list[Linear]:
         shared = [] if self.shared is None else self.shared.linears()
