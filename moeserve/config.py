@@ -38,7 +38,8 @@ class EngineSettings(BaseModel):
     dtype: DType = Field("auto", description="compute dtype; auto = the checkpoint's dtype")
     device: Device = Field("auto", description="where compute runs; auto = cuda if available, else cpu")
     max_model_len: int | None = Field(
-        None, ge=1, description="context length in tokens (default: the model's, capped at 4096 to bound the KV cache)"
+        None, ge=1, description="context length in tokens (default: the model's max_position_embeddings, lowered "
+        "only when one sequence of it cannot fit the memory budget, logged)"
     )
     max_num_seqs: int = Field(8, ge=1, description="sequences decoded together in one batch")
     max_num_batched_tokens: int | None = Field(
@@ -50,9 +51,14 @@ class EngineSettings(BaseModel):
         "output is bit-identical with or without"
     )
     block_size: int = Field(16, ge=1, le=1024, description="tokens per KV cache block")
+    memory_gb: float | None = Field(
+        None, gt=0, description="everything the process may hold, GiB (2**30 bytes): resident weights, expert cache, "
+        "KV pool, read buffers and runtime; split at start-up (logged) or refused before loading (default: free "
+        "memory less headroom)"
+    )
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="ceiling on the KV cache, GiB (2**30 bytes): start-up refuses when max_num_seqs x "
-        "max_model_len needs more; the cache is sized by those two (default: no ceiling)"
+        None, gt=0, description="size of the paged KV pool inside the memory budget, GiB (default: chosen by the "
+        "memory split: max_num_seqs full-context sequences beside all experts, else one, up to a quarter)"
     )
     seed: int = Field(0, description="seed of the sampling generator of requests without their own seed "
                                      "(same seed, same requests in the same order: same tokens)")

@@ -21,8 +21,6 @@ MiB = 2**20
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the memory plan and speed ceilings of a model (loads nothing)")
     add_model_argument(p)
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="total memory moeserve may use, GiB (default: size the expert cache from free memory)")
     p.add_argument("--no-probe", action="store_true", help="skip the RAM/disk bandwidth probes")
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -41,10 +39,13 @@ def run(args: argparse.Namespace) -> int:
                           else "cpu")
     footprint, dtype_name, max_len, expert_refs = _footprint(ckpt, arch, spec, s)
     topology = detect_topology(device)
-    plan = make_plan(footprint, args.memory_gb, s.expert_cache_gb, s.host_cache_gb, device.type, topology.unified,
+    plan = make_plan(footprint, s.memory_gb, s.expert_cache_gb, s.host_cache_gb, device.type, topology.unified,
                      topology.fast_free_bytes)
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
     print(f"memory: {topology.reason}")
+    split = _split(spec, s, dtype_name, footprint, topology.fast_free_bytes)
+    for name, line in split.lines:  # the very lines the engine logs at start-up (memory/split.py)
+        print(f"{name}: {line}")
     for line in _sizes(plan, s, max_len):
         print(line)
     fast_bw = host_bw = disk_bw = None
@@ -69,6 +70,16 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     ckpt.close()
     return 0
+
+
+def _split(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint, free_bytes: int):  # noqa: ANN001, ANN202
+    from moeserve.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, memory_needs
+    from moeserve.memory.split import split_memory
+
+    batched = s.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_num_seqs)
+    needs = memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched)
+    return split_memory(needs, memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
+                        max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, free_bytes=free_bytes)
 
 
 def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue

@@ -32,7 +32,8 @@ from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
 from moeserve.experts.trace import TraceHeader, TraceWriter
-from moeserve.memory.budget import GiB, check_fits_in_memory, choose_expert_budget, choose_host_budget
+from moeserve.memory.budget import ExpertBudget, choose_host_budget
+from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes, split_memory
 from moeserve.memory.topology import detect_topology
 from moeserve.models.expert_plans import (
     can_interleave_experts,
@@ -91,7 +92,7 @@ class LLMEngine:
         self.device = self._choose_device(s.device)
         self.dtype = self._choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype())
         self._choose_threads(s.threads)
-        self.max_model_len = self._choose_max_model_len(s.max_model_len, spec.max_position_embeddings)
+        self.max_model_len: int = self._choose_max_model_len(s.max_model_len, spec.max_position_embeddings)  # type: ignore[assignment]
         self.tokenizer = None
         if not s.skip_tokenizer_init:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
@@ -167,28 +168,21 @@ class LLMEngine:
         spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
         if s.quantization == "int8":
             plan = int8_expert_plan(dense_plan, self.dtype, spill)
-        fixed_kv, kv_per_token = fixed_pool_bytes(self.kv_groups, self._block_bytes, s.block_size, s.max_num_seqs,
-                                                  self.max_num_batched_tokens, self.max_model_len)
-        one_seq = fixed_kv + kv_per_token * (self.max_model_len + s.block_size)
-        if s.kv_cache_gb is not None:
-            kv_bytes = int(s.kv_cache_gb * GiB)
-            if kv_bytes < one_seq:
-                raise ConfigError(
-                    f"kv_cache_gb={s.kv_cache_gb:g} cannot hold one sequence of max_model_len={self.max_model_len} "
-                    f"tokens ({one_seq / GiB:.3f} GiB): lower max_model_len or raise kv_cache_gb")
-        else:
-            kv_bytes = fixed_kv + kv_per_token * min(s.max_num_seqs * self.max_model_len,
-                                                     max(self.max_model_len, 32768))
         nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
         total_experts = len(plan.sources)
         topology = detect_topology(self.device)
         self._chose("memory", topology.reason)
-        budget = choose_expert_budget(s.expert_cache_gb, plan.layout.nbytes, total_experts, nonexpert + kv_bytes,
-                                      topology.fast_free_bytes)
-        rotary_bytes = 16 * self.max_model_len * spec.attention.head_dim  # cos/sin tables and their fp32 build
-        check_fits_in_memory(nonexpert, kv_bytes + rotary_bytes, budget.cache_bytes, topology.fast_free_bytes,
-                             f"max_model_len={self.max_model_len}, with the rotary tables")
-        self._chose("placement", budget.reason)
+        needs = memory_needs(spec, s, self.dtype, nonexpert, plan.layout.nbytes, total_experts,
+                             self.max_num_batched_tokens)
+        split = split_memory(needs,
+                             memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
+                             max_model_len=self.max_model_len, max_num_seqs=s.max_num_seqs,
+                             free_bytes=topology.fast_free_bytes)
+        for name, line in split.lines:
+            self._chose(name, line)
+        self.max_model_len, kv_bytes = split.max_model_len, split.kv_bytes
+        budget = ExpertBudget(split.expert_capacity, split.expert_bytes, split.lines[2][1])
+        self._staging_estimate = split.staging_bytes
         # the layout holds the same bytes per unit, so the budget above stands
         if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
             plan = (int8_expert_plan(dense_plan, self.dtype, spill, interleaved=True) if s.quantization == "int8"
@@ -263,14 +257,11 @@ class LLMEngine:
         self._chose("kernels", f"{'cpp' if use else 'torch'} ({want}: {reason})")
         return use
 
-    def _choose_max_model_len(self, want: int | None, model_max: int) -> int:
-        if want is not None:
-            if want > model_max:
-                raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
-            self._chose("max_model_len", f"{want} (set)")
-            return want
-        self._chose("max_model_len", f"{model_max} (auto: the model's max_position_embeddings)")
-        return model_max
+    def _choose_max_model_len(self, want: int | None, model_max: int) -> int | None:
+        """The set max_model_len checked against the model's; None: memory/split.py picks it (logged there)."""
+        if want is not None and want > model_max:
+            raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
+        return want
 
     def _choose_batched_tokens(self, want: int | None, max_num_seqs: int) -> int:
         n = want if want is not None else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
@@ -508,6 +499,25 @@ class LLMEngine:
         self.model.store.close()
         if self.trace is not None:
             self.trace.close()
+
+
+def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, unit: int, total: int,  # noqa: ANN001
+                 batched_tokens: int) -> MemoryNeeds:
+    """What memory/split.py splits the budget among (the engine at start-up and `moeserve plan` alike): sizes from
+    shapes, the runtime measured in this process now."""
+    groups = kv_groups(spec.attention.sliding_window)
+    a, m = spec.attention, spec.moe
+    block_bytes = [bytes_per_block(len(g.layers), s.block_size, a.num_kv_heads, a.head_dim, dtype) for g in groups]
+    model_max = s.max_model_len or spec.max_position_embeddings
+    fixed_kv, kv_per_token = fixed_pool_bytes(groups, block_bytes, s.block_size, s.max_num_seqs, batched_tokens,
+                                              model_max)
+    acts = activation_bytes(batched_tokens, spec.hidden_size, m.intermediate_size or 0, m.top_k,
+                            (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
+                            dtype.itemsize)
+    rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
+    staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
+    return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
+                       staging, process_rss_bytes() + acts + rotary)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

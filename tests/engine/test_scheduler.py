@@ -1,107 +1,119 @@
-"""Scheduler (engine/scheduler.py): admission of whole requests first come first served, within max_num_seqs and
-the free KV slots; finishing and aborting free slots; a request that does not fit waits and blocks the later ones."""
+"""Scheduler (engine/scheduler.py) over the block manager (state/manager.py), pure Python: chunked prefill within
+the token budget, decodes first, admission order, preemption by recompute, prefix sharing of n > 1, aborts."""
 
 from __future__ import annotations
+
+import pytest
 
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
+from moeserve.state.kinds import FullAttention
+from moeserve.state.manager import SequenceMemory
 
 
-class Slots:
-    """A slot pool standing in for the KV cache: allocate / release / free, with the calls checked."""
-
-    def __init__(self, n: int) -> None:
-        self.free = list(range(n - 1, -1, -1))
-        self.taken: set[int] = set()
-
-    def allocate(self) -> int:
-        assert self.free, "allocated with no free slot"
-        slot = self.free.pop()
-        self.taken.add(slot)
-        return slot
-
-    def release(self, slot: int) -> None:
-        assert slot in self.taken, f"released slot {slot} twice or never taken"
-        self.taken.remove(slot)
-        self.free.append(slot)
+def request(rid: str, prompt_len: int, max_tokens: int = 4, n: int = 1) -> list[Sequence]:
+    prompt = [hash((rid, i)) % 1000 for i in range(prompt_len)]
+    seqs = [Sequence(rid, i, prompt, SamplingParams(max_tokens=max_tokens), 4096, set()) for i in range(n)]
+    for s in seqs:
+        s.first_sibling = seqs[0]
+    return seqs
 
 
-def request(rid: str, n: int = 1) -> list[Sequence]:
-    return [Sequence(rid, i, [1, 2, 3], SamplingParams(max_tokens=4), 64, set()) for i in range(n)]
+def make(blocks: int = 64, max_num_seqs: int = 4, budget: int = 64, prefix: bool = True) -> Scheduler:
+    return Scheduler(max_num_seqs, budget, SequenceMemory([FullAttention()], [blocks], 16, prefix))
 
 
-def make(max_num_seqs: int, slots: int) -> tuple[Scheduler, Slots]:
-    pool = Slots(slots)
-    return Scheduler(max_num_seqs, pool.allocate, pool.release, lambda: len(pool.free)), pool
+def step(sched: Scheduler) -> list[tuple[Sequence, int]]:
+    """One engine step as LLMEngine runs it (token 7 sampled where a sequence's tokens are all computed)."""
+    out = sched.schedule()
+    assert sum(n for _, n in out) <= sched.max_num_batched_tokens
+    sched.computed(out)
+    for seq, _ in out:
+        if seq.num_cached == seq.length:
+            seq.append(7, None, None)
+            if seq.status == Status.FINISHED:
+                sched.finish(seq)
+    return out
 
 
-def ids(seqs: list[Sequence]) -> list[tuple[str, int]]:
-    return [(s.request_id, s.index) for s in seqs]
+def run(sched: Scheduler, limit: int = 500) -> int:
+    steps = 0
+    while sched.has_work():
+        step(sched)
+        steps += 1
+        assert steps < limit, "the scheduler made no progress"
+    return steps
 
 
-def test_admits_in_arrival_order_up_to_max_num_seqs() -> None:
-    sched, pool = make(max_num_seqs=2, slots=8)
+def test_a_long_prompt_is_chunked_while_a_running_sequence_decodes_every_step() -> None:
+    sched = make(budget=32)
+    short = request("short", 5, max_tokens=20)
+    sched.add(short)
+    step(sched)
+    long = request("long", 100)
+    sched.add(long)
+    chunks = []
+    while long[0].num_cached < 100:
+        out = dict((s.request_id, n) for s, n in step(sched))
+        assert out["short"] == 1, "the decode is never skipped for the prefill"
+        chunks.append(out["long"])
+    assert chunks == [31, 31, 31, 7] and sum(chunks) == 100
+
+
+def test_fcfs_admission_up_to_max_num_seqs() -> None:
+    sched = make(max_num_seqs=2)
     for rid in "abc":
-        sched.add(request(rid))
-    assert ids(sched.schedule()) == [("a", 0), ("b", 0)]
-    assert sched.num_waiting == 1 and len(pool.taken) == 2
-    assert all(s.status == Status.RUNNING and s.slot >= 0 for s in sched.running)
-    assert ids(sched.schedule()) == [("a", 0), ("b", 0)]  # nothing changed: the same batch again
+        sched.add(request(rid, 10))
+    assert [s.request_id for s, _ in step(sched)] == ["a", "b"]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+    run(sched)
+    assert sched.memory.pools[0].num_free == 64
 
 
-def test_finishing_frees_the_slot_and_admits_the_next_request() -> None:
-    sched, pool = make(max_num_seqs=2, slots=2)
-    for rid in "abc":
-        sched.add(request(rid))
-    a, _ = sched.schedule()
-    slot = a.slot
-    sched.finish(a)
-    assert a.slot == -1 and slot in pool.free
-    assert ids(sched.schedule()) == [("b", 0), ("c", 0)]
-    sched.finish(a)  # finishing twice is harmless: nothing released twice
-    assert len(pool.taken) == 2
+def test_preemption_frees_the_newest_and_everything_still_finishes() -> None:
+    sched = make(blocks=6, max_num_seqs=4, budget=64, prefix=False)
+    seqs = [request(f"r{i}", 40, max_tokens=20)[0] for i in range(3)]
+    for s in seqs:
+        sched.add([s])
+    step(sched)  # two fit (3 blocks each); the third waits for blocks
+    assert sched.running == seqs[:2] and list(sched.waiting) == [seqs[2]]
+    run(sched)
+    assert sched.stats.preemptions > 0
+    assert all(len(s.output_token_ids) == 20 and s.status == Status.FINISHED for s in seqs)
+    assert sched.memory.pools[0].num_free == 6
 
 
-def test_a_request_is_admitted_whole_or_not_at_all_and_blocks_later_ones() -> None:
-    sched, pool = make(max_num_seqs=4, slots=4)
-    sched.add(request("a", n=2))
-    sched.add(request("big", n=3))  # does not fit beside a
-    sched.add(request("c", n=1))  # would fit, but first come first served
-    assert ids(sched.schedule()) == [("a", 0), ("a", 1)]
-    assert sched.num_waiting == 4
-    for seq in list(sched.running):
-        sched.finish(seq)
-    assert ids(sched.schedule()) == [("big", 0), ("big", 1), ("big", 2), ("c", 0)]
-
-
-def test_free_slots_bound_admission_below_max_num_seqs() -> None:
-    sched, pool = make(max_num_seqs=8, slots=3)
-    for rid in "abcd":
-        sched.add(request(rid))
-    assert len(sched.schedule()) == 3 and not pool.free
-
-
-def test_abort_removes_waiting_and_running_sequences_and_frees_their_slots() -> None:
-    sched, pool = make(max_num_seqs=2, slots=2)
-    sched.add(request("a", n=2))
-    sched.add(request("b"))
-    sched.schedule()
-    aborted = sched.abort("a")
-    assert ids(aborted) == [("a", 0), ("a", 1)] and all(s.status == Status.FINISHED for s in aborted)
-    assert not pool.taken
-    assert ids(sched.schedule()) == [("b", 0)]
-    sched.add(request("w"))
-    sched.add(request("x", n=2))  # waits: b holds a slot
-    assert ids(sched.abort("x")) == [("x", 0), ("x", 1)] and sched.num_waiting == 1
-    assert sched.abort("nobody") == []
-
-
-def test_has_work_until_everything_finished() -> None:
-    sched, _ = make(max_num_seqs=1, slots=1)
+def test_a_sequence_that_cannot_fit_alone_is_unservable() -> None:
+    sched = make(blocks=2, prefix=False)
+    sched.add(request("big", 40))
+    assert sched.schedule() == [] and [s.request_id for s in sched.unservable] == ["big"]
     assert not sched.has_work()
-    sched.add(request("a"))
-    assert sched.has_work()
-    (a,) = sched.schedule()
-    sched.finish(a)
-    assert not sched.has_work()
+
+
+def test_siblings_wait_for_the_prompt_then_share_its_blocks() -> None:
+    sched = make(budget=64)
+    seqs = request("n3", 40, n=3)
+    sched.add(seqs)
+    first = step(sched)
+    assert [(s.index, n) for s, n in first] == [(0, 40)], "siblings wait while sequence 0 computes the prompt"
+    second = dict((s.index, n) for s, n in step(sched))
+    assert second == {0: 1, 1: 8, 2: 8}, "the siblings take 2 cached blocks and compute the last 8 tokens"
+    shared = seqs[0].blocks.tables[0][:2]  # type: ignore[union-attr]
+    assert all(s.blocks.tables[0][:2] == shared for s in seqs)  # type: ignore[union-attr]
+    assert sched.memory.pools[0].refs(shared[0]) == 3
+    assert sched.memory.stats.hit_tokens == 64
+
+
+def test_abort_frees_waiting_and_running_sequences() -> None:
+    sched = make(max_num_seqs=1)
+    sched.add(request("a", 20))
+    sched.add(request("b", 20))
+    step(sched)
+    assert {s.request_id for s in sched.abort("a")} == {"a"} and sched.abort("b")[0].finish_reason == "abort"
+    assert not sched.has_work() and sched.memory.pools[0].num_free == 64
+
+
+def test_the_budget_must_hold_one_decode_per_sequence() -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make(max_num_seqs=8, budget=4)

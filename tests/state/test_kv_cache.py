@@ -1,30 +1,38 @@
-"""The slot KV cache (state/kv_cache.py): its size, per-layer views, slot accounting."""
+"""The paged KV cache (state/kv_cache.py): groups by kind, per-layer block views, pool sizing."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from moeserve.state.kv_cache import KVCache
+from moeserve.state.kinds import FullAttention, SlidingWindow
+from moeserve.state.kv_cache import PagedKVCache, bytes_per_block, kv_groups, size_pools
 
 
-def test_bytes_and_layer_views() -> None:
-    kv = KVCache(num_layers=3, num_slots=4, max_len=16, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16,
-                 device=torch.device("cpu"))
-    assert kv.nbytes == KVCache.bytes_needed(3, 4, 16, 2, 8, torch.bfloat16) == 2 * 3 * 4 * 16 * 2 * 8 * 2
+def test_layers_group_by_kind_in_order_of_their_first_layer() -> None:
+    groups = kv_groups([128, None, 128, None, 64])
+    assert [type(g.kind) for g in groups] == [SlidingWindow, FullAttention, SlidingWindow]
+    assert [g.layers for g in groups] == [(0, 2), (1, 3), (4,)]
+
+
+def test_block_views_are_made_once_and_writes_stay_in_their_layer() -> None:
+    groups = kv_groups([None, 8, None])
+    kv = PagedKVCache(groups, [5, 3], 4, 2, 8, torch.bfloat16, torch.device("cpu"))
     k0, v0 = kv.layer(0)
-    assert k0.shape == v0.shape == (4, 2, 16, 8) and k0.dtype == torch.bfloat16
-    k0[1, :, 3] = 1.0  # a write through one layer's view lands there only
-    k1, v1 = kv.layer(1)
-    assert float(k0.sum()) == 16.0 and float(k1.sum()) == float(v0.sum()) == 0.0
-    assert kv.layer(0)[0].data_ptr() == k0.data_ptr()  # views made once, not per call
+    assert k0.shape == v0.shape == (5, 2, 4, 8) and kv.layer(1)[0].shape == (3, 2, 4, 8)
+    assert kv.group_of(0) == kv.group_of(2) == 0 and kv.group_of(1) == 1
+    k0[2, :, 1] = 1.0
+    assert float(k0.sum()) == 16.0 and float(kv.layer(2)[0].sum()) == float(v0.sum()) == 0.0
+    assert kv.layer(0)[0].data_ptr() == k0.data_ptr()
+    assert kv.nbytes == (5 * 2 + 3) * bytes_per_block(1, 4, 2, 8, torch.bfloat16)
 
 
-def test_slots_are_allocated_once_each_and_come_back() -> None:
-    kv = KVCache(1, 3, 8, 1, 4, torch.float32, torch.device("cpu"))
-    got = [kv.allocate() for _ in range(3)]
-    assert sorted(got) == [0, 1, 2] and kv.free_slots == 0
-    with pytest.raises(RuntimeError, match="no free KV slot"):
-        kv.allocate()
-    kv.release(got[1])
-    assert kv.free_slots == 1 and kv.allocate() == got[1]
+def test_a_sliding_group_gets_a_bounded_pool_and_the_full_group_the_rest() -> None:
+    groups = kv_groups([128, None] * 6)
+    block = [bytes_per_block(6, 16, 8, 64, torch.bfloat16)] * 2
+    kv_bytes = 3000 * block[0]
+    sizes = size_pools(groups, block, kv_bytes, 16, 8, 2048, 131072)
+    sliding, full = sizes
+    assert sliding == 8 * (SlidingWindow(128).max_live_blocks(1, 16) + 1) + 2048 // 16
+    assert full == 3000 - sliding and sum(n * b for n, b in zip(sizes, block)) <= kv_bytes
+    short = size_pools(groups, block, kv_bytes, 16, 2, 2048, 64)  # never more than the sequences could hold
+    assert short[0] == 2 * (64 // 16 + 1)
