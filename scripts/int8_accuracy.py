@@ -30,21 +30,24 @@ MODEL = ROOT / "moeserve" / "demo_model"
 
 @torch.inference_mode()
 def window_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """fp32 logits [len(ids), vocab] after each token of `ids`, decoded one token at a time in one KV slot."""
+    """fp32 logits [len(ids), vocab] after each token of `ids`, decoded one token at a time in one sequence's blocks."""
     engine = llm.engine
-    slot = engine.kv.allocate()
+    blocks = engine.memory.new()
+    assert engine.memory.grow(blocks, len(ids)), "the KV pool cannot hold the window"
+    bs = engine.kv.block_size
+    tables = [torch.tensor([t], dtype=torch.long) for t in blocks.tables]
     try:
         rows = []
         for pos, tok in enumerate(ids):
             t = torch.tensor([tok], dtype=torch.long)
             p = torch.tensor([pos], dtype=torch.long)
-            s = torch.tensor([slot], dtype=torch.long)
-            batch = ForwardBatch(token_ids=t, positions=p, slots=[slot], starts=[pos], num_new=[1],
-                                 slots_t=s, starts_t=p, token_slots=s)
+            slots = [torch.tensor([tb[pos // bs] * bs + pos % bs], dtype=torch.long) for tb in blocks.tables]
+            batch = ForwardBatch(token_ids=t, positions=p, starts=[pos], num_new=[1], slot_mappings=slots,
+                                 block_tables=tables, tables=[[tb] for tb in blocks.tables])
             rows.append(engine.model.forward(batch, engine.kv)[0])
         return torch.stack(rows)
     finally:
-        engine.kv.release(slot)
+        engine.memory.free(blocks)
 
 
 def main() -> None:
