@@ -77,7 +77,10 @@ def _split(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint, free_byt
     from moeserve.memory.split import split_memory
 
     batched = s.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_num_seqs)
-    needs = memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched)
+    from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
+
+    needs = memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched,
+                         RUNTIME_OVERHEAD_BYTES)
     return split_memory(needs, memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
                         max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, free_bytes=free_bytes)
 

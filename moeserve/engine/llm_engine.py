@@ -502,9 +502,9 @@ class LLMEngine:
 
 
 def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, unit: int, total: int,  # noqa: ANN001
-                 batched_tokens: int) -> MemoryNeeds:
+                 batched_tokens: int, runtime_bytes: int | None = None) -> MemoryNeeds:
     """What memory/split.py splits the budget among (the engine at start-up and `moeserve plan` alike): sizes from
-    shapes, the runtime measured in this process now."""
+    shapes, the runtime measured in this process now (`runtime_bytes` instead: `plan` is not the serving process)."""
     groups = kv_groups(spec.attention.sliding_window)
     a, m = spec.attention, spec.moe
     block_bytes = [bytes_per_block(len(g.layers), s.block_size, a.num_kv_heads, a.head_dim, dtype) for g in groups]
@@ -517,7 +517,7 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
     rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
     staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
-                       staging, process_rss_bytes() + acts + rotary)
+                       staging, (process_rss_bytes() if runtime_bytes is None else runtime_bytes) + acts + rotary)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

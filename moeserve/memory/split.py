@@ -145,7 +145,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
                           f"runtime {_gib(n.overhead_bytes)}, KV pool {_gib(kv)}, experts "
                           f"{_gib(capacity * n.unit_nbytes)} = {_gib(total)}"),
         ("KV pool", f"{_gib(kv)} ({kv_why})"),
-        ("expert cache", f"{capacity} of {n.total_experts} experts, {_gib(capacity * n.unit_nbytes)} ({exp_why})"),
+        ("placement", f"{capacity} of {n.total_experts} experts, {_gib(capacity * n.unit_nbytes)} ({exp_why})"),
         ("max_model_len", ctx_line),
     )
     return MemorySplit(int(memory_gb * GiB) if memory_gb is not None else None, budget, n.resident_bytes,
