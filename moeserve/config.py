@@ -66,7 +66,8 @@ class EngineSettings(BaseModel):
     skip_tokenizer_init: bool = Field(False, description="run without tokenizer files, on token-id prompts")
     chat_template: str | None = Field(None, description="path of a jinja chat template overriding the model's")
     expert_cache_gb: float | None = Field(
-        None, ge=0, description="fast-tier budget for experts, GiB (2**30 bytes) (default: chosen from free memory)"
+        None, ge=0, description="fast-tier budget for experts inside the memory budget, GiB (2**30 bytes) "
+        "(default: what the memory split leaves beside the KV pool, logged)"
     )
     host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes)")
     cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")

@@ -1,8 +1,11 @@
-"""`moeserve plan MODEL [--memory-gb N]`: will it fit, how, and how fast can it go? Loads no weights.
+"""`moeserve plan MODEL [--memory-gb N] [engine settings]`: will it fit, how, and how fast can it go? Loads no weights.
 
-Reads config.json and the shard headers, sizes resident weights, KV cache and expert tiers, probes RAM and disk
-bandwidth for a fraction of a second (skip with --no-probe), and prints the decode speed ceilings that follow.
-Refuses (exit 1, one line) when even the resident part does not fit in --memory-gb.
+Reads config.json and the shard headers and splits the memory budget (the engine setting memory_gb: --memory-gb,
+MOESERVE_MEMORY_GB; default free memory less headroom) with memory/split.py, the function the engine calls at
+start-up, printing the same "name: value" lines the engine logs. The runtime part is RUNTIME_OVERHEAD_BYTES (plan
+is not the serving process, which measures its own RSS) plus one step's activations. Then it probes RAM and disk
+bandwidth for a fraction of a second (skip with --no-probe) and prints the decode speed ceilings that follow.
+Refuses (exit 1, one line) what the engine would refuse: a budget the parts cannot fit in.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import torch
 
 from moeserve.cli.common import add_engine_arguments, add_model_argument, engine_settings
 from moeserve.config import EngineSettings
-from moeserve.memory.plan import MemoryPlan, ModelFootprint, decode_ceiling, make_plan
+from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES, MemoryPlan, ModelFootprint, decode_ceiling, make_plan
+from moeserve.memory.split import MemoryNeeds
 
 MiB = 2**20
 
@@ -37,16 +41,21 @@ def run(args: argparse.Namespace) -> int:
     arch, spec = read_model(ckpt)
     device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    footprint, dtype_name, max_len, expert_refs = _footprint(ckpt, arch, spec, s)
+    footprint, dtype_name, expert_refs = _footprint(ckpt, arch, spec, s)
     topology = detect_topology(device)
-    plan = make_plan(footprint, s.memory_gb, s.expert_cache_gb, s.host_cache_gb, device.type, topology.unified,
-                     topology.fast_free_bytes)
+    needs = _needs(spec, s, dtype_name, footprint)
+    plan = make_plan(footprint, needs, memory_gb=s.memory_gb,
+                     expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb, host_cache_gb=s.host_cache_gb,
+                     max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, device_type=device.type,
+                     unified=topology.unified, free_bytes=topology.fast_free_bytes)
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
     print(f"memory: {topology.reason}")
-    split = _split(spec, s, dtype_name, footprint, topology.fast_free_bytes)
-    for name, line in split.lines:  # the very lines the engine logs at start-up (memory/split.py)
+    for name, line in plan.split.lines:  # the very lines the engine logs at start-up (memory/split.py)
         print(f"{name}: {line}")
-    for line in _sizes(plan, s, max_len):
+    print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up (plan "
+          f"is not that process; the engine measures its own) + {(needs.overhead_bytes - RUNTIME_OVERHEAD_BYTES) / MiB:.1f}"
+          " MiB for one step's activations and the rotary tables")
+    for line in _sizes(plan):
         print(line)
     fast_bw = host_bw = disk_bw = None
     if not args.no_probe:
@@ -72,23 +81,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _split(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint, free_bytes: int):  # noqa: ANN001, ANN202
+def _needs(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint) -> MemoryNeeds:  # noqa: ANN001
+    """MemoryNeeds as the engine computes them, with RUNTIME_OVERHEAD_BYTES for the serving process's RSS."""
     from moeserve.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, memory_needs
-    from moeserve.memory.split import split_memory
 
     batched = s.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_num_seqs)
-    from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
-
-    needs = memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched,
-                         RUNTIME_OVERHEAD_BYTES)
-    return split_memory(needs, memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
-                        max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, free_bytes=free_bytes)
+    return memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched,
+                        RUNTIME_OVERHEAD_BYTES)
 
 
 def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
-    """(ModelFootprint, dtype name, max_model_len, expert TensorRefs) as the engine would choose them."""
+    """(ModelFootprint, dtype name, expert TensorRefs) as the engine would choose them."""
     from moeserve.engine.llm_engine import _CODE_TO_NAME, DTYPES
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.expert_plans import expert_plan, int8_expert_plan
     from moeserve.models.inventory import resident_nbytes
 
     dtype_name: str
@@ -99,48 +104,36 @@ def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - i
     else:
         dtype_name = _CODE_TO_NAME.get(ckpt.stored_dtype(), "bfloat16")
     dtype = DTYPES[dtype_name]
-    max_len = s.max_model_len or spec.max_position_embeddings
     plan = expert_plan(ckpt, arch, spec, dtype)
+    if s.quantization == "int8":  # as the engine holds them: int8 codes + scales in the fast tier
+        plan = int8_expert_plan(plan, dtype)
     refs = [r for fs in plan.sources.values() for f in fs for r in f.refs]
     # Stacked expert tensors (gpt-oss) and quantized dense Linears counted as the engine counts them.
     nonexpert = resident_nbytes(ckpt, plan, dtype)
-    kv = 2 * spec.num_layers * max_len * spec.attention.num_kv_heads * spec.attention.head_dim * dtype.itemsize
     first = next(iter(plan.sources.values()))
     footprint = ModelFootprint(
         resident_bytes=nonexpert,
         embed_bytes=spec.vocab_size * spec.hidden_size * dtype.itemsize,
         hidden_bytes=spec.hidden_size * dtype.itemsize,
-        kv_bytes=kv,
         unit_nbytes=plan.layout.nbytes,
         stored_unit_nbytes=sum(r.nbytes for f in first for r in f.refs),
         num_moe_layers=len(spec.moe_layer_ids),
         num_experts=spec.moe.num_experts,
         top_k=spec.moe.top_k,
     )
-    return footprint, dtype_name, max_len, refs
+    return footprint, dtype_name, refs
 
 
-def _sizes(plan: MemoryPlan, s: EngineSettings, max_len: int) -> list[str]:
+def _sizes(plan: MemoryPlan) -> list[str]:
     f = plan.footprint
-    from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
-
-    lines = [
-        f"resident weights   {f.resident_bytes / MiB:>10.1f} MiB  (everything but the experts)",
-        f"KV cache           {f.kv_bytes / MiB:>10.1f} MiB  ({s.max_num_seqs} seqs x {max_len} tokens)",
-    ]
-    if plan.memory_bytes is not None:
-        lines.append(f"runtime            {RUNTIME_OVERHEAD_BYTES / MiB:>10.1f} MiB  (interpreter, torch, "
-                     f"activations; of --memory-gb {plan.memory_bytes / 2**30:g})")
-    lines += [
-        f"experts            {f.total_experts * f.unit_nbytes / MiB:>10.1f} MiB  ({f.num_moe_layers} MoE layers x "
-        f"{f.num_experts} experts of {f.unit_nbytes / MiB:.2f} MiB; top-{f.top_k} per token)",
-        f"expert cache       {plan.cache_bytes / MiB:>10.1f} MiB  ({plan.capacity} experts = "
-        f"{plan.experts_per_layer:.1f} per layer of {f.num_experts}): {plan.cache_reason}",
-        f"host tier          {plan.host.cache_bytes / MiB:>10.1f} MiB  ({plan.host.reason})",
+    return [
+        f"experts: {f.total_experts * f.unit_nbytes / MiB:.1f} MiB in all ({f.num_moe_layers} MoE layers x "
+        f"{f.num_experts} experts of {f.unit_nbytes / MiB:.2f} MiB; top-{f.top_k} per token); the fast tier holds "
+        f"{plan.capacity} = {plan.experts_per_layer:.1f} per layer of {f.num_experts}",
+        f"host tier: {plan.host.cache_bytes / MiB:.1f} MiB ({plan.host.reason})",
         f"bytes per token: fast tier {plan.fast_bytes_per_token / MiB:.1f} MiB; worst case from host "
         f"{plan.worst_host_bytes_per_token / MiB:.1f} MiB, from disk {plan.worst_disk_bytes_per_token / MiB:.1f} MiB",
     ]
-    return lines
 
 
 def _ceilings(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, disk_bw: float | None,

@@ -1,5 +1,6 @@
-"""Memory budgets: how many experts the fast tier holds, and why. Every choice comes with its reason,
-which the engine logs at start-up."""
+"""Memory budgets with their reasons (the engine logs them at start-up): the headroom rule for a budget derived
+from free memory, the host RAM tier, and the start-up check of check_fits_in_memory. The fast tier itself (expert
+cache, KV pool) is split by memory/split.py."""
 
 from __future__ import annotations
 
@@ -26,41 +27,6 @@ class ExpertBudget:
 def available_memory_bytes() -> int:
     """Memory the OS could give us now (MemAvailable), not counting what we already hold."""
     return int(psutil.virtual_memory().available)
-
-
-def choose_expert_budget(
-    expert_cache_gb: float | None,
-    unit_nbytes: int,
-    total_experts: int,
-    other_bytes: int,
-    available_bytes: int | None = None,
-) -> ExpertBudget:
-    """Fast-tier expert capacity from an explicit budget, or from free memory when none is given.
-
-    other_bytes: what will also be resident (non-expert weights, KV cache) and must fit beside the cache.
-    """
-    all_bytes = unit_nbytes * total_experts
-    if expert_cache_gb is not None:
-        want = int(expert_cache_gb * GiB)
-        capacity = min(total_experts, want // unit_nbytes)
-        if capacity >= total_experts:
-            return ExpertBudget(total_experts, all_bytes,
-                                f"expert_cache_gb={expert_cache_gb:g} holds all {total_experts} experts")
-        return ExpertBudget(max(capacity, 1), max(capacity, 1) * unit_nbytes,
-                            f"expert_cache_gb={expert_cache_gb:g} holds {capacity} of {total_experts} experts "
-                            f"({unit_nbytes / 2**20:.2f} MiB each)")
-    free = available_memory_bytes() if available_bytes is None else available_bytes
-    headroom = max(HEADROOM_MIN_BYTES, int(free * HEADROOM_FRACTION))
-    room = free - headroom - other_bytes
-    if room >= all_bytes:
-        return ExpertBudget(total_experts, all_bytes,
-                            f"all {total_experts} experts ({all_bytes / GiB:.2f} GiB) fit in free memory "
-                            f"({free / GiB:.1f} GiB available, {headroom / GiB:.1f} GiB kept as headroom)")
-    capacity = max(1, room // unit_nbytes)
-    return ExpertBudget(capacity, capacity * unit_nbytes,
-                        f"experts need {all_bytes / GiB:.2f} GiB but only {max(room, 0) / GiB:.2f} GiB is free "
-                        f"after resident weights and KV cache ({headroom / GiB:.1f} GiB headroom): caching "
-                        f"{capacity} of {total_experts}, the rest read from disk on demand")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The memory plan of a model on this machine, computed from shapes alone (nothing is loaded).
 
-Every byte has an owner: resident weights (everything but experts), the KV cache, the runtime (interpreter,
-torch, activations), the expert cache in the fast tier, the host tier (discrete CUDA only). Given a total budget
-(`--memory-gb`), the expert cache gets what is left; without one, the engine's own rule (free memory less
-headroom) decides. The plan refuses when even the resident part does not fit.
+Every byte has an owner: resident weights (everything but experts), the expert store's read buffers, the runtime
+(interpreter, torch, activations), the KV pool, the expert cache in the fast tier, the host tier (discrete CUDA
+only). The fast tier is split by `memory/split.py` `split_memory`, the very function the engine calls at start-up,
+from the memory budget (`memory_gb`, or free memory less headroom); it refuses, one line, what cannot fit.
 
 Speed ceilings for decode (batch 1), from bytes per token and measured bandwidths:
 - fast tier: every resident weight but the embedding table (one row) plus top-k experts per MoE layer;
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.errors import ConfigError
-from moeserve.memory.budget import GiB, HostBudget, choose_expert_budget, choose_host_budget
+from moeserve.memory.budget import GiB, HostBudget, choose_host_budget
+from moeserve.memory.split import MemoryNeeds, MemorySplit, split_memory
 
-RUNTIME_OVERHEAD_BYTES = GiB // 2  # interpreter + torch + activations of a step, charged to --memory-gb
+# The runtime `moeserve plan` charges for the serving process's RSS at start-up (interpreter, torch, tokenizer;
+# about 0.25 GiB on CPU): plan is not that process, so it states a generous figure where the engine measures its
+# own. One step's activations are added to it from shapes, as the engine adds them.
+RUNTIME_OVERHEAD_BYTES = GiB // 2
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,6 @@ class ModelFootprint:
     resident_bytes: int  # non-expert weights
     embed_bytes: int  # the embedding table (decode reads one row of it)
     hidden_bytes: int  # one row of the embedding (hidden_size x dtype)
-    kv_bytes: int
     unit_nbytes: int  # one expert in the fast tier
     stored_unit_nbytes: int  # one expert on disk
     num_moe_layers: int
@@ -43,14 +45,20 @@ class ModelFootprint:
 @dataclass(frozen=True)
 class MemoryPlan:
     footprint: ModelFootprint
-    capacity: int  # experts in the fast tier
-    cache_reason: str
+    split: MemorySplit  # the fast tier, as the engine will split it
     host: HostBudget
-    memory_bytes: int | None  # the total budget given, if any
+
+    @property
+    def capacity(self) -> int:  # experts in the fast tier
+        return self.split.expert_capacity
+
+    @property
+    def memory_bytes(self) -> int | None:  # the total budget given, if any
+        return self.split.memory_bytes
 
     @property
     def cache_bytes(self) -> int:
-        return self.capacity * self.footprint.unit_nbytes
+        return self.split.expert_bytes
 
     @property
     def experts_per_layer(self) -> float:
@@ -83,39 +91,24 @@ class MemoryPlan:
 
 def make_plan(
     footprint: ModelFootprint,
+    needs: MemoryNeeds,
+    *,
     memory_gb: float | None,
     expert_cache_gb: float | None,
+    kv_cache_gb: float | None,
     host_cache_gb: float | None,
+    max_model_len: int | None,
+    max_num_seqs: int,
     device_type: str,
     unified: bool,
-    available_bytes: int | None = None,
+    free_bytes: int,
 ) -> MemoryPlan:
-    """Size the tiers for `footprint`. Raises ConfigError when the resident part alone exceeds `memory_gb`."""
-    f = footprint
-    fixed = f.resident_bytes + f.kv_bytes + RUNTIME_OVERHEAD_BYTES
-    memory_bytes = None if memory_gb is None else int(memory_gb * GiB)
-    derived = memory_bytes is not None and expert_cache_gb is None  # the cache gets what --memory-gb leaves
-    if memory_bytes is not None:
-        if fixed > memory_bytes:
-            raise ConfigError(
-                f"does not fit: resident weights {f.resident_bytes / GiB:.2f} GiB + KV cache {f.kv_bytes / GiB:.2f} "
-                f"GiB + runtime {RUNTIME_OVERHEAD_BYTES / GiB:.2f} GiB = {fixed / GiB:.2f} GiB exceed "
-                f"--memory-gb {memory_gb:g}; lower max_model_len / max_num_seqs or give more memory")
-        room = memory_bytes - fixed
-        if expert_cache_gb is None:
-            expert_cache_gb = room / GiB
-        elif expert_cache_gb * GiB > room:
-            raise ConfigError(f"expert_cache_gb={expert_cache_gb:g} does not fit in --memory-gb {memory_gb:g}: "
-                              f"only {room / GiB:.2f} GiB is left after the resident part")
-    budget = choose_expert_budget(expert_cache_gb, f.unit_nbytes, f.total_experts,
-                                  f.resident_bytes + f.kv_bytes, available_bytes)
-    reason = budget.reason
-    if derived and expert_cache_gb is not None and " holds" in reason:
-        reason = f"--memory-gb {memory_gb:g} leaves {expert_cache_gb:.2f} GiB after the resident part; it" \
-            + reason[reason.index(" holds"):]
-    host = choose_host_budget(host_cache_gb, f.unit_nbytes, f.total_experts, budget.capacity, device_type,
-                              unified, available_bytes)
-    return MemoryPlan(f, budget.capacity, reason, host, memory_bytes)
+    """Split the fast tier with `split_memory` (ConfigError when it cannot fit) and size the host tier."""
+    split = split_memory(needs, memory_gb=memory_gb, expert_cache_gb=expert_cache_gb, kv_cache_gb=kv_cache_gb,
+                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, free_bytes=free_bytes)
+    host = choose_host_budget(host_cache_gb, footprint.unit_nbytes, footprint.total_experts,
+                              split.expert_capacity, device_type, unified)
+    return MemoryPlan(footprint, split, host)
 
 
 def decode_ceiling(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, disk_bw: float | None,

@@ -1,20 +1,30 @@
-"""One memory budget, split once: the engine (at start-up, before any weight is loaded) and `moeserve plan` call
-`split_memory` with the same needs and print the same lines.
+"""One memory budget, split once. The engine (at start-up, before any weight is loaded) and `moeserve plan` call
+`split_memory` with the same needs and print the same lines; nothing else sizes the expert cache or the KV pool.
 
-Budget B = memory_gb (everything the process holds), or, without it, free memory less the headroom of
-memory/budget.py (logged as derived). From B come, in this order:
+Rules, in order:
 
-1. the fixed parts: resident weights (everything but the experts), the expert store's read buffers, and the
-   runtime overhead (the process's RSS measured at start-up: interpreter, torch, tokenizer; plus the activations
-   of one step of max_num_batched_tokens tokens);
-2. the KV pool: kv_cache_gb when set; else, when every expert fits beside a pool of max_num_seqs sequences of
-   the full context, that pool (all experts resident); else at least one sequence of the full context and at most
-   a quarter of what is left, so the experts keep most of the memory;
-3. the expert cache: expert_cache_gb when set, else all that is left (at least one unit).
+1. Budget B = memory_gb (everything the process holds), or, without it, free memory less the headroom of
+   memory/budget.py (max(HEADROOM_MIN_BYTES, HEADROOM_FRACTION of free)), logged as derived. A memory_gb above
+   what is free now is allowed; its line says so (the OS may swap).
+2. The fixed parts come first: resident weights (everything but the experts), the expert store's read buffers,
+   and the runtime (the process's RSS measured at start-up: interpreter, torch, tokenizer; plus one step's
+   activations, `activation_bytes`). room = B - fixed.
+3. room must hold one expert and the KV of one sequence of max_model_len tokens (when set), else of
+   min(the model's context, MIN_CONTEXT) tokens; otherwise ConfigError, one line naming each part and what to
+   change. The same holds for every override below: what cannot fit is refused, never trimmed silently.
+4. The expert cache, when expert_cache_gb is set: that many whole experts (at least one, at most all).
+5. The KV pool: kv_cache_gb when set; else, with expert_cache_gb set, what the experts leave, capped at
+   max_num_seqs sequences of the full context; else, when every expert fits beside a pool of max_num_seqs
+   sequences of the full context (max_model_len, or the model's), that pool and all experts; else
+   min(one full-context sequence, KV_SHARE of room) (so the experts keep most of the memory), never less than the
+   step-3 minimum, never so much that not one expert fits, and more when all experts fit beside a larger pool.
+6. The expert cache, when expert_cache_gb is not set: all that room - KV pool holds (whole experts, at most all).
+7. max_model_len: when set, kept (step 3 guarantees one sequence of it fits the pool; above the model's own it is
+   refused). When not set: the model's max_position_embeddings, lowered to what one sequence can hold in the KV
+   pool (a multiple of 16, never below the step-3 minimum), with the reason in its line.
 
-max_model_len, when not set, is the model's own, lowered (to a multiple of 16, logged) when even one sequence of it
-does not fit the KV pool. Anything that cannot fit raises ConfigError with one line naming each part, before
-anything is allocated. With memory_gb, the parts always sum to at most B.
+With memory_gb, resident + read buffers + runtime + KV pool + expert cache <= B always (tests/memory/test_split.py
+checks it on random cases). Every line names its figures (GiB, or MiB below 1 GiB) and its reason.
 """
 
 from __future__ import annotations
@@ -29,137 +39,195 @@ from moeserve.memory.budget import HEADROOM_FRACTION, HEADROOM_MIN_BYTES
 GiB = 1024**3
 MiB = 2**20
 MIN_CONTEXT = 256  # the shortest context worth serving when max_model_len is lowered to fit
-KV_SHARE = 0.25  # the KV pool's share of what is left when the experts do not all fit
+KV_SHARE = 0.25  # the KV pool's share of room when the experts do not all fit
+LEN_MULTIPLE = 16  # an automatic max_model_len is a multiple of this
 
 
 @dataclass(frozen=True)
 class MemoryNeeds:
-    """What the split needs, from shapes and start-up measurements."""
+    """What the split needs, from shapes and start-up measurements (nothing loaded)."""
 
-    resident_bytes: int  # non-expert weights
+    resident_bytes: int  # non-expert weights in memory
     unit_nbytes: int  # one expert unit in the fast tier
     total_experts: int
-    kv_bytes_per_token: int  # the full-attention groups, per token
-    kv_fixed_bytes: int  # the sliding-window groups' pools (bounded whatever the context)
-    block_size: int
-    model_max_len: int
-    staging_bytes: int  # the expert store's read buffers
-    overhead_bytes: int  # runtime: RSS at start-up + one step's activations
+    kv_bytes_per_token: int  # KV bytes one token takes in the full-attention layers (all of them together)
+    kv_fixed_bytes: int  # the sliding-window layers' pools (bounded whatever the context)
+    block_size: int  # tokens per KV block
+    model_max_len: int  # the model's max_position_embeddings
+    staging_bytes: int  # the expert store's read/staging buffers
+    overhead_bytes: int  # runtime: RSS measured at start-up + one step's activations
 
 
 @dataclass(frozen=True)
 class MemorySplit:
-    memory_bytes: int | None  # memory_gb, if given
-    budget_bytes: int  # what was split
+    memory_bytes: int | None  # memory_gb, if given (None: the budget was derived from free memory)
+    budget_bytes: int  # the budget actually split
     resident_bytes: int
     staging_bytes: int
     overhead_bytes: int
-    expert_capacity: int
+    expert_capacity: int  # experts in the fast tier
     expert_bytes: int
-    kv_bytes: int
+    kv_bytes: int  # the KV pool
     max_model_len: int
-    lines: tuple[tuple[str, str], ...]  # (name, value with its reason): the start-up log and `plan` print them
+    # (name, value with its reason), in this order: "memory budget", "KV pool", "placement", "max_model_len".
+    # The engine logs them at start-up as "name: value" (its choices), `moeserve plan` prints them the same way.
+    lines: tuple[tuple[str, str], ...]
 
     @property
     def total_bytes(self) -> int:
         return self.resident_bytes + self.staging_bytes + self.overhead_bytes + self.expert_bytes + self.kv_bytes
 
 
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
+def fmt_bytes(n: float) -> str:
+    """'1.25 GiB', or '12.3 MiB' below 1 GiB."""
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 
-def kv_for(needs: MemoryNeeds, tokens: int) -> int:
-    """KV pool bytes that hold one sequence of `tokens` tokens (one spare block for the step that grows it)."""
-    return needs.kv_fixed_bytes + needs.kv_bytes_per_token * (tokens + needs.block_size)
+def kv_for(needs: MemoryNeeds, tokens: int, seqs: int = 1) -> int:
+    """KV pool bytes that hold `seqs` sequences of `tokens` tokens each (one spare block per sequence: a sequence
+    of t tokens takes ceil(t / block_size) blocks, and the step that grows it may open one more)."""
+    return needs.kv_fixed_bytes + needs.kv_bytes_per_token * seqs * (tokens + needs.block_size)
 
 
 def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb: float | None,
                  kv_cache_gb: float | None, max_model_len: int | None, max_num_seqs: int,
                  free_bytes: int) -> MemorySplit:
-    n = needs
-    given = memory_gb is not None
+    """Split the budget among the parts (module docstring). Raises ConfigError, one line, when it cannot fit."""
+    n, unit = needs, needs.unit_nbytes
+    if max_model_len is not None and max_model_len > n.model_max_len:
+        raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                          f"{n.model_max_len}")
+    # 1. the budget
     if memory_gb is not None:
         budget = int(memory_gb * GiB)
-        why = f"memory_gb={memory_gb:g} (set)" + (
-            f"; only {_gib(free_bytes)} is free now" if budget > free_bytes else "")
+        of = f"memory_gb={memory_gb:g}"
+        budget_why = f"{fmt_bytes(budget)} ({of}, set" + (
+            f"; warning: only {fmt_bytes(free_bytes)} is free now, the OS may swap)" if budget > free_bytes else ")")
+        raise_budget = "raise memory_gb"
     else:
         headroom = max(HEADROOM_MIN_BYTES, int(free_bytes * HEADROOM_FRACTION))
         budget = max(0, free_bytes - headroom)
-        why = f"{_gib(budget)} (derived: {_gib(free_bytes)} free less {_gib(headroom)} headroom; set memory_gb)"
+        of = f"the {fmt_bytes(budget)} derived from free memory"
+        budget_why = (f"{fmt_bytes(budget)} (derived: {fmt_bytes(free_bytes)} free less {fmt_bytes(headroom)} "
+                      "headroom; set memory_gb to choose it)")
+        raise_budget = "free memory or set memory_gb"
+    # 2. the fixed parts
     fixed = n.resident_bytes + n.staging_bytes + n.overhead_bytes
     room = budget - fixed
+    fixed_parts = (f"resident weights {fmt_bytes(n.resident_bytes)} + read buffers {fmt_bytes(n.staging_bytes)} + "
+                   f"runtime {fmt_bytes(n.overhead_bytes)}")
+    # 3. the minimum
     ctx = max_model_len or n.model_max_len
     min_ctx = max_model_len or min(MIN_CONTEXT, n.model_max_len)
-    parts = (f"resident weights {_gib(n.resident_bytes)} + read buffers {_gib(n.staging_bytes)} + runtime "
-             f"{_gib(n.overhead_bytes)} + KV for one {min_ctx}-token sequence {_gib(kv_for(n, min_ctx))} + one expert "
-             f"{_gib(n.unit_nbytes)}")
-    if room < kv_for(n, min_ctx) + n.unit_nbytes:
-        what = f"memory_gb={memory_gb:g}" if given else f"the {_gib(budget)} free"
-        raise ConfigError(f"does not fit: {parts} exceed {what}; raise memory_gb, free memory, or lower "
-                          "max_model_len / max_num_batched_tokens")
-    all_experts = n.unit_nbytes * n.total_experts
-    want_kv = kv_for(n, max_num_seqs * ctx)
-    expert_fixed = None if expert_cache_gb is None else min(all_experts, int(expert_cache_gb * GiB))
+    kv_min = kv_for(n, min_ctx)
+    if room < kv_min + unit:
+        lower = "lower max_model_len or max_num_batched_tokens" if max_model_len is not None else \
+            "lower max_num_batched_tokens"
+        raise ConfigError(f"does not fit: {fixed_parts} + KV of one {min_ctx}-token sequence {fmt_bytes(kv_min)} + "
+                          f"one expert {fmt_bytes(unit)} = {fmt_bytes(fixed + kv_min + unit)} exceed {of}; "
+                          f"{raise_budget}, or {lower} (its activations are in the runtime)")
+    all_bytes = unit * n.total_experts
+    want_kv = kv_for(n, ctx, max_num_seqs)
+    full = f"{max_num_seqs} sequences x {ctx} tokens"
+    # 4. an explicit expert cache
+    capacity: int | None = None
+    if expert_cache_gb is not None:
+        capacity = max(1, min(n.total_experts, int(expert_cache_gb * GiB) // unit))
+        if capacity * unit > room - kv_min:
+            raise ConfigError(f"does not fit: {fixed_parts} + expert cache {fmt_bytes(capacity * unit)} "
+                              f"(expert_cache_gb={expert_cache_gb:g}) + KV of one {min_ctx}-token sequence "
+                              f"{fmt_bytes(kv_min)} exceed {of}; lower expert_cache_gb or {raise_budget}")
+    # 5. the KV pool
     if kv_cache_gb is not None:
-        kv, kv_why = int(kv_cache_gb * GiB), f"kv_cache_gb={kv_cache_gb:g} (set)"
-    elif expert_fixed is not None:
-        kv = min(want_kv, room - expert_fixed)
-        kv_why = "what expert_cache_gb leaves" + (f", capped at {max_num_seqs} x {ctx} tokens" if kv == want_kv else "")
-    elif room - all_experts >= want_kv:
-        kv, kv_why = want_kv, f"{max_num_seqs} sequences x {ctx} tokens, beside all experts"
+        kv, kv_why = int(kv_cache_gb * GiB), f"kv_cache_gb={kv_cache_gb:g}, set"
+        if kv < kv_min:
+            raise ConfigError(f"kv_cache_gb={kv_cache_gb:g} ({fmt_bytes(kv)}) cannot hold one {min_ctx}-token "
+                              f"sequence ({fmt_bytes(kv_min)}): raise kv_cache_gb"
+                              + (" or lower max_model_len" if max_model_len is not None else ""))
+        need = kv + (unit if capacity is None else capacity * unit)
+        if need > room:
+            experts = (f"one expert {fmt_bytes(unit)}" if capacity is None else
+                       f"expert cache {fmt_bytes(capacity * unit)} (expert_cache_gb={expert_cache_gb:g})")
+            raise ConfigError(f"does not fit: {fixed_parts} + KV pool {fmt_bytes(kv)} (kv_cache_gb={kv_cache_gb:g})"
+                              f" + {experts} = {fmt_bytes(fixed + need)} exceed {of}; lower kv_cache_gb"
+                              + (" or expert_cache_gb" if capacity is not None else "") + f", or {raise_budget}")
+    elif capacity is not None:
+        kv = min(want_kv, room - capacity * unit)
+        kv_why = "what expert_cache_gb leaves" + (f", capped at {full}" if kv == want_kv else "")
+    elif room - all_bytes >= want_kv:
+        kv, kv_why = want_kv, f"{full}, beside all experts"
     else:
-        kv = max(kv_for(n, min_ctx), min(kv_for(n, ctx), int(KV_SHARE * room)))
-        kv_why = (f"one {ctx}-token sequence" if kv == kv_for(n, ctx) else
-                  f"{KV_SHARE:.0%} of what the fixed parts leave") + ": the experts do not all fit, they get the rest"
-    if kv < kv_for(n, min_ctx):
-        raise ConfigError(f"kv_cache_gb={kv_cache_gb:g} cannot hold one sequence of {min_ctx} tokens "
-                          f"({_gib(kv_for(n, min_ctx))}): raise kv_cache_gb or lower max_model_len")
-    left = room - kv
-    if expert_fixed is not None:
-        capacity = max(1, expert_fixed // n.unit_nbytes)
-        exp_why = f"expert_cache_gb={expert_cache_gb:g} (set)"
+        share = min(kv_for(n, ctx), int(KV_SHARE * room))
+        kv = min(max(share, kv_min, room - all_bytes), room - unit)
+        if kv == room - all_bytes and kv > max(share, kv_min):
+            kv_why = f"what all experts leave, less than {full}"
+        elif kv == kv_for(n, ctx):
+            kv_why = f"one {ctx}-token sequence: the experts do not all fit, they get the rest"
+        elif kv == kv_min:
+            kv_why = f"one {min_ctx}-token sequence, the least: the experts do not all fit, they get the rest"
+        else:
+            kv_why = f"{KV_SHARE:.0%} of what the fixed parts leave: the experts do not all fit, they get the rest"
+    # 6. the expert cache from what is left
+    if capacity is None:
+        capacity = min(n.total_experts, (room - kv) // unit)
+        exp_why = ("all fit" if capacity == n.total_experts else
+                   "what the other parts leave; the rest are read from disk on demand")
     else:
-        capacity = min(n.total_experts, max(0, left) // n.unit_nbytes)
-        exp_why = "what is left"
-    if capacity * n.unit_nbytes > left or capacity < 1:
-        raise ConfigError(f"does not fit: {parts.rsplit(' + one expert', 1)[0]}, KV pool {_gib(kv)} and expert cache "
-                          f"{_gib(max(1, capacity) * n.unit_nbytes)} exceed {_gib(budget)}; lower kv_cache_gb or "
-                          "expert_cache_gb, or raise memory_gb")
+        exp_why = f"expert_cache_gb={expert_cache_gb:g}, set" + (
+            ", capped at all" if capacity == n.total_experts and int((expert_cache_gb or 0) * GiB) > all_bytes else "")
+    expert_bytes = capacity * unit
+    # 7. max_model_len
     if max_model_len is None:
         fits = (kv - n.kv_fixed_bytes) // n.kv_bytes_per_token - n.block_size if n.kv_bytes_per_token else ctx
         if fits < ctx:
-            ctx = max(min_ctx, fits // 16 * 16)
-            ctx_line = (f"{ctx} (auto: the model's {n.model_max_len} does not fit the {_gib(kv)} KV pool; set "
-                        "max_model_len or raise memory_gb)")
+            ctx = max(min_ctx, fits // LEN_MULTIPLE * LEN_MULTIPLE)
+            ctx_line = (f"{ctx} (auto: the model's {n.model_max_len} does not fit the {fmt_bytes(kv)} KV pool of "
+                        f"{of}; set max_model_len or {raise_budget})")
         else:
             ctx_line = f"{ctx} (auto: the model's max_position_embeddings)"
     else:
-        if kv < kv_for(n, max_model_len):
-            raise ConfigError(f"max_model_len={max_model_len} needs {_gib(kv_for(n, max_model_len))} of KV for one "
-                              f"sequence, more than the {_gib(kv)} KV pool: lower it or raise kv_cache_gb / memory_gb")
         ctx_line = f"{max_model_len} (set)"
-    total = fixed + kv + capacity * n.unit_nbytes
+    total = fixed + kv + expert_bytes
     lines = (
-        ("memory budget", f"{why}: resident weights {_gib(n.resident_bytes)}, read buffers {_gib(n.staging_bytes)}, "
-                          f"runtime {_gib(n.overhead_bytes)}, KV pool {_gib(kv)}, experts "
-                          f"{_gib(capacity * n.unit_nbytes)} = {_gib(total)}"),
-        ("KV pool", f"{_gib(kv)} ({kv_why})"),
-        ("placement", f"{capacity} of {n.total_experts} experts, {_gib(capacity * n.unit_nbytes)} ({exp_why})"),
+        ("memory budget", f"{budget_why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
+                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(n.overhead_bytes)} + KV pool "
+                          f"{fmt_bytes(kv)} + experts {fmt_bytes(expert_bytes)} = {fmt_bytes(total)}"),
+        ("KV pool", f"{fmt_bytes(kv)} ({kv_why})"),
+        ("placement", f"{capacity} of {n.total_experts} experts in the fast tier, {fmt_bytes(expert_bytes)} "
+                      f"({fmt_bytes(unit)} each; {exp_why})"),
         ("max_model_len", ctx_line),
     )
-    return MemorySplit(int(memory_gb * GiB) if memory_gb is not None else None, budget, n.resident_bytes,
-                       n.staging_bytes, n.overhead_bytes, capacity, capacity * n.unit_nbytes, kv, ctx, lines)
+    return MemorySplit(None if memory_gb is None else budget, budget, n.resident_bytes, n.staging_bytes,
+                       n.overhead_bytes, capacity, expert_bytes, kv, ctx, lines)
 
 
+# ------------------------------------------------------------------------------------------------ runtime
 def process_rss_bytes() -> int:
+    """Resident set size of this process now."""
     return int(psutil.Process().memory_info().rss)
 
 
+def measure_overhead_bytes(activation_bytes: int) -> tuple[int, str]:
+    """(runtime bytes, reason): this process's RSS now (at start-up: the interpreter, torch and the tokenizer are
+    loaded, no weight yet) plus `activation_bytes` (one step's transient tensors, see `activation_bytes`)."""
+    rss = process_rss_bytes()
+    return rss + activation_bytes, (f"{fmt_bytes(rss + activation_bytes)}: RSS at start-up {fmt_bytes(rss)} "
+                                    f"(interpreter, torch, tokenizer) + one step's activations "
+                                    f"{fmt_bytes(activation_bytes)}")
+
+
 def activation_bytes(tokens: int, hidden: int, expert_width: int, top_k: int, qkv_width: int, vocab: int,
-                     num_seqs: int, itemsize: int) -> int:
-    """A generous bound on one step's transient tensors: per token the hidden states and norms (x6), q|k|v, the
-    attention output, each routed expert's gate|up and activation (x3 per pair), twice for temporaries; and the
-    fp32 logits of each sequence's last token (x3: logits, softmax, sort)."""
+                     num_seqs: int, itemsize: int, *, context: int = 0, kv_width: int = 0) -> int:
+    """A generous bound on the transient tensors of one step of `tokens` tokens (every element counted at
+    max(itemsize, 4) bytes, as if fp32), twice over for temporaries:
+
+    - per token: the hidden states, residual and norms (6 x hidden), q|k|v (qkv_width), the attention output
+      (hidden), and each of the top_k routed experts' gate|up and activation (3 x expert_width);
+    - the logits of the sampled rows only (each sequence's last token), fp32, three times (logits, softmax, sort);
+    - with `context` and `kv_width` (num_kv_heads x head_dim, or num_heads x head_dim where the keys are repeated
+      per head): the K and V of one layer gathered for every sequence at `context` tokens (decode attends over
+      copies of the paged blocks).
+    """
     per_token = 6 * hidden + qkv_width + hidden + 3 * top_k * expert_width
-    return 2 * tokens * per_token * max(itemsize, 4) + 3 * num_seqs * vocab * 4
+    gathered = 2 * num_seqs * context * kv_width
+    return 2 * (tokens * per_token + gathered) * max(itemsize, 4) + 3 * num_seqs * vocab * 4

@@ -6,26 +6,10 @@ from types import SimpleNamespace
 
 import torch
 
-from moeserve.memory.budget import GiB, choose_expert_budget, choose_host_budget
+from moeserve.memory.budget import GiB, choose_host_budget
 from moeserve.memory.topology import detect_topology
 
 UNIT = 64 * 2**20  # one expert: 64 MiB
-
-
-def test_explicit_budget_counts_whole_units_and_keeps_at_least_one():
-    b = choose_expert_budget(1.0, UNIT, 100, other_bytes=0)
-    assert (b.capacity, b.cache_bytes) == (16, 16 * UNIT)
-    assert "16 of 100" in b.reason
-    assert choose_expert_budget(0.0, UNIT, 100, 0).capacity == 1  # a few KB still runs (one slot)
-    assert choose_expert_budget(100.0, UNIT, 100, 0).capacity == 100
-
-
-def test_budget_from_free_memory_leaves_headroom_and_room_for_the_resident_part():
-    b = choose_expert_budget(None, UNIT, 1000, other_bytes=2 * GiB, available_bytes=20 * GiB)
-    # headroom = max(1 GiB, 10% of 20 GiB) = 2 GiB; room = 20 - 2 - 2 = 16 GiB = 256 units
-    assert b.capacity == 256 and "headroom" in b.reason
-    everything = choose_expert_budget(None, UNIT, 10, other_bytes=0, available_bytes=20 * GiB)
-    assert everything.capacity == 10 and "fit" in everything.reason
 
 
 def test_host_tier_only_on_discrete_cuda():

@@ -7,49 +7,75 @@ import pytest
 from moeserve.cli import main
 from moeserve.errors import ConfigError
 from moeserve.memory.budget import GiB
-from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES, ModelFootprint, decode_ceiling, make_plan
+from moeserve.memory.plan import ModelFootprint, decode_ceiling, make_plan
+from moeserve.memory.split import MemoryNeeds, kv_for, split_memory
 
 MiB = 2**20
-FOOT = ModelFootprint(resident_bytes=1 * GiB, embed_bytes=256 * MiB, hidden_bytes=8 * 1024, kv_bytes=GiB // 2,
-                      unit_nbytes=16 * MiB, stored_unit_nbytes=16 * MiB, num_moe_layers=10, num_experts=64,
-                      top_k=4)
+FOOT = ModelFootprint(resident_bytes=1 * GiB, embed_bytes=256 * MiB, hidden_bytes=8 * 1024, unit_nbytes=16 * MiB,
+                      stored_unit_nbytes=16 * MiB, num_moe_layers=10, num_experts=64, top_k=4)
+NEEDS = MemoryNeeds(resident_bytes=GiB, unit_nbytes=16 * MiB, total_experts=640, kv_bytes_per_token=4096,
+                    kv_fixed_bytes=0, block_size=16, model_max_len=4096, staging_bytes=64 * MiB,
+                    overhead_bytes=GiB // 2)
 
 
-def test_memory_budget_gives_the_cache_what_the_resident_part_leaves():
-    plan = make_plan(FOOT, 4.0, None, None, "cpu", False)
-    room = 4 * GiB - GiB - GiB // 2 - RUNTIME_OVERHEAD_BYTES
-    assert plan.capacity == room // FOOT.unit_nbytes == 128
-    assert plan.experts_per_layer == 12.8
-    assert plan.worst_disk_bytes_per_token == 10 * 4 * 16 * MiB
-    assert plan.fast_bytes_per_token == GiB - 256 * MiB + 8 * 1024 + 10 * 4 * 16 * MiB
-    assert plan.uniform_hit_rate == 128 / 640
+def plan(memory_gb: float | None, expert_cache_gb: float | None = None, **kw):  # noqa: ANN003, ANN201
+    args = dict(memory_gb=memory_gb, expert_cache_gb=expert_cache_gb, kv_cache_gb=None, max_model_len=None,
+                max_num_seqs=8, free_bytes=100 * GiB)
+    args.update(kw)
+    return make_plan(FOOT, NEEDS, host_cache_gb=None, device_type="cpu", unified=False, **args)
 
 
-def test_refuses_when_the_resident_part_does_not_fit():
+def test_the_plan_is_the_engine_split():
+    p = plan(4.0)
+    same = split_memory(NEEDS, memory_gb=4.0, expert_cache_gb=None, kv_cache_gb=None, max_model_len=None,
+                        max_num_seqs=8, free_bytes=100 * GiB)
+    assert p.split == same and p.memory_bytes == 4 * GiB
+    room = 4 * GiB - GiB - 64 * MiB - GiB // 2
+    assert p.split.kv_bytes == kv_for(NEEDS, 4096) == 4096 * (4096 + 16)  # the experts do not all fit: one sequence
+    assert p.capacity == (room - p.split.kv_bytes) // FOOT.unit_nbytes == 154
+    assert p.cache_bytes == 154 * 16 * MiB
+    assert p.experts_per_layer == 15.4
+    assert p.worst_disk_bytes_per_token == 10 * 4 * 16 * MiB
+    assert p.fast_bytes_per_token == GiB - 256 * MiB + 8 * 1024 + 10 * 4 * 16 * MiB
+    assert p.uniform_hit_rate == 154 / 640
+    assert p.host.capacity == 0
+
+
+def test_refuses_what_the_engine_refuses():
     with pytest.raises(ConfigError, match="does not fit: resident weights 1.00 GiB"):
-        make_plan(FOOT, 1.5, None, None, "cpu", False)
-    with pytest.raises(ConfigError, match="expert_cache_gb=3 does not fit"):
-        make_plan(FOOT, 4.0, 3.0, None, "cpu", False)
+        plan(1.5)
+    with pytest.raises(ConfigError, match=r"expert_cache_gb=3\).* exceed memory_gb=4; lower expert_cache_gb"):
+        plan(4.0, 3.0)
 
 
 def test_ceilings_follow_bytes_over_bandwidth():
-    plan = make_plan(FOOT, 4.0, None, None, "cpu", False)
+    p = plan(4.0)
     fast, disk = 10e9, 1e9
-    assert decode_ceiling(plan, fast, None, disk, 0.0) == pytest.approx(fast / plan.fast_bytes_per_token)
-    worst = 1 / (plan.fast_bytes_per_token / fast + plan.worst_disk_bytes_per_token / disk)
-    assert decode_ceiling(plan, fast, None, disk, 1.0) == pytest.approx(worst)
-    assert decode_ceiling(plan, None, None, disk, 1.0) is None
-    resident = make_plan(FOOT, 64.0, None, None, "cpu", False)
-    assert resident.worst_disk_bytes_per_token == 0
+    assert decode_ceiling(p, fast, None, disk, 0.0) == pytest.approx(fast / p.fast_bytes_per_token)
+    worst = 1 / (p.fast_bytes_per_token / fast + p.worst_disk_bytes_per_token / disk)
+    assert decode_ceiling(p, fast, None, disk, 1.0) == pytest.approx(worst)
+    assert decode_ceiling(p, None, None, disk, 1.0) is None
+    resident = plan(64.0)
+    assert resident.capacity == 640 and resident.worst_disk_bytes_per_token == 0
 
 
 def test_cli_plan_prints_the_plan_without_loading(tiny_checkpoint, capsys):
     folder = tiny_checkpoint("qwen3_moe")
     assert main(["plan", str(folder), "--memory-gb", "0.6", "--max-model-len", "64", "--max-num-seqs", "1"]) == 0
     out = capsys.readouterr().out
-    for needle in ("resident weights", "KV cache", "expert cache", "per layer of 8", "from disk",
+    for needle in ("memory budget: 614.4 MiB (memory_gb=0.6, set): resident weights", "KV pool: ", "placement: ",
+                   "max_model_len: 64 (set)", "runtime: 512 MiB stated", "per layer of 8", "from disk",
                    "bandwidth: RAM copy", "decode ceiling"):
         assert needle in out
+
+
+def test_cli_plan_memory_gb_is_the_engine_setting(tiny_checkpoint, capsys, monkeypatch):
+    """--memory-gb is the engine's memory_gb (one definition), so MOESERVE_MEMORY_GB sets it too; plan prints the
+    lines the engine logs for the same settings."""
+    folder = tiny_checkpoint("qwen3_moe")
+    monkeypatch.setenv("MOESERVE_MEMORY_GB", "0.7")
+    assert main(["plan", str(folder), "--no-probe", "--max-model-len", "64"]) == 0
+    assert "memory budget: 716.8 MiB (memory_gb=0.7, set)" in capsys.readouterr().out
 
 
 def test_cli_plan_refuses_in_one_line(tiny_checkpoint, capsys):
