@@ -33,6 +33,7 @@ from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
 from moeserve.experts.trace import TraceHeader, TraceWriter
 from moeserve.memory.budget import ExpertBudget, choose_host_budget
+from moeserve.memory.rss import fix_mmap_threshold
 from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes, split_memory
 from moeserve.memory.topology import detect_topology
 from moeserve.models.expert_plans import (
@@ -92,6 +93,7 @@ class LLMEngine:
         self.device = self._choose_device(s.device)
         self.dtype = self._choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype())
         self._choose_threads(s.threads)
+        self._chose("allocator", fix_mmap_threshold())
         self.max_model_len: int = self._choose_max_model_len(s.max_model_len, spec.max_position_embeddings)  # type: ignore[assignment]
         self.tokenizer = None
         if not s.skip_tokenizer_init:
@@ -511,13 +513,16 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
     model_max = s.max_model_len or spec.max_position_embeddings
     fixed_kv, kv_per_token = fixed_pool_bytes(groups, block_bytes, s.block_size, s.max_num_seqs, batched_tokens,
                                               model_max)
+    # torch's attention (kernels=torch, CUDA) gathers one sequence's K and V of one layer at a time (with attention
+    # sinks, repeated per query head); the C++ ops read the blocks in place
+    kv_width = (a.num_heads if a.sinks else a.num_kv_heads) * a.head_dim
     acts = activation_bytes(batched_tokens, spec.hidden_size, m.intermediate_size or 0, m.top_k,
                             (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
-                            dtype.itemsize)
+                            dtype.itemsize, context=model_max, kv_width=kv_width)
     rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
     staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
-                       staging, (process_rss_bytes() if runtime_bytes is None else runtime_bytes) + acts + rotary)
+                       staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

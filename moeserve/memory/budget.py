@@ -1,5 +1,5 @@
 """Memory budgets with their reasons (the engine logs them at start-up): the headroom rule for a budget derived
-from free memory, the host RAM tier, and the start-up check of check_fits_in_memory. The fast tier itself (expert
+from free memory and the host RAM tier. The fast tier itself (expert
 cache, KV pool) is split by memory/split.py."""
 
 from __future__ import annotations
@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import psutil
-
-from moeserve.errors import ConfigError
 
 GiB = 1024**3
 # Headroom kept free for activations, allocator slack, the Python heap and the OS when moeserve picks budgets
@@ -64,25 +62,3 @@ def choose_host_budget(
     return HostBudget(capacity, capacity * unit_nbytes,
                       f"host tier of {capacity} of {total_experts} experts ({capacity * unit_nbytes / GiB:.2f} GiB) "
                       f"from {free / GiB:.1f} GiB free RAM ({headroom / GiB:.1f} GiB kept as headroom)")
-
-
-def check_fits_in_memory(resident_bytes: int, kv_bytes: int, cache_bytes: int, free_bytes: int,
-                         kv_what: str) -> None:
-    """Raise ConfigError (one line, with what to change) when the memory allocated at start-up (resident
-    weights, KV cache, the expert cache's fast tier) exceeds what is free, BEFORE any of it is allocated: a
-    KV cache of a terabyte is refused here rather than ending in an allocator error or the OOM killer."""
-    need = resident_bytes + kv_bytes + cache_bytes
-    if need <= free_bytes:
-        return
-    largest = max((kv_bytes, "KV cache"), (cache_bytes, "expert cache"), (resident_bytes, "resident weights"))[1]
-    advice = {
-        "KV cache": "lower max_model_len or max_num_seqs",
-        "expert cache": "lower expert_cache_gb (or leave it unset to size the cache from free memory)",
-        "resident weights": "the weights outside the experts alone do not fit: use a machine (or device) with "
-                            "more memory",
-    }[largest]
-    raise ConfigError(
-        f"not enough memory: resident weights {resident_bytes / GiB:.2f} GiB + KV cache {kv_bytes / GiB:.2f} GiB "
-        f"({kv_what}) + expert cache {cache_bytes / GiB:.2f} GiB = {need / GiB:.2f} GiB, but only "
-        f"{free_bytes / GiB:.2f} GiB is free; {advice}"
-    )

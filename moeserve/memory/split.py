@@ -7,8 +7,9 @@ Rules, in order:
    memory/budget.py (max(HEADROOM_MIN_BYTES, HEADROOM_FRACTION of free)), logged as derived. A memory_gb above
    what is free now is allowed; its line says so (the OS may swap).
 2. The fixed parts come first: resident weights (everything but the experts), the expert store's read buffers,
-   and the runtime (the process's RSS measured at start-up: interpreter, torch, tokenizer; plus one step's
-   activations, `activation_bytes`). room = B - fixed.
+   and the runtime: one step's activations (`activation_bytes`) and the rotary tables, plus, with memory_gb only,
+   the process's RSS measured at start-up (interpreter, torch, tokenizer). Without memory_gb that RSS is already
+   outside free memory and is not charged twice. room = B - fixed.
 3. room must hold one expert and the KV of one sequence of max_model_len tokens (when set), else of
    min(the model's context, MIN_CONTEXT) tokens; otherwise ConfigError, one line naming each part and what to
    change. The same holds for every override below: what cannot fit is refused, never trimmed silently.
@@ -55,7 +56,8 @@ class MemoryNeeds:
     block_size: int  # tokens per KV block
     model_max_len: int  # the model's max_position_embeddings
     staging_bytes: int  # the expert store's read/staging buffers
-    overhead_bytes: int  # runtime: RSS measured at start-up + one step's activations
+    overhead_bytes: int  # runtime growth: one step's activations and the rotary tables
+    process_bytes: int = 0  # the process's RSS at start-up: charged against memory_gb (free memory excludes it)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
         budget_why = f"{fmt_bytes(budget)} ({of}, set" + (
             f"; warning: only {fmt_bytes(free_bytes)} is free now, the OS may swap)" if budget > free_bytes else ")")
         raise_budget = "raise memory_gb"
+        runtime = n.overhead_bytes + n.process_bytes
     else:
         headroom = max(HEADROOM_MIN_BYTES, int(free_bytes * HEADROOM_FRACTION))
         budget = max(0, free_bytes - headroom)
@@ -111,11 +114,12 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
         budget_why = (f"{fmt_bytes(budget)} (derived: {fmt_bytes(free_bytes)} free less {fmt_bytes(headroom)} "
                       "headroom; set memory_gb to choose it)")
         raise_budget = "free memory or set memory_gb"
+        runtime = n.overhead_bytes  # the process's own RSS is not in free_bytes
     # 2. the fixed parts
-    fixed = n.resident_bytes + n.staging_bytes + n.overhead_bytes
+    fixed = n.resident_bytes + n.staging_bytes + runtime
     room = budget - fixed
     fixed_parts = (f"resident weights {fmt_bytes(n.resident_bytes)} + read buffers {fmt_bytes(n.staging_bytes)} + "
-                   f"runtime {fmt_bytes(n.overhead_bytes)}")
+                   f"runtime {fmt_bytes(runtime)}")
     # 3. the minimum
     ctx = max_model_len or n.model_max_len
     min_ctx = max_model_len or min(MIN_CONTEXT, n.model_max_len)
@@ -190,7 +194,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
     total = fixed + kv + expert_bytes
     lines = (
         ("memory budget", f"{budget_why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
-                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(n.overhead_bytes)} + KV pool "
+                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(runtime)} + KV pool "
                           f"{fmt_bytes(kv)} + experts {fmt_bytes(expert_bytes)} = {fmt_bytes(total)}"),
         ("KV pool", f"{fmt_bytes(kv)} ({kv_why})"),
         ("placement", f"{capacity} of {n.total_experts} experts in the fast tier, {fmt_bytes(expert_bytes)} "
@@ -198,22 +202,13 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
         ("max_model_len", ctx_line),
     )
     return MemorySplit(None if memory_gb is None else budget, budget, n.resident_bytes, n.staging_bytes,
-                       n.overhead_bytes, capacity, expert_bytes, kv, ctx, lines)
+                       runtime, capacity, expert_bytes, kv, ctx, lines)
 
 
 # ------------------------------------------------------------------------------------------------ runtime
 def process_rss_bytes() -> int:
     """Resident set size of this process now."""
     return int(psutil.Process().memory_info().rss)
-
-
-def measure_overhead_bytes(activation_bytes: int) -> tuple[int, str]:
-    """(runtime bytes, reason): this process's RSS now (at start-up: the interpreter, torch and the tokenizer are
-    loaded, no weight yet) plus `activation_bytes` (one step's transient tensors, see `activation_bytes`)."""
-    rss = process_rss_bytes()
-    return rss + activation_bytes, (f"{fmt_bytes(rss + activation_bytes)}: RSS at start-up {fmt_bytes(rss)} "
-                                    f"(interpreter, torch, tokenizer) + one step's activations "
-                                    f"{fmt_bytes(activation_bytes)}")
 
 
 def activation_bytes(tokens: int, hidden: int, expert_width: int, top_k: int, qkv_width: int, vocab: int,
@@ -225,9 +220,9 @@ def activation_bytes(tokens: int, hidden: int, expert_width: int, top_k: int, qk
       (hidden), and each of the top_k routed experts' gate|up and activation (3 x expert_width);
     - the logits of the sampled rows only (each sequence's last token), fp32, three times (logits, softmax, sort);
     - with `context` and `kv_width` (num_kv_heads x head_dim, or num_heads x head_dim where the keys are repeated
-      per head): the K and V of one layer gathered for every sequence at `context` tokens (decode attends over
-      copies of the paged blocks).
+      per head): the K and V of one layer of one sequence at `context` tokens, gathered from the paged blocks by
+      torch's attention (it attends one sequence at a time, or a padded batch no larger; models/layers.py).
     """
     per_token = 6 * hidden + qkv_width + hidden + 3 * top_k * expert_width
-    gathered = 2 * num_seqs * context * kv_width
+    gathered = 2 * context * kv_width
     return 2 * (tokens * per_token + gathered) * max(itemsize, 4) + 3 * num_seqs * vocab * 4

@@ -188,7 +188,7 @@ class Attention:
         if self.invariant:
             self._write(k, v, batch, kv)
             out = self._aligned_blocks(q, batch, kv)
-        elif batch.decode_only and len(batch.num_new) > 1:
+        elif batch.decode_only and len(batch.num_new) > 1 and _padding_is_small(batch.starts, self.rotary.cos.shape[0]):
             out = self._decode_batched(q, k, v, batch, kv)
         else:
             out = self._per_sequence(q, k, v, batch, kv)
@@ -329,6 +329,14 @@ class Attention:
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)[..., :-1]
         return torch.matmul(probs.to(values.dtype), values)
+
+
+def _padding_is_small(starts: list[int], max_len: int) -> bool:
+    """A padded batched decode gathers every sequence at the longest one's length: one call, worth it only while
+    that copy is at most twice the tokens really attended and no more than one sequence of the longest context
+    (`max_len`), which the memory split's activation bound counts (memory/split.py); otherwise sequence by sequence."""
+    padded = len(starts) * (max(starts) + 1)
+    return padded <= 2 * (sum(starts) + len(starts)) and padded <= max_len
 
 
 class MLP(ABC):

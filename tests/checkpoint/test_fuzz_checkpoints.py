@@ -233,11 +233,11 @@ BOMBS = {
                          "num_hidden_layers", True),
     "head_dim_1e7_generate": ({"head_dim": 10**7}, GENERATE, "head_dim", True),
     "vocab_1e12_generate": ({"vocab_size": 10**12}, GENERATE, "vocab_size", True),
-    # a valid config whose KV cache (2 x 3 layers x 256 seqs x 2^24 tokens x 2 x 16 x 4 bytes = 3 TiB) is asked
-    # for on the command line: refused before allocation, naming the settings to change
+    # a valid config whose one sequence of 2^24 tokens (2 x 3 layers x 2^24 x 2 x 16 x 4 bytes = 12 GiB of KV) is
+    # asked for on the command line within a 4 GiB budget: refused before allocation, naming the settings to change
     "kv_cache_generate": ({"max_position_embeddings": 2**24},
-                          [*GENERATE, "--max-model-len", str(2**24), "--max-num-seqs", "256"],
-                          "lower max_model_len or max_num_seqs", False),
+                          [*GENERATE, "--max-model-len", str(2**24), "--memory-gb", "4"],
+                          "raise memory_gb, or lower max_model_len", False),
     "header_length_huge_inspect": ("header", ["inspect"], "header length", True),
     # the largest header read, made of the smallest JSON values (parsing takes ~20x the header's bytes)
     "header_bloated_inspect": ("bloated", ["inspect"], "__metadata__ must map strings to strings", True),

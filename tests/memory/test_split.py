@@ -17,8 +17,8 @@ from moeserve.memory.split import (
     MemoryNeeds,
     MemorySplit,
     activation_bytes,
+    fmt_bytes,
     kv_for,
-    measure_overhead_bytes,
     split_memory,
 )
 
@@ -172,7 +172,8 @@ def test_random_cases_fit_the_budget_and_nothing_that_fits_is_refused():
             total_experts=rng.randrange(1, 4096), kv_bytes_per_token=rng.choice([0, rng.randrange(1, 512 * 1024)]),
             kv_fixed_bytes=rng.choice([0, rng.randrange(0, GiB)]), block_size=rng.choice([1, 16, 32, 256]),
             model_max_len=rng.choice([128, 300, 2048, 32768, 131072, 262144]),
-            staging_bytes=rng.randrange(0, 256 * MiB), overhead_bytes=rng.randrange(0, 2 * GiB))
+            staging_bytes=rng.randrange(0, 256 * MiB), overhead_bytes=rng.randrange(0, 2 * GiB),
+            process_bytes=rng.randrange(0, 2 * GiB))
         memory_gb = rng.choice([None, rng.uniform(0.5, 200)])
         expert_cache_gb = rng.choice([None, None, rng.uniform(0, 50)])
         kv_cache_gb = rng.choice([None, None, rng.uniform(0.001, 50)])
@@ -190,7 +191,8 @@ def test_random_cases_fit_the_budget_and_nothing_that_fits_is_refused():
                 min_ctx = max_model_len or min(256, needs.model_max_len)
                 budget = int(memory_gb * GiB) if memory_gb is not None else \
                     max(0, free - max(HEADROOM_MIN_BYTES, int(free * 0.1)))
-                room = budget - needs.resident_bytes - needs.staging_bytes - needs.overhead_bytes
+                room = budget - needs.resident_bytes - needs.staging_bytes - needs.overhead_bytes - \
+                    (needs.process_bytes if memory_gb is not None else 0)
                 assert room < kv_for(needs, min_ctx) + needs.unit_nbytes, kw
             continue
         fitted += 1
@@ -210,10 +212,21 @@ def test_random_cases_fit_the_budget_and_nothing_that_fits_is_refused():
     assert fitted > 1000 and refused > 200
 
 
-def test_runtime_is_rss_plus_activations():
-    total, why = measure_overhead_bytes(100 * MiB)
-    assert total > 100 * MiB + 10 * MiB  # the interpreter alone is more than 10 MiB
-    assert why.startswith(f"{total / MiB:.1f} MiB: RSS at start-up") and "activations 100.0 MiB" in why
+def test_the_process_rss_is_charged_to_memory_gb_only():
+    """memory_gb covers everything the process holds, its start-up RSS included; a budget derived from free memory
+    does not charge it again (free memory already excludes it): a test process that has grown to 11 GiB must not
+    refuse a small model because of its own size."""
+    needs = replace(NEEDS, process_bytes=11 * GiB)
+    derived = split_memory(needs, memory_gb=None, expert_cache_gb=None, kv_cache_gb=None, max_model_len=None,
+                           max_num_seqs=8, free_bytes=12 * GiB)
+    assert derived.overhead_bytes == NEEDS.overhead_bytes
+    assert f"runtime {fmt_bytes(NEEDS.overhead_bytes)}" in lines(derived)["memory budget"]
+    with pytest.raises(ConfigError, match=f"runtime {fmt_bytes(NEEDS.overhead_bytes + 11 * GiB)}"):
+        split_memory(needs, memory_gb=12, expert_cache_gb=None, kv_cache_gb=None, max_model_len=None,
+                     max_num_seqs=8, free_bytes=12 * GiB)
+    given = split_memory(needs, memory_gb=40, expert_cache_gb=None, kv_cache_gb=None, max_model_len=None,
+                         max_num_seqs=8, free_bytes=64 * GiB)
+    assert given.overhead_bytes == NEEDS.overhead_bytes + 11 * GiB and given.total_bytes <= 40 * GiB
 
 
 def test_activation_estimate_is_generous():
@@ -222,7 +235,7 @@ def test_activation_estimate_is_generous():
     assert base == 2 * 2048 * per_token * 4 + 3 * 8 * 151936 * 4  # counted as fp32, twice
     assert activation_bytes(2048, 4096, 1536, 8, 6144, 151936, 16, 2) > base  # more sampled rows
     gathered = activation_bytes(2048, 4096, 1536, 8, 6144, 151936, 8, 2, context=32768, kv_width=512)
-    assert gathered - base == 2 * 2 * 8 * 32768 * 512 * 4
+    assert gathered - base == 2 * 2 * 32768 * 512 * 4  # one sequence's K and V of one layer, twice
 
 
 def test_split_imports_no_torch():
