@@ -68,7 +68,11 @@ class MoeserveEngine(BenchEngine):
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Timing:
         eng = self.engine
         ids = [eng.add_request(p, self._params(new_tokens + 1)) for p in prompts]
-        outputs = {o.request_id: o for o in eng.step()}  # prefill + first token, untimed
+        outputs: dict[str, Any] = {}
+        # prefill + first token, untimed: as many steps as the chunked prefill takes (max_num_batched_tokens)
+        while any(i not in outputs or not outputs[i].outputs[0].token_ids for i in ids):
+            for o in eng.step():
+                outputs[o.request_id] = o
         before = self._store_counters()
         steps = 0
         t0 = time.perf_counter()

@@ -111,3 +111,16 @@ def test_llama_cpp_on_the_gguf_agrees_with_moeserve(tiny_dir):
     theirs = LlamaCppEngine(str(ensure_gguf(tiny_dir, SHAPES["tiny"], "bf16")), threads=1, n_ctx=64)
     ours = MoeserveEngine(str(tiny_dir), dtype="float32", threads=1, max_model_len=64)
     assert theirs.decode([prompt], 6).token_ids == ours.decode([prompt], 6).token_ids
+
+
+def test_moeserve_decode_times_only_decode_steps_after_a_chunked_prefill(tiny_dir):
+    """A prompt longer than max_num_batched_tokens is prefilled in several steps; the timed part starts once every
+    request has its first token, so it holds exactly new_tokens steps (and tokens) per request."""
+    from moeserve.bench.engines import MoeserveEngine
+
+    ours = MoeserveEngine(str(tiny_dir), dtype="float32", threads=1, max_model_len=128, max_num_batched_tokens=16)
+    prompts = [[(7 * i + 3) % 200 + 1 for i in range(50)], [5, 6, 7]]
+    timing = ours.decode(prompts, 4)
+    ours.close()
+    assert timing.steps == 4 and timing.tokens == 8
+    assert [len(t) for t in timing.token_ids] == [5, 5]  # the first token (untimed) and the 4 timed
