@@ -12,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.engine.outputs import Logprob, RequestOutput
-from moeserve.server.chat_format import OutputParser
+from moeserve.server.chat_format import ChatDelta, OutputParser
 from moeserve.server.errors import from_exception
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.protocol import (
@@ -25,7 +25,8 @@ from moeserve.server.protocol import (
 )
 from moeserve.server.request_params import check_context, sampling_params
 from moeserve.server.state import ServerState
-from moeserve.server.streaming import SSE_DONE, DeltaTracker, cancel_on_disconnect, sse, stream_chunk
+from moeserve.server.streaming import SSE_DONE, Delta, DeltaTracker, cancel_on_disconnect, sse, stream_chunk
+from moeserve.server.tool_parsers import ToolCallDelta
 
 
 def _token_entry(lp: Logprob) -> dict[str, Any]:
@@ -42,11 +43,43 @@ def chat_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], top_
     return {"content": content}
 
 
-def _finish_reason(reason: str | None, tool_calls: list[Any]) -> str | None:
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
     # A max_tokens cut inside the reasoning is "length" too; the message then has reasoning and content null.
-    if reason == "stop" and tool_calls:
+    if reason == "stop" and has_calls:
         return "tool_calls"
     return reason
+
+
+class _Choice:
+    """One choice's parser and the ids given to its tool calls (ids are the server's, as OpenAI's are)."""
+
+    def __init__(self, parser: OutputParser, parallel: bool) -> None:
+        self.parser, self.parallel = parser, parallel
+        self.ids: dict[int, str] = {}
+
+    def tool_call_deltas(self, calls: list[ToolCallDelta]) -> list[dict[str, Any]]:
+        """Tool-call deltas in the streamed shape: the first of each call has its id, type and name; those of one
+        call in a row are merged. Without parallel calls only the first call is kept."""
+        out: list[dict[str, Any]] = []
+        for call in calls:
+            if not self.parallel and call.index > 0:
+                continue
+            if out and out[-1]["index"] == call.index:
+                out[-1]["function"]["arguments"] += call.arguments
+            elif call.index not in self.ids:
+                self.ids[call.index] = f"call_{uuid.uuid4().hex[:24]}"
+                out.append({"index": call.index, "id": self.ids[call.index], "type": "function",
+                            "function": {"name": call.name or "", "arguments": call.arguments}})
+            else:
+                out.append({"index": call.index, "function": {"arguments": call.arguments}})
+        return out
+
+    def message(self, d: ChatDelta) -> ResponseMessage:
+        """The whole output as a message: content null only when there is no answer but reasoning or calls."""
+        calls = [ResponseToolCall(id=c["id"], function=c["function"]) for c in self.tool_call_deltas(d.tool_calls)]
+        content = d.content if self.parser.has_content() or not (d.reasoning or calls) else None
+        return ResponseMessage(content=content, reasoning=d.reasoning or None, reasoning_content=d.reasoning or None,
+                               tool_calls=calls)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -58,7 +91,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.validate_prompt(prompt.token_ids)
     top_k = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, state.max_num_seqs, top_k if req.logprobs else None,
-                             chat_format.stop_token_ids())
+                             chat_format.stop_token_ids(), prompt.stop)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.request_timer()
     try:
@@ -66,7 +99,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     except Exception as err:
         state.metrics.rejected.inc(1, type(err).__name__)
         raise from_exception(err) from None
-    job = _Chat(req, state, request_id, len(prompt.token_ids), timer)
+    parallel = req.parallel_tool_calls is not False
+    choices = [_Choice(chat_format.new_parser(prompt), parallel) for _ in range(req.n)]
+    job = _Chat(req, state, request_id, len(prompt.token_ids), timer, choices)
     if req.stream:
         return StreamingResponse(job.stream(stream), media_type="text/event-stream")
     result = await cancel_on_disconnect(raw, job.collect(stream))
@@ -75,11 +110,11 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
 
 class _Chat:
     def __init__(self, req: ChatCompletionRequest, state: ServerState, request_id: str, prompt_tokens: int,
-                 timer: RequestTimer) -> None:
+                 timer: RequestTimer, choices: list[_Choice]) -> None:
         self.req, self.state, self.request_id = req, state, request_id
         self.prompt_tokens, self.timer = prompt_tokens, timer
         self.created = int(time.time())
-        self.parsers = [state.chat_format().new_parser() for _ in range(req.n)]
+        self.choices = choices
         self.top_k = req.top_logprobs or 0
 
     def _finish(self, final: RequestOutput | None) -> UsageInfo:
@@ -88,10 +123,6 @@ class _Chat:
         self.timer.finish(self.prompt_tokens, completion_tokens, [c.finish_reason for c in comps])
         return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=self.prompt_tokens + completion_tokens)
-
-    def _tool_calls(self, parser: OutputParser) -> list[ResponseToolCall]:
-        return [ResponseToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function={"name": name, "arguments": args})
-                for name, args in parser.tool_calls()]
 
     async def collect(self, stream: AsyncIterator[RequestOutput]) -> ChatCompletionResponse:
         final: RequestOutput | None = None
@@ -104,19 +135,14 @@ class _Chat:
         tracker = DeltaTracker()
         choices = []
         for comp in final.outputs:
-            parser = self.parsers[comp.index]
-            d = parser.feed(tracker.delta(comp))
-            rest = parser.flush()
-            d.reasoning, d.content = d.reasoning + rest.reasoning, d.content + rest.content
-            calls = self._tool_calls(parser)
-            content = d.content if parser.has_content() or not d.reasoning else None
-            message = ResponseMessage(content=content, reasoning=d.reasoning or None,
-                                      reasoning_content=d.reasoning or None, tool_calls=calls)
+            choice = self.choices[comp.index]
+            d = choice.parser.feed(tracker.delta(comp)).extend(choice.parser.flush())
+            message = choice.message(d)
             logprobs = None
             if self.req.logprobs and comp.logprobs is not None:
                 logprobs = chat_logprobs(comp.logprobs, comp.token_ids, self.top_k)
             choices.append(ChatChoice(index=comp.index, message=message, logprobs=logprobs,
-                                      finish_reason=_finish_reason(comp.finish_reason, calls),
+                                      finish_reason=_finish_reason(comp.finish_reason, bool(message.tool_calls)),
                                       stop_reason=comp.stop_reason))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.state.model_name,
                                       choices=choices, usage=self._finish(final))
@@ -137,33 +163,11 @@ class _Chat:
                         continue
                     d = tracker.delta(comp)
                     new_tokens += len(d.token_ids)
-                    parser = self.parsers[comp.index]
-                    parsed = parser.feed(d)
-                    if d.finish_reason is not None:
-                        rest = parser.flush()
-                        parsed.reasoning += rest.reasoning
-                        parsed.content += rest.content
-                    delta: dict[str, Any] = {}
-                    if parsed.reasoning:
-                        delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning
-                    if parsed.content:
-                        delta["content"] = parsed.content
-                    finish = None
+                    choice = self._stream_choice(comp.index, d)
+                    if choice is not None:
+                        yield sse(self._chunk([choice], include_usage))
                     if d.finish_reason is not None:
                         done.add(comp.index)
-                        calls = self._tool_calls(parser)
-                        if calls:
-                            delta["tool_calls"] = [{"index": k, **c.model_dump()} for k, c in enumerate(calls)]
-                        finish = _finish_reason(d.finish_reason, calls)
-                    elif not delta:
-                        continue
-                    logprobs = None
-                    if self.req.logprobs and d.logprobs is not None:
-                        logprobs = chat_logprobs(d.logprobs, d.token_ids, self.top_k)
-                    choice = {"index": comp.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-                    if finish is not None:
-                        choice["stop_reason"] = d.stop_reason
-                    yield sse(self._chunk([choice], include_usage))
                 self.timer.on_tokens(new_tokens)
                 final = out
             usage = self._finish(final)
@@ -172,6 +176,31 @@ class _Chat:
         except Exception as err:  # the status line is already sent: report in the stream (as vLLM does)
             yield sse(from_exception(err).body())
         yield SSE_DONE
+
+    def _stream_choice(self, index: int, d: Delta) -> dict[str, Any] | None:
+        """The streamed choice for one output delta, or None when it adds nothing yet (text held back)."""
+        choice = self.choices[index]
+        parsed = choice.parser.feed(d)
+        if d.finish_reason is not None:
+            parsed.extend(choice.parser.flush())
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        calls = choice.tool_call_deltas(parsed.tool_calls)
+        if calls:
+            delta["tool_calls"] = calls
+        if d.finish_reason is None and not delta:
+            return None
+        logprobs = None
+        if self.req.logprobs and d.logprobs is not None:
+            logprobs = chat_logprobs(d.logprobs, d.token_ids, self.top_k)
+        out: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        if d.finish_reason is not None:
+            out["finish_reason"] = _finish_reason(d.finish_reason, bool(choice.ids))
+            out["stop_reason"] = d.stop_reason
+        return out
 
     def _chunk(self, choices: list[dict[str, Any]], with_null_usage: bool) -> dict[str, Any]:
         return stream_chunk("chat.completion.chunk", self.request_id, self.created, self.state.model_name, choices,

@@ -1,35 +1,59 @@
 """Chat formats: how a conversation becomes prompt tokens, and how generated tokens become message fields.
 
 Two formats, picked by the model's config.json `model_type` through a table (callers never branch on model type):
-- `TemplateChat`: the model's jinja chat template, rendered as transformers renders it; output text is content.
+- `TemplateChat`: the model's jinja chat template, rendered as transformers renders it (tools, assistant tool
+  calls and tool results included). Its output is split by what the template itself uses: `<think>` reasoning
+  (reasoning.py) and a tool-call format (tool_parsers.py).
 - `HarmonyChat` (gpt-oss): openai-harmony renders the conversation and splits the output into reasoning
-  (analysis channel), content (final channel) and tool calls.
+  (analysis channel), content (final channel) and tool calls (commentary channel to functions.NAME).
+Both give an `OutputParser`: feeds of generated output -> `ChatDelta`s (reasoning, content, tool-call deltas).
+
+tool_choice: "none" renders no tools and parses no calls; "auto" lets the model choose; "required" and a named
+function append the start of a tool call to the prompt (the format's own opening, with the name when one is
+named), so the output is a call (of that function). There is no grammar engine yet: the arguments are the
+model's, not constrained to the schema. parallel_tool_calls=false stops the output at the end of the first call.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moeserve.errors import RequestError
 from moeserve.server.harmony import HarmonyOutputParser, build_conversation, load_encoding, vocab_folder
-from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
+from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from moeserve.server.reasoning import ThinkTagSplitter, opens_reasoning, template_has_think_tags
 from moeserve.server.streaming import Delta
+from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
 
 
 @dataclass
 class ChatPrompt:
     token_ids: list[int]
     text: str | None = None
+    tools: list[dict[str, Any]] | None = None  # the tools the output may call (none when tool_choice is "none")
+    forced_text: str = ""  # the start of a tool call appended to the prompt: the output continues it
+    forced_ids: list[int] = field(default_factory=list)  # the same, as tokens
+    starts_in_reasoning: bool = False  # the prompt leaves <think> open
+    stop: list[str] = field(default_factory=list)  # extra stop strings (the end of a call, without parallel calls)
 
 
 @dataclass
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def extend(self, other: ChatDelta) -> ChatDelta:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        return self
 
 
 class OutputParser(ABC):
@@ -37,23 +61,43 @@ class OutputParser(ABC):
 
     @abstractmethod
     def feed(self, delta: Delta) -> ChatDelta:
-        """Reasoning and content gained with this delta."""
+        """Reasoning, content and tool-call deltas gained with this output delta."""
 
     def flush(self) -> ChatDelta:
-        """What is left to return once the output has finished (called once, before tool_calls)."""
+        """What is left once the output has finished (called once): text held back, a call cut short."""
         return ChatDelta()
 
-    def tool_calls(self) -> list[tuple[str, str]]:
-        """(function name, arguments) of the tool calls in the whole output; call once it finished."""
-        return []
-
     def has_content(self) -> bool:
-        """Whether the model produced an answer (so content must not be null)."""
-        return True
-
-    def cut_in_reasoning(self) -> bool:
-        """Whether generation stopped inside the reasoning (then no final answer exists)."""
+        """Whether the model produced an answer, even an empty one (then content is never null)."""
         return False
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools and tool_choice mean for the prompt and the parser."""
+
+    tools: list[dict[str, Any]] | None  # tools to render and parse calls of
+    forced: bool = False  # tool_choice "required" or a named function
+    function_name: str | None = None  # the named function
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest) -> ToolPlan:
+        tools = req.tools or None
+        defined = [t.function.name for t in req.checked_tools()]
+        choice = req.tool_choice
+        if choice not in (None, "none", "auto") and not tools:
+            raise RequestError("tool_choice 'required' or a named function needs tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in defined:
+            close = difflib.get_close_matches(choice.function.name, defined, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise RequestError(f"tool_choice names {choice.function.name!r}, which is not in tools{hint}",
+                               param="tool_choice")
+        if choice == "none":
+            return cls(None)
+        return cls(tools, forced=choice not in (None, "auto"),
+                   function_name=choice.function.name if isinstance(choice, NamedToolChoice) else None,
+                   parallel=req.parallel_tool_calls is not False)
 
 
 class ChatFormat(ABC):
@@ -62,26 +106,96 @@ class ChatFormat(ABC):
     @abstractmethod
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:
-        """The prompt for a conversation. Raises RequestError (400) for conversations the format rejects."""
+        """The prompt for a conversation. Raises RequestError (400) for requests the format rejects."""
 
     def stop_token_ids(self) -> list[int]:
         """Extra token ids that end the assistant's turn."""
         return []
 
     @abstractmethod
-    def new_parser(self) -> OutputParser: ...
+    def new_parser(self, prompt: ChatPrompt) -> OutputParser:
+        """A parser for one output of `prompt` (it knows the prompt's tools and forced start)."""
 
 
 # -------------------------------------------------------------------------------------------- jinja template
-class _TextParser(OutputParser):
+class _TemplateParser(OutputParser):
+    """Output text -> `<think>` reasoning (when the template has it) -> tool calls (when tools were given)."""
+
+    def __init__(self, think: ThinkTagSplitter | None, tools: ToolParser | None, forced_text: str) -> None:
+        self.think, self.tools = think, tools
+        self._answered = False
+        self._prefix = forced_text  # the prompt's forced start of a call: parsed as if generated
+
     def feed(self, delta: Delta) -> ChatDelta:
-        return ChatDelta(content=delta.text)
+        text, self._prefix = self._prefix + delta.text, ""
+        if self.think is None:
+            return self._answer(ChatDelta(content=text))
+        split = self.think.feed(text)
+        return self._answer(ChatDelta(reasoning=split.reasoning, content=split.content))
+
+    def flush(self) -> ChatDelta:
+        out = ChatDelta()
+        if self.think is not None:
+            split = self.think.flush()
+            out = ChatDelta(reasoning=split.reasoning, content=split.content)
+        out = self._answer(out)
+        if self.tools is not None:
+            rest = self.tools.flush()
+            out.content += rest.content
+            out.tool_calls += rest.calls
+        self._answered = self._answered or bool(out.content.strip())
+        return out
+
+    def _answer(self, d: ChatDelta) -> ChatDelta:
+        if self.tools is not None and d.content:
+            parsed = self.tools.feed(d.content)
+            d.content, d.tool_calls = parsed.content, parsed.calls
+        self._answered = self._answered or bool(d.content.strip())
+        return d
+
+    def has_content(self) -> bool:
+        return self._answered
+
+
+# Keyword arguments of apply_chat_template itself (and what the request sets): never chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                            "tokenize", "return_dict", "chat_template"}
+
+
+def template_variables(template: str | None) -> set[str] | None:
+    """The names a jinja template reads from its context, or None when it cannot be parsed here."""
+    if template is None:
+        return None
+    import jinja2
+    import jinja2.ext
+    from jinja2 import meta
+
+    try:
+        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+        return set(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
 
 
 def _template_message(m: ChatMessage) -> dict[str, Any]:
     message = m.model_dump(exclude_none=True)
     message["content"] = m.text()  # templates expect a string; null and content parts are normalised
+    if m.tool_calls:  # templates read the arguments as a mapping (transformers' convention, as vLLM passes them)
+        message["tool_calls"] = [{**call, "function": {**call["function"],
+                                                       "arguments": _arguments(call["function"]["arguments"])}}
+                                 for call in message["tool_calls"]]
     return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text or "{}")
+    except ValueError:
+        raise RequestError(f"an assistant tool call's arguments are not JSON: {text[:80]!r}",
+                           param="messages") from None
+    if not isinstance(value, dict):
+        raise RequestError("an assistant tool call's arguments must be a JSON object", param="messages")
+    return value
 
 
 class TemplateChat(ChatFormat):
@@ -89,48 +203,93 @@ class TemplateChat(ChatFormat):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.template = template if isinstance(template, str) else None
+        self.tool_parser = tool_parser_for(self.template)
+        self.think = self.template is not None and template_has_think_tags(self.template)
+        self.variables = template_variables(self.template)
 
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:
         if self.tokenizer is None:
             raise RequestError("chat needs a tokenizer (the server runs with skip_tokenizer_init)", param="messages")
-        messages = req.messages if isinstance(req, ChatCompletionRequest) else req
-        kwargs: dict[str, Any] = {}
-        tools = None
-        if isinstance(req, ChatCompletionRequest):
-            add_generation_prompt = req.add_generation_prompt
-            kwargs = dict(req.chat_template_kwargs or {})
-            tools = req.tools
+        if not isinstance(req, ChatCompletionRequest):
+            text = self._apply(req, add_generation_prompt, None, {})
+            return ChatPrompt(self.tokenizer.encode(text, add_special_tokens=False), text,
+                              starts_in_reasoning=self.think and opens_reasoning(text))
+        plan = ToolPlan.of(req)
+        if plan.tools and self.tool_parser is None:
+            raise RequestError("this model's chat template has no tool-call format, so it cannot use tools",
+                               param="tools")
+        text = self._apply(req.messages, req.add_generation_prompt, plan.tools, self._template_kwargs(req))
+        in_reasoning = self.think and opens_reasoning(text)
+        forced = ""
+        if plan.forced and self.tool_parser is not None:
+            forced = self.tool_parser.forced_prefix(plan.function_name)
+            if in_reasoning:  # a forced call comes after the reasoning, so the reasoning is closed, empty
+                forced = "</think>\n\n" + forced
+        stop = [] if plan.parallel or self.tool_parser is None or self.tool_parser.stop_after_call is None \
+            else [self.tool_parser.stop_after_call]
+        # The rendered text already holds the special tokens: do not add BOS again.
+        ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
+        return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop)
+
+    def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """chat_template_kwargs (and reasoning_effort) checked against what the template reads: a name it does
+        not read would be silently ignored, so it is a 400 with a "did you mean"."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            if self.variables is not None and "reasoning_effort" not in self.variables:
+                raise RequestError("reasoning_effort: this model's chat template has no reasoning-effort switch"
+                                   + self._switches(), param="reasoning_effort")
+            kwargs["reasoning_effort"] = req.reasoning_effort
+        for name in kwargs:
+            if name in RESERVED_TEMPLATE_KWARGS:
+                raise RequestError(f"chat_template_kwargs: {name!r} is set by the request itself",
+                                   param="chat_template_kwargs")
+            if self.variables is not None and name not in self.variables:
+                close = difflib.get_close_matches(name, sorted(self.variables), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else self._switches()
+                raise RequestError(f"chat_template_kwargs: this model's chat template does not read {name!r}{hint}",
+                                   param="chat_template_kwargs")
+        return kwargs
+
+    def _switches(self) -> str:
+        known = sorted((self.variables or set()) - RESERVED_TEMPLATE_KWARGS - {"bos_token", "eos_token",
+                                                                              "raise_exception", "strftime_now"})
+        return f"; it reads: {', '.join(known)}" if known else ""
+
+    def _apply(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+               kwargs: dict[str, Any]) -> str:
         try:
-            text = self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
-                                                      add_generation_prompt=add_generation_prompt, tools=tools,
-                                                      **kwargs)
+            return str(self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
+                                                          add_generation_prompt=add_generation_prompt, tools=tools,
+                                                          **kwargs))
         except RequestError:
             raise
         except Exception as err:  # a template that fails on this input (TypeError ...) is a bad request
             raise RequestError(f"chat template error: {type(err).__name__}: {err}", param="messages") from None
-        # The rendered text already holds the special tokens: do not add BOS again.
-        return ChatPrompt(self.tokenizer.encode(text, add_special_tokens=False), text)
 
-    def new_parser(self) -> OutputParser:
-        return _TextParser()
+    def new_parser(self, prompt: ChatPrompt) -> OutputParser:
+        think = ThinkTagSplitter(prompt.starts_in_reasoning) if self.think else None
+        tools = self.tool_parser(prompt.tools) if prompt.tools and self.tool_parser is not None else None
+        return _TemplateParser(think, tools, prompt.forced_text)
 
 
 # ---------------------------------------------------------------------------------------------------- harmony
 class _HarmonyParser(OutputParser):
-    def __init__(self, encoding: Any) -> None:
+    def __init__(self, encoding: Any, forced_ids: list[int]) -> None:
         self.inner = HarmonyOutputParser(encoding)
+        self._prefix = list(forced_ids)  # the prompt's forced start of a call: parsed as if generated
 
     def feed(self, delta: Delta) -> ChatDelta:
-        d = self.inner.feed(delta.token_ids)
-        return ChatDelta(reasoning=d.reasoning, content=d.content)
+        ids, self._prefix = self._prefix + delta.token_ids, []
+        d = self.inner.feed(ids)
+        return ChatDelta(reasoning=d.reasoning, content=d.content, tool_calls=d.tool_calls)
 
     def flush(self) -> ChatDelta:
         d = self.inner.flush()
-        return ChatDelta(reasoning=d.reasoning, content=d.content)
-
-    def tool_calls(self) -> list[tuple[str, str]]:
-        return self.inner.finish()
+        return ChatDelta(reasoning=d.reasoning, content=d.content, tool_calls=d.tool_calls)
 
     def has_content(self) -> bool:
         return self.inner.saw_final or self.inner.broken
@@ -150,18 +309,27 @@ class HarmonyChat(ChatFormat):
                ) -> ChatPrompt:
         from openai_harmony import Role
 
-        if isinstance(req, ChatCompletionRequest):
-            conversation = build_conversation(req.messages, req.tools, req.reasoning_effort)
-        else:
-            conversation = build_conversation(req)
+        if not isinstance(req, ChatCompletionRequest):
+            ids = self.encoding.render_conversation_for_completion(build_conversation(req), Role.ASSISTANT)
+            return ChatPrompt(list(ids), None)
+        if req.chat_template_kwargs:
+            raise RequestError("chat_template_kwargs: harmony (gpt-oss) has no chat template; its switch is "
+                               "reasoning_effort", param="chat_template_kwargs")
+        plan = ToolPlan.of(req)
+        conversation = build_conversation(req.messages, plan.tools, req.reasoning_effort)
         ids = list(self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
-        return ChatPrompt(ids, None)
+        forced: list[int] = []
+        if plan.forced:  # harmony's own header of a call: the model writes the name (unless named) and arguments
+            header = "<|channel|>commentary to=functions." + (
+                f"{plan.function_name} <|constrain|>json<|message|>" if plan.function_name else "")
+            forced = list(self.encoding.encode(header, allowed_special="all"))
+        return ChatPrompt(ids + forced, None, plan.tools, forced_ids=forced)
 
     def stop_token_ids(self) -> list[int]:
         return list(self.encoding.stop_tokens_for_assistant_actions())
 
-    def new_parser(self) -> OutputParser:
-        return _HarmonyParser(self.encoding)
+    def new_parser(self, prompt: ChatPrompt) -> OutputParser:
+        return _HarmonyParser(self.encoding, prompt.forced_ids)
 
 
 # model_type (config.json) -> chat format; anything else uses the model's jinja template.

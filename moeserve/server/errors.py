@@ -68,6 +68,13 @@ def from_exception(err: BaseException) -> APIError:
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    unknown = [item for item in err.errors() if item.get("type") == "unrecognized_argument"]
+    if unknown:  # one clear line, as OpenAI answers (other errors of a union's branches would only blur it)
+        # drop "body" and pydantic's union branch tags ("list[ContentPart]"): the path the client wrote
+        loc = [str(p) for p in unknown[0].get("loc", ()) if p != "body" and (isinstance(p, int) or p.isidentifier())]
+        where = ".".join(loc)
+        field = str((unknown[0].get("ctx") or {}).get("field", ""))
+        return (f"{where}: " if where else "") + str(unknown[0].get("msg")), ".".join([*loc, field])
     parts = []
     first_param: str | None = None
     for item in err.errors()[:MAX_VALIDATION_ERRORS]:

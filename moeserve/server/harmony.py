@@ -21,12 +21,13 @@ import gzip
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moeserve.errors import CheckpointError, RequestError
 from moeserve.server.protocol import ChatMessage
+from moeserve.server.tool_parsers import ToolCallDelta
 
 VOCAB_FILE = "o200k_base.tiktoken"
 # A harmony header ("<|channel|>commentary to=functions.x <|constrain|>json") is a few tokens; text that runs
@@ -148,11 +149,13 @@ def _tool_description(tool: dict[str, Any], cls: Any) -> Any:
 class HarmonyDelta:
     reasoning: str = ""
     content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
 
 class HarmonyOutputParser:
     """Splits generated token ids into the analysis channel (reasoning), the final channel (content) and tool
-    calls (commentary to functions.NAME). Output that is not valid harmony is returned as content, never lost."""
+    calls (commentary to functions.NAME: the name once its header is read, then the arguments as they come).
+    Output that is not valid harmony is returned as content, never lost."""
 
     def __init__(self, encoding: Any) -> None:
         from openai_harmony import Role, StreamableParser, StreamState
@@ -164,6 +167,8 @@ class HarmonyOutputParser:
         self._raw_ids: list[int] = []  # tokens after the output stopped being valid harmony, not returned yet
         self._header_ids: list[int] = []  # tokens of the message header being read
         self.saw_final = False
+        self._calls = 0  # tool calls started so far
+        self._call_message = -1  # number of parsed messages when the current call started
 
     @property
     def channel(self) -> str | None:
@@ -227,10 +232,10 @@ class HarmonyOutputParser:
         return bool(self.encoding.is_special_token(token))
 
     def _route_message(self, message: Any, delta: HarmonyDelta) -> None:
-        if (message.recipient or "").startswith("functions."):
-            return
         text = "".join(getattr(part, "text", "") for part in message.content)
-        if message.channel in ("analysis", "commentary"):
+        if (message.recipient or "").startswith("functions."):
+            self._call_text(message.recipient, text, delta, len(self._parser.messages) - 1)
+        elif message.channel in ("analysis", "commentary"):
             delta.reasoning += text
         else:  # final, or no channel at all: the answer
             self.saw_final = True
@@ -240,24 +245,18 @@ class HarmonyOutputParser:
         recipient = self._parser.current_recipient
         channel = self._parser.current_channel
         if recipient and recipient.startswith("functions."):
-            return  # tool-call arguments: collected from the parsed messages in finish()
-        if channel == "final":
+            self._call_text(recipient, text, delta, len(self._parser.messages))
+        elif channel == "final":
             self.saw_final = True
             delta.content += text
         elif channel in ("analysis", "commentary"):
             delta.reasoning += text
 
-    def finish(self) -> list[tuple[str, str]]:
-        """Tool calls in the whole output, as (function name, arguments text)."""
-        if self.broken:
-            return []
-        calls = []
-        for message in self._parser.messages:
-            recipient = message.recipient or ""
-            if recipient.startswith("functions."):
-                text = "".join(getattr(part, "text", "") for part in message.content)
-                calls.append((recipient.removeprefix("functions."), text))
-        current = self._parser.current_recipient or ""
-        if current.startswith("functions.") and self._parser.current_content:
-            calls.append((current.removeprefix("functions."), self._parser.current_content))
-        return calls
+    def _call_text(self, recipient: str, text: str, delta: HarmonyDelta, message_number: int) -> None:
+        """Arguments text of the call in message `message_number`; its first text also names the call."""
+        if message_number != self._call_message:
+            self._call_message = message_number
+            self._calls += 1
+            delta.tool_calls.append(ToolCallDelta(self._calls - 1, recipient.removeprefix("functions.")))
+        if text:
+            delta.tool_calls.append(ToolCallDelta(self._calls - 1, arguments=text))

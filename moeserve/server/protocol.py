@@ -1,16 +1,19 @@
 """Request and response bodies of the OpenAI API (the subset moeserve serves), as pydantic models.
 
-Requests accept unknown fields (clients send many we do not use); the server logs their names and ignores them,
-as vLLM does. Bounds that protect the server (n, logprobs, list lengths) are enforced here, so a bad value is a
-400 before anything is queued.
+Requests are strict like the OpenAI API: an unknown field is a 400 naming it, with a "did you mean" (a typo such as
+`max_tokns` must not silently run to the full context). Every field of OpenAI's request schema is known; those
+moeserve accepts but ignores, and those it refuses when set, are listed in request_fields.py. Bounds that protect
+the server (n, logprobs, list lengths) are enforced here, so a bad value is a 400 before anything is queued.
 """
 
 from __future__ import annotations
 
+import difflib
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from moeserve.errors import RequestError
 
@@ -19,12 +22,37 @@ MAX_STOP_STRINGS = 16
 SEED_MAX = 2**63 - 1 - MAX_N  # the engine seeds sample i with seed + i in torch's int64 range
 
 
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+MAX_FIELD_NAME_CHARS = 40  # an unknown field's name is quoted in the error, cut to this
 
-    def ignored_fields(self) -> list[str]:
-        """Names of request fields this server does not know (they are ignored)."""
-        return sorted(self.model_extra or {})
+
+def printable(name: str) -> str:
+    """A client-chosen name made safe to quote in an error or a log line: escaped, cut."""
+    return name[:MAX_FIELD_NAME_CHARS].encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+def unknown_field_message(name: str, known: list[str]) -> str:
+    """One line for an unknown request field: OpenAI's wording plus the closest known name, if one is close."""
+    shown = "'" + printable(name) + ("..." if len(name) > MAX_FIELD_NAME_CHARS else "") + "'"
+    close = difflib.get_close_matches(name[:100], known, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"Unrecognized request argument supplied: {shown}{hint}"
+
+
+class RequestModel(BaseModel):
+    """A request body (or part of one): unknown fields are refused with a "did you mean"."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            known = list(cls.model_fields)
+            for name in data:
+                if name not in cls.model_fields:
+                    raise PydanticCustomError("unrecognized_argument", unknown_field_message(str(name), known),
+                                              {"field": printable(str(name))})
+        return data
 
 
 class ResponseModel(BaseModel):
@@ -33,7 +61,8 @@ class ResponseModel(BaseModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true (not implemented)
+    include_obfuscation: bool | None = None  # OpenAI's padding against side channels; nothing to pad here
 
 
 class SamplingFields(RequestModel):
@@ -58,7 +87,9 @@ class SamplingFields(RequestModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI fields that change nothing here (see request_fields.py), or refused when set to what we cannot do.
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -66,11 +97,17 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
 
 class ContentPart(RequestModel):
     type: str = "text"
     text: str | None = None
+    # Other OpenAI part types are known (so they get "not supported", not "unrecognized"), and refused.
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
 
 
 class FunctionCall(RequestModel):
@@ -84,6 +121,27 @@ class ToolCall(RequestModel):
     function: FunctionCall
 
 
+class FunctionDefinition(RequestModel):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted; the arguments are not constrained to the schema (no grammar engine yet)
+
+
+class Tool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -92,6 +150,9 @@ class ChatMessage(RequestModel):
     tool_call_id: str | None = None
     reasoning: str | None = None
     reasoning_content: str | None = None
+    refusal: str | None = None  # an earlier assistant refusal; not rendered (templates have no place for it)
+    audio: Any = None  # refused when set
+    function_call: Any = None  # the deprecated form of tool_calls; refused when set
 
     def text(self) -> str:
         """The content as one string (text parts joined). Raises RequestError for other part types (images...)."""
@@ -111,10 +172,46 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    # Kept as sent: the chat template renders them (key order included) as transformers would. Checked in
+    # checked_tools() against the Tool model.
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    response_format: dict[str, Any] | None = None
+    # OpenAI fields that change nothing here, or are refused when set (request_fields.py says which).
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Any = None
+    safety_identifier: str | None = None
+    prediction: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    web_search_options: Any = None
+    verbosity: str | None = None
+    moderation: Any = None
+    functions: Any = None
+    function_call: Any = None
+    # vLLM's extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def checked_tools(self) -> list[Tool]:
+        """The tools as models; raises RequestError naming the bad one."""
+        out = []
+        for i, tool in enumerate(self.tools or []):
+            try:
+                out.append(Tool.model_validate(tool))
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
+                why = f"{where}: {first['msg']}" if where else first["msg"]
+                raise RequestError(f"tools[{i}]: {why}; a tool is {{'type': 'function', 'function': "
+                                   "{'name': ..., 'description': ..., 'parameters': {...}}}", param="tools") from None
+        return out
 
 
 class TokenizeRequest(RequestModel):

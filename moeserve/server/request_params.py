@@ -32,8 +32,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, logprobs: int | None,
-                    extra_stop_token_ids: list[int] | None = None) -> SamplingParams:
-    """Build SamplingParams; unset fields take vLLM's defaults (temperature 1, top_p 1, no top_k)."""
+                    extra_stop_token_ids: list[int] | None = None, extra_stop: list[str] | None = None
+                    ) -> SamplingParams:
+    """Build SamplingParams; unset fields take vLLM's defaults (temperature 1, top_p 1, no top_k). The extra
+    stops are the chat format's (end of turn, end of a tool call)."""
     if req.n > max_num_seqs:
         raise APIError(400, f"n={req.n} is more than this server decodes at once (max_num_seqs={max_num_seqs})",
                        param="n")
@@ -49,7 +51,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, log
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,
-        stop=req.stop,
+        stop=([req.stop] if isinstance(req.stop, str) else list(req.stop or [])) + list(extra_stop or []),
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
         max_tokens=max_tokens,

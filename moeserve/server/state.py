@@ -10,10 +10,12 @@ from typing import Any
 
 from moeserve.config import ServerSettings
 from moeserve.engine.async_engine import AsyncEngine
+from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatFormat, chat_format_for
 from moeserve.server.errors import APIError, from_exception, model_not_found
 from moeserve.server.metrics import ServerMetrics
-from moeserve.server.protocol import RequestModel
+from moeserve.server.protocol import RequestModel, SamplingFields
+from moeserve.server.request_fields import check_request_fields
 
 log = logging.getLogger("moeserve.server")
 
@@ -68,8 +70,11 @@ class ServerState:
             self.engine.check_ready()
         except Exception as err:
             raise from_exception(err) from None
-        if body is not None and body.ignored_fields():
-            log.info("ignored request fields: %s", ", ".join(body.ignored_fields()))
+        if isinstance(body, SamplingFields):
+            try:
+                check_request_fields(body)
+            except RequestError as err:
+                raise from_exception(err) from None
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """The engine's own prompt checks (empty, token ids out of range), as 400s."""

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from moeserve.server.chat_format import HarmonyChat, chat_format_for
+from moeserve.server.chat_format import ChatDelta, ChatPrompt, HarmonyChat, chat_format_for
 from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.streaming import Delta
+from moeserve.server.tool_parsers import ToolCallDelta
 from tests.server.conftest import REPO
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -85,7 +86,7 @@ def test_rendering_equals_openai_harmony(harmony: HarmonyChat) -> None:
 
 def _parse(harmony: HarmonyChat, completion: str) -> tuple[str, str, Any]:
     tokens = harmony.encoding.encode(completion, allowed_special="all")
-    parser = harmony.new_parser()
+    parser = harmony.new_parser(ChatPrompt([]))
     reasoning = content = ""
     for i in range(0, len(tokens), 3):  # fed in pieces, as a stream arrives
         piece = tokens[i:i + 3]
@@ -115,9 +116,17 @@ def test_cut_inside_analysis_is_reported(harmony: HarmonyChat) -> None:
 def test_tool_call_is_parsed(harmony: HarmonyChat) -> None:
     completion = ("<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
                   "to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Paris\"}<|call|>")
-    reasoning, content, parser = _parse(harmony, completion)
-    assert reasoning == "Need weather." and content == ""
-    assert parser.tool_calls() == [("get_weather", "{\"city\": \"Paris\"}")]
+    tokens = harmony.encoding.encode(completion, allowed_special="all")
+    for step in (1, 3, len(tokens)):  # the same call whatever pieces the tokens come in
+        parser = harmony.new_parser(ChatPrompt([]))
+        out = ChatDelta()
+        for i in range(0, len(tokens), step):
+            out.extend(parser.feed(Delta("", tokens[i:i + step], None, None, None)))
+        out.extend(parser.flush())
+        assert out.reasoning == "Need weather." and out.content == ""
+        assert out.tool_calls[0] == ToolCallDelta(0, "get_weather")  # the name comes first, on its own
+        assert "".join(c.arguments for c in out.tool_calls) == "{\"city\": \"Paris\"}"
+        assert {c.index for c in out.tool_calls} == {0}
 
 
 def test_gpt_oss_model_type_selects_harmony() -> None:
@@ -212,19 +221,19 @@ def test_gpt_oss_server_runs_with_networking_off(tiny_gpt_oss: Path, tmp_path: P
 
 def test_output_that_is_not_harmony_is_kept_as_content(harmony: HarmonyChat) -> None:
     short = "plain text: héllo 😀"
-    parser = harmony.new_parser()
+    parser = harmony.new_parser(ChatPrompt([]))
     streamed = "".join(parser.feed(Delta("", [t], None, None, None)).content for t in harmony.encoding.encode(short))
     assert streamed == ""  # could still be a header: held back ...
     assert parser.flush().content == short and parser.has_content()  # ... and returned at the end
 
     long = "The model forgot its format and just talks. " * 8
-    parser = harmony.new_parser()
+    parser = harmony.new_parser(ChatPrompt([]))
     streamed = "".join(parser.feed(Delta("", [t], None, None, None)).content for t in harmony.encoding.encode(long))
     assert streamed + parser.flush().content == long
     assert len(streamed) > len(long) // 2  # streamed as it comes once it cannot be a header
 
     # A token holding part of a character waits for the rest of it.
-    parser = harmony.new_parser()
+    parser = harmony.new_parser(ChatPrompt([]))
     parser.feed(Delta("", harmony.encoding.encode(long), None, None, None))
     emoji = harmony.encoding.encode("😀")
     partial = [t for t in range(200, 256) if harmony.encoding.decode([t]) == "\ufffd"][:1]

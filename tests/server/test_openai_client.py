@@ -129,10 +129,59 @@ def test_logprobs_match_transformers(live_server: ThreadServer, tiny_text_model:
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)  # greedy = the top one
 
 
-def test_unknown_fields_are_ignored(live_server: ThreadServer) -> None:
-    out = live_server.client().completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
-                                                  extra_body={"not_a_field": 1, "ignore_eos": True})
-    assert out.usage.completion_tokens == 2
+def test_unknown_fields_are_400_with_did_you_mean(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="Hi", extra_body={"max_tokns": 8})
+    err = _error(info.value)
+    assert err["message"] == "Unrecognized request argument supplied: 'max_tokns' (did you mean 'max_tokens'?)"
+    assert (err["type"], err["param"]) == ("invalid_request_error", "max_tokns")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, extra_body={"temprature": 0})
+    assert "did you mean 'temperature'?" in _error(info.value)["message"]
+    bad_message = [{"role": "user", "content": "Hi", "nmae": "x"}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=bad_message)  # type: ignore[misc,list-item]
+    err = _error(info.value)
+    assert err["message"].startswith("messages.0: Unrecognized request argument supplied: 'nmae'")
+    assert err["param"] == "messages.0.nmae" and "\n" not in err["message"]
+
+
+def test_every_openai_request_field_is_known(live_server: ThreadServer) -> None:
+    """Each field of the official client's request types is recognised: honoured, accepted without effect, or
+    refused with a reason, never 'Unrecognized'."""
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    for path, params in (("/v1/chat/completions", chat_params.CompletionCreateParamsBase),
+                         ("/v1/completions", completion_params.CompletionCreateParamsBase)):
+        base = {"model": MODEL_NAME, "max_tokens": 1, **({"messages": MESSAGES} if "chat" in path else {"prompt": "Hi"})}
+        for name in params.__annotations__:
+            # null is a bad value for some fields (a 400 saying so), but never an unknown field
+            resp = httpx.post(live_server.url + path, json={**base, name: base.get(name)})
+            assert resp.status_code in (200, 400), (path, name, resp.text)
+            assert "Unrecognized" not in resp.text, (path, name)
+        assert "Unrecognized" in httpx.post(live_server.url + path, json={**base, "no_such_field": 1}).text
+
+
+def test_fields_moeserve_cannot_honour_are_refused(live_server: ThreadServer) -> None:
+    client = live_server.client()
+    refused = [({"logit_bias": {"5": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
+               "response_format"), ({"stream_options": {"continuous_usage_stats": True}}, "stream_options")]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, extra_body=extra)
+        assert _error(info.value)["param"] == param
+    with pytest.raises(openai.BadRequestError, match="suffix"):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, suffix="end")
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1, best_of=3)
+    # Accepted without effect: the same greedy output as without them.
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, **GREEDY)
+    tagged = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, user="u1",
+                                            metadata={"k": "v"}, store=False, prompt_cache_key="abc",
+                                            response_format={"type": "text"}, **GREEDY)
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
 
 
 # ------------------------------------------------------------------------------------------------------ errors

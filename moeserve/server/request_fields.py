@@ -1,0 +1,82 @@
+"""Which request fields moeserve honours, accepts without effect, or refuses: one table, checked before queueing.
+
+Every field of OpenAI's chat and completions request schemas is known (protocol.py; anything else is a 400 with a
+"did you mean"). Of those:
+- honoured: model, messages, prompt, max_tokens, max_completion_tokens, temperature, top_p, n, seed, stop, stream,
+  stream_options.include_usage, presence_penalty, frequency_penalty, logprobs, top_logprobs, tools, tool_choice,
+  parallel_tool_calls, reasoning_effort (harmony; a template that reads it), best_of equal to n; and vLLM's
+  top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens,
+  include_stop_str_in_output, add_generation_prompt, chat_template_kwargs;
+- accepted and ignored, because they cannot change the output: IGNORED below;
+- refused when set to anything that would change the output, because moeserve cannot do it: REFUSALS below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from moeserve.errors import RequestError
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+# Accepted, with no effect on the output (documentation; the test suite checks each is a known field).
+IGNORED = {
+    "user": "an end-user id for abuse monitoring",
+    "metadata": "tags for stored completions; nothing is stored",
+    "store": "nothing is stored",
+    "service_tier": "one tier",
+    "prompt_cache_key": "prefix caching is automatic",
+    "prompt_cache_retention": "prefix caching is automatic",
+    "prompt_cache_options": "prefix caching is automatic",
+    "safety_identifier": "an end-user id for abuse monitoring",
+    "prediction": "predicted outputs only speed up OpenAI's decoding; the output is the same",
+    "stream_options.include_obfuscation": "no padding is added",
+    "tools[].function.strict": "accepted; the arguments are not constrained to the schema (no grammar engine yet)",
+    "messages[].refusal": "an earlier refusal is not rendered back",
+}
+
+
+def _set(value: Any) -> bool:
+    return value is not None and value != [] and value != {}
+
+
+def _response_format(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("type") not in (None, "text")
+
+
+# (field, request -> the value, is this value refused?, why); the message says what to do instead.
+REFUSALS: list[tuple[str, Callable[[Any], Any], Callable[[Any], bool], str]] = [
+    ("logit_bias", lambda r: r.logit_bias, _set, "is not supported"),
+    ("stream_options", lambda r: r.stream_options and r.stream_options.continuous_usage_stats, bool,
+     "continuous_usage_stats is not supported; include_usage gives the usage in a last chunk"),
+    ("suffix", lambda r: getattr(r, "suffix", None), bool, "is not supported (no insertion mode)"),
+    ("best_of", lambda r: getattr(r, "best_of", None), lambda v: v is not None, "must be unset or equal to n"),
+    ("response_format", lambda r: getattr(r, "response_format", None), _response_format,
+     "json_object and json_schema are not supported yet (no constrained decoding): only {'type': 'text'}"),
+    ("modalities", lambda r: getattr(r, "modalities", None), lambda v: v is not None and bool(set(v) - {"text"}),
+     "only ['text'] is supported"),
+    ("audio", lambda r: getattr(r, "audio", None), _set, "audio output is not supported"),
+    ("web_search_options", lambda r: getattr(r, "web_search_options", None), _set, "web search is not supported"),
+    ("verbosity", lambda r: getattr(r, "verbosity", None), _set,
+     "is not supported (no model served here reads it); say it in the system message"),
+    ("moderation", lambda r: getattr(r, "moderation", None), _set, "is not supported"),
+    ("functions", lambda r: getattr(r, "functions", None), _set, "is deprecated and not supported; use tools"),
+    ("function_call", lambda r: getattr(r, "function_call", None), _set,
+     "is deprecated and not supported; use tool_choice"),
+]
+
+
+def check_request_fields(req: SamplingFields) -> None:
+    """Raise RequestError (400) for a field set to something moeserve cannot honour."""
+    for name, get, refused, why in REFUSALS:
+        value = get(req)
+        if name == "best_of" and isinstance(req, CompletionRequest) and value == req.n:
+            continue
+        if refused(value):
+            raise RequestError(f"{name} {why}", param=name)
+    if isinstance(req, ChatCompletionRequest):
+        for i, m in enumerate(req.messages):
+            if _set(m.audio) or _set(m.function_call):
+                field = "audio" if _set(m.audio) else "function_call"
+                raise RequestError(f"messages[{i}].{field} is not supported; use content and tool_calls",
+                                   param="messages")

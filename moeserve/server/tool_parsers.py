@@ -1,0 +1,305 @@
+"""Tool calls in a model's text output, one parser class per format behind `ToolParser`, picked from the chat
+template by `tool_parser_for` (callers never branch on the format).
+
+Formats:
+- `qwen3_json` (Qwen3, Qwen2.5, Hermes): `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`; the
+  arguments stream as the model writes them (the JSON text between the braces, as written).
+- `qwen3_xml` (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=f>\\n<parameter=x>\\nvalue\\n</parameter>\\n
+  </function>\\n</tool_call>`; each parameter is added to the arguments JSON once its closing tag arrives, its
+  value typed by the tool's JSON schema (string unless the schema says otherwise).
+
+Streaming-safe: text that may be the start of `<tool_call>` is held back, so no partial tag reaches `content`;
+whitespace just before a tool call (or after the last one) is layout and dropped. A block that does not parse as a
+call is returned as content, never lost. Feeding the text in any pieces gives the same result as feeding it whole.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeserve.server.reasoning import partial_tag_len
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolCallDelta:
+    """What one tool call gained: `name` on its first delta, then pieces of its arguments (JSON text)."""
+
+    index: int
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ToolParse:
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+class ToolParser(ABC):
+    """Per-output state: feeds of answer text (reasoning already removed) -> content and tool-call deltas."""
+
+    name: str
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self.tools = {t["function"]["name"]: t["function"] for t in tools if isinstance(t.get("function"), dict)}
+
+    @classmethod
+    @abstractmethod
+    def matches(cls, template: str) -> bool:
+        """Whether a chat template renders tool calls in this format."""
+
+    @abstractmethod
+    def feed(self, text: str) -> ToolParse:
+        """Content and tool-call deltas gained with this text."""
+
+    @abstractmethod
+    def flush(self) -> ToolParse:
+        """At the end of the output (also a stop string that cut it): what was held back, and a call cut short
+        closed as far as it can be."""
+
+    @staticmethod
+    @abstractmethod
+    def forced_prefix(function_name: str | None) -> str:
+        """Text that starts a tool call (of `function_name`, or of a function the model names), appended to the
+        prompt when tool_choice demands a call."""
+
+    stop_after_call: str | None = CALL_CLOSE  # a stop string ending the output after one call (no parallel calls)
+
+
+class TaggedToolParser(ToolParser):
+    """Calls in `<tool_call>...</tool_call>` blocks, with text outside them as content. Subclasses parse a block's
+    body as it grows (`_advance`) and when it ends (`_close`)."""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._pending = ""  # outside a call: a possible partial <tool_call> or whitespace; inside: the body
+        self._inside = False
+        self._body = ""
+        self._index = -1  # index of the current (or last) call
+        self._name_sent = False
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return CALL_OPEN in template
+
+    def feed(self, text: str) -> ToolParse:
+        out = ToolParse()
+        self._pending += text
+        while True:
+            tag = CALL_CLOSE if self._inside else CALL_OPEN
+            at = self._pending.find(tag)
+            if at < 0:
+                break
+            if self._inside:
+                self._body += self._pending[:at]
+                self._close(out, complete=True)
+            else:
+                out.content += self._pending[:at].rstrip()  # whitespace before a call is layout
+                self._index += 1
+                self._body, self._name_sent = "", False
+            self._pending = self._pending[at + len(tag):]
+            self._inside = not self._inside
+        tag = CALL_CLOSE if self._inside else CALL_OPEN
+        keep = partial_tag_len(self._pending, tag)
+        ready = self._pending[:len(self._pending) - keep]
+        if self._inside:
+            self._body += ready
+            self._advance(out)
+        else:
+            stripped = ready.rstrip()  # trailing whitespace waits: dropped if a call follows
+            keep += len(ready) - len(stripped)
+            out.content += stripped
+        self._pending = self._pending[len(self._pending) - keep:] if keep else ""
+        return out
+
+    def flush(self) -> ToolParse:
+        out = ToolParse()
+        if self._inside:
+            self._body += self._pending
+            self._close(out, complete=False)
+        elif self._index < 0:  # no call at all: trailing whitespace is part of the answer
+            out.content = self._pending
+        self._pending = ""
+        return out
+
+    def _call(self, out: ToolParse, name: str | None = None, arguments: str = "") -> None:
+        if name is not None:
+            self._name_sent = True
+        if name is not None or arguments:
+            out.calls.append(ToolCallDelta(self._index, name, arguments))
+
+    def _as_content(self, out: ToolParse, complete: bool) -> None:
+        """A block that is not a call: its text, tags included, is content."""
+        out.content += CALL_OPEN + self._body + (CALL_CLOSE if complete else "")
+        self._index -= 1
+
+    @abstractmethod
+    def _advance(self, out: ToolParse) -> None:
+        """The body grew (self._body): add what is certain to `out`."""
+
+    @abstractmethod
+    def _close(self, out: ToolParse, complete: bool) -> None:
+        """The body ended (`complete`: with </tool_call>; else the output stopped): add the rest to `out`."""
+
+
+# ----------------------------------------------------------------------------------------------- qwen3 json
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+def json_value_end(text: str) -> int | None:
+    """End of the JSON object or array at the start of `text` (leading whitespace allowed), or None while it is
+    still open. Strings and escapes are followed, so braces inside strings do not count."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class Qwen3JsonToolParser(TaggedToolParser):
+    name = "qwen3_json"
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._args_start = 0  # where the arguments value starts in the body
+        self._args_sent = 0  # characters of it already sent
+
+    def _advance(self, out: ToolParse) -> None:
+        if not self._name_sent:
+            head = _JSON_HEAD.match(self._body)
+            if head is None:
+                return
+            self._call(out, name=json.loads(f'"{head.group(1)}"'))
+            self._args_start, self._args_sent = head.end(), 0
+        args = self._body[self._args_start:]
+        stripped = args.lstrip()
+        if not stripped or stripped[0] not in "{[":
+            return  # a string or scalar: sent whole at the close
+        end = json_value_end(stripped)
+        upto = len(stripped) if end is None else end
+        if upto > self._args_sent:
+            self._call(out, arguments=stripped[self._args_sent:upto])
+            self._args_sent = upto
+
+    def _close(self, out: ToolParse, complete: bool) -> None:
+        self._advance(out)
+        if self._name_sent:
+            if self._args_sent == 0:  # arguments not an object: take them from the parsed block
+                parsed = _loads(self._body)
+                value = parsed.get("arguments", parsed.get("parameters")) if isinstance(parsed, dict) else None
+                if value is not None:
+                    self._call(out, arguments=value if isinstance(value, str) else json.dumps(value))
+            return
+        parsed = _loads(self._body)  # keys in another order: the whole block at once
+        if isinstance(parsed, dict) and isinstance(parsed.get("name"), str):
+            value = parsed.get("arguments", parsed.get("parameters", {}))
+            self._call(out, name=parsed["name"])
+            self._call(out, arguments=value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+        else:
+            self._as_content(out, complete)
+
+    @staticmethod
+    def forced_prefix(function_name: str | None) -> str:
+        if function_name is None:
+            return CALL_OPEN + '\n{"name": "'
+        return CALL_OPEN + '\n{"name": ' + json.dumps(function_name) + ', "arguments": '
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ qwen3 xml
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
+    """A parameter's text as the JSON value its schema asks for; a string when the schema says so, or when the
+    text is not valid for the type."""
+    kind = (schema or {}).get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return text
+    if kind is None and not text.strip():
+        return text
+    value = _loads(text.strip())
+    if value is None and text.strip() != "null":
+        return text
+    return value
+
+
+class Qwen3XmlToolParser(TaggedToolParser):
+    name = "qwen3_xml"
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._pos = 0  # how far into the body has been parsed
+        self._params_sent = 0
+        self._function = ""
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return CALL_OPEN in template and "<function=" in template and "<parameter=" in template
+
+    def _advance(self, out: ToolParse) -> None:
+        if not self._name_sent:
+            head = _XML_FUNCTION.match(self._body)
+            if head is None:
+                return
+            self._function = head.group(1).strip()
+            self._call(out, name=self._function)
+            self._pos, self._params_sent = head.end(), 0
+        properties = ((self.tools.get(self._function) or {}).get("parameters") or {}).get("properties") or {}
+        while (param := _XML_PARAMETER.match(self._body, self._pos)) is not None:
+            key = param.group(1).strip()
+            raw = param.group(2).removeprefix("\n").removesuffix("\n")  # the template writes '\n' + value + '\n'
+            value = typed_value(raw, properties.get(key))
+            piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+            self._call(out, arguments=("{" if self._params_sent == 0 else ", ") + piece)
+            self._params_sent += 1
+            self._pos = param.end()
+
+    def _close(self, out: ToolParse, complete: bool) -> None:
+        self._advance(out)
+        if not self._name_sent:
+            self._as_content(out, complete)
+            return
+        self._call(out, arguments="}" if self._params_sent else "{}")  # a call cut mid-parameter keeps the rest
+
+    @staticmethod
+    def forced_prefix(function_name: str | None) -> str:
+        return CALL_OPEN + "\n<function=" + (f"{function_name}>\n" if function_name is not None else "")
+
+
+# Most specific first: an XML-format template also mentions <tool_call>.
+TOOL_PARSERS: list[type[ToolParser]] = [Qwen3XmlToolParser, Qwen3JsonToolParser]
+
+
+def tool_parser_for(template: str | None) -> type[ToolParser] | None:
+    """The tool-call format a chat template renders, or None when it has none."""
+    for parser in TOOL_PARSERS:
+        if template and parser.matches(template):
+            return parser
+    return None
