@@ -99,6 +99,10 @@ class EngineSettings(BaseModel):
         "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"
     )
     record_trace: str | None = Field(None, description="write the experts each token used to this file")
+    record_trace_format: Literal["moetrace", "jsonl"] = Field(
+        "moetrace", description="record_trace's format: moetrace = compact binary, jsonl = the plain JSON-lines "
+        "interchange format (docs/trace-format.md)"
+    )
     cache_trace: str | None = Field(
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
     )

@@ -12,11 +12,13 @@ layer order, routes that one token), with each token's experts in descending sco
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from moeserve.experts.trace import LayerRecord, Step, TraceError, TraceHeader, TraceWriter
+from moeserve.experts.trace import LayerRecord, Step, TraceError, TraceHeader
+from moeserve.experts.trace_jsonl import write_trace_file
 
 _LAYER_DIR = re.compile(r"^Layer_(\d+)$")
 
@@ -43,14 +45,6 @@ def find_layer_dirs(root: str | Path) -> dict[int, Path]:
         names = ", ".join(str(p) for p in found)
         raise TraceError(f"{root}: several FLAME trace sets ({names}); pass one of them")
     return next(iter(found.values()))
-
-
-def is_flame_dir(path: str | Path) -> bool:
-    try:
-        find_layer_dirs(path)
-    except (TraceError, OSError):
-        return False
-    return True
 
 
 def _read_csv(path: Path) -> tuple[np.ndarray, int]:
@@ -99,12 +93,45 @@ def load_flame(root: str | Path) -> tuple[TraceHeader, list[Step]]:
 def convert_flame(root: str | Path, dest: str | Path) -> TraceHeader:
     """Write a FLAME trace set as a moeserve trace file at ``dest``."""
     header, steps = load_flame(root)
-    with TraceWriter(dest, header) as writer:
-        for step in steps:
-            for rec in step:
-                writer.record(rec.layer, rec.topk_ids)
-            writer.end_step()
+    write_trace_file(dest, header, steps, "moetrace")
     return header
+
+
+def write_flame(dest: str | Path, header: TraceHeader, steps: Iterable[Step]) -> int:
+    """Write ``steps`` as a FLAME-MoE CSV folder (``dest/Layer_<N>/<model>_layer<N>.csv``); returns the tokens.
+
+    The format holds one token per step and every MoE layer in every step, so other traces are refused. It holds
+    router scores, which a routing trace does not: each token's experts get the scores ``k, k-1, ..., 1`` over
+    ``k(k+1)/2``, in its order, so reading the folder back gives the same experts in the same order.
+    """
+    dest = Path(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise TraceError(f"{dest}: exists and is not empty; FLAME output needs a new folder")
+    layers = header.moe_layers
+    rows: list[np.ndarray] = []  # per token: [layers, top_k] expert ids
+    for number, step in enumerate(steps):
+        if [rec.layer for rec in step] != list(layers) or any(rec.topk_ids.shape[0] != 1 for rec in step):
+            raise TraceError(
+                f"step {number}: FLAME CSVs hold one token per step in every MoE layer {list(layers)}, in order; "
+                f"this step has layers {[rec.layer for rec in step]} with {[len(rec.topk_ids) for rec in step]} tokens"
+            )
+        rows.append(np.stack([rec.topk_ids[0] for rec in step]))
+    if not rows:
+        raise TraceError("the trace has no steps to write as FLAME CSVs")
+    ids = np.stack(rows).astype(np.int64)  # [tokens, layers, top_k]
+    tokens, _, top_k = ids.shape
+    rank_scores = np.arange(top_k, 0, -1) / (top_k * (top_k + 1) / 2)  # [top_k], descending, sum 1
+    columns = "layer_id,token_id," + ",".join(f"expert_{e}" for e in range(header.num_experts))
+    name = header.model.replace("_", "-").replace("/", "-") or "trace"
+    for i, layer in enumerate(layers):
+        table = np.zeros((tokens, 2 + header.num_experts))  # [tokens, 2 + experts]
+        table[:, 0] = layer
+        table[:, 1] = np.arange(tokens)
+        np.put_along_axis(table[:, 2:], ids[:, i, :], rank_scores[None, :], axis=1)
+        folder = dest / f"Layer_{layer}"
+        folder.mkdir(parents=True)
+        np.savetxt(folder / f"{name}_layer{layer}.csv", table, delimiter=",", header=columns, comments="", fmt="%.6g")
+    return tokens
 
 
 def _model_name(csv: Path) -> str:

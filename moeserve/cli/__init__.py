@@ -8,6 +8,7 @@ sets ``func=run`` (``run(args) -> int``). Errors that are `MoeserveError` print 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import sys
@@ -26,6 +27,7 @@ SUBCOMMANDS = [
     "plan",
     "bench",
     "simulate",
+    "trace",
 ]
 
 
@@ -73,10 +75,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:
+    """Exit with argparse's error for arguments nobody took, naming the closest flag of the chosen subcommand."""
+    while True:  # down to the (sub)command that was chosen: its flags are the ones that could have been meant
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None:
+            break
+        parser = subs[0].choices[chosen]
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    flag = next((a.split("=", 1)[0] for a in unknown if a.startswith("--")), None)
+    if flag is not None:
+        close = difflib.get_close_matches(flag, list(parser._option_string_actions), n=1, cutoff=0.6)
+        if close:
+            message += f" (did you mean {close[0]}?)"
+    parser.error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(parser, args, unknown)
     debug = bool(getattr(args, "debug", False))
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.INFO,

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moeserve.bench.flame import is_flame_dir, load_flame
 from moeserve.bench.simulate import (
     PREFETCH_MODES,
     GridResult,
@@ -16,9 +15,10 @@ from moeserve.bench.simulate import (
     calls_from_steps,
     run_grid,
 )
+from moeserve.bench.traces import INPUT_FORMATS, load_trace
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES, POLICY_NAMES
-from moeserve.experts.trace import TraceHeader, read_trace
+from moeserve.experts.trace import TraceHeader
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,9 +26,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "simulate",
         help="replay a routing trace through the expert-cache eviction policies",
         description="Hit rate of each eviction policy and cache capacity on a recorded routing trace, with "
-        "Belady (the offline optimum) as the bound. TRACE is a moeserve trace file or a FLAME-MoE CSV folder.",
+        "Belady (the offline optimum) as the bound. TRACE is a moeserve trace file (binary or JSON lines) or a "
+        "FLAME-MoE CSV folder.",
     )
-    p.add_argument("trace", metavar="TRACE", help="trace file (--record-trace) or FLAME-MoE Layer_N/ folder")
+    p.add_argument("trace", metavar="TRACE",
+                   help="trace file (record_trace, or JSON lines: docs/trace-format.md) or FLAME-MoE Layer_N/ folder")
+    p.add_argument("--trace-format", choices=INPUT_FORMATS, default="auto",
+                   help="format of TRACE (default: detected from its content)")
     p.add_argument("--policy", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
     p.add_argument("--capacity", default="32,64,128,256", help="comma-separated cache sizes, in experts")
     p.add_argument("--prefetch", default="none", help=f"comma-separated: {', '.join(PREFETCH_MODES)}")
@@ -85,20 +89,20 @@ def _capacities(text: str) -> list[int]:
     return caps
 
 
-def load_calls(path: str | Path) -> tuple[TraceHeader, list[list[LayerCall]]]:
-    """A trace file or a FLAME-MoE CSV folder -> header and the layer calls of every step."""
-    if Path(path).is_dir() and is_flame_dir(path):
-        header, steps = load_flame(path)
-        return header, calls_from_steps(steps)
-    trace = read_trace(path)
-    return trace.header, calls_from_steps(trace)
+def load_calls(path: str | Path, fmt: str = "auto") -> tuple[TraceHeader, list[list[LayerCall]], list[str]]:
+    """A trace of any format (`moeserve.bench.traces`) -> header, the layer calls of every step, and a note per
+    header field that was inferred."""
+    trace = load_trace(path, fmt)
+    return trace.header, calls_from_steps(trace.steps), trace.notes
 
 
 def run(args: argparse.Namespace) -> int:
     policies = _split(args.policy, "policy", POLICY_NAMES)
     prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
     capacities = _capacities(args.capacity)
-    header, steps = load_calls(args.trace)
+    header, steps, notes = load_calls(args.trace, args.trace_format)
+    for note in notes:
+        print(note)
     if (args.online_width is not None and args.online_width < 1) or not 0.0 <= args.online_min_prob <= 1.0:
         raise ConfigError("--online-width must be >= 1 and --online-min-prob in [0, 1]")
     online = OnlinePrefetch(header.num_experts, args.online_width, args.online_min_prob)

@@ -32,6 +32,7 @@ from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
 from moeserve.experts.trace import TraceHeader, TraceWriter
+from moeserve.experts.trace_jsonl import JsonlTraceWriter, open_trace_writer
 from moeserve.memory.budget import ExpertBudget, choose_host_budget
 from moeserve.memory.rss import fix_mmap_threshold
 from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes, split_memory
@@ -114,7 +115,7 @@ class LLMEngine:
         self._chose("expert store", self.model.store.describe())
         for name, reason in self.model.choices:
             self._chose(name, reason)
-        self.trace = self._open_trace(s.record_trace, model_path)
+        self.trace = self._open_trace(s.record_trace, s.record_trace_format, model_path)
         num_blocks = size_pools(self.kv_groups, self._block_bytes, kv_bytes, s.block_size, s.max_num_seqs,
                                 self.max_num_batched_tokens, self.max_model_len)
         self.kv = PagedKVCache(self.kv_groups, num_blocks, s.block_size, spec.attention.num_kv_heads,
@@ -300,7 +301,7 @@ class LLMEngine:
         return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
                             prefetch=s.prefetch)
 
-    def _open_trace(self, path: str | None, model_path: str) -> TraceWriter | None:
+    def _open_trace(self, path: str | None, fmt: str, model_path: str) -> TraceWriter | JsonlTraceWriter | None:
         """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""
         if path is None:
             return None
@@ -308,10 +309,10 @@ class LLMEngine:
         header = TraceHeader(model=Path(model_path).name, num_layers=spec.num_layers,
                              num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
                              moe_layers=tuple(spec.moe_layer_ids))
-        writer = TraceWriter(path, header)
+        writer = open_trace_writer(path, header, fmt)
         weakref.finalize(self, writer.close)  # flushed at exit even when nobody calls close()
         self.model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
-        log.info("record_trace: writing routing of every step to %s", path)
+        log.info("record_trace: writing routing of every step to %s (%s)", path, fmt)
         return writer
 
     # ------------------------------------------------------------------------------------------ requests

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.experts.policies import Key
-from moeserve.experts.trace import Step, read_trace
+from moeserve.experts.trace import Step
+from moeserve.experts.trace_jsonl import read_trace_file
 
 
 @dataclass(frozen=True)
@@ -59,5 +60,6 @@ def static_options(steps: Sequence[Sequence[LayerCall]], capacity: int) -> dict[
 
 
 def static_policy_options(trace_path: str, capacity: int) -> dict[str, Any]:
-    """`static_options` from a recorded routing trace file (the engine's `cache_trace`)."""
-    return static_options(calls_from_steps(read_trace(trace_path)), capacity)
+    """`static_options` from a recorded routing trace file, binary or JSON lines (the engine's `cache_trace`)."""
+    _, steps, _ = read_trace_file(trace_path)
+    return static_options(calls_from_steps(steps), capacity)

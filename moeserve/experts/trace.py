@@ -167,18 +167,23 @@ class TraceWriter:
         self.close()
 
     def _write_ids(self, rec_type: int, layer: int, ids: Any) -> None:
-        arr = np.asarray(ids)
-        if arr.ndim == 1:
-            arr = arr.reshape(1, -1)  # a flat set of ids is one row
-        if arr.ndim != 2 or (arr.size and arr.dtype.kind not in "iu"):
-            raise TraceError(
-                f"layer {layer}: expert ids must be an integer array [tokens, k], got {arr.shape}"
-            )
-        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.header.num_experts):
-            raise TraceError(f"layer {layer}: expert id out of range 0..{self.header.num_experts - 1}")
+        arr = checked_ids(ids, layer, self.header.num_experts)
         tokens, k = arr.shape
         payload = np.ascontiguousarray(arr, dtype="<u2").tobytes()
         self._file.write(bytes((rec_type,)) + _LAYER_HEAD.pack(layer, tokens, k) + payload)
+
+
+def checked_ids(ids: Any, layer: int, num_experts: int) -> np.ndarray:
+    """Expert ids a writer was given -> an integer array [tokens, k] (a flat set of ids is one row), each id in
+    ``0..num_experts-1``; `TraceError` otherwise."""
+    arr = np.asarray(ids)
+    if arr.ndim == 1:
+        arr = arr.reshape(1, -1)
+    if arr.ndim != 2 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TraceError(f"layer {layer}: expert ids must be an integer array [tokens, k], got {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= num_experts):
+        raise TraceError(f"layer {layer}: expert id out of range 0..{num_experts - 1}")
+    return arr
 
 
 class Trace:
