@@ -266,8 +266,9 @@ class ExpertStore:
     def calls_may_skip(self) -> bool:
         """Whether a caller may compute a layer whose experts are all ready in `slot_table` without asking
         `experts`, then report it with `report_cached_calls`: offloaded, on CPU, and nothing evicts behind the
-        caller's back (no prefetch thread; a call's demand reads have all landed when it returns)."""
-        return not self.resident and self.prefetcher is None and self.device.type == "cpu"
+        caller's back (no prefetch thread; a call's demand reads have all landed when it returns). Not with device
+        ops (a fake fast tier on CPU in tests): a slot's copy is only waited for by `experts`."""
+        return not self.resident and self.prefetcher is None and self.device.type == "cpu" and self.copier is None
 
     def slot_units(self) -> list[ExpertWeights]:
         """The views of every slot of the fast tier, by slot (fixed for the store's life; see `slot_table`)."""

@@ -1,6 +1,8 @@
 """The CUDA path of the store (pinned staging, side-stream copies, host tier): offloaded == resident on the GPU.
 
-Skipped without a CUDA device; the same event discipline is exercised on CPU with a fake in test_transfer.py.
+Skipped without a CUDA device; the same event discipline is exercised on CPU with a recording fake in
+test_transfer.py and with an asynchronous one (streams run by threads, a missing wait gives wrong data) in
+test_async_fast_tier.py.
 """
 
 from __future__ import annotations
