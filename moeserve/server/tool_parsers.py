@@ -83,6 +83,7 @@ class TaggedToolParser(ToolParser):
         self._body = ""
         self._index = -1  # index of the current (or last) call
         self._name_sent = False
+        self._gap = ""  # the whitespace dropped before the current block
 
     @classmethod
     def matches(cls, template: str) -> bool:
@@ -100,7 +101,9 @@ class TaggedToolParser(ToolParser):
                 self._body += self._pending[:at]
                 self._close(out, complete=True)
             else:
-                out.content += self._pending[:at].rstrip()  # whitespace before a call is layout
+                before = self._pending[:at]
+                out.content += before.rstrip()  # whitespace before a call is layout ...
+                self._gap = before[len(before.rstrip()):]  # ... unless the block is not a call after all
                 self._index += 1
                 self._body, self._name_sent = "", False
             self._pending = self._pending[at + len(tag):]
@@ -136,7 +139,7 @@ class TaggedToolParser(ToolParser):
 
     def _as_content(self, out: ToolParse, complete: bool) -> None:
         """A block that is not a call: its text, tags included, is content."""
-        out.content += CALL_OPEN + self._body + (CALL_CLOSE if complete else "")
+        out.content += self._gap + CALL_OPEN + self._body + (CALL_CLOSE if complete else "")
         self._index -= 1
 
     @abstractmethod

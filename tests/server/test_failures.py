@@ -142,9 +142,10 @@ def test_draining_server_refuses_new_work(live_server: ThreadServer) -> None:
     assert "retry-after" in work.headers
 
 
-def test_unknown_fields_are_logged(live_server: ThreadServer, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="moeserve.server"):
-        resp = httpx.post(live_server.url + "/v1/completions",
-                          json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "best_of_luck": 3})
-    assert resp.status_code == 200
-    assert "ignored request fields: best_of_luck" in caplog.text
+def test_unknown_fields_are_refused(live_server: ThreadServer) -> None:
+    """A typo must not run silently (issue 20: `max_tokns` ran to the full context)."""
+    resp = httpx.post(live_server.url + "/v1/completions",
+                      json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1, "best_of_luck": 3})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["message"] == ("Unrecognized request argument supplied: 'best_of_luck' "
+                                               "(did you mean 'best_of'?)")
