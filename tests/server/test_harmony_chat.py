@@ -119,3 +119,27 @@ def test_output_without_harmony_structure_is_content(thread_server: Any, encodin
     streamed = "".join(c.choices[0].delta.content or "" for c in server.client().chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, max_tokens=100, stream=True))
     assert streamed == "Just an answer without channels."
+
+
+def test_named_tool_choice_puts_the_call_header_in_the_prompt(thread_server: Any, encoding: Any,
+                                                              tmp_path: Path) -> None:
+    server, engine = serve(thread_server, encoding, tmp_path, "{\"city\": \"Rome\"}<|call|>")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for stream in (False, True):
+        kwargs = dict(model=MODEL_NAME, messages=MESSAGES, max_tokens=100, tools=[tool], tool_choice=named)
+        if stream:
+            calls: dict[int, list[str]] = {}
+            for chunk in server.client().chat.completions.create(stream=True, **kwargs):
+                for call in chunk.choices[0].delta.tool_calls or []:
+                    entry = calls.setdefault(call.index, ["", ""])
+                    entry[0] += call.function.name or ""
+                    entry[1] += call.function.arguments or ""
+            got = [tuple(calls[i]) for i in sorted(calls)]
+        else:
+            message = server.client().chat.completions.create(**kwargs).choices[0].message
+            got = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+        assert got == [("get_weather", "{\"city\": \"Rome\"}")]
+    header = encoding.encode("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                             "<|message|>", allowed_special="all")
+    assert engine.prompts[-1][-len(header):] == header
