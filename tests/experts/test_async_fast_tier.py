@@ -19,12 +19,16 @@ Waits checked by removal (each test_removing_* monkeypatches one out and sees wr
 4. `HostToDevice.wait_source_free`: the host waits for the copy out of a pinned buffer (the staging buffer, a
    host-tier slot) before reading the next unit into it;
 5. `ExpertStore._load_everything`'s `before_use` of every slot: a resident store's kernels wait for its loads.
+Also checked, a lock rather than a wait: `Loader._lock`, by which the readers of the one staging buffer (I/O
+threads, compute thread, prefetcher) take turns; without it the unit verifier sees a unit's bytes change under its
+read (ExpertLoadError) or a kernel reads wrong bytes.
 Not checkable here: the `synchronize` after a synchronous copy in `copy_in` (torch's blocking `copy_` already
 waits for it on CUDA, and the fake does the same, so removing it changes nothing on either).
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,7 +38,9 @@ from functools import partial
 import pytest
 import torch
 
+from moeserve.errors import ExpertLoadError
 from moeserve.experts.store import ExpertStore, StoreOptions
+from moeserve.experts.tiers import Loader
 from moeserve.experts.transfer import HostToDevice
 from moeserve.experts.unit import ExpertSource, UnitLayout
 from tests.experts.async_device import AsyncFakeOps, Timing
@@ -249,6 +255,23 @@ def test_removing_the_resident_stores_wait_for_its_loads(monkeypatch):
 
     monkeypatch.setattr(ExpertStore, "__init__", init_without_load_waits)
     assert_wrong_data([("resident", "late-copies")])
+
+
+def test_removing_the_loaders_lock_around_the_staging_buffer(monkeypatch):
+    init = Loader.__init__
+
+    def init_without_lock(self: Loader, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        self._lock = contextlib.nullcontext()  # type: ignore[assignment]
+
+    monkeypatch.setattr(Loader, "__init__", init_without_lock)
+    failed = []
+    for seed in (0, 1):
+        try:
+            failed.append(bool(run(CONFIGS["prefetch"], "random", seed).wrong))
+        except ExpertLoadError as err:
+            failed.append("differ from those read before" in str(err))
+    assert any(failed), "the readers of the staging buffer never collided without the lock"
 
 
 def test_a_caller_may_not_skip_the_store_when_slots_arrive_by_device_copies():
