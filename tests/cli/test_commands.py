@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from moeserve.cli import main
 from moeserve.cli.inspect import inspect_checkpoint
@@ -20,6 +21,23 @@ def test_generate_json_matches_python_api(tiny_text_model, capsys) -> None:
     ref = LLM(str(tiny_text_model), dtype="float32").generate(
         "Once upon", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+
+
+def test_generate_stats_reports_the_kv_cache(tiny_text_model, capsys) -> None:
+    """--stats: blocks (all free again at the end), preemptions, the prefix-cache hit rate (one 40-token prompt on a
+    fresh engine: looked up, nothing found; hits are tested through /metrics), and prefill tokens per step under a
+    small max_num_batched_tokens."""
+    ids = ",".join(str((7 * i + 3) % 90 + 5) for i in range(40))
+    assert main(["generate", str(tiny_text_model), "--prompt-token-ids", ids, "--max-tokens", "2", "--ignore-eos",
+                 "--stats", "--max-num-batched-tokens", "16"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("kv cache:")][0]
+    m = re.match(r"kv cache: (\d+) of (\d+) blocks used, (\d+) preemptions, prefix cache hit rate ([0-9.]+) "
+                 r"\((\d+) of (\d+) prompt tokens\), ([0-9.]+) prefill tokens per step over (\d+) steps$", line)
+    assert m, line
+    used, blocks, preempted, _, hits, queried, per_step, steps = m.groups()
+    assert int(used) == 0 < int(blocks) and int(preempted) == 0
+    assert (int(hits), int(queried)) == (0, 40)
+    assert int(steps) == 3 + 1 and float(per_step) == 40 / 4  # 40 tokens in chunks of 16, 16, 8; one decode step
 
 
 def test_chat_streams_answers_for_each_turn(tiny_text_model, monkeypatch, capsys) -> None:

@@ -54,6 +54,29 @@ def test_counters_follow_usage(live_server: ThreadServer) -> None:
     assert total(after, "expert_cache_hits_total") > total(before, "expert_cache_hits_total")
 
 
+def test_sequence_memory_counters(live_server: ThreadServer) -> None:
+    """KV blocks (used + free = the pool), prefill tokens, steps, and the prefix cache: the same 40-token prompt twice
+    hits its 2 full 16-token blocks the second time (the last, partial block and the last token are computed)."""
+    prompt = [(7 * i + 3) % 90 + 5 for i in range(40)]
+    before = scrape(live_server.url)
+    for _ in range(2):
+        live_server.client().completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                                extra_body={"ignore_eos": True})
+    after = scrape(live_server.url)
+
+    def delta(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert delta("prefix_cache_queries_total") == 2 * 40
+    assert delta("prefix_cache_hits_total") == 32
+    assert delta("prefill_tokens_total") == 40 + 8  # the second request computes only what the cache did not hold
+    assert delta("engine_steps_total") >= 2 * 3
+    used = after[f'moeserve:kv_cache_blocks{{model_name="{MODEL_NAME}",state="used"}}']
+    free = after[f'moeserve:kv_cache_blocks{{model_name="{MODEL_NAME}",state="free"}}']
+    assert used == 0 and free > 0 and total(after, "kv_cache_usage_perc") == 0  # idle: nothing held
+    assert total(after, "last_step_prefill_tokens") == 0  # the last step decoded
+
+
 def test_expert_cache_counters_match_the_store(thread_server: Any, tiny_text_model: Path) -> None:
     # A fast tier far smaller than the experts: every step misses and reads from disk.
     server: ThreadServer = thread_server(make_state(engine_factory(tiny_text_model, expert_cache_gb=1e-6)))
