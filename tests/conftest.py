@@ -40,6 +40,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, vocab_size=300,
         max_position_embeddings=512, eos_token_id=2, pad_token_id=1,
     ),
+    # GLM-4.5: a dense first layer, 2 groups of 4 experts (topk_group 1), 2 shared experts, q/k norm, biases on q/k/v,
+    # rotary on half of each head, routed_scaling_factor; correction biases randomized (randomize_zero_inits)
+    "glm4_moe": dict(
+        model_type="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=2, first_k_dense_replace=1, attention_bias=True, use_qk_norm=True,
+        partial_rotary_factor=0.5, routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=300,
+        max_position_embeddings=512,
+    ),
 }
 ARCHS = tuple(TINY_CONFIGS)
 
@@ -52,13 +61,17 @@ def write_tiny_checkpoint(folder: Path, arch: str, dtype: str = "float32", seed:
     """Random-init `arch` model saved by transformers' save_pretrained into `folder` (no tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tests.models.checkpoints import randomize_zero_inits
+
     kwargs = {**TINY_CONFIGS[arch], "initializer_range": INIT_RANGE, **overrides}
     model_type = kwargs.pop("model_type")
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    randomize_zero_inits(model)
     model.save_pretrained(folder)
     return folder
+
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ Hidden sizes, expert widths, head counts and head dims are the published ones (f
 `shared/reference/configs`), so every C++ kernel takes several blocks per row and several threads per op: that is
 where two ops that accumulate in different orders round bf16 differently. What is cut, to keep CI within budget:
 the layer count (2), the expert count (enough for top-k plus a few), the vocabulary (4096), and Mixtral's expert
-width (14336 -> 1024: one real Mixtral expert is 352 MB in bf16).
+width (14336 -> 1024: one real Mixtral expert is 352 MB in bf16). GLM-4.5-Air keeps its dense first layer
+(first_k_dense_replace = 1), so its 2 layers are one dense and one MoE layer.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ REAL_DIMS: dict[str, dict[str, Any]] = {
         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                       "original_max_position_embeddings": 4096, "truncate": False},
     ),
+    # layer 0 dense (first_k_dense_replace), layer 1 MoE with the shared expert; 96 heads of 128 over hidden 4096
+    "GLM-4.5-Air": dict(
+        model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
+        num_attention_heads=96, num_key_value_heads=8, head_dim=128, n_routed_experts=10, num_experts_per_tok=8,
+        n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, attention_bias=True,
+        use_qk_norm=False, partial_rotary_factor=0.5, routed_scaling_factor=1.0, norm_topk_prob=True,
+        rope_theta=1e6, rms_norm_eps=1e-5,
+    ),
 }
 VOCAB = 4096
 # Spread logits a little more than the published init (0.02), so a random model's greedy path has few near-ties.
@@ -59,9 +68,10 @@ def write_real_dims(folder: Path, name: str, seed: int = 0, layers: int = 2, **o
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    if config.model_type == "gpt_oss":
-        from tests.models.checkpoints import randomize_gpt_oss_zeros
+    from tests.models.checkpoints import randomize_gpt_oss_zeros, randomize_zero_inits
 
+    randomize_zero_inits(model)  # routing correction biases (GLM-4.5), zero at init
+    if config.model_type == "gpt_oss":
         randomize_gpt_oss_zeros(model)
     model.save_pretrained(folder)
     return folder

@@ -72,7 +72,7 @@ class _Fused(LayerPass):
         attn0 = model.layers[0].attn
         stack = torch.classes.moeserve.DecodeStack(
             spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, spec.moe.top_k,
-            1 if spec.moe.routing == "topk_softmax" else 0, spec.moe.norm_topk_prob, spec.moe.weights_in_fp32,
+            model.moe_blocks[0].routing.stack_mode, spec.moe.norm_topk_prob, spec.moe.weights_in_fp32,
             spec.rms_norm_eps, spec.norm_style == "scale_in_fp32", attn0.scale, attn0.rotary.cos, attn0.rotary.sin,
             model.final_norm)
         for layer in model.layers:

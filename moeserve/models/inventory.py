@@ -12,7 +12,9 @@ import torch
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.models.expert_plans import ExpertPlan, expert_plan
 from moeserve.models.quantized import checkpoint_scheme, format_of, meta_tensors, quantized_module
-from moeserve.models.registry import get_architecture
+from moeserve.models.registry import Architecture, get_architecture
+from moeserve.models.spec import ModelSpec
+from moeserve.models.validate import is_skipped, kept_in_fp32
 
 
 def expert_tensor_names(plan: ExpertPlan) -> set[str]:
@@ -23,16 +25,19 @@ def expert_tensor_names(plan: ExpertPlan) -> set[str]:
 
 def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> int:
     """Bytes the non-expert weights take once loaded in `dtype`: quantized Linears count at their dequantized
-    size (they are dequantized at load), every other tensor at its element count times the dtype size."""
+    size (they are dequantized at load), tensors kept in fp32 (validate.kept_in_fp32) at 4 bytes an element, every
+    other tensor at its element count times the dtype size; tensors of skipped layers (MTP) not at all."""
     scheme = checkpoint_scheme(ckpt)
+    arch, spec = _arch_spec(ckpt)
     experts = expert_tensor_names(plan)
+    fp32 = kept_in_fp32(arch, spec)
     total, seen_modules = 0, set()
     for name, ref in ckpt.tensors.items():
-        if name in experts:
+        if name in experts or is_skipped(arch, spec, name):
             continue
         module = quantized_module(scheme, name, ckpt.tensors)
         if module is None:
-            total += ref.numel * dtype.itemsize
+            total += ref.numel * (torch.float32.itemsize if name in fp32 else dtype.itemsize)
         elif module not in seen_modules:
             seen_modules.add(module)
             fmt = scheme.format_for(module)
@@ -41,6 +46,12 @@ def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> i
                 numel *= d
             total += numel * dtype.itemsize
     return total
+
+
+def _arch_spec(ckpt: Checkpoint) -> tuple[Architecture, ModelSpec]:
+    where = str(ckpt.path / "config.json")
+    arch = get_architecture(ckpt.config, where)
+    return arch, arch.spec(ckpt.config, where)
 
 
 @dataclass(frozen=True)
@@ -74,9 +85,7 @@ def describe_formats(ckpt: Checkpoint) -> FormatReport:
     its stored size: the decode-time memory traffic of the weights.
     """
     scheme = checkpoint_scheme(ckpt)
-    where = str(ckpt.path / "config.json")
-    arch = get_architecture(ckpt.config, where)
-    spec = arch.spec(ckpt.config, where)
+    arch, spec = _arch_spec(ckpt)
     groups: dict[tuple[str, str], list[int]] = {}
     for name, ref in ckpt.tensors.items():
         key = (_INDEX.sub(".*", name), format_of(scheme, name, ref.dtype_code, ckpt.tensors))
@@ -86,9 +95,8 @@ def describe_formats(ckpt: Checkpoint) -> FormatReport:
     plan = expert_plan(ckpt, arch, spec, torch.bfloat16)
     expert_names = expert_tensor_names(plan)
     one_expert = sum(r.nbytes for f in next(iter(plan.sources.values())) for r in f.refs)
-    nonexpert = sum(
-        r.nbytes for n, r in ckpt.tensors.items() if n not in expert_names and n != arch.names.embed
-    )
+    nonexpert = sum(r.nbytes for n, r in ckpt.tensors.items()
+                    if n not in expert_names and n != arch.names.embed and not is_skipped(arch, spec, n))
     per_token = nonexpert + len(spec.moe_layer_ids) * spec.moe.top_k * one_expert
     if spec.tie_word_embeddings and not ckpt.has(arch.names.lm_head + ".weight"):
         per_token += ckpt.ref(arch.names.embed).nbytes  # the tied head reads the whole table every token

@@ -78,10 +78,13 @@ RMS_NORMS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor, float], torch.T
 
 
 class Rotary:
-    """NeoX-style (half-split) rotary embedding with cos/sin tables [max_len, d] precomputed in fp32."""
+    """NeoX-style (half-split) rotary embedding with cos/sin tables [max_len, r] precomputed in fp32, on the first
+    r = spec.rotary_dim(d) dims of each head (all of them unless partial_rotary_factor < 1); the rest pass as they
+    are (transformers' apply_rotary_pos_emb)."""
 
     def __init__(self, spec: RopeSpec, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        inv_freq, scaling = rope_inv_freq(spec, head_dim)
+        self.rotary_dim = spec.rotary_dim(head_dim)
+        inv_freq, scaling = rope_inv_freq(spec, self.rotary_dim)
         pos = torch.arange(max_len, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [L, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, d]
@@ -92,9 +95,12 @@ class Rotary:
         """x [N, heads, d] rotated at `positions` [N]."""
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        r = self.rotary_dim
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+        half = r // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest is None else torch.cat((out, rest), dim=-1)
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:

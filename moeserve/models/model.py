@@ -23,10 +23,11 @@ from moeserve.models.expert_plans import ExpertPlan
 from moeserve.models.layers import MLP, RMS_NORMS, Attention, DecoderLayer, DenseMLP, ForwardBatch, Rotary
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.moe import CppRouting, MoEBlock, Routing, TorchRouting
+from moeserve.models.moe import MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
+from moeserve.models.validate import is_skipped
 from moeserve.state.kv_cache import PagedKVCache
 
 
@@ -86,7 +87,7 @@ class MoeModel:
 def link_prefetch(blocks: list[MoEBlock]) -> None:
     """Give each MoE block the router of the next MoE block, so it can predict that layer's experts."""
     for block, nxt in zip(blocks, blocks[1:]):
-        block.predict_next = (nxt.layer, nxt.router)
+        block.predict_next = nxt
 
 
 def effective_options(options: ModelOptions, dtype: torch.dtype, device: torch.device) -> ModelOptions:
@@ -125,11 +126,16 @@ def build_model(
                         store_options or StoreOptions(policy=cache_policy))
     kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant)
     choices.append(("expert kernel", kernel.describe()))
-    routing: Routing = CppRouting(spec.moe) if opts.cpp else TorchRouting(spec.moe)
     rotary = Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device)
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
-    layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, routing, opts)
-              for L in range(spec.num_layers)]
+    layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
+    moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
+    choices.append(("routing", moe_blocks[0].routing.describe()))
+    if spec.skipped_layers:
+        skipped = [ref.nbytes for name, ref in ckpt.tensors.items() if is_skipped(arch, spec, name)]
+        choices.append(("skipped layers", f"num_nextn_predict_layers={spec.skipped_layers}: the multi-token-"
+                        f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
+                        f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     final_norm = load.tensor(names.final_norm, (h,), RMS_NORMS[spec.norm_style][1])
     head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
@@ -174,7 +180,7 @@ def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dt
 
 
 def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,  # noqa: PLR0913
-                 store: ExpertStore, kernel: ExpertKernel, routing: Routing, opts: ModelOptions) -> DecoderLayer:
+                 store: ExpertStore, kernel: ExpertKernel, opts: ModelOptions) -> DecoderLayer:
     """Read layer L's resident weights (attention, norms, router, dense or shared MLP)."""
     names, a, h = arch.names, spec.attention, spec.hidden_size
 
@@ -205,8 +211,16 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
             si = m.shared_intermediate_size
             shared = DenseMLP(load.linear(n(names.shared_gate), si, h), load.linear(n(names.shared_up), si, h),
                               load.linear(n(names.shared_down), h, si), opts.batch_invariant)
-            shared_gate = load.linear(n(names.shared_expert_gate), 1, h, quantize=False)
-        router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
+            if m.shared_gated:
+                shared_gate = load.linear(n(names.shared_expert_gate), 1, h, quantize=False)
+        if m.router_fp32:  # kept in fp32 as transformers keeps it: the logits are computed in fp32
+            router = load.make_linear(load.tensor(n(names.router) + ".weight", (m.num_experts, h), torch.float32),
+                                      None, quantize=False)
+        else:
+            router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
+        bias = (load.tensor(n(names.router_correction_bias), (m.num_experts,), torch.float32)
+                if m.correction_bias else None)
+        routing = choose_routing(m, opts.cpp, opts.batch_invariant, bias)
         mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.batch_invariant)
     else:
         di = spec.dense_intermediate_size

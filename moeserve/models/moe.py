@@ -24,29 +24,39 @@ from moeserve.models.spec import MoeSpec
 
 
 class Routing(ABC):
-    """Router logits -> each token's experts and weights, as (token, expert) pairs grouped by expert."""
+    """Router logits -> each token's experts and weights, as (token, expert) pairs grouped by expert.
+
+    One implementation per rule (MoeSpec.routing) and way of computing it, chosen once by `choose_routing`; the
+    MoE block and the decode stack never ask which."""
+
+    # The DecodeStack's routing mode (csrc/routing.cpp's moe_route_pairs), or None when the stack cannot route so.
+    stack_mode: int | None = None
 
     def __init__(self, spec: MoeSpec) -> None:
         self.spec = spec
 
+    def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
+        """The router logits [N, E] of x [N, H]."""
+        return router(x)
+
     @abstractmethod
     def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens: ...
 
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return type(self).__name__
+
+    def why_not_stacked(self) -> str | None:
+        """None when the fused decode stack can run this routing, else why not (one line)."""
+        return None if self.stack_mode is not None else f"{self.spec.routing} routing (no decode-stack mode)"
+
 
 class TorchRouting(Routing):
-    """softmax / top-k / renormalisation as transformers computes them, then a stable sort by expert."""
+    """A rule as torch ops (as transformers computes it), then a stable sort by expert. Subclasses give the rule."""
 
+    @abstractmethod
     def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) from the router logits [N, E]."""
-        s = self.spec
-        if s.routing == "topk_softmax":
-            top, ids = torch.topk(logits, s.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=top.dtype), ids
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top, ids = torch.topk(probs, s.top_k, dim=-1)
-        if s.norm_topk_prob:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return (top if s.weights_in_fp32 else top.to(logits.dtype)), ids
 
     def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
         weights, ids = self.weights_and_ids(logits)
@@ -55,20 +65,108 @@ class TorchRouting(Routing):
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
         return RoutedTokens.from_counts(x, ids, order // ids.shape[1], weights.reshape(-1)[order], counts)
 
+    def describe(self) -> str:
+        return f"torch ({self.spec.routing})"
+
+
+class SoftmaxTopk(TorchRouting):
+    """softmax over all experts in fp32, top-k, optionally renormalised (Qwen, Mixtral, OLMoE)."""
+
+    stack_mode = 0
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, s.top_k, dim=-1)
+        if s.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return (top if s.weights_in_fp32 else top.to(logits.dtype)), ids
+
+
+class TopkSoftmax(TorchRouting):
+    """top-k of the raw logits, softmax over the k chosen (gpt-oss)."""
+
+    stack_mode = 1
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(logits, self.spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+class SigmoidGroups(TorchRouting):
+    """DeepSeek-V3's "noaux_tc" (GLM-4.5, DeepSeek-V3, Kimi-K2), op for op as transformers' Glm4MoeTopkRouter: fp32
+    logits from an fp32 router, sigmoid scores; the choice adds the layer's correction bias, keeps the topk_group
+    groups (of n_group) whose top-2 scores sum highest and takes the top-k experts of those; the weights are the
+    chosen experts' unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor, in fp32.
+
+    Batch-invariant (`invariant`): in fixed blocks of rows (linear.in_row_blocks), since torch's vectorised sigmoid
+    finishes a tensor's tail with scalar code that rounds otherwise: which scores fall in the tail must not depend on
+    the batch."""
+
+    def __init__(self, spec: MoeSpec, correction_bias: torch.Tensor, invariant: bool) -> None:
+        super().__init__(spec)
+        self.bias = correction_bias  # [E] fp32
+        self.invariant = invariant
+
+    def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
+        return router(x.float())  # [N, E] fp32: the router weight is held in fp32 (MoeSpec.router_fp32)
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.invariant:
+            return self._weights_and_ids(logits)
+        k = self.spec.top_k
+        both = in_row_blocks(lambda rows: torch.cat([t.float() for t in self._weights_and_ids(rows)], dim=1), logits)
+        return both[:, :k], both[:, k:].long()  # ids < 2^24: exact in fp32
+
+    def _weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        n, e, groups = logits.shape[0], s.num_experts, s.n_group
+        scores = logits.float().sigmoid()  # [N, E]
+        choice = scores + self.bias
+        group_scores = choice.view(n, groups, e // groups).topk(2, dim=-1)[0].sum(dim=-1)  # [N, G]
+        group_idx = torch.topk(group_scores, k=s.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(n, groups, e // groups).reshape(n, e)
+        choice = choice.masked_fill(~expert_mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=s.top_k, dim=-1, sorted=False)[1]  # [N, k]
+        weights = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * s.routed_scaling_factor, ids
+
 
 class CppRouting(Routing):
-    """The same ATen softmax / top-k kernels and a stable counting sort in one C++ call (csrc/routing.cpp)."""
+    """A rule of csrc/routing.cpp (`stack_mode`): the same ATen softmax / top-k kernels and a stable counting sort in
+    one C++ call."""
+
+    def __init__(self, spec: MoeSpec, mode: int) -> None:
+        super().__init__(spec)
+        self.stack_mode = mode
 
     def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
         s = self.spec
-        mode = 1 if s.routing == "topk_softmax" else 0
-        token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_pairs(logits, s.top_k, mode, s.norm_topk_prob,
-                                                                          s.weights_in_fp32)
+        token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_pairs(logits, s.top_k, self.stack_mode,
+                                                                          s.norm_topk_prob, s.weights_in_fp32)
         return RoutedTokens.from_counts(x, ids, token_of, weight_of, counts.tolist())  # the one host sync per layer
+
+    def describe(self) -> str:
+        return f"C++ moe_route_pairs ({self.spec.routing})"
+
+
+def choose_routing(spec: MoeSpec, cpp: bool, invariant: bool, correction_bias: torch.Tensor | None) -> Routing:
+    """The Routing of `spec.routing`: its C++ op when the C++ kernels are on and the op has the rule, else torch.
+    `correction_bias`: the layer's e_score_correction_bias [E] (fp32) when the rule has one. The only place that
+    asks which rule a model routes by."""
+    if spec.routing == "sigmoid_groups":
+        assert correction_bias is not None
+        return SigmoidGroups(spec, correction_bias, invariant)
+    rule: TorchRouting = SoftmaxTopk(spec) if spec.routing == "softmax_topk" else TopkSoftmax(spec)
+    return CppRouting(spec, rule.stack_mode) if cpp and rule.stack_mode is not None else rule
 
 
 class MoEBlock(MLP):
-    """Router + experts (from the store) + optional shared expert with a sigmoid gate."""
+    """Router + experts (from the store) + optional shared expert, with a sigmoid gate (Qwen2-MoE) or without
+    (GLM-4.5)."""
 
     def __init__(self, spec: MoeSpec, layer: int, router: Linear, store: ExpertStore, experts: ExpertKernel,
                  routing: Routing, shared: DenseMLP | None = None, shared_gate: Linear | None = None,
@@ -79,31 +177,34 @@ class MoEBlock(MLP):
         self.shared, self.shared_gate = shared, shared_gate
         # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
         self.trace_hook: Callable[[int, torch.Tensor, list[int] | None], None] | None = None
-        # (next MoE layer, its router): set when the store prefetches, so this block can predict that layer
-        self.predict_next: tuple[int, Linear] | None = None
+        # the next MoE block: set when the store prefetches, so this block can predict that layer's experts
+        self.predict_next: MoEBlock | None = None
 
     def predict(self, x: torch.Tensor) -> list[int]:
         """The next MoE layer's experts for x [N, H], most often chosen first: its router applied to this
         layer's input (hidden states change little from one layer to the next). A guess; only costs I/O."""
         assert self.predict_next is not None
-        top = torch.topk(self.predict_next[1](x), self.spec.top_k, dim=-1).indices  # [N, k]
+        nxt = self.predict_next
+        top = torch.topk(nxt.routing.logits(nxt.router, x), self.spec.top_k, dim=-1).indices  # [N, k]
         counts = torch.bincount(top.reshape(-1), minlength=self.spec.num_experts)  # [E]
         order = torch.argsort(counts, descending=True, stable=True)
         return order[counts[order] > 0].tolist()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.routing.route(x, self.router(x))
+        routed = self.routing.route(x, self.routing.logits(self.router, x))
         # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
         # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
         wanted = self.trace_hook is not None or self.store.takes_hints
         predicted = self.predict(x) if self.predict_next is not None and wanted else None
         if self.trace_hook is not None:
             self.trace_hook(self.layer, routed.ids, predicted)
-        hint = (self.predict_next[0], predicted) if self.predict_next is not None and predicted else None
+        hint = (self.predict_next.layer, predicted) if self.predict_next is not None and predicted else None
         out = torch.zeros_like(x)
         self.experts.run(out, routed, self.store.experts(self.layer, routed.experts, prefetch=hint))
-        if self.shared is not None and self.shared_gate is not None:
+        if self.shared_gate is not None:
             out = out + (in_row_blocks(self._gated_shared, x) if self.invariant else self._gated_shared(x))
+        elif self.shared is not None:
+            out = out + self.shared(x)  # ungated (DenseMLP keeps its own row blocks)
         return out
 
     def _gated_shared(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +221,9 @@ class MoEBlock(MLP):
         units = self.experts.stack_units
         if self.shared is not None:
             return "a shared expert"
+        why_routing = self.routing.why_not_stacked()
+        if why_routing is not None:
+            return why_routing
         if units is None or (self.store.resident and not units.interleaved):
             return ("experts are not row-interleaved units (expert_layout=plain, or a kernel without the fused op)"
                     if self.store.resident else "experts in a layout without a fused C++ op")

@@ -35,6 +35,7 @@ class WeightNames:
     k_norm: str = "model.layers.{L}.self_attn.k_norm.weight"
     sinks: str = "model.layers.{L}.self_attn.sinks"
     router: str = "model.layers.{L}.mlp.gate"
+    router_correction_bias: str = "model.layers.{L}.mlp.gate.e_score_correction_bias"  # noaux_tc routing, fp32 [E]
     expert_gate: str = "model.layers.{L}.mlp.experts.{E}.gate_proj"
     expert_up: str = "model.layers.{L}.mlp.experts.{E}.up_proj"
     expert_down: str = "model.layers.{L}.mlp.experts.{E}.down_proj"

@@ -17,7 +17,10 @@ QKNorm = Literal["none", "per_head", "full"]
 # How router logits become (weights, ids):
 #   softmax_topk: softmax over all experts in fp32, then top-k (optionally renormalised) - Qwen, Mixtral, OLMoE
 #   topk_softmax: top-k of the raw logits, then softmax over the k selected - gpt-oss
-Routing = Literal["softmax_topk", "topk_softmax"]
+#   sigmoid_groups: DeepSeek-V3's "noaux_tc": sigmoid scores in fp32; the choice adds a correction bias and keeps the
+#                   best topk_group of n_group expert groups (a group's score: the sum of its top 2); the weights are
+#                   the unbiased scores of the chosen, optionally renormalised, times routed_scaling_factor - GLM-4.5
+Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups"]
 ExpertKind = Literal["swiglu", "gpt_oss"]
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
@@ -43,9 +46,14 @@ class RopeSpec:
     theta: float
     rope_type: str  # "default" | "yarn" | "linear"
     params: tuple[tuple[str, Any], ...] = ()  # the remaining rope_parameters, hashable
+    partial_rotary_factor: float = 1.0  # the fraction of head_dim that is rotated (GLM-4.5: 0.5); the rest passes
 
     def param(self, key: str, default: Any = None) -> Any:
         return dict(self.params).get(key, default)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The leading dims of each head that are rotated (transformers: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,13 @@ class MoeSpec:
     shared_intermediate_size: int  # 0 = no shared expert
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    shared_gated: bool = True  # the shared expert's output is scaled by a sigmoid gate (Qwen2-MoE); GLM: ungated
+    router_fp32: bool = False  # router weight held in fp32 and logits computed in fp32 (transformers keeps it so)
+    # routing "sigmoid_groups" only (see Routing): groups, the groups kept, the weights' scale, a correction bias
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # e_score_correction_bias [E] per MoE layer (fp32), added for the choice only
 
 
 @dataclass(frozen=True)
@@ -80,6 +95,9 @@ class ModelSpec:
     moe: MoeSpec
     config_dtype: str | None
     norm_style: NormStyle = "cast_then_scale"
+    # Layers the checkpoint holds past num_layers that are not served: multi-token-prediction (MTP) layers
+    # (num_nextn_predict_layers), skipped at load and logged; their tensors count in no resident size.
+    skipped_layers: int = 0
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -105,6 +123,12 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 2**24),
     "sliding_window": (1, 2**24),
     "decoder_sparse_step": (1, 4096),
+    "n_routed_experts": (1, 2**16),
+    "n_shared_experts": (0, 64),
+    "n_group": (1, 2**16),
+    "topk_group": (1, 2**16),
+    "first_k_dense_replace": (0, 4096),
+    "num_nextn_predict_layers": (0, 64),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
@@ -118,6 +142,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "swiglu_limit": (0.0, math.inf),
     "clip_qkv": (0.0, math.inf),
     "original_max_position_embeddings": (0.0, 2.0**24),  # yarn; some configs write it as a float
+    "partial_rotary_factor": (0.0, 1.0 + 1e-9),  # (0, 1]
+    "routed_scaling_factor": (0.0, math.inf),
 }
 ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
 
@@ -202,6 +228,8 @@ def read_rope(c: ConfigReader) -> RopeSpec:
         raise CheckpointError(f"{c.where}: 'rope_parameters' and 'rope_scaling' must be objects")
     params = {**(legacy or {}), **params}
     theta = check_float(params.pop("rope_theta", c.get("rope_theta", default=10000.0)), "rope_theta", c.where)
+    partial = check_float(params.pop("partial_rotary_factor", c.get("partial_rotary_factor", default=1.0)),
+                          "partial_rotary_factor", c.where)
     rope_type = str(params.pop("rope_type", params.pop("type", "default")))
     if rope_type not in ROPE_REQUIRED:
         raise CheckpointError(f"{c.where}: rope type '{rope_type}' is not supported (default, yarn, linear)")
@@ -213,7 +241,8 @@ def read_rope(c: ConfigReader) -> RopeSpec:
             check_int(value, key, c.where)
         elif key in FLOAT_BOUNDS or isinstance(value, float):
             check_float(value, key, c.where)
-    return RopeSpec(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())))
+    return RopeSpec(theta=theta, rope_type=rope_type, params=tuple(sorted(params.items())),
+                    partial_rotary_factor=partial)
 
 
 def moe_layer_pattern(c: ConfigReader, num_layers: int, num_experts: int) -> tuple[bool, ...]:
@@ -253,6 +282,16 @@ def check_spec(spec: ModelSpec, where: str) -> None:
                         f"{a.num_kv_heads}")
     if a.head_dim % 2:
         problems.append(f"head_dim={a.head_dim} is odd (rotary embeddings rotate pairs)")
+    elif spec.rope.rotary_dim(a.head_dim) % 2 or spec.rope.rotary_dim(a.head_dim) == 0:
+        problems.append(f"partial_rotary_factor={spec.rope.partial_rotary_factor:g} of head_dim={a.head_dim} rotates "
+                        f"{spec.rope.rotary_dim(a.head_dim)} dims (rotary embeddings rotate pairs)")
+    if m.num_experts % m.n_group or not 1 <= m.topk_group <= m.n_group:
+        problems.append(f"n_group={m.n_group} must divide the {m.num_experts} experts and topk_group="
+                        f"{m.topk_group} lie in [1, n_group]")
+    elif m.routing == "sigmoid_groups" and m.top_k > m.topk_group * (m.num_experts // m.n_group):
+        problems.append(f"num_experts_per_tok={m.top_k} is more than the experts of topk_group={m.topk_group} groups")
+    elif m.routing == "sigmoid_groups" and m.n_group > 1 and m.num_experts // m.n_group < 2:
+        problems.append(f"n_group={m.n_group} leaves groups of one expert (a group's score sums its top 2)")
     if not any(spec.moe_layers):
         problems.append("no layer is a MoE layer (mlp_only_layers / decoder_sparse_step leave none)")
     if problems:

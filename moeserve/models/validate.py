@@ -16,7 +16,6 @@ a shape that matches here is a byte range that can be read.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 from moeserve.checkpoint.folder import Checkpoint
@@ -93,11 +92,16 @@ def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
         for prefix, rows, cols in ((names.dense_gate, di, h), (names.dense_up, di, h), (names.dense_down, h, di)):
             yield from _linear(prefix.format(L=L), rows, cols, False)
         return
-    yield from _linear(names.router.format(L=L), m.num_experts, h, m.router_bias)
+    if m.router_fp32:  # read as stored, in fp32 (never a quantized Linear)
+        yield names.router.format(L=L) + ".weight", (m.num_experts, h), False
+    else:
+        yield from _linear(names.router.format(L=L), m.num_experts, h, m.router_bias)
+    if m.correction_bias:
+        yield names.router_correction_bias.format(L=L), (m.num_experts,), False
     si = m.shared_intermediate_size
     if si:
-        for prefix, rows, cols in ((names.shared_gate, si, h), (names.shared_up, si, h),
-                                   (names.shared_down, h, si), (names.shared_expert_gate, 1, h)):
+        shared = [(names.shared_gate, si, h), (names.shared_up, si, h), (names.shared_down, h, si)]
+        for prefix, rows, cols in shared + ([(names.shared_expert_gate, 1, h)] if m.shared_gated else []):
             yield from _linear(prefix.format(L=L), rows, cols, False)
 
 
@@ -107,17 +111,41 @@ def _linear(prefix: str, rows: int, cols: int, bias: bool) -> Iterator[Expected]
         yield prefix + ".bias", (rows,), False
 
 
-def _check_layer_count(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> None:
-    """A tensor of layer >= num_hidden_layers means config.json and the weights disagree on the depth."""
+def layer_of(arch: Architecture, name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to ("model.layers.7.mlp..." -> 7), or None."""
     prefix = arch.names.input_norm.split("{L}")[0]  # "model.layers."
-    pattern = re.compile(re.escape(prefix) + r"(\d{1,9})\.")
-    deepest = -1
-    for name in ckpt.tensors:
-        found = pattern.match(name)
-        if found is not None:
-            deepest = max(deepest, int(found.group(1)))
-    if deepest >= spec.num_layers:
+    if not name.startswith(prefix):
+        return None
+    index = name[len(prefix):].partition(".")[0]
+    return int(index) if index.isascii() and index.isdigit() and len(index) <= 9 else None
+
+
+def is_skipped(arch: Architecture, spec: ModelSpec, name: str) -> bool:
+    """A tensor of a layer the model holds but does not serve (spec.skipped_layers: MTP layers past the last)."""
+    layer = layer_of(arch, name)
+    return layer is not None and layer >= spec.num_layers
+
+
+def kept_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
+    """Checkpoint tensors `build_model` holds in float32 whatever the compute dtype: the routers of MoeSpec.router_fp32
+    and the routing correction biases (transformers keeps them so)."""
+    names, m = arch.names, spec.moe
+    out: set[str] = set()
+    for L in spec.moe_layer_ids:
+        if m.router_fp32:
+            out.add(names.router.format(L=L) + ".weight")
+        if m.correction_bias:
+            out.add(names.router_correction_bias.format(L=L))
+    return out
+
+
+def _check_layer_count(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> None:
+    """A tensor of layer >= num_hidden_layers (+ the skipped MTP layers) means config.json and the weights disagree
+    on the depth."""
+    deepest = max((layer for name in ckpt.tensors if (layer := layer_of(arch, name)) is not None), default=-1)
+    if deepest >= spec.num_layers + spec.skipped_layers:
+        skipped = f" + {spec.skipped_layers} skipped (num_nextn_predict_layers)" if spec.skipped_layers else ""
         raise CheckpointError(
-            f"{ckpt.path / 'config.json'}: num_hidden_layers={spec.num_layers}, but the checkpoint holds tensors "
-            f"of layer {deepest} ({deepest + 1} layers); the config does not belong to these weights"
+            f"{ckpt.path / 'config.json'}: num_hidden_layers={spec.num_layers}{skipped}, but the checkpoint holds "
+            f"tensors of layer {deepest} ({deepest + 1} layers); the config does not belong to these weights"
         )

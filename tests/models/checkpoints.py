@@ -60,6 +60,15 @@ def randomize_gpt_oss_zeros(model: Any) -> None:
             layer.self_attn.sinks.normal_(0.0, 1.0)
 
 
+def randomize_zero_inits(model: Any, std: float = 0.1) -> None:
+    """transformers inits the routing correction biases (e_score_correction_bias) to zero: give them values, so the
+    choice they shift (and only the choice: the weights are the unbiased scores) is tested."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, std)
+
+
 def write_gpt_oss_mxfp4(src: Path, folder: Path) -> Path:
     """The real HF MXFP4 layout: each stacked expert projection [E, in, out] becomes `_blocks`/`_scales`."""
     from moeserve.formats.quantize import quantize_mxfp4

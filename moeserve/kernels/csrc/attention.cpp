@@ -1,6 +1,8 @@
 // Attention pieces of the decode step that torch runs as dozens of small ops per layer:
 //
-// qk_norm_rope_cache: per-head RMSNorm of q and k (optional), NeoX rotary embedding at each token's position,
+// qk_norm_rope_cache: per-head RMSNorm of q and k (optional), NeoX rotary embedding at each token's position
+//   on the first r dims of each head (r = the rotary tables' width, <= d: partial rotary, GLM-4.5; the other
+//   d - r dims pass as they are),
 //   and the write of k and v into the paged KV cache (row slot_mapping[i] = block * block_size + offset of token
 //   i); returns the rotated q [N, heads, d]. Numerics follow
 //   moeserve.models.layers (rms_norm, then Rotary.apply: x * cos + rotate_half(x) * sin with every product and
@@ -45,8 +47,8 @@ static void dispatch_dtype(at::ScalarType st, F&& f) {
 }
 
 template <typename T, typename W>
-static inline void norm_rope_head(const T* x, const W* norm_w, const T* cos, const T* sin, int64_t d, float eps,
-                                  T* out) {
+static inline void norm_rope_head(const T* x, const W* norm_w, const T* cos, const T* sin, int64_t d, int64_t r,
+                                  float eps, T* out) {
   float h[kMaxHeadDim];
   if (norm_w != nullptr) {
     const float inv = 1.0f / std::sqrt(sum_squares(x, d) / static_cast<float>(d) + eps);
@@ -54,12 +56,13 @@ static inline void norm_rope_head(const T* x, const W* norm_w, const T* cos, con
   } else {
     for (int64_t i = 0; i < d; ++i) h[i] = load(x, i);
   }
-  const int64_t half = d / 2;
+  const int64_t half = r / 2;
   for (int64_t j = 0; j < half; ++j) {
     const float a = h[j], b = h[j + half];
     out[j] = from_f<T>(round_as<T>(a * load(cos, j)) + round_as<T>(-b * load(sin, j)));
     out[j + half] = from_f<T>(round_as<T>(b * load(cos, j + half)) + round_as<T>(a * load(sin, j + half)));
   }
+  for (int64_t j = r; j < d; ++j) out[j] = from_f<T>(h[j]);  // exact: h holds values of T
 }
 
 at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -81,9 +84,10 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(k.size(0) == n && v.size(0) == n && k.size(1) == nkv * d && v.size(1) == nkv * d &&
                   q.size(1) % d == 0,
               "qk_norm_rope_cache: shapes of q, k, v do not match the cache");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == d &&
-                  sin.sizes() == cos.sizes(),
-              "qk_norm_rope_cache: rotary tables must be contiguous [max_len, d]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(1) <= d &&
+                  cos.size(1) > 0 && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes(),
+              "qk_norm_rope_cache: rotary tables must be contiguous [max_len, r], r even and <= d");
+  const int64_t r = cos.size(1);
   TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
                   positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == n &&
                   slot_mapping.numel() == n,
@@ -116,13 +120,14 @@ at::Tensor qk_norm_rope_cache(const at::Tensor& q, const at::Tensor& k, const at
     const float e = static_cast<float>(eps);
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const T* c = cp + pos[i] * d;
-        const T* s = sp + pos[i] * d;
+        const T* c = cp + pos[i] * r;
+        const T* s = sp + pos[i] * r;
         for (int64_t hd = 0; hd < nh; ++hd)
-          norm_rope_head<T, T>(qp + i * q.stride(0) + hd * d, qn, c, s, d, e, op + (i * nh + hd) * d);
+          norm_rope_head<T, T>(qp + i * q.stride(0) + hd * d, qn, c, s, d, r, e, op + (i * nh + hd) * d);
         for (int64_t g = 0; g < nkv; ++g) {
           const int64_t blk = slot[i] / block_size, off = slot[i] % block_size;
-          norm_rope_head<T, T>(kp + i * k.stride(0) + g * d, kn, c, s, d, e, kc + blk * ks0 + g * ks1 + off * ks2);
+          norm_rope_head<T, T>(kp + i * k.stride(0) + g * d, kn, c, s, d, r, e,
+                               kc + blk * ks0 + g * ks1 + off * ks2);
           std::memcpy(vc + blk * vs0 + g * vs1 + off * vs2, vp + i * v.stride(0) + g * d, d * sizeof(T));
         }
       }
