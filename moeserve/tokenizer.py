@@ -83,6 +83,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON, without padding or truncation (what llguidance reads)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        copy = HFTokenizer.from_str(self._tok.to_str())
+        copy.no_padding()
+        copy.no_truncation()
+        return str(copy.to_str())
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -12,6 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from moeserve import kernels
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.config import EngineSettings, did_you_mean
+from moeserve.engine.grammar import GrammarCompiler
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
@@ -148,6 +150,13 @@ class LLMEngine:
     def choices(self) -> Mapping[str, str]:
         """Every choice made at start-up, by name, as the log printed it (value and reason): read-only."""
         return MappingProxyType(self._choices)
+
+    @cached_property
+    def grammar_compiler(self) -> GrammarCompiler | None:
+        """Compiles structured-output constraints for this tokenizer (None without one); built on first use."""
+        if self.tokenizer is None:
+            return None
+        return GrammarCompiler(self.tokenizer.backend_json(), self.spec.vocab_size, sorted(self.eos_token_ids))
 
     def start_reference_scan(self) -> None:
         """Offloaded experts: the store records each unit's checksum in the background while no request runs

@@ -48,10 +48,10 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 def _plain_greedy(seq: Sequence) -> bool:
-    """Greedy, without penalties or logprobs: the token is the argmax of the raw logits."""
+    """Greedy, without penalties, logprobs or a logits processor: the token is the argmax of the raw logits."""
     p = seq.params
     return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty)
+            and not p.frequency_penalty and seq.logits_processor is None)
 
 
 class Sampler:
@@ -65,18 +65,24 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, dict[int, Logprob] | None]]:
         """logits: fp32 [B, V], one row per sequence in `seqs`."""
         logits = logits.float().cpu()
-        if all(_plain_greedy(seq) for seq in seqs):  # the common decode case: one argmax for the whole batch
+        plain = [_plain_greedy(seq) for seq in seqs]
+        if all(plain):  # the common decode case: one argmax for the whole batch
             # numpy's argmax: the same answer as torch.argmax (first maximum; a NaN counts as the maximum), ~4x
             # faster on a [B, 32000] row (9 vs 38 us per step measured: torch's reduction is not vectorised here)
             return [(token, None) for token in logits.numpy().argmax(axis=-1).tolist()]
-        results = []
-        for row, seq in zip(logits, seqs):
+        results: list[tuple[int, dict[int, Logprob] | None]] = []
+        for row, seq, is_plain in zip(logits, seqs, plain):
+            if is_plain:  # the same argmax it gets in an all-plain batch
+                results.append((int(row.numpy().argmax()), None))
+                continue
             token = self._sample_one(row.clone(), seq)
             results.append((token, self._logprobs(row, token, seq.params.logprobs)))
         return results
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         p = seq.params
+        if seq.logits_processor is not None:
+            seq.logits_processor.mask(logits)
         logits = apply_penalties(logits, seq)
         if p.greedy:
             return int(torch.argmax(logits))

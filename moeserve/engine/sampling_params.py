@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moeserve.engine.logits_processor import Constraint
 from moeserve.errors import RequestError
 
 # Temperatures below this are greedy (vLLM's rule): dividing logits by ~0 overflows to inf and NaN.
@@ -29,6 +30,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k log-probabilities per generated token (plus the sampled one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output: each sequence gets a processor that masks what may come next (logits_processor.py)
+    constraint: Constraint | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from moeserve.engine.logits_processor import LogitsProcessor
 from moeserve.engine.outputs import CompletionOutput, Logprob
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.state.manager import SeqBlocks
@@ -45,6 +46,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
+        self.logits_processor: LogitsProcessor | None = None  # the sampler masks this sequence's row with it
+        if params.constraint is not None:
+            ends = self.eos_token_ids | set(params.stop_token_ids or [])
+            self.logits_processor = params.constraint.new_processor(ends)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -72,14 +77,21 @@ class Sequence:
             if detokenize is not None:  # the stop token itself is not part of the text
                 self._detokenize(detokenize, n_out - 1, final=True)
             return
+        constrained_end = False  # the constraint allows nothing after this token
+        if self.logits_processor is not None:
+            self.logits_processor.accept(token_id)
+            constrained_end = self.logits_processor.is_finished()
         if detokenize is not None:
             # the text already searched for stop strings (none before min_tokens is reached: then all of it)
             searched = len(self.text) if n_out > max(1, p.min_tokens) else 0
-            final = (p.max_tokens is not None and n_out >= p.max_tokens) or self.length >= self.max_model_len
+            final = ((p.max_tokens is not None and n_out >= p.max_tokens) or self.length >= self.max_model_len
+                     or constrained_end)
             self._detokenize(detokenize, n_out, final)
             if p.stop_strings and n_out >= p.min_tokens and self._cut_at_stop_string(searched):
                 return
-        if p.max_tokens is not None and n_out >= p.max_tokens:
+        if constrained_end:
+            self._finish("stop")
+        elif p.max_tokens is not None and n_out >= p.max_tokens:
             self._finish("length")
         elif self.length >= self.max_model_len:
             self._finish("length")

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.engine.outputs import Logprob, RequestOutput
+from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatDelta, OutputParser
 from moeserve.server.errors import from_exception
 from moeserve.server.metrics import RequestTimer
@@ -26,6 +27,7 @@ from moeserve.server.protocol import (
 from moeserve.server.request_params import check_context, sampling_params
 from moeserve.server.state import ServerState
 from moeserve.server.streaming import SSE_DONE, Delta, DeltaTracker, cancel_on_disconnect, sse, stream_chunk
+from moeserve.server.structured import compile_constraint
 from moeserve.server.tool_parsers import ToolCallDelta
 
 
@@ -85,13 +87,17 @@ class _Choice:
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.accept(req.model, req)
     chat_format = state.chat_format()
-    prompt = chat_format.render(req)
+    try:
+        prompt = chat_format.render(req)
+    except RequestError as err:  # as an APIError: the catch-all handler would also close the connection
+        raise from_exception(err) from None
     max_tokens = check_context(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
                                state.max_model_len)
     state.validate_prompt(prompt.token_ids)
     top_k = req.top_logprobs or 0
+    constraint = await compile_constraint(state.llm, prompt.grammar)  # an invalid schema is a 400
     params = sampling_params(req, max_tokens, state.max_num_seqs, top_k if req.logprobs else None,
-                             chat_format.stop_token_ids(), prompt.stop)
+                             chat_format.stop_token_ids(), prompt.stop, constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.request_timer()
     try:

@@ -10,8 +10,12 @@ Both give an `OutputParser`: feeds of generated output -> `ChatDelta`s (reasonin
 
 tool_choice: "none" renders no tools and parses no calls; "auto" lets the model choose; "required" and a named
 function append the start of a tool call to the prompt (the format's own opening, with the name when one is
-named), so the output is a call (of that function). There is no grammar engine yet: the arguments are the
-model's, not constrained to the schema. parallel_tool_calls=false stops the output at the end of the first call.
+named), so the output is a call (of that function); where the format has a call grammar (`ToolParser.call_grammar`,
+harmony) the rest of that one call is constrained, its arguments to the function's parameters schema.
+parallel_tool_calls=false stops the output at the end of the first call.
+
+Structured output (response_format, guided_*: structured.py) constrains the answer: a prompt that leaves `<think>`
+open gets it closed (empty reasoning, as for a forced call), harmony's final channel is opened in the prompt.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moeserve.engine.grammar import GrammarSpec
 from moeserve.errors import RequestError
 from moeserve.server.harmony import HarmonyOutputParser, build_conversation, load_encoding, vocab_folder
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from moeserve.server.reasoning import ThinkTagSplitter, opens_reasoning, template_has_think_tags
 from moeserve.server.streaming import Delta
-from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
+from moeserve.server.structured import grammar_spec
+from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, parameters_schema, tool_parser_for
 
 
 @dataclass
@@ -41,6 +47,7 @@ class ChatPrompt:
     forced_ids: list[int] = field(default_factory=list)  # the same, as tokens
     starts_in_reasoning: bool = False  # the prompt leaves <think> open
     stop: list[str] = field(default_factory=list)  # extra stop strings (the end of a call, without parallel calls)
+    grammar: GrammarSpec | None = None  # what the output is constrained to (response_format, or a forced call)
 
 
 @dataclass
@@ -95,6 +102,9 @@ class ToolPlan:
                                param="tool_choice")
         if choice == "none":
             return cls(None)
+        if tools and grammar_spec(req) is not None:
+            raise RequestError("an output constraint (response_format, guided_*) with tools would rule out tool "
+                               "calls: set tool_choice 'none', or leave the constraint out", param="tool_choice")
         return cls(tools, forced=choice not in (None, "auto"),
                    function_name=choice.function.name if isinstance(choice, NamedToolChoice) else None,
                    parallel=req.parallel_tool_calls is not False)
@@ -224,15 +234,20 @@ class TemplateChat(ChatFormat):
         text = self._apply(req.messages, req.add_generation_prompt, plan.tools, self._template_kwargs(req))
         in_reasoning = self.think and opens_reasoning(text)
         forced = ""
+        grammar = grammar_spec(req)
         if plan.forced and self.tool_parser is not None:
             forced = self.tool_parser.forced_prefix(plan.function_name)
-            if in_reasoning:  # a forced call comes after the reasoning, so the reasoning is closed, empty
-                forced = "</think>\n\n" + forced
+            call = self.tool_parser.call_grammar(plan.tools or [], plan.function_name)
+            grammar = GrammarSpec("lark", call, "tools") if call is not None else None
+        if in_reasoning and (forced or grammar is not None):
+            # a forced call or a constrained answer comes after the reasoning, so the reasoning is closed, empty
+            forced = "</think>\n\n" + forced
         stop = [] if plan.parallel or self.tool_parser is None or self.tool_parser.stop_after_call is None \
             else [self.tool_parser.stop_after_call]
         # The rendered text already holds the special tokens: do not add BOS again.
         ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
-        return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop)
+        return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop,
+                          grammar=grammar)
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """chat_template_kwargs (and reasoning_effort) checked against what the template reads: a name it does
@@ -318,12 +333,16 @@ class HarmonyChat(ChatFormat):
         plan = ToolPlan.of(req)
         conversation = build_conversation(req.messages, plan.tools, req.reasoning_effort)
         ids = list(self.encoding.render_conversation_for_completion(conversation, Role.ASSISTANT))
-        forced: list[int] = []
+        grammar = grammar_spec(req)
+        header = "<|channel|>final<|message|>" if grammar is not None else ""  # a constrained answer: no analysis
         if plan.forced:  # harmony's own header of a call: the model writes the name (unless named) and arguments
             header = "<|channel|>commentary to=functions." + (
                 f"{plan.function_name} <|constrain|>json<|message|>" if plan.function_name else "")
-            forced = list(self.encoding.encode(header, allowed_special="all"))
-        return ChatPrompt(ids + forced, None, plan.tools, forced_ids=forced)
+            named = [t["function"] for t in plan.tools or [] if t.get("function", {}).get("name") == plan.function_name]
+            # a named call's arguments follow its schema (the call ends with <|call|>, a stop token)
+            grammar = GrammarSpec("json_schema", parameters_schema(named[0]), "tools") if named else None
+        forced = list(self.encoding.encode(header, allowed_special="all")) if header else []
+        return ChatPrompt(ids + forced, None, plan.tools, forced_ids=forced, grammar=grammar)
 
     def stop_token_ids(self) -> list[int]:
         return list(self.encoding.stop_tokens_for_assistant_actions())

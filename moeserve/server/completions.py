@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.engine.outputs import Logprob, RequestOutput
+from moeserve.errors import RequestError
 from moeserve.server.errors import APIError, from_exception
 from moeserve.server.metrics import RequestTimer
 from moeserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
@@ -24,6 +25,7 @@ from moeserve.server.streaming import (
     sse,
     stream_chunk,
 )
+from moeserve.server.structured import compile_constraint, grammar_spec
 
 
 def completion_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int], offset: int) -> dict[str, Any]:
@@ -68,11 +70,16 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     prompts = _prompt_token_ids(req, state)
+    try:
+        spec = grammar_spec(req)
+    except RequestError as err:  # as an APIError: the catch-all handler would also close the connection
+        raise from_exception(err) from None
+    constraint = await compile_constraint(state.llm, spec)
     params = []
     for ids in prompts:
         max_tokens = check_context(len(ids), req.max_tokens, state.max_model_len)
         state.validate_prompt(ids)
-        params.append(sampling_params(req, max_tokens, state.max_num_seqs, req.logprobs))
+        params.append(sampling_params(req, max_tokens, state.max_num_seqs, req.logprobs, constraint=constraint))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     timer = state.metrics.request_timer()
     streams = []

@@ -87,6 +87,15 @@ class SamplingFields(RequestModel):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (structured.py): OpenAI's response_format, vLLM's structured_outputs and guided_* forms.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=1024)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # refused unless unset or llguidance's name
+    guided_whitespace_pattern: str | None = None  # refused when set
     # OpenAI fields that change nothing here (see request_fields.py), or refused when set to what we cannot do.
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -125,7 +134,7 @@ class FunctionDefinition(RequestModel):
     name: str = Field(..., min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; the arguments are not constrained to the schema (no grammar engine yet)
+    strict: bool | None = None  # the arguments follow the schema whenever tool_choice forces a call (chat_format.py)
 
 
 class Tool(RequestModel):
@@ -178,7 +187,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["low", "medium", "high"] | None = None
-    response_format: dict[str, Any] | None = None
     # OpenAI fields that change nothing here, or are refused when set (request_fields.py says which).
     metadata: dict[str, Any] | None = None
     store: bool | None = None

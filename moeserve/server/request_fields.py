@@ -4,9 +4,10 @@ Every field of OpenAI's chat and completions request schemas is known (protocol.
 "did you mean"). Of those:
 - honoured: model, messages, prompt, max_tokens, max_completion_tokens, temperature, top_p, n, seed, stop, stream,
   stream_options.include_usage, presence_penalty, frequency_penalty, logprobs, top_logprobs, tools, tool_choice,
-  parallel_tool_calls, reasoning_effort (harmony; a template that reads it), best_of equal to n; and vLLM's
-  top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, skip_special_tokens,
-  include_stop_str_in_output, add_generation_prompt, chat_template_kwargs;
+  parallel_tool_calls, reasoning_effort (harmony; a template that reads it), best_of equal to n, response_format
+  (structured.py); and vLLM's top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
+  skip_special_tokens, include_stop_str_in_output, add_generation_prompt, chat_template_kwargs, structured_outputs,
+  guided_json, guided_regex, guided_choice, guided_grammar;
 - accepted and ignored, because they cannot change the output: IGNORED below;
 - refused when set to anything that would change the output, because moeserve cannot do it: REFUSALS below.
 """
@@ -31,17 +32,13 @@ IGNORED = {
     "safety_identifier": "an end-user id for abuse monitoring",
     "prediction": "predicted outputs only speed up OpenAI's decoding; the output is the same",
     "stream_options.include_obfuscation": "no padding is added",
-    "tools[].function.strict": "accepted; the arguments are not constrained to the schema (no grammar engine yet)",
+    "tools[].function.strict": "the arguments follow the schema whenever tool_choice forces a call, strict or not",
     "messages[].refusal": "an earlier refusal is not rendered back",
 }
 
 
 def _set(value: Any) -> bool:
     return value is not None and value != [] and value != {}
-
-
-def _response_format(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("type") not in (None, "text")
 
 
 # (field, request -> the value, is this value refused?, why); the message says what to do instead.
@@ -51,8 +48,11 @@ REFUSALS: list[tuple[str, Callable[[Any], Any], Callable[[Any], bool], str]] = [
      "continuous_usage_stats is not supported; include_usage gives the usage in a last chunk"),
     ("suffix", lambda r: getattr(r, "suffix", None), bool, "is not supported (no insertion mode)"),
     ("best_of", lambda r: getattr(r, "best_of", None), lambda v: v is not None, "must be unset or equal to n"),
-    ("response_format", lambda r: getattr(r, "response_format", None), _response_format,
-     "json_object and json_schema are not supported yet (no constrained decoding): only {'type': 'text'}"),
+    ("guided_decoding_backend", lambda r: r.guided_decoding_backend,
+     lambda v: v is not None and v not in ("auto", "guidance", "llguidance"),
+     "can only be 'guidance' (llguidance is the grammar engine here) or unset"),
+    ("guided_whitespace_pattern", lambda r: r.guided_whitespace_pattern, _set,
+     "is not supported: JSON is generated on one line with ', ' and ': ' separators"),
     ("modalities", lambda r: getattr(r, "modalities", None), lambda v: v is not None and bool(set(v) - {"text"}),
      "only ['text'] is supported"),
     ("audio", lambda r: getattr(r, "audio", None), _set, "audio output is not supported"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moeserve.engine.logits_processor import Constraint
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.server.errors import APIError
 from moeserve.server.protocol import SamplingFields
@@ -32,10 +33,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, logprobs: int | None,
-                    extra_stop_token_ids: list[int] | None = None, extra_stop: list[str] | None = None
-                    ) -> SamplingParams:
+                    extra_stop_token_ids: list[int] | None = None, extra_stop: list[str] | None = None,
+                    constraint: Constraint | None = None) -> SamplingParams:
     """Build SamplingParams; unset fields take vLLM's defaults (temperature 1, top_p 1, no top_k). The extra
-    stops are the chat format's (end of turn, end of a tool call)."""
+    stops are the chat format's (end of turn, end of a tool call); `constraint`: the compiled structured output."""
     if req.n > max_num_seqs:
         raise APIError(400, f"n={req.n} is more than this server decodes at once (max_num_seqs={max_num_seqs})",
                        param="n")
@@ -59,4 +60,5 @@ def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, log
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        constraint=constraint,
     )

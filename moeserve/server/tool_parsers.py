@@ -69,7 +69,22 @@ class ToolParser(ABC):
         """Text that starts a tool call (of `function_name`, or of a function the model names), appended to the
         prompt when tool_choice demands a call."""
 
+    @classmethod
+    def call_grammar(cls, tools: list[dict[str, Any]], function_name: str | None) -> str | None:
+        """A Lark grammar (llguidance's, with `%json`) for the rest of one call after `forced_prefix`, its arguments
+        following the function's parameters schema; None when the format is not constrained (the model's own
+        arguments are parsed)."""
+        return None
+
     stop_after_call: str | None = CALL_CLOSE  # a stop string ending the output after one call (no parallel calls)
+
+
+def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema (any object when it has none), as a JSON schema for a grammar."""
+    from moeserve.engine.grammar import with_json_options
+
+    schema = function.get("parameters")
+    return with_json_options(schema if isinstance(schema, dict) and schema else {"type": "object"})
 
 
 class TaggedToolParser(ToolParser):
@@ -225,6 +240,22 @@ class Qwen3JsonToolParser(TaggedToolParser):
         if function_name is None:
             return CALL_OPEN + '\n{"name": "'
         return CALL_OPEN + '\n{"name": ' + json.dumps(function_name) + ', "arguments": '
+
+    @classmethod
+    def call_grammar(cls, tools: list[dict[str, Any]], function_name: str | None) -> str | None:
+        # after the forced prefix: [name", "arguments": ]{arguments}}\n</tool_call>, one rule per function
+        functions = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
+        if function_name is not None:
+            functions = [f for f in functions if f.get("name") == function_name]
+        rules = []
+        for i, f in enumerate(functions):
+            name = json.dumps(f["name"], ensure_ascii=False)[1:-1]  # as written inside the JSON string
+            head = "" if function_name is not None else json.dumps(name + '", "arguments": ', ensure_ascii=False)
+            schema = json.dumps(parameters_schema(f), ensure_ascii=False)
+            rules.append(f"call{i}: {head} %json {schema} " + json.dumps("}\n" + CALL_CLOSE))
+        if not rules:
+            return None
+        return "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
 
 
 def _loads(text: str) -> Any:

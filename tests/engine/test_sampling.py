@@ -186,6 +186,6 @@ def test_batched_greedy_picks_what_torch_argmax_picks() -> None:
     logits[2] = float("-inf")
     logits[3, 499] = 1e30
     params = SamplingParams(temperature=0)
-    seqs = [SimpleNamespace(params=params) for _ in range(logits.shape[0])]
+    seqs = [SimpleNamespace(params=params, logits_processor=None) for _ in range(logits.shape[0])]
     got = [token for token, _ in Sampler()(logits, seqs)]  # type: ignore[arg-type]
     assert got == torch.argmax(logits, dim=-1).tolist()

@@ -32,6 +32,9 @@ class ScriptedEngine:
         self.settings = SimpleNamespace(max_num_seqs=4)
         self.requests: dict[str, tuple[list[int], SamplingParams, list[int]]] = {}
         self.prompts: list[list[int]] = []
+        # what the server asks to constrain outputs to (recorded, not applied: the script is the output)
+        self.grammar_specs: list[Any] = []
+        self.grammar_compiler = SimpleNamespace(compile=lambda spec: self.grammar_specs.append(spec))
 
     def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> str:
         assert request_id is not None
@@ -143,3 +146,17 @@ def test_named_tool_choice_puts_the_call_header_in_the_prompt(thread_server: Any
     header = encoding.encode("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
                              "<|message|>", allowed_special="all")
     assert engine.prompts[-1][-len(header):] == header
+    spec = engine.grammar_specs[-1]  # the arguments are constrained to the tool's parameters schema
+    assert (spec.kind, spec.param, spec.value["type"]) == ("json_schema", "tools", "object")
+
+
+def test_response_format_opens_the_final_channel(thread_server: Any, encoding: Any, tmp_path: Path) -> None:
+    server, engine = serve(thread_server, encoding, tmp_path, "{\"a\": 1}<|return|>")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    message = server.client().chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).choices[0].message
+    assert message.content == "{\"a\": 1}" and message.reasoning_content is None  # type: ignore[attr-defined]
+    header = encoding.encode("<|start|>assistant<|channel|>final<|message|>", allowed_special="all")
+    assert engine.prompts[-1][-len(header):] == header
+    assert engine.grammar_specs[-1].value["properties"] == schema["properties"]

@@ -166,8 +166,8 @@ def test_every_openai_request_field_is_known(live_server: ThreadServer) -> None:
 
 def test_fields_moeserve_cannot_honour_are_refused(live_server: ThreadServer) -> None:
     client = live_server.client()
-    refused = [({"logit_bias": {"5": 10}}, "logit_bias"), ({"response_format": {"type": "json_object"}},
-               "response_format"), ({"stream_options": {"continuous_usage_stats": True}}, "stream_options")]
+    refused = [({"logit_bias": {"5": 10}}, "logit_bias"), ({"guided_whitespace_pattern": " *"},
+               "guided_whitespace_pattern"), ({"stream_options": {"continuous_usage_stats": True}}, "stream_options")]
     for extra, param in refused:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=1, extra_body=extra)
