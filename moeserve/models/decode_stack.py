@@ -13,7 +13,8 @@ Two LayerPass implementations, chosen once by `choose_decode_step`:
   the stack, which logs the call for the store (when the store allows it: ExpertStore.calls_may_skip).
 
 It applies to: the C++ kernels on, bf16 compute on CPU, layer parts that can be stacked (see `why_not_stacked`:
-no shared expert, no attention sinks, qkv clipping or full-width q/k norm, dense Linears in the C++ GEMV layouts,
+no shared expert, a routing rule with a C++ mode (Routing.stack_mode), no attention sinks, qkv clipping or
+full-width q/k norm, dense Linears in the C++ GEMV layouts,
 experts whose kernel the stack can run), unless prefetch follows the caller's hints (computed by the per-op pass).
 """
 
