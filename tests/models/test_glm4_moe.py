@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,24 @@ def test_spec_of_glm_45_air() -> None:
     assert arch.spec(unnamed, "config.json").rope.rotary_dim(128) == 64
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"n_group": 3}, "n_group=3 must divide the 128 experts"),
+    ({"topk_group": 2}, "topk_group=2 lie in"),
+    ({"n_group": 64, "topk_group": 1}, "num_experts_per_tok=8 is more than the experts of topk_group=1 groups"),
+    ({"partial_rotary_factor": 1.5}, "'partial_rotary_factor' = 1.5"),
+    ({"partial_rotary_factor": 0.01}, "rotates 1 dims"),
+    ({"num_nextn_predict_layers": -1}, "'num_nextn_predict_layers' = -1 is out of range"),
+])
+def test_bad_glm_configs_are_refused_with_one_line(change: dict, message: str) -> None:
+    from moeserve.models.spec import check_spec
+
+    config = {**GLM_45_AIR, **change}
+    with pytest.raises(CheckpointError, match=re.escape(message)) as err:
+        arch = get_architecture(config, "config.json")
+        check_spec(arch.spec(config, "config.json"), "config.json")
+    assert "\n" not in str(err.value)
+
+
 # Each exercises switches the base tiny config (tests/conftest.py) leaves off or sets otherwise.
 VARIANTS = {
     "air-like": dict(n_group=1, topk_group=1, use_qk_norm=False, routed_scaling_factor=1.0, n_shared_experts=1),
@@ -212,6 +231,10 @@ def test_mtp_layers_are_skipped_at_load(tiny_checkpoint, tmp_path: Path) -> None
         runs.append(([o.outputs[0].token_ids for o in out], [o.outputs[0].logprobs for o in out],
                      e.model.resident_bytes, dict(e.model.choices)))
     assert runs[0][:3] == runs[1][:3]
+    from moeserve.cli.inspect import inspect_checkpoint
+
+    assert inspect_checkpoint(str(folder))["bytes_read_per_token"] == inspect_checkpoint(str(src))[
+        "bytes_read_per_token"]
     assert "not loaded (" in runs[1][3]["skipped layers"] and "(0 tensors" not in runs[1][3]["skipped layers"]
     with pytest.raises(CheckpointError, match="holds tensors of layer 3"):
         LLM(str(with_mtp_layer(src, tmp_path / "unannounced", announced=0)), skip_tokenizer_init=True)
