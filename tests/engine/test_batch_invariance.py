@@ -20,7 +20,8 @@ from tests.real_dims import VOCAB, write_real_dims
 pytestmark = pytest.mark.slow
 
 # gpt-oss's expert math runs through torch (bf16 units, and MXFP4 units dequantized per call): the fixed row blocks
-MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B", "Mixtral-8x7B", "gpt-oss-20b", "gpt-oss-20b-mxfp4")
+MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B", "Mixtral-8x7B", "gpt-oss-20b", "gpt-oss-20b-mxfp4",
+          "GLM-4.5-Air")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True, logprobs=3, seed=7)
 
@@ -58,7 +59,9 @@ def run_schedule(engine, arrivals: list[tuple[int, list[int], SamplingParams]]) 
     return done
 
 
-CASES = [(name, "auto") for name in MODELS] + [("Qwen3-30B-A3B", "torch"), ("gpt-oss-20b", "torch")]
+# GLM-4.5 with torch's kernels: its noaux_tc routing and shared expert in fixed row blocks
+CASES = [(name, "auto") for name in MODELS] + [("Qwen3-30B-A3B", "torch"), ("gpt-oss-20b", "torch"),
+                                               ("GLM-4.5-Air", "torch")]
 
 
 @pytest.mark.parametrize("name,kernels", CASES)

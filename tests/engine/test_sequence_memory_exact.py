@@ -22,7 +22,7 @@ from tests.real_dims import VOCAB, write_real_dims
 
 pytestmark = pytest.mark.slow
 
-MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B", "Mixtral-8x7B", "gpt-oss-20b")
+MODELS = ("Qwen3-30B-A3B", "Qwen1.5-MoE-A2.7B", "OLMoE-1B-7B", "Mixtral-8x7B", "gpt-oss-20b", "GLM-4.5-Air")
 MAX_TOKENS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
