@@ -29,6 +29,7 @@ waits for it on CUDA, and the fake does the same, so removing it changes nothing
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,13 +53,17 @@ UNIT_BYTES = 1024
 STEPS = 60  # x 4 layers = 240 layer calls per run
 
 
+_RUNS = itertools.count()
+
+
 class PatternSource(ExpertSource):
-    """Unit (layer, expert) = UNIT_BYTES random bytes drawn from (seed, layer, expert): every unit differs, and
-    from those of another run (a new pool may sit in a freed one's memory)."""
+    """Unit (layer, expert) = UNIT_BYTES random bytes drawn from (seed, this source's run number): every unit
+    differs, and from those of every other run in the process, the same seed included (a new slot pool may sit in
+    a freed one's memory: with the same bytes there, a missing wait would read stale but equal bytes and pass)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__(FakeCheckpoint(), UnitLayout.build([("w", torch.uint8, (UNIT_BYTES,))]), {})  # type: ignore[arg-type]
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + next(_RUNS))
         self.units = {(layer, e): torch.randint(0, 256, (UNIT_BYTES,), dtype=torch.uint8, generator=gen)
                       for layer in LAYERS for e in range(NUM_EXPERTS)}
         self.disk_reads = 0
