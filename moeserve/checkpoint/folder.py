@@ -52,7 +52,7 @@ def resolve_model_path(model: str) -> Path:
                 return candidates[-1]
         raise CheckpointError(
             f"{model}: not a folder and not in the local Hugging Face cache ({hf_hub_cache()}); "
-            "moeserve never downloads: fetch it first (e.g. `hf download {model}`) or pass a folder path"
+            f"moeserve never downloads: fetch it first (e.g. `hf download {model}`) or pass a folder path"
         )
     raise CheckpointError(f"{model}: no such model folder")
 

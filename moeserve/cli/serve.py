@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     hold = _HoldUntilLoaded()
     logging.getLogger("uvicorn.error").addFilter(hold)
+    logging.getLogger("uvicorn.access").addFilter(_quiet_health_polls)
     outcome: dict[str, int] = {"exit_code": 0}
     server: DrainingServer | None = None
     state: ServerState | None = None
@@ -133,6 +134,14 @@ def run(args: argparse.Namespace) -> int:
     if outcome["exit_code"] == 0:
         log.info("server stopped")
     return outcome["exit_code"]
+
+
+def _quiet_health_polls(record: logging.LogRecord) -> bool:
+    """Drop uvicorn's access line of each GET /health: load balancers and the demo poll it every fraction of a
+    second (hundreds of lines while a model loads). Every other request keeps its line."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) >= 3 and args[1] == "GET"
+                and str(args[2]).split("?")[0] == "/health")
 
 
 def _chat_format_name(state: Any) -> str:

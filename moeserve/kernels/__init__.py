@@ -157,6 +157,9 @@ def _build(cxx: str) -> tuple[Path, str]:
     t0 = time.monotonic()
     objs = [root / "obj" / f"{f.stem}-{key}.o" for f, key in zip(cpp_files, keys)]
     todo = [(f, o) for f, o in zip(cpp_files, objs) if not o.exists()]
+    # announced before it starts: a first build takes minutes on a small machine, and nothing else is printed then
+    log.info("kernels: building the C++ kernels into %s (%d of %d sources to compile, first run with these sources "
+             "on this machine: a few minutes; cached afterwards)", lib.parent, len(todo), len(cpp_files))
 
     def compile_one(item: tuple[Path, Path]) -> None:
         cpp, obj = item

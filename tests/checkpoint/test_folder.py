@@ -23,8 +23,9 @@ def test_model_id_from_local_hf_cache(tiny_checkpoint, tmp_path: Path, monkeypat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert resolve_model_path("acme/tiny-mixtral") == snap
     assert open_checkpoint("acme/tiny-mixtral").config["architectures"] == ["MixtralForCausalLM"]
-    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache.*never downloads"):
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache.*never downloads") as err:
         resolve_model_path("acme/absent")
+    assert "`hf download acme/absent`" in str(err.value) and "{" not in str(err.value)
 
 
 def test_reads_equal_safetensors_library(tiny_checkpoint) -> None:
