@@ -10,9 +10,11 @@ requests (503 while draining), lets in-flight ones finish for up to --shutdown-t
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import signal
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
              engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
              server_settings.max_queued_requests)
 
+    check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
     hold = _HoldUntilLoaded()
     logging.getLogger("uvicorn.error").addFilter(hold)
     logging.getLogger("uvicorn.access").addFilter(_quiet_health_polls)
@@ -134,6 +137,29 @@ def run(args: argparse.Namespace) -> int:
     if outcome["exit_code"] == 0:
         log.info("server stopped")
     return outcome["exit_code"]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ConfigError (one line) when host:port cannot be listened on (another server holds it, or the address
+    is not this machine's): said at once, before minutes of loading rather than after. Binds as uvicorn does
+    (SO_REUSEADDR) and closes at once."""
+    from moeserve.errors import ConfigError
+
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} (check --host)") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as err:
+            why = "another process is listening there; stop it or choose another --port" \
+                if err.errno == errno.EADDRINUSE else "check --host and --port"
+            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} ({why})") from None
 
 
 def _quiet_health_polls(record: logging.LogRecord) -> bool:
