@@ -119,18 +119,23 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_shape_variants_match_transformers(tiny_checkpoint, variant: str) -> None:
     arch, overrides = VARIANTS[variant]
-    folder = tiny_checkpoint(arch, **overrides)
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
-    prompts = [PROMPTS[1], PROMPTS[3]]  # the second is longer than the sliding window
+    assert_fp32_batch_matches_transformers(tiny_checkpoint(arch, **overrides), variant)
+
+
+def assert_fp32_batch_matches_transformers(folder, what: str, **settings) -> None:  # noqa: ANN001
+    """Two prompts (the second longer than a sliding window) decoded together in fp32: transformers' greedy
+    tokens, and its log-probabilities within 1e-4 for the top tokens of every step."""
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", **settings)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
+    prompts = [PROMPTS[1], PROMPTS[3]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     ref_model = hf_model(folder, torch.float32)
     for prompt, out in zip(prompts, outs):
         ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        assert out.outputs[0].token_ids == ref_tokens, variant
+        assert out.outputs[0].token_ids == ref_tokens, what
         for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
             for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 1e-4
+                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, what
 
 
 def test_float16_compute_matches_transformers_float16(tiny_checkpoint) -> None:

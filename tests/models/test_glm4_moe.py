@@ -27,7 +27,12 @@ from moeserve.errors import CheckpointError
 from moeserve.models.moe import CppRouting, SigmoidGroups, SoftmaxTopk, TopkSoftmax, choose_routing
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
-from tests.engine.test_parity_transformers import PROMPTS, STEPS, hf_greedy, hf_model
+from tests.engine.test_parity_transformers import (
+    PROMPTS,
+    assert_fp32_batch_matches_transformers,
+    hf_greedy,
+    hf_model,
+)
 from tests.real_dims import write_real_dims
 
 # The router shapes to test: (experts, n_group, topk_group, top_k, routed_scaling_factor, norm_topk_prob)
@@ -182,18 +187,8 @@ VARIANTS = {
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_variants_match_transformers(tiny_checkpoint, variant: str, kernels: str) -> None:
-    folder = tiny_checkpoint("glm4_moe", **VARIANTS[variant])
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", kernels=kernels)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3)
-    prompts = [PROMPTS[1], PROMPTS[3]]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    ref_model = hf_model(folder, torch.float32)
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        assert out.outputs[0].token_ids == ref_tokens, variant
-        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 1e-4
+    assert_fp32_batch_matches_transformers(tiny_checkpoint("glm4_moe", **VARIANTS[variant]), variant,
+                                           kernels=kernels)
 
 
 def with_mtp_layer(src: Path, folder: Path, announced: int) -> Path:
