@@ -130,7 +130,8 @@ def build_model(
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
     moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
-    choices.append(("routing", moe_blocks[0].routing.describe()))
+    if moe_blocks:  # a config may make every layer dense (mlp_only_layers)
+        choices.append(("routing", moe_blocks[0].routing.describe()))
     if spec.skipped_layers:
         skipped = [ref.nbytes for name, ref in ckpt.tensors.items() if is_skipped(arch, spec, name)]
         choices.append(("skipped layers", f"num_nextn_predict_layers={spec.skipped_layers}: the multi-token-"
