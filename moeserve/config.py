@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moeserve.errors import ConfigError
 
@@ -119,6 +119,15 @@ class ServerSettings(BaseModel):
     api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond max_num_seqs before 503")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
+    max_request_body_mb: float = Field(16.0, gt=0, description="largest request body accepted, in MB (413 beyond)")
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_empty(cls, key: str | None) -> str | None:
+        if key is not None and not key.strip():  # `--api-key "$UNSET_VAR"` must not silently turn auth off
+            raise ValueError("an empty API key would turn authentication off; give a key, or leave api_key unset "
+                             "to serve without one")
+        return key
 
 
 # Every settings model whose fields may appear as MOESERVE_* variables. An env var must name a field of one.
