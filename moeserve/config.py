@@ -69,7 +69,15 @@ class EngineSettings(BaseModel):
         None, ge=0, description="fast-tier budget for experts inside the memory budget, GiB (2**30 bytes) "
         "(default: what the memory split leaves beside the KV pool, logged)"
     )
-    host_cache_gb: float | None = Field(None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes)")
+    host_cache_gb: float | None = Field(
+        None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes), pinned in chunks; "
+        "refused at start-up above what RAM can lock safely (default: free RAM less headroom, logged)"
+    )
+    unified_memory: Literal["auto", "on", "off"] = Field(
+        "auto", description="whether GPU and host share one physical memory (GB10/DGX Spark, Jetson, AMD APUs): on = "
+        "one budget, no host tier; off = separate GPU and host budgets; auto = detected (is_integrated, known "
+        "device names, device memory close to MemTotal), logged with its evidence"
+    )
     cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
     # Off by default: on the bench models (near-uniform routing) no guess pays for its read, and no measurement yet
     # shows a win on real routing (docs/benchmarks.md keeps the figures). It never changes the output.
