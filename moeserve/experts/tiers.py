@@ -46,6 +46,7 @@ class HostTier:
         self._slot_of: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._lru = LRUPolicy()
+        self.evictions = 0  # units dropped to make room (each one read from the disk again on its next miss)
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +67,7 @@ class HostTier:
             victim = self._lru.choose_victim(())
             self._lru.on_evict(victim)
             slot = self._slot_of.pop(victim)
+            self.evictions += 1
         self._slot_of[key] = slot
         self._lru.on_insert(key)
         return self.pool[slot]

@@ -15,6 +15,10 @@ after a random delay (or, for a "late" stream, only once something waits for it)
   the stream it was enqueued on); a `non_blocking` copy from a buffer that `empty_pinned` did not make is recorded
   in `violations` (undefined behaviour on CUDA) and read late like any other.
 
+With `kernels="host"` the compute stream is the calling thread itself, as for a whole model on CPU whose ops run
+where they are called: `compute_wait` blocks the caller until the copy's event fires (the copy stream still runs
+late or after random delays), `launch` runs a kernel at once, and a compute event has always fired.
+
 Pinning can be refused above `pin_limit_bytes` (0: never), as on WSL or under a locked-memory limit.
 What it does not model: torch ops the store runs on device tensors itself (the resident store's NaN check reads
 the pool on the calling thread here, on the compute stream on CUDA), and caching-allocator reuse.
@@ -35,6 +39,7 @@ import torch
 from moeserve.experts.transfer import DeviceOps
 
 Timing = Literal["random", "late"]  # random: each item after a random delay; late: only once something waits
+KernelTiming = Literal["random", "late", "host"]  # host: kernels run on the calling thread (module docstring)
 WAIT_LIMIT_S = 60.0  # a wait this long is a deadlock in the fake or the store: raise rather than hang the test
 
 
@@ -121,8 +126,9 @@ class FakeEvent:
 class AsyncFakeOps(DeviceOps):
     """A copy stream and a compute stream run by threads; see the module docstring. `close()` when done."""
 
-    def __init__(self, seed: int, copies: Timing = "random", kernels: Timing = "random",
+    def __init__(self, seed: int, copies: Timing = "random", kernels: KernelTiming = "random",
                  max_delay_s: float = 0.001, pin_limit_bytes: int | None = None) -> None:
+        self.host_compute = kernels == "host"
         self.errors: list[str] = []  # exceptions raised by stream work (kernels, waits)
         self.violations: list[str] = []  # non_blocking copies from pageable memory
         self.async_copies = self.sync_copies = 0
@@ -130,8 +136,8 @@ class AsyncFakeOps(DeviceOps):
         self._pinned: list[tuple[int, int]] = []  # [start, end) of every buffer empty_pinned made
         self._keep: list[torch.Tensor] = []  # those buffers, so their addresses are never reused
         self.copy_stream = FakeStream("copy", random.Random(f"{seed}-copy"), copies, max_delay_s, self.errors)
-        self.compute_stream = FakeStream("compute", random.Random(f"{seed}-compute"), kernels, max_delay_s,
-                                         self.errors)
+        self.compute_stream = FakeStream("compute", random.Random(f"{seed}-compute"),
+                                         "random" if kernels == "host" else kernels, max_delay_s, self.errors)
 
     # ------------------------------------------------------------------------------------- DeviceOps
     def empty_pinned(self, nbytes: int) -> torch.Tensor:
@@ -158,7 +164,10 @@ class AsyncFakeOps(DeviceOps):
         self.copy_stream.enqueue(event.wait)
 
     def compute_wait(self, event: FakeEvent) -> None:
-        self.compute_stream.enqueue(event.wait)
+        if self.host_compute:
+            event.wait()  # the caller is the compute stream: its next "kernel" runs after this returns
+        else:
+            self.compute_stream.enqueue(event.wait)
 
     def compute_event(self) -> FakeEvent:
         return FakeEvent(self.compute_stream, self.compute_stream.position())
@@ -173,8 +182,12 @@ class AsyncFakeOps(DeviceOps):
         return any(lo <= start and end <= hi for lo, hi in self._pinned)
 
     def launch(self, kernel: Callable[[], None]) -> None:
-        """Enqueue a "kernel" on the compute stream (what the MoE layer's ops are on CUDA)."""
-        self.compute_stream.enqueue(kernel)
+        """Enqueue a "kernel" on the compute stream (what the MoE layer's ops are on CUDA); run it now on the
+        calling thread with `kernels="host"`."""
+        if self.host_compute:
+            kernel()
+        else:
+            self.compute_stream.enqueue(kernel)
 
     def synchronize_compute(self) -> None:
         """Block until every kernel launched so far has run (on CUDA: a `.cpu()` of the step's logits)."""

@@ -1,0 +1,147 @@
+"""A whole model through three tiers on CPU: fast tier (the asynchronous fake device, tests/experts/async_device.py)
+<- host tier (RAM) <- disk, equal to the all-resident run bit for bit, for every architecture and every stored
+format, in the default dtype (bf16 for these checkpoints) with default settings.
+
+The test hook, `three_tiers`, is test-only (no user setting): it wraps `LLMEngine._store_options` so that the
+engine's store gets `AsyncFakeOps` as its device ops (copies run late on the fake copy stream, the model's ops run
+on the calling thread, which is the fake's compute stream) and a host tier smaller than the experts, so host-tier
+evictions happen. Everything else is the engine as a user builds it: the real store, loader, host tier, copier,
+expert kernels, decode steps. A missing wait reads a slot before its copy ran, or a host buffer refilled under its
+copy, and changes the logits (`test_whole_model_needs_the_compute_wait`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moeserve.engine.llm import LLM
+from moeserve.engine.llm_engine import LLMEngine
+from moeserve.engine.sampling_params import SamplingParams
+from moeserve.experts.store import ExpertStore
+from moeserve.experts.transfer import HostToDevice
+from tests.conftest import ARCHS, write_tiny_checkpoint
+from tests.experts.async_device import AsyncFakeOps
+from tests.logits_capture import generate_capturing_logits
+from tests.models import checkpoints as C
+
+PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250, 8, 61]}, {"prompt_token_ids": [11, 5, 77]}]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+FAST_UNITS = 3  # fast-tier slots: fewer than a prefill layer needs, so layers come in chunks
+
+# Stored formats (moeserve/formats/catalog.py) -> (base checkpoint builder, quantizer, quantization_config,
+# extra files, engine settings). "dense" is every architecture's bf16 checkpoint; int8 is quantized on load.
+QUANTIZED = {
+    "nvfp4-ct": (C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG, {}),
+    "nvfp4-modelopt": (C.nvfp4_modelopt_quantize, None, {"hf_quant_config.json": C.MODELOPT_HF_QUANT_CONFIG}),
+    "fp8-block": (C.fp8_block_quantize, C.FP8_CONFIG, {}),
+    "mxfp4-ct": (C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG, {}),
+}
+FORMATS = [*QUANTIZED, "mxfp4-gpt-oss", "int8", "int8-gpt-oss"]
+
+
+@pytest.fixture(scope="module")
+def folder_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """bf16 checkpoints by case name (an architecture or a format), written on first use."""
+    root = tmp_path_factory.mktemp("three_tiers")
+
+    @functools.cache
+    def make(name: str) -> Path:
+        if name in ("gpt_oss", "int8-gpt-oss"):
+            return C.write_gpt_oss(root / "gpt_oss")
+        if name == "mxfp4-gpt-oss":
+            return C.write_gpt_oss_mxfp4(make("gpt_oss"), root / name)
+        if name in QUANTIZED:
+            quantize, config, extra = QUANTIZED[name]
+            return C.quantize_checkpoint(make("qwen3_moe"), root / name, quantize, config, extra)
+        if name == "int8":
+            return make("qwen3_moe")
+        return write_tiny_checkpoint(root / name, name, "bfloat16")
+
+    return make
+
+
+@pytest.fixture
+def three_tiers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], list[AsyncFakeOps]]]:
+    """`install(host_units)`: from now on every engine built gets the fake fast tier and a host tier of
+    `host_units` units. Returns the list the fakes made are appended to (closed at teardown)."""
+    made: list[AsyncFakeOps] = []
+    original = LLMEngine._store_options
+
+    def install(host_units: int, seed: int = 0) -> list[AsyncFakeOps]:
+        def store_options(self: LLMEngine, s: Any, capacity: int, host_capacity: int) -> Any:
+            ops = AsyncFakeOps(seed, copies="late", kernels="host")
+            made.append(ops)
+            return replace(original(self, s, capacity, host_capacity), host_capacity=host_units, ops=ops)
+
+        monkeypatch.setattr(LLMEngine, "_store_options", store_options)
+        return made
+
+    yield install
+    for ops in made:
+        ops.close()
+
+
+def run(folder: Path, **settings: Any) -> tuple[list[torch.Tensor], list, ExpertStore]:
+    """(logits of every engine step, outputs, store) of a greedy run with default settings plus `settings`."""
+    llm = LLM(str(folder), skip_tokenizer_init=True, threads=1, **settings)
+    assert llm.engine.dtype == torch.bfloat16  # dtype auto: the checkpoints' bf16
+    logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
+    return logits, [o.outputs[0] for o in outs], llm.engine.model.store
+
+
+def logprob_tables(outs: list) -> list[list[dict[int, float]]]:
+    return [[{t: e.logprob for t, e in lp.items()} for lp in out.logprobs] for out in outs]
+
+
+def check_three_tiers_equal_resident(folder: Path, three_tiers: Callable[..., list[AsyncFakeOps]],
+                                     label: str, **settings: Any) -> None:
+    ref_logits, ref_outs, resident = run(folder, **settings)
+    assert resident.resident and resident.copier is None
+    assert ref_logits[0].dtype == torch.float32  # fp32 logits of a bf16 model (the engine's default dtype)
+    total = resident.total_experts
+    made = three_tiers(total // 2)
+    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30, **settings)
+    host = store.loader.host
+    assert not store.resident and store.capacity == FAST_UNITS and store.copier is not None
+    assert host is not None and host.pinned and host.capacity == total // 2
+    assert host.evictions > 0, f"{label}: no host-tier eviction"
+    assert store.stats.bytes_from_host > 0 and store.stats.misses > 0
+    (ops,) = made
+    assert ops.async_copies > 0 and ops.errors == [] and ops.violations == []
+    assert len(logits) == len(ref_logits)
+    for step, (a, b) in enumerate(zip(logits, ref_logits)):
+        assert torch.equal(a, b), f"{label}: logits differ at step {step}"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs]
+    assert logprob_tables(outs) == logprob_tables(ref_outs)
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "gpt_oss"])
+def test_every_architecture_through_three_tiers_equals_resident(folder_of, three_tiers, arch: str) -> None:
+    check_three_tiers_equal_resident(folder_of(arch), three_tiers, arch)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_through_three_tiers_equals_resident(folder_of, three_tiers, fmt: str) -> None:
+    settings = {"quantization": "int8"} if fmt.startswith("int8") else {}
+    check_three_tiers_equal_resident(folder_of(fmt), three_tiers, fmt, **settings)
+
+
+def before_use_without_wait(self: HostToDevice, slot: int) -> None:
+    with self._lock:
+        self._filled[slot] = None  # the copy's event, dropped: the model reads the slot before the copy ran
+
+
+def test_whole_model_needs_the_compute_wait(folder_of, three_tiers, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = folder_of("qwen3_moe")
+    ref_logits, _, resident = run(folder)
+    three_tiers(resident.total_experts // 2)
+    monkeypatch.setattr(HostToDevice, "before_use", before_use_without_wait)
+    logits, _, _ = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30)
+    assert any(not torch.equal(a, b) for a, b in zip(logits, ref_logits))
