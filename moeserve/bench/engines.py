@@ -48,12 +48,18 @@ class BenchEngine(ABC):
 class MoeserveEngine(BenchEngine):
     name = "moeserve"
 
-    def __init__(self, model: str, **settings: Any) -> None:
+    def __init__(self, model: str, route_trace: str | None = None, **settings: Any) -> None:
+        """`route_trace`: a routing trace the model's experts follow instead of its routers (benchmark only:
+        bench/route_trace.py)."""
         from moeserve.config import EngineSettings, build_settings
         from moeserve.engine.llm_engine import LLMEngine
 
         s = build_settings(EngineSettings, {"model": model, "skip_tokenizer_init": True, **settings})
         self.engine = LLMEngine(s)
+        if route_trace is not None:
+            from moeserve.bench.route_trace import install
+
+            install(self.engine.model, route_trace)
 
     def _params(self, max_tokens: int) -> Any:
         from moeserve.engine.sampling_params import SamplingParams
@@ -63,6 +69,7 @@ class MoeserveEngine(BenchEngine):
     def _store_counters(self) -> dict[str, float]:
         st = self.engine.model.store.stats
         return {"hits": st.hits, "misses": st.misses, "bytes_read": st.bytes_read,
+                "bytes_from_disk": st.bytes_from_disk, "bytes_from_host": st.bytes_from_host,
                 "prefetched": st.prefetched, "prefetch_used": st.prefetch_used}
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Timing:

@@ -23,7 +23,7 @@ from moeserve.models.expert_plans import ExpertPlan
 from moeserve.models.layers import MLP, RMS_NORMS, Attention, DecoderLayer, DenseMLP, ForwardBatch, Rotary
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.moe import MoEBlock, choose_routing
+from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
@@ -57,6 +57,7 @@ class MoeModel:
                                       if options.cpp else TorchLayers(layers, final_norm, self.norm, eps))
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
+        self._forced = False  # routing forced (force_routing, benchmark only): the layer pass runs
         # (name, one-line reason) of every choice made here, for the start-up log and the engine's record
         self.choices: list[tuple[str, str]] = [("decode step", decode_reason)]
 
@@ -65,7 +66,8 @@ class MoeModel:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
         h = self.embed[batch.token_ids]  # [N, H]
         step = self.decode_step
-        run = step if step is not None and not self._traced and step.accepts(batch) else self.layer_pass
+        fused = not self._traced and not self._forced and step is not None and step.accepts(batch)
+        run = step if step is not None and fused else self.layer_pass
         last = run.run(h, batch, kv)
         if self._head is not None:
             return self._head(last).float()
@@ -82,6 +84,15 @@ class MoeModel:
         self._traced = hook is not None
         for block in self.moe_blocks:
             block.trace_hook = hook
+
+    def force_routing(self, forced: Callable[[int, int], torch.Tensor] | None) -> None:
+        """BENCHMARK ONLY (moeserve bench --route-trace): MoE block i routes its N tokens to `forced(i, N)`
+        ([N, k] expert ids) instead of its router's top-k (moe.ForcedRouting), through the per-op layer pass (the
+        fused decode step routes inside C++). None restores the routers' own choice."""
+        self._forced = forced is not None
+        for i, block in enumerate(self.moe_blocks):
+            inner = block.routing.inner if isinstance(block.routing, ForcedRouting) else block.routing
+            block.routing = inner if forced is None else ForcedRouting(inner, functools.partial(forced, i))
 
 
 def link_prefetch(blocks: list[MoEBlock]) -> None:

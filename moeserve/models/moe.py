@@ -135,6 +135,32 @@ class SigmoidGroups(TorchRouting):
         return weights * s.routed_scaling_factor, ids
 
 
+class ForcedRouting(TorchRouting):
+    """BENCHMARK ONLY (`moeserve bench --route-trace`): each token's experts come from `forced(n_tokens)` ([N, k]
+    distinct ids per row, e.g. a recorded routing trace) instead of the router's top-k, so a synthetic model routes
+    with a real model's locality. The router still runs (its cost stays in the step); the weights are the softmax of
+    its logits at the forced experts. No stack mode: the per-op layer pass runs it. Installed only through
+    `MoeModel.force_routing`, which no setting reaches (engine/ and server/ cannot import bench/)."""
+
+    def __init__(self, inner: Routing, forced: Callable[[int], torch.Tensor]) -> None:
+        super().__init__(inner.spec)
+        self.inner, self.forced = inner, forced
+
+    def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.logits(router, x)
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.forced(logits.shape[0]).to(device=logits.device, dtype=torch.long)  # [N, k]
+        weights = torch.softmax(logits.float().gather(1, ids), dim=-1)  # [N, k] fp32
+        return (weights if self.spec.weights_in_fp32 else weights.to(logits.dtype)), ids
+
+    def describe(self) -> str:
+        return "forced by a routing trace (benchmark only; weights: softmax of the router's logits at those experts)"
+
+    def why_not_stacked(self) -> str | None:
+        return "routing forced by a trace (benchmark only)"
+
+
 class CppRouting(Routing):
     """A rule of csrc/routing.cpp (`stack_mode`): the same ATen softmax / top-k kernels and a stable counting sort in
     one C++ call."""
