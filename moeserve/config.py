@@ -79,6 +79,10 @@ class EngineSettings(BaseModel):
         "device names, device memory close to MemTotal), logged with its evidence"
     )
     cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
+    expert_cache_mode: Literal["shared", "per_layer", "mixed"] = Field(
+        "shared", description="how the expert cache's slots are shared among MoE layers: shared = one pool, "
+        "per_layer = an equal quota per layer, mixed = a floor of half the equal quota per layer, the rest shared"
+    )
     # Off by default: on the bench models (near-uniform routing) no guess pays for its read, and no measurement yet
     # shows a win on real routing (docs/benchmarks.md keeps the figures). It never changes the output.
     prefetch: bool = Field(False, description="predict and load the next layer's experts in the background")

@@ -1,9 +1,11 @@
 """Replay a routing trace through the eviction policies: the expert store's own `SlotCache`, driven as the store
 drives it.
 
-One global cache of ``capacity`` experts over all MoE layers. Per layer call (`LayerCall`), as `ExpertStore.experts`:
+A cache of ``capacity`` experts over all MoE layers, its slots shared as ``cache_mode`` says (experts/quota.py:
+shared, per_layer, mixed). Per layer call (`LayerCall`), as `ExpertStore.experts`:
 
-1. splits the needed experts (unique, ascending) into chunks of at most ``capacity`` (normally one chunk);
+1. splits the needed experts (unique, ascending) into chunks of at most ``cache.chunk_limit(layer)`` (the capacity,
+   or less under a per-layer quota; normally one chunk);
 2. per chunk: pins it, ``begin_call`` (``policy.begin_layer``, the cached keys counted as hits and told to the
    policy), then each miss in order takes a slot (free, or ``policy.choose_victim(pinned)``'s) and lands;
 3. optionally prefetches the experts expected in the NEXT layer call while this one is pinned (only when the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from itertools import product
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from moeserve.experts.calls import (
 )
 from moeserve.experts.guess import OnlineGuesses
 from moeserve.experts.policies import Key, make_policy
+from moeserve.experts.quota import DEFAULT_CACHE_MODE, make_quota
 from moeserve.experts.slot_cache import SlotCache
 
 __all__ = [
@@ -51,6 +55,7 @@ class SimResult:
     policy: str
     capacity: int
     prefetch: str
+    cache_mode: str = DEFAULT_CACHE_MODE
     hits: int = 0
     misses: int = 0
     prefetched: int = 0  # prefetch reads
@@ -127,9 +132,9 @@ def layer_only(steps: Sequence[Sequence[LayerCall]], layer: int) -> list[list[La
     return [[c for c in step if c.layer == layer] for step in steps]
 
 
-def _chunks(call: LayerCall, capacity: int) -> list[list[Key]]:
-    ids = call.expert_ids
-    return [[(call.layer, e) for e in ids[i : i + capacity]] for i in range(0, len(ids), capacity)]
+def _chunks(call: LayerCall, cache: SlotCache) -> list[list[Key]]:
+    ids, limit = call.expert_ids, cache.chunk_limit(call.layer)
+    return [[(call.layer, e) for e in ids[i : i + limit]] for i in range(0, len(ids), limit)]
 
 
 def simulate(
@@ -139,8 +144,10 @@ def simulate(
     prefetch: str = "none",
     policy_options: dict[str, Any] | None = None,
     online: OnlinePrefetch | None = None,
+    cache_mode: str = DEFAULT_CACHE_MODE,
 ) -> SimResult:
-    """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``.
+    """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``, its slots
+    shared among the layers as ``cache_mode`` says.
 
     ``prefetch="online"`` needs ``online`` (the guesses' settings); "affinity" here means: prefetch
     ``call.predicted``, like "predicted".
@@ -157,26 +164,29 @@ def simulate(
     for step in steps:
         next_in_step.extend([*step[1:], None])
     options = dict(policy_options or {})
+    layers = sorted({call.layer for call in calls})
+    cache = SlotCache(capacity, None, layers, quota=make_quota(cache_mode, capacity, layers))
     if policy == "belady":
-        options["future"] = [chunk for call in calls for chunk in _chunks(call, capacity)]
-    cache = SlotCache(capacity, make_policy(policy, **options))
+        options["future"] = [chunk for call in calls for chunk in _chunks(call, cache)]
+    cache.policy = make_policy(policy, **options)
     guesses = online.guesses() if online is not None and prefetch == "online" else None
     for index, call in enumerate(calls):
         if guesses is not None:  # the layer has routed: its experts are known before any load
             guesses.observe(call.layer, call.expert_ids)
-        chunks = _chunks(call, capacity)
+        chunks = _chunks(call, cache)
         for chunk in chunks:
             _demand(cache, call.layer, chunk)
             if len(chunks) == 1 and prefetch != "none":
                 upcoming: Sequence[Key] = call.predicted
                 if prefetch == "oracle":
-                    upcoming = _chunks(calls[index + 1], capacity)[0] if index + 1 < len(calls) else []
+                    upcoming = _chunks(calls[index + 1], cache)[0] if index + 1 < len(calls) else []
                 elif guesses is not None and online is not None:
                     upcoming = _online_guess(guesses, cache, next_in_step[index], online.width or len(chunk))
                 _prefetch(cache, chunk, upcoming)
             cache.release(chunk)
     stats = cache.stats
-    return SimResult(policy=policy, capacity=capacity, prefetch=prefetch, hits=stats.hits, misses=stats.misses,
+    return SimResult(policy=policy, capacity=capacity, prefetch=prefetch, cache_mode=cache_mode,
+                     hits=stats.hits, misses=stats.misses,
                      prefetched=stats.prefetched, prefetch_used=stats.prefetch_used, steps=len(steps),
                      per_layer={layer: (st.hits, st.misses) for layer, st in sorted(stats.layers.items())})
 
@@ -251,9 +261,10 @@ class GridResult:
     fit_steps: int  # steps used only to fit the static profile / affinity table (never evaluated)
     eval_steps: int
 
-    def get(self, policy: str, capacity: int, prefetch: str) -> SimResult | None:
+    def get(self, policy: str, capacity: int, prefetch: str, cache_mode: str = DEFAULT_CACHE_MODE
+            ) -> SimResult | None:
         for r in self.results:
-            if (r.policy, r.capacity, r.prefetch) == (policy, capacity, prefetch):
+            if (r.policy, r.capacity, r.prefetch, r.cache_mode) == (policy, capacity, prefetch, cache_mode):
                 return r
         return None
 
@@ -267,8 +278,9 @@ def run_grid(
     policy_options: dict[str, dict[str, Any]] | None = None,
     affinity_width: int | None = None,
     online: OnlinePrefetch | None = None,
+    cache_modes: Sequence[str] = (DEFAULT_CACHE_MODE,),
 ) -> GridResult:
-    """Simulate every combination of policy, capacity and prefetch mode.
+    """Simulate every combination of policy, capacity, prefetch mode and cache mode.
 
     When something must be fitted (``static``'s profile, the ``affinity`` table) or learned (the ``online``
     predictor), the first ``warmup_fraction`` of the steps is used only for that and EVERY combination is
@@ -298,15 +310,13 @@ def run_grid(
     if online is not None:  # the online predictor may learn from the fitted part too: it is the past
         online = replace(online, history=fit)
     results = []
-    for prefetch in prefetches:
+    for cache_mode, prefetch, policy, capacity in product(cache_modes, prefetches, policies, capacities):
         calls = affinity if prefetch == "affinity" else evaluate
-        for policy in policies:
-            for capacity in capacities:
-                options = dict((policy_options or {}).get(policy, {}))
-                if policy == "static":
-                    options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
-                mode = "predicted" if prefetch == "affinity" else prefetch
-                result = simulate(calls, policy, capacity, mode, options, online)
-                result.prefetch = prefetch
-                results.append(result)
+        options = dict((policy_options or {}).get(policy, {}))
+        if policy == "static":
+            options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
+        mode = "predicted" if prefetch == "affinity" else prefetch
+        result = simulate(calls, policy, capacity, mode, options, online, cache_mode)
+        result.prefetch = prefetch
+        results.append(result)
     return GridResult(results, fit_steps=len(fit), eval_steps=len(evaluate))

@@ -18,6 +18,7 @@ from moeserve.bench.simulate import (
 from moeserve.bench.traces import INPUT_FORMATS, load_trace
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES, POLICY_NAMES
+from moeserve.experts.quota import CACHE_MODES, DEFAULT_CACHE_MODE
 from moeserve.experts.trace import TraceHeader
 
 
@@ -36,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
     p.add_argument("--capacity", default="32,64,128,256", help="comma-separated cache sizes, in experts")
     p.add_argument("--prefetch", default="none", help=f"comma-separated: {', '.join(PREFETCH_MODES)}")
+    p.add_argument("--cache-mode", default=DEFAULT_CACHE_MODE,
+                   help=f"comma-separated capacity modes (the engine's expert_cache_mode): {', '.join(CACHE_MODES)}")
     p.add_argument(
         "--warmup-fraction",
         "--static-warmup-fraction",
@@ -99,6 +102,7 @@ def load_calls(path: str | Path, fmt: str = "auto") -> tuple[TraceHeader, list[l
 def run(args: argparse.Namespace) -> int:
     policies = _split(args.policy, "policy", POLICY_NAMES)
     prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
+    cache_modes = _split(args.cache_mode, "cache-mode", CACHE_MODES)
     capacities = _capacities(args.capacity)
     header, steps, notes = load_calls(args.trace, args.trace_format)
     for note in notes:
@@ -107,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--online-width must be >= 1 and --online-min-prob in [0, 1]")
     online = OnlinePrefetch(header.num_experts, args.online_width, args.online_min_prob)
     grid = run_grid(
-        steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width, online
+        steps, policies, capacities, prefetches, args.warmup_fraction, None, args.affinity_width, online, cache_modes
     )
     total = header.num_experts * len(header.moe_layers)
     print(
@@ -120,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
             f"online prefetch (the engine's guesses): per layer call, up to {width} guesses with chance >= "
             f"{args.online_min_prob:g}; uncached ones read while such guesses were used as often"
         )
-    print(format_table(grid, policies, capacities, prefetches, args.expert_mib))
+    for mode in cache_modes:
+        if len(cache_modes) > 1 or mode != DEFAULT_CACHE_MODE:
+            print(f"\n=== expert cache mode {mode}")
+        print(format_table(grid, policies, capacities, prefetches, args.expert_mib, mode))
     if args.json:
         args.json.write_text(json.dumps(_json(header, grid), indent=1))
     if args.plot:
@@ -134,6 +141,7 @@ def format_table(
     capacities: list[int],
     prefetches: list[str],
     expert_mib: float | None = None,
+    cache_mode: str = DEFAULT_CACHE_MODE,
 ) -> str:
     """Hit rate and experts read per step, per policy x capacity, per prefetch mode; then the best online
     policy's hit rate as a fraction of Belady's: demand-only Belady at the same capacity (the bound on the
@@ -146,7 +154,7 @@ def format_table(
         for policy in policies:
             cells = []
             for c in capacities:
-                r = grid.get(policy, c, prefetch)
+                r = grid.get(policy, c, prefetch, cache_mode)
                 reads = r.reads_per_step * (expert_mib or 1.0) if r else 0.0
                 cells.append(f"{r.hit_rate:.3f} ({reads:5.1f})" if r else "-")
             lines.append(f"{policy:<10}" + "".join(f"{x:>15}" for x in cells))
@@ -158,8 +166,8 @@ def format_table(
         for label, bound_mode in bounds:
             cells = []
             for c in capacities:
-                bound = grid.get("belady", c, bound_mode)
-                online = [grid.get(p, c, prefetch) for p in policies if p in ONLINE_POLICY_NAMES]
+                bound = grid.get("belady", c, bound_mode, cache_mode)
+                online = [grid.get(p, c, prefetch, cache_mode) for p in policies if p in ONLINE_POLICY_NAMES]
                 best = max((r for r in online if r), key=lambda r: r.hit_rate)
                 ratio = best.hit_rate / bound.hit_rate if bound and bound.hit_rate else float("nan")
                 cells.append(f"{best.policy} {ratio:.2f}")

@@ -33,11 +33,12 @@ from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
-from moeserve.experts.trace import TraceHeader, TraceWriter
-from moeserve.experts.trace_jsonl import JsonlTraceWriter, open_trace_writer
-from moeserve.memory.budget import ExpertBudget, choose_host_budget
+from moeserve.experts.trace import FailSafeWriter, TraceHeader
+from moeserve.experts.trace_jsonl import open_trace_writer
+from moeserve.memory.budget import ExpertBudget
 from moeserve.memory.rss import fix_mmap_threshold
-from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes, split_memory
+from moeserve.memory.sizing import size_tiers
+from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes
 from moeserve.memory.topology import detect_topology
 from moeserve.models.expert_plans import (
     can_interleave_experts,
@@ -182,16 +183,13 @@ class LLMEngine:
             plan = int8_expert_plan(dense_plan, self.dtype, spill)
         nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
         total_experts = len(plan.sources)
-        topology = detect_topology(self.device)
-        self._chose("memory", topology.reason)
         needs = memory_needs(spec, s, self.dtype, nonexpert, plan.layout.nbytes, total_experts,
                              self.max_num_batched_tokens)
-        split = split_memory(needs,
-                             memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
-                             max_model_len=self.max_model_len, max_num_seqs=s.max_num_seqs,
-                             free_bytes=topology.fast_free_bytes)
-        for name, line in split.lines:
+        # every tier sized by the function `moeserve plan` calls (memory/sizing.py), its lines logged as printed there
+        sizes = size_tiers(needs, detect_topology(self.device, s.unified_memory), s)
+        for name, line in sizes.lines:
             self._chose(name, line)
+        split, host = sizes.split, sizes.host
         self.max_model_len, kv_bytes = split.max_model_len, split.kv_bytes
         budget = ExpertBudget(split.expert_capacity, split.expert_bytes, split.lines[2][1])
         self._staging_estimate = split.staging_bytes
@@ -200,9 +198,6 @@ class LLMEngine:
             plan = (int8_expert_plan(dense_plan, self.dtype, spill, interleaved=True) if s.quantization == "int8"
                     else interleaved_expert_plan(dense_plan))
         self._chose("experts", f"{plan.description} (quantization={s.quantization})")
-        host = choose_host_budget(s.host_cache_gb, plan.layout.nbytes, total_experts, budget.capacity,
-                                  self.device.type, topology.unified)
-        self._chose("host tier", host.reason)
         store_options = self._store_options(s, budget.capacity, host.capacity)
 
         preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
@@ -308,9 +303,9 @@ class LLMEngine:
                                   "cache_trace=FILE (record one with record_trace=FILE)")
             options = static_policy_options(s.cache_trace, capacity)
         return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
-                            prefetch=s.prefetch)
+                            prefetch=s.prefetch, cache_mode=s.expert_cache_mode)
 
-    def _open_trace(self, path: str | None, fmt: str, model_path: str) -> TraceWriter | JsonlTraceWriter | None:
+    def _open_trace(self, path: str | None, fmt: str, model_path: str) -> FailSafeWriter | None:
         """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""
         if path is None:
             return None
@@ -318,7 +313,8 @@ class LLMEngine:
         header = TraceHeader(model=Path(model_path).name, num_layers=spec.num_layers,
                              num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
                              moe_layers=tuple(spec.moe_layer_ids))
-        writer = open_trace_writer(path, header, fmt)
+        # A failing write (full disk) disables recording with one error line; it never stops generation.
+        writer = FailSafeWriter(open_trace_writer(path, header, fmt), path, lambda: self.model.set_trace_hook(None))
         weakref.finalize(self, writer.close)  # flushed at exit even when nobody calls close()
         self.model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
         log.info("record_trace: writing routing of every step to %s (%s)", path, fmt)

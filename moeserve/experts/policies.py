@@ -62,10 +62,12 @@ class EvictionPolicy(ABC):
         """``key`` left the cache (normally the key `choose_victim` just returned)."""
 
     @abstractmethod
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         """A cached key not in ``pinned``, to evict next. Does not evict it (the caller calls `on_evict`).
 
-        Raises `NoVictimError` when every cached key is pinned.
+        ``layers``: the victim's layer must be one of these (None: any layer). The cache's capacity mode uses it
+        (experts/quota.py): with per-layer quotas a full layer evicts one of its own keys.
+        Raises `NoVictimError` when every allowed cached key is pinned.
         """
 
 
@@ -75,10 +77,11 @@ def _no_victim(policy: EvictionPolicy) -> NoVictimError:
     )
 
 
-def _first_unpinned(order: Iterable[Key], pinned: Container[Key]) -> Key | None:
-    # Pinned keys were just used, so in recency order they sit at the far end: this stops early.
+def _first_unpinned(order: Iterable[Key], pinned: Container[Key], layers: Container[int] | None = None) -> Key | None:
+    # Pinned keys were just used, so in recency order they sit at the far end: this stops early. A layer
+    # restriction (per-layer quotas) skips other layers' keys; the layer about to run holds the oldest keys.
     for key in order:
-        if key not in pinned:
+        if key not in pinned and (layers is None or key[0] in layers):
             return key
     return None
 
@@ -101,8 +104,8 @@ class LRUPolicy(EvictionPolicy):
     def on_evict(self, key: Key) -> None:
         self._order.pop(key, None)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
-        victim = _first_unpinned(self._order, pinned)
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
+        victim = _first_unpinned(self._order, pinned, layers)
         if victim is None:
             raise _no_victim(self)
         return victim
@@ -119,16 +122,22 @@ class _LazyHeap:
     def __len__(self) -> int:
         return len(self._live)
 
-    def push(self, key: Key, priority: float) -> None:
-        self._seq += 1
-        self._live[key] = self._seq
-        heapq.heappush(self._heap, (priority, self._seq, key))
+    def push(self, key: Key, priority: float, seq: int | None = None) -> None:
+        """`seq`: the tie-break among equal priorities (default: this heap's own insertion order)."""
+        if seq is None:
+            self._seq += 1
+            seq = self._seq
+        self._live[key] = seq
+        heapq.heappush(self._heap, (priority, seq, key))
         if len(self._heap) > 4 * len(self._live) + 64:  # too many stale entries: rebuild, amortised O(1)
             self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
 
     def remove(self, key: Key) -> None:
         self._live.pop(key, None)
+
+    def seq(self, key: Key) -> int:
+        return self._live[key]
 
     def min_unpinned(self, pinned: Container[Key]) -> tuple[float, Key] | None:
         """The lowest-priority key not in ``pinned`` (the heap is unchanged apart from dropping stale entries)."""
@@ -149,6 +158,38 @@ class _LazyHeap:
         return found
 
 
+class _LayerHeaps:
+    """One `_LazyHeap` per layer with priorities comparable across layers: the minimum over the allowed layers is
+    the global minimum (ties by insertion order, as one global heap), and a layer restriction costs nothing."""
+
+    def __init__(self) -> None:
+        self._heaps: dict[int, _LazyHeap] = {}
+        self._seq = 0
+
+    def push(self, key: Key, priority: float) -> None:
+        self._seq += 1
+        heap = self._heaps.get(key[0])
+        if heap is None:
+            heap = self._heaps[key[0]] = _LazyHeap()
+        heap.push(key, priority, self._seq)
+
+    def remove(self, key: Key) -> None:
+        heap = self._heaps.get(key[0])
+        if heap is not None:
+            heap.remove(key)
+
+    def min_unpinned(self, pinned: Container[Key], layers: Container[int] | None) -> Key | None:
+        best: tuple[float, int] | None = None
+        victim: Key | None = None
+        for layer, heap in self._heaps.items():
+            if not len(heap) or (layers is not None and layer not in layers):
+                continue
+            found = heap.min_unpinned(pinned)
+            if found is not None and (best is None or (found[0], heap.seq(found[1])) < best):
+                best, victim = (found[0], heap.seq(found[1])), found[1]
+        return victim
+
+
 class LFUPolicy(EvictionPolicy):
     """Least frequently used with dynamic ageing (LFU-DA).
 
@@ -163,7 +204,7 @@ class LFUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         self._uses: dict[Key, int] = {}
         self._prio: dict[Key, float] = {}
-        self._heap = _LazyHeap()
+        self._heap = _LayerHeaps()
         self._age = 0.0
 
     def _touch(self, key: Key, uses: int) -> None:
@@ -184,11 +225,11 @@ class LFUPolicy(EvictionPolicy):
         self._uses.pop(key, None)
         self._heap.remove(key)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
-        found = self._heap.min_unpinned(pinned)
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
+        found = self._heap.min_unpinned(pinned, layers)
         if found is None:
             raise _no_victim(self)
-        return found[1]
+        return found
 
 
 class LFRUPolicy(EvictionPolicy):
@@ -258,11 +299,11 @@ class LFRUPolicy(EvictionPolicy):
         if not self._remember:
             self._stats.pop(key, None)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         best: tuple[float, int] | None = None
         victim: Key | None = None
         for layer, heap in self._heaps.items():  # one candidate per layer: O(layers * log n)
-            if not len(heap):
+            if not len(heap) or (layers is not None and layer not in layers):
                 continue
             found = heap.min_unpinned(pinned)
             if found is None:
@@ -315,10 +356,12 @@ class _LayerRecency(EvictionPolicy):
         if order is not None:
             order.pop(key, None)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         best: tuple[float, int] | None = None
         victim: Key | None = None
         for layer, order in self._order.items():
+            if layers is not None and layer not in layers:
+                continue
             key = _first_unpinned(order, pinned)
             if key is None:
                 continue
@@ -424,10 +467,10 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
             p.on_evict(key)
         self._cached -= 1
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         if self._capacity is None:
             self._capacity = self._cached  # asked for a victim: the cache is full
-        return self._real[self.winner].choose_victim(pinned)
+        return self._real[self.winner].choose_victim(pinned, layers)
 
 
 class StaticPolicy(EvictionPolicy):
@@ -460,10 +503,10 @@ class StaticPolicy(EvictionPolicy):
     def on_evict(self, key: Key) -> None:
         self._part(key).on_evict(key)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         for part in (self._dynamic, self._static):
             try:
-                return part.choose_victim(pinned)
+                return part.choose_victim(pinned, layers)
             except NoVictimError:
                 pass
         raise _no_victim(self)
@@ -484,7 +527,7 @@ class BeladyPolicy(EvictionPolicy):
             for key in keys:
                 self._uses.setdefault(key, []).append(index)
         self._now = -1
-        self._heap = _LazyHeap()  # priority = -(index of next use): the furthest next use on top
+        self._heap = _LayerHeaps()  # priority = -(index of next use): the furthest next use on top
 
     def begin_layer(self, layer: int) -> None:
         self._now += 1
@@ -504,11 +547,11 @@ class BeladyPolicy(EvictionPolicy):
     def on_evict(self, key: Key) -> None:
         self._heap.remove(key)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
-        found = self._heap.min_unpinned(pinned)
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
+        found = self._heap.min_unpinned(pinned, layers)
         if found is None:
             raise _no_victim(self)
-        return found[1]
+        return found
 
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {
@@ -566,9 +609,9 @@ class DeferredHits(EvictionPolicy):
         self.flush()
         self.inner.on_evict(key)
 
-    def choose_victim(self, pinned: Container[Key]) -> Key:
+    def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         self.flush()
-        return self.inner.choose_victim(pinned)
+        return self.inner.choose_victim(pinned, layers)
 
 
 def make_policy(name: str, **options: Any) -> EvictionPolicy:

@@ -20,6 +20,10 @@ already cached (or loading) and returns the others, which are read into slots fr
 says there is no room. A prefetch victim is never pinned, loading or protected: loading one guess cannot evict
 another guess, nor an expert the predicted layer needs that happens to be cached. Protection lasts until the next
 layer call begins (that is the call it was for) or the store drops the request (`end_protection`).
+
+Capacity modes (`quota`, experts/quota.py): shared (one pool), per_layer (a quota per layer: a full layer evicts its
+own) or mixed (a floor per layer, the rest shared). Every read, demand or prefetch, obeys it; a layer call is chunked
+at `chunk_limit(layer)` so that one chunk always fits.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 from moeserve.errors import MoeserveError
 from moeserve.experts.policies import EvictionPolicy, Key, NoVictimError
+from moeserve.experts.quota import CacheQuota, make_quota
 
 
 @dataclass
@@ -123,16 +128,22 @@ class SlotCache:
     (`place`) and never evicted (a resident store); only hits are counted then (`count_resident_hits`)."""
 
     def __init__(self, capacity: int, policy: EvictionPolicy | None, layers: Iterable[int] = (),
-                 on_map: Callable[[Key, int], None] | None = None) -> None:
+                 on_map: Callable[[Key, int], None] | None = None, quota: CacheQuota | None = None) -> None:
         """`layers`: their statistics exist from the start (readers on other threads never see the dict grow).
-        `on_map(key, slot)` hears every change of the map: a slot when `key` becomes ready, -1 when it leaves."""
+        `on_map(key, slot)` hears every change of the map: a slot when `key` becomes ready, -1 when it leaves.
+        `quota`: how the slots are shared among the layers (None: one shared pool)."""
         if capacity < 1:
             raise MoeserveError(f"slot cache: capacity={capacity} must be >= 1")
+        layers = list(layers)
         self.capacity = capacity
         self.policy = policy
+        self.quota = quota if quota is not None else make_quota("shared", capacity, layers)
+        if self.quota.capacity != capacity:
+            raise MoeserveError(f"slot cache: quota for {self.quota.capacity} slots, cache of {capacity}")
         self.stats = StoreStats()
         for layer in layers:
             self.stats.layer(layer)
+        self._held: dict[int, int] = {}  # layer -> its slots, ready or loading (the quota's count)
         self._on_map = on_map
         self._slot_of: dict[Key, int] = {}  # ready units
         self._loading: dict[Key, int] = {}  # units being written into a slot: neither free nor mapped
@@ -166,6 +177,14 @@ class SlotCache:
         """A copy of the map of ready units."""
         return dict(self._slot_of)
 
+    def chunk_limit(self, layer: int) -> int:
+        """Most experts one chunk of a `layer` call may pin (the capacity, or less under a per-layer quota)."""
+        return self.quota.chunk_limit(layer)
+
+    def held(self, layer: int) -> int:
+        """Slots `layer` holds, ready or loading."""
+        return self._held.get(layer, 0)
+
     @property
     def pinned_keys(self) -> frozenset[Key]:
         return frozenset(self._pinned)
@@ -184,6 +203,7 @@ class SlotCache:
         call, nothing counted."""
         slot = self._free.pop()
         self._publish(key, slot)
+        self._held[key[0]] = self._held.get(key[0], 0) + 1
         return slot
 
     def pin(self, keys: Iterable[Key]) -> None:
@@ -250,7 +270,7 @@ class SlotCache:
         """A slot for the demand miss `key` (free, or an unpinned victim's): `key` is loading, inserted in the
         policy and counted as a miss. None: every ready unit is pinned and other slots are loading; ask again
         once one of them lands. Raises MoeserveError when no slot can ever come (more pinned than slots)."""
-        slot = self._free.pop() if self._free else self._evict(self._pinned)
+        slot = self._slot_for(key, self._pinned)
         if slot is None:
             if all(k in self._pinned for k in self._loading):
                 raise MoeserveError("expert cache: no evictable slot although nothing is loading; "
@@ -284,7 +304,7 @@ class SlotCache:
         """A slot to prefetch `key` into: free, or the victim's of one neither pinned, loading nor protected;
         None when there is none (stop prefetching). `key` is loading and protected; the policy hears of it when
         it lands (`finish_read(prefetched=True)`)."""
-        slot = self._free.pop() if self._free else self._evict(_AnyOf(self._pinned, self._protected, self._loading))
+        slot = self._slot_for(key, _AnyOf(self._pinned, self._protected, self._loading))
         if slot is None:
             return None
         self._loading[key] = slot
@@ -312,19 +332,35 @@ class SlotCache:
         if slot is None:
             return
         self._free.append(slot)
+        self._held[key[0]] -= 1
         self._protected.discard(key)
         if not prefetched:  # a demand miss was inserted when it took its slot
             assert self.policy is not None
             self.policy.on_evict(key)
 
     # ------------------------------------------------------------------------------------------ internals
-    def _evict(self, keep: Container[Key]) -> int | None:
-        """The slot of the policy's victim outside `keep`, now unmapped; None when every ready key is kept."""
+    def _slot_for(self, key: Key, keep: Container[Key]) -> int | None:
+        """A slot for a read of `key`: a free one while its layer may grow, else a victim's outside `keep` from
+        the layers the quota allows; None when there is none. The slot counts for `key`'s layer from now."""
+        layer = key[0]
+        held = self._held.get(layer, 0)
+        if self._free and self.quota.may_grow(layer, held):
+            slot: int | None = self._free.pop()
+        else:
+            slot = self._evict(keep, self.quota.victim_layers(layer, self._held))
+        if slot is not None:
+            self._held[layer] = self._held.get(layer, 0) + 1
+        return slot
+
+    def _evict(self, keep: Container[Key], layers: Container[int] | None) -> int | None:
+        """The slot of the policy's victim outside `keep` (and in `layers`), now unmapped; None when every ready
+        key is kept."""
         assert self.policy is not None, "a cache without a policy never evicts"
         try:
-            victim = self.policy.choose_victim(keep)
+            victim = self.policy.choose_victim(keep) if layers is None else self.policy.choose_victim(keep, layers)
         except NoVictimError:
             return None
+        self._held[victim[0]] -= 1
         slot = self._slot_of.pop(victim)
         if self._on_map is not None:
             self._on_map(victim, -1)

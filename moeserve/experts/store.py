@@ -39,6 +39,7 @@ from moeserve.errors import MoeserveError
 from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
 from moeserve.experts.prefetch import Prefetcher
+from moeserve.experts.quota import make_quota
 from moeserve.experts.reads import MissReader, Read
 from moeserve.experts.slot_cache import Key, LayerStats, SlotCache, StoreStats, format_stats
 from moeserve.experts.tiers import HostTier, Loader, Tier
@@ -72,6 +73,7 @@ class StoreOptions:
     # layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
     prefetch_predictor: str = "affinity"
     prefetch_min_prob: float = 0.5
+    cache_mode: str = "shared"  # how the slots are shared among layers: shared, per_layer, mixed (experts/quota.py)
 
 
 class ExpertStore:
@@ -103,7 +105,8 @@ class ExpertStore:
         if not self.resident:
             # Hits are told to the policy in batches (DeferredHits: the same calls, the same choices, warm caches).
             evict = DeferredHits(make_policy(opts.policy, **opts.policy_options))
-        self.cache = SlotCache(self.capacity, evict, self.layers, self._map)
+        quota = make_quota(opts.cache_mode if not self.resident else "shared", self.capacity, self.layers)
+        self.cache = SlotCache(self.capacity, evict, self.layers, self._map, quota)
         self.stats = self.cache.stats
         self._make_tiers(opts)
         self.prefetcher: Prefetcher | None = None
@@ -205,7 +208,7 @@ class ExpertStore:
             how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
                    "chance in the next layer, read only while such guesses not in the cache were used as often)"
                    if self.guesses is not None else "on (the caller's guesses)")
-        parts.append(f"policy {self.policy.name}, prefetch {how}")
+        parts.append(f"policy {self.policy.name}, cache mode {self.cache.quota.describe()}, prefetch {how}")
         if self.source_note:
             parts.append(self.source_note)
         parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
@@ -231,7 +234,8 @@ class ExpertStore:
             held = self.cache.slots((layer, e) for e in expert_ids)
             yield [(e, self._slot_views[s]) for e, s in zip(expert_ids, held)]
             return
-        if self.prefetcher is None and len(expert_ids) <= self.capacity:
+        limit = self.cache.chunk_limit(layer)  # the capacity, or less under a per-layer quota
+        if self.prefetcher is None and len(expert_ids) <= limit:
             # Decode's common case, every expert cached: the general path below minus its machinery for misses
             # (same policy calls, pins and statistics). Each call runs right after a layer's compute has streamed
             # tens of MB through the CPU caches, so every line of Python here is a cache miss.
@@ -248,7 +252,7 @@ class ExpertStore:
         ids = list(expert_ids)
         if self.prefetcher is not None:
             self.prefetcher.observe(layer, ids)
-        chunks = [ids[i : i + self.capacity] for i in range(0, len(ids), self.capacity)]
+        chunks = [ids[i : i + limit] for i in range(0, len(ids), limit)]
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
