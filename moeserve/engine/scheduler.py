@@ -77,7 +77,7 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0:
                 break
-            n = min(seq.length - seq.num_cached, budget)
+            n = self._chunk(seq, seq.num_cached, min(seq.length - seq.num_cached, budget))
             if seq.status == Status.RUNNING and self._grow(seq, n):
                 out.append((seq, n))
                 budget -= n
@@ -87,6 +87,11 @@ class Scheduler:
         self.stats.last_step_prefill_tokens = sum(n for s, n in out if s.length - s.num_cached > 1)
         self.stats.prefill_tokens += self.stats.last_step_prefill_tokens
         return out
+
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """`n` tokens from `start`, or fewer where the sequence memory wants the chunk to end (a recurrent layer's
+        chunk grid: SequenceMemory.prefill_end), so a prompt computed in chunks gives the bits of one pass."""
+        return self.memory.prefill_end(start, start + n, len(seq.prompt_token_ids)) - start
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for `n` more tokens of running `seq`, preempting the newest running sequences while the pools
@@ -120,7 +125,7 @@ class Scheduler:
             assert seq.blocks is not None
             tokens = seq.all_token_ids
             cached = self.memory.admit(seq.blocks, tokens)
-            n = min(seq.length - cached, budget)
+            n = self._chunk(seq, cached, min(seq.length - cached, budget))
             if not self.memory.grow(seq.blocks, cached + n):
                 self.memory.free(seq.blocks)
                 if not self.running:  # the pools are empty of sequences and still too small

@@ -39,8 +39,8 @@ def chunk_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     outs = []
     for lo in range(0, n, CHUNK):
         hi = min(lo + CHUNK, n)
-        parts = [_pad(t[lo:hi].transpose(0, 1)) for t in (q, k, v, g, beta)]  # heads first
-        outs.append(_one_chunk(*parts, state)[:, : hi - lo].transpose(0, 1))
+        qc, kc, vc, gc, bc = (_pad(t[lo:hi].transpose(0, 1)) for t in (q, k, v, g, beta))  # heads first
+        outs.append(_one_chunk(qc, kc, vc, gc, bc, state)[:, : hi - lo].transpose(0, 1))
     return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 

@@ -25,7 +25,8 @@ ExpertKind = Literal["swiglu", "gpt_oss"]
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
 #   scale_in_fp32:   weight kept in fp32, normalise and scale in fp32, then cast (gpt-oss)
-NormStyle = Literal["cast_then_scale", "scale_in_fp32"]
+#   zero_centered:   the checkpoint stores w - 1: weight (1 + w) kept in fp32, then as scale_in_fp32 (Qwen3-Next, Qwen3.5)
+NormStyle = Literal["cast_then_scale", "scale_in_fp32", "zero_centered"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,37 @@ class AttentionSpec:
     clip_qkv: float | None
     sinks: bool
     sliding_window: tuple[int | None, ...]  # per layer; None = full causal attention
+    output_gate: bool = False  # q_proj also gives a per-head gate: output * sigmoid(gate) before o_proj (Qwen3-Next)
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5) in `layers` (the other layers attend in full).
+    Per sequence and layer it keeps a recurrent state [v_heads, k_dim, v_dim] and the last conv_kernel - 1 inputs
+    of its short causal convolution over q, k and v."""
+
+    layers: tuple[int, ...]
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int
+    # how the checkpoint stores the input projections: "qkvz_ba" (Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped
+    # per key head) or "qkv_z_b_a" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, each in plain order)
+    projections: Literal["qkvz_ba", "qkv_z_b_a"]
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -98,6 +130,13 @@ class ModelSpec:
     # Layers the checkpoint holds past num_layers that are not served: multi-token-prediction (MTP) layers
     # (num_nextn_predict_layers), skipped at load and logged; their tensors count in no resident size.
     skipped_layers: int = 0
+    linear_attention: LinearAttentionSpec | None = None  # hybrid models: which layers are linear attention
+
+    @property
+    def attention_layers(self) -> tuple[bool, ...]:
+        """Per layer: True = softmax attention over a KV cache, False = linear attention (recurrent state)."""
+        linear = set(self.linear_attention.layers if self.linear_attention else ())
+        return tuple(i not in linear for i in range(self.num_layers))
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -129,6 +168,13 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "topk_group": (1, 2**16),
     "first_k_dense_replace": (0, 4096),
     "num_nextn_predict_layers": (0, 64),
+    "mtp_num_hidden_layers": (0, 64),
+    "full_attention_interval": (1, 4096),
+    "linear_num_key_heads": (1, 2**14),
+    "linear_num_value_heads": (1, 2**14),
+    "linear_key_head_dim": (1, 2**13),
+    "linear_value_head_dim": (1, 2**13),
+    "linear_conv_kernel_dim": (1, 64),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.

@@ -9,7 +9,13 @@ manager (state/manager.py) does the rest the same way for every kind.
 - `SlidingWindow(window)`: a token attends to the last `window` positions only; blocks that fall out of the
   window are freed as the sequence advances.
 - `RecurrentState`: a fixed-size state per sequence (linear attention, SSM): one block per sequence whatever its
-  length; its prefixes are not cached (a state is only valid at the position it was left at).
+  length (its "block" is the sequence's state slot, allocated at admission, freed at finish or preemption); its
+  prefixes are not cached (a state is only valid at the position it was left at), so a model with such layers runs
+  without prefix reuse (SequenceMemory.prefix_caching is off, and the engine logs why).
+
+A kind also says how many sequences' worth of blocks its pool needs whatever the context (`fixed_blocks`), what
+one block costs (`block_bytes`), which cache row a token's state goes to (`slot_of`) and where a prefill chunk may
+end (`prefill_end`: a recurrent layer's chunk form is exact only on its own grid of positions).
 """
 
 from __future__ import annotations
@@ -39,6 +45,22 @@ class CacheKind(ABC):
     def describe(self) -> str:
         return self.name
 
+    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        """Bytes of one block in all `num_layers` layers of the group (keys and values by default)."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def fixed_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int | None:
+        """Blocks the pool needs whatever the context length (None: it takes a share of what is left)."""
+        return None
+
+    def slot_of(self, table: Sequence[int], position: int, block_size: int) -> int:
+        """The cache row of the token at `position` of a sequence with block table `table`."""
+        return table[position // block_size] * block_size + position % block_size
+
+    def prefill_end(self, start: int, end: int, prompt_len: int) -> int:
+        """Where a prefill chunk that would compute tokens [start, end) must end instead (default: at `end`)."""
+        return end
+
 
 class FullAttention(CacheKind):
     name = "full attention"
@@ -64,16 +86,53 @@ class SlidingWindow(CacheKind):
         """Blocks one sequence holds at most while computing `new_tokens` tokens in one step."""
         return -(-(self.window - 1 + new_tokens) // block_size) + 1
 
+    def fixed_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int | None:
+        # each running sequence its window plus one step's tokens, and one step's prefill beside them
+        return max_num_seqs * (self.max_live_blocks(1, block_size) + 1) + -(-max_num_batched_tokens // block_size)
+
 
 class RecurrentState(CacheKind):
+    """One state slot per sequence per layer of the group: `conv_shape` elements in the compute dtype (a short
+    convolution's last inputs) and `state_shape` elements in fp32 (the recurrent state). Prompt tokens are computed
+    in chunks of `prefill_chunk` positions from 0, so a prefill chunk ends on that grid or at the prompt's end."""
+
     name = "recurrent state"
     caches_prefixes = False
+
+    def __init__(self, conv_shape: tuple[int, ...] = (), state_shape: tuple[int, ...] = (),
+                 prefill_chunk: int = 1) -> None:
+        self.conv_shape, self.state_shape, self.prefill_chunk = conv_shape, state_shape, prefill_chunk
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return 1 if num_tokens > 0 else 0
 
     def usable_hit(self, found: Sequence[int | None], k: int, block_size: int) -> bool:
         return k == 0
+
+    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return num_layers * (_numel(self.conv_shape) * itemsize + _numel(self.state_shape) * 4)
+
+    def fixed_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int | None:
+        return max_num_seqs  # one slot per running sequence, whatever its length
+
+    def slot_of(self, table: Sequence[int], position: int, block_size: int) -> int:
+        return table[0]
+
+    def prefill_end(self, start: int, end: int, prompt_len: int) -> int:
+        """On the chunk grid or at (or past) the prompt's end; a chunk that would hold no whole grid step (a step's
+        budget under `prefill_chunk`) keeps its end: progress before exactness (chunked may then differ from
+        unchunked in the last bits)."""
+        if end >= prompt_len or end % self.prefill_chunk == 0:
+            return end
+        aligned = end - end % self.prefill_chunk
+        return aligned if aligned > start else end
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def kind_key(kind: CacheKind) -> tuple[str, int]:

@@ -6,6 +6,10 @@ one block table per group (state/manager.py decides them). Token at position p o
 `table[p // block_size] * block_size + p % block_size` of its group's layers (its "slot": the C++ ops take these
 slots for the writes and the block tables for the reads). The tensors are allocated once at start-up from the
 memory split (memory/split.py), so a long run never grows memory.
+
+A recurrent group (state/kinds.py RecurrentState: linear-attention layers) holds no keys or values: per layer, one
+state slot per running sequence, a conv tensor [slots, *conv_shape] in the compute dtype and a state tensor
+[slots, *state_shape] in fp32 (`recurrent(layer)`); a sequence's block table in that group is its one slot.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.state.kinds import CacheKind, FullAttention, SlidingWindow, kind_key
+from moeserve.state.kinds import CacheKind, FullAttention, RecurrentState, SlidingWindow, kind_key
 
 
 @dataclass(frozen=True)
@@ -24,12 +28,18 @@ class KVGroup:
     layers: tuple[int, ...]
 
 
-def kv_groups(windows: Sequence[int | None]) -> list[KVGroup]:
-    """Group the attention layers by kind: `windows[i]` is layer i's sliding window (None: full attention)."""
+def kv_groups(windows: Sequence[int | None], recurrent: RecurrentState | None = None,
+              recurrent_layers: Sequence[int] = ()) -> list[KVGroup]:
+    """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention), except the
+    `recurrent_layers`, which keep the `recurrent` kind of state."""
     kinds: dict[tuple[str, int], CacheKind] = {}
     members: dict[tuple[str, int], list[int]] = {}
+    linear = set(recurrent_layers)
     for layer, window in enumerate(windows):
         kind: CacheKind = FullAttention() if window is None else SlidingWindow(window)
+        if layer in linear:
+            assert recurrent is not None, "recurrent layers need their state kind"
+            kind = recurrent
         key = kind_key(kind)
         kinds.setdefault(key, kind)
         members.setdefault(key, []).append(layer)
@@ -40,6 +50,12 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
+def group_block_bytes(groups: Sequence[KVGroup], block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype) -> list[int]:
+    """Bytes of one block of each group, in all of its layers (CacheKind.block_bytes)."""
+    return [g.kind.block_bytes(len(g.layers), block_size, num_kv_heads, head_dim, dtype.itemsize) for g in groups]
+
+
 class PagedKVCache:
     def __init__(self, groups: Sequence[KVGroup], num_blocks: Sequence[int], block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -48,12 +64,28 @@ class PagedKVCache:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tensors: list[torch.Tensor] = []
         for g, (group, n) in enumerate(zip(self.groups, self.num_blocks)):
+            if isinstance(group.kind, RecurrentState):  # the one kind whose memory is not rows of K and V
+                self._add_recurrent(g, group, group.kind, n, dtype, device)
+                continue
             kv = torch.zeros((len(group.layers), 2, n, num_kv_heads, block_size, head_dim), dtype=dtype,
                              device=device)
             self._tensors.append(kv)
             for i, layer in enumerate(group.layers):
                 self._group_of[layer] = g
                 self._layers[layer] = (kv[i, 0], kv[i, 1])  # views made once: slicing costs ~10 us per call
+
+    def _add_recurrent(self, g: int, group: KVGroup, kind: RecurrentState, slots: int, dtype: torch.dtype,
+                       device: torch.device) -> None:
+        conv = torch.zeros((len(group.layers), slots, *kind.conv_shape), dtype=dtype, device=device)
+        state = torch.zeros((len(group.layers), slots, *kind.state_shape), dtype=torch.float32, device=device)
+        self._tensors += [conv, state]
+        for i, layer in enumerate(group.layers):
+            self._group_of[layer] = g
+            self._layers[layer] = (conv[i], state[i])
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv inputs [slots, *conv_shape], state [slots, *state_shape] fp32) of a recurrent `layer`."""
+        return self._layers[layer]
 
     @property
     def nbytes(self) -> int:
@@ -81,9 +113,8 @@ def size_pools(groups: Sequence[KVGroup], block_bytes: Sequence[int], kv_bytes: 
     sizes: list[int | None] = []
     fixed = 0
     for group, nbytes in zip(groups, block_bytes):
-        if isinstance(group.kind, SlidingWindow):
-            live = (max_num_seqs * (group.kind.max_live_blocks(1, block_size) + 1)
-                    + -(-max_num_batched_tokens // block_size))
+        live = group.kind.fixed_blocks(max_num_seqs, max_num_batched_tokens, block_size)
+        if live is not None:
             n = min(live, max_num_seqs * per_seq)
             sizes.append(n)
             fixed += n * nbytes
@@ -98,6 +129,7 @@ def fixed_pool_bytes(groups: Sequence[KVGroup], block_bytes: Sequence[int], bloc
                      max_num_batched_tokens: int, max_model_len: int) -> tuple[int, int]:
     """(bytes of the sliding-window groups, bytes per token of the full-attention groups) of `size_pools`."""
     sizes = size_pools(groups, block_bytes, 0, block_size, max_num_seqs, max_num_batched_tokens, max_model_len)
-    fixed = sum(n * b for g, n, b in zip(groups, sizes, block_bytes) if isinstance(g.kind, SlidingWindow))
-    per_token = sum(b for g, b in zip(groups, block_bytes) if not isinstance(g.kind, SlidingWindow)) // block_size
+    is_fixed = [g.kind.fixed_blocks(max_num_seqs, max_num_batched_tokens, block_size) is not None for g in groups]
+    fixed = sum(n * b for f, n, b in zip(is_fixed, sizes, block_bytes) if f)
+    per_token = sum(b for f, b in zip(is_fixed, block_bytes) if not f) // block_size
     return fixed, per_token

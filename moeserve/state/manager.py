@@ -98,6 +98,11 @@ class SequenceMemory:
         seq.hashes = hashes[:k]
         return k * bs
 
+    def prefill_end(self, start: int, end: int, prompt_len: int) -> int:
+        """Where a prefill chunk meant to compute tokens [start, end) ends so that every kind can take it
+        (CacheKind.prefill_end: a recurrent layer's chunk grid); `end` for attention-only models."""
+        return min(kind.prefill_end(start, end, prompt_len) for kind in self.kinds)
+
     # -------------------------------------------------------------------------------------------- growth
     def blocks_short(self, seq: SeqBlocks, num_tokens: int) -> int:
         """Blocks missing (in the group that lacks the most) for `seq` to cover `num_tokens` tokens."""
