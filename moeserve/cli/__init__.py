@@ -11,6 +11,7 @@ import argparse
 import difflib
 import importlib
 import logging
+import os
 import sys
 import traceback
 from typing import Any
@@ -44,6 +45,35 @@ def _version() -> str:
     return f"moeserve {__version__} (torch {torch_version})"
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_LEVEL_ENV = "MOESERVE_LOG_LEVEL"
+
+
+def _add_log_flags(parser: argparse.ArgumentParser, top: bool) -> None:
+    """--log-level and --debug, on the top-level command and on every subcommand (`moeserve serve --log-level
+    warning` as vLLM spells it). A subcommand's copies default to SUPPRESS so they never overwrite a value given
+    before the subcommand's name."""
+    default = None if top else argparse.SUPPRESS
+    parser.add_argument("--log-level", choices=LOG_LEVELS, type=str.lower, default=default,
+                        help=f"log level (env {LOG_LEVEL_ENV}; default info)")
+    parser.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                        help="show tracebacks of errors, and debug logs")
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """The logging level: --debug, else --log-level, else MOESERVE_LOG_LEVEL, else INFO. A bad MOESERVE_LOG_LEVEL
+    is a ConfigError with a "did you mean"."""
+    from moeserve.config import did_you_mean
+    from moeserve.errors import ConfigError
+
+    if getattr(args, "debug", False):
+        return logging.DEBUG
+    name = getattr(args, "log_level", None) or os.environ.get(LOG_LEVEL_ENV, "info").lower()
+    if name not in LOG_LEVELS:
+        raise ConfigError(f"{LOG_LEVEL_ENV}={name} is not a log level{did_you_mean(name, list(LOG_LEVELS))}")
+    return int(getattr(logging, name.upper()))
+
+
 class _StrictParser(argparse.ArgumentParser):
     """An ArgumentParser that never accepts an abbreviated flag."""
 
@@ -57,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moeserve",
         description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
     )
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    _add_log_flags(parser, top=True)
     parser.add_argument("--version", action="version", version=_version(),
                         help="print moeserve's version and torch's, then exit")
     # No abbreviated flags: `--expert-cache 0.005` must not silently mean --expert-cache-gb (nor stop meaning it
@@ -72,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         module.register(sub)
+    for command in sub.choices.values():
+        _add_log_flags(command, top=False)
     return parser
 
 
@@ -99,11 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         _refuse_unknown(parser, args, unknown)
     debug = bool(getattr(args, "debug", False))
-    logging.basicConfig(
-        level=logging.DEBUG if debug else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    try:
+        level = log_level(args)
+    except MoeserveError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -1,4 +1,8 @@
-"""`moeserve chat MODEL`: an interactive conversation, tokens printed as they are generated."""
+"""`moeserve chat MODEL`: an interactive conversation, tokens printed as they are generated.
+
+Sampling starts from the model's generation_config.json (cli/sampling_defaults.py), flags over it, and is printed
+at start; /help, /reset, /set, /show, /exit are answered here (cli/chat_loop.py); Ctrl-C stops a reply.
+"""
 
 from __future__ import annotations
 
@@ -10,50 +14,49 @@ from moeserve.cli.common import (
     add_model_argument,
     add_sampling_arguments,
     engine_settings,
-    sampling_params,
 )
+
+# flags whose value, when given, wins over the model's recommendation (unset: None)
+_SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="chat interactively with a model (type /exit to quit)")
+    p = sub.add_parser("chat", help="chat interactively with a model (/help lists the commands)",
+                       description="Chat with MODEL. Sampling: the model's generation_config.json, flags over it "
+                       "(--temperature 0 for greedy). /help lists the commands; Ctrl-C stops a reply.")
     add_model_argument(p)
     p.add_argument("--system", default=None, help="system message")
-    add_sampling_arguments(p, max_tokens=256)
+    add_sampling_arguments(p)
+    # unset sampling flags leave the model's recommendation in place
+    p.set_defaults(func=run, **{name: None for name in _SAMPLING_FLAGS})
     add_engine_arguments(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from moeserve.cli.chat_loop import ChatLoop
+    from moeserve.cli.sampling_defaults import choose_sampling
     from moeserve.engine.llm import LLM
-    from moeserve.errors import RequestError
+    from moeserve.engine.sampling_params import SamplingParams
+    from moeserve.errors import ConfigError, RequestError
 
+    if args.logprobs is not None:
+        raise ConfigError("chat does not print log-probabilities: use generate --logprobs N")
     llm = LLM(**engine_settings(args).model_dump())
     engine, tok = llm.engine, llm.engine.tokenizer
     if tok is None:
         raise RequestError("chat needs a tokenizer (skip_tokenizer_init was set)")
-    params = sampling_params(args)
-    history = [{"role": "system", "content": args.system}] if args.system else []
+    chosen = choose_sampling(engine.checkpoint.generation_config, {n: getattr(args, n) for n in _SAMPLING_FLAGS},
+                             str(engine.checkpoint.path / "generation_config.json"))
+    fixed = {"seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos, "logprobs": None}
+    sampling = {"max_tokens": None, **chosen.values, **{k: v for k, v in fixed.items() if v}}
+
+    def make_params(**values: object) -> SamplingParams:
+        return SamplingParams(**values)  # type: ignore[arg-type]
+
+    make_params(**sampling)  # a bad flag or recommendation: one line now, not at the first message
     interactive = sys.stdin.isatty()
-    while True:
-        try:
-            line = input("user> " if interactive else "")
-        except EOFError:
-            break
-        if line.strip() in ("/exit", "/quit"):
-            break
-        if not line.strip():
-            continue
-        history.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(history, add_generation_prompt=True)
-        engine.add_request(tok.encode(prompt, add_special_tokens=False), params)
-        text = ""
-        sys.stdout.write("assistant> " if interactive else "")
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                new = out.outputs[0].text
-                sys.stdout.write(new[len(text):])  # stream the delta as soon as it is safe to show
-                sys.stdout.flush()
-                text = new
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": text})
-    return 0
+    print(f"sampling: {chosen.describe()}" + ("; /help lists the commands, Ctrl-C stops a reply" if interactive
+                                             else ""), file=sys.stderr)
+    if interactive:
+        import readline  # noqa: F401 - line editing and history for input()
+    return ChatLoop(engine, tok, make_params, sampling, args.system, interactive=interactive).run()

@@ -45,4 +45,9 @@ def sampling_params(args: argparse.Namespace) -> Any:
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    return settings_from_args(EngineSettings, args, model=args.model)  # type: ignore[no-any-return]
+    """The engine settings of the flags, env and defaults, checked before anything loads (moeserve/preflight.py)."""
+    from moeserve.preflight import check_engine_settings
+
+    settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model)
+    check_engine_settings(settings)
+    return settings

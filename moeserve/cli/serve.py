@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
+from moeserve.preflight import check_engine_settings
 
 log = logging.getLogger("moeserve")
 
@@ -35,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model_path", metavar="MODEL", nargs="?", default=None,
                         help="model folder or cached Hugging Face id (default: the bundled demo model)")
     add_cli_arguments(parser, ServerSettings)
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="no log line per request (uvicorn's access log; vLLM's name); errors are still logged, "
+                        "and GET /health polls are never logged")
     add_cli_arguments(parser, EngineSettings, skip=("model",))
     parser.set_defaults(func=run)
 
@@ -90,14 +94,21 @@ def describe_model(engine: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Settings checked (the port, then the engine's) before anything loads; then serve until stopped."""
+    engine_settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model_path)
+    server_settings: ServerSettings = settings_from_args(ServerSettings, args)
+    check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
+    check_engine_settings(engine_settings)  # a bad setting: one line now, not once the server runs
+    return _serve(engine_settings, server_settings, access_log=not args.disable_log_requests)
+
+
+def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, access_log: bool) -> int:
     from moeserve.engine.async_engine import AsyncEngine
     from moeserve.engine.llm_engine import LLMEngine
     from moeserve.server.app import build_app
     from moeserve.server.metrics import ServerMetrics
     from moeserve.server.state import ServerState
 
-    engine_settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model_path)
-    server_settings: ServerSettings = settings_from_args(ServerSettings, args)
     name = served_name(server_settings, engine_settings.model)
     log.info("serving %s as model '%s'; API key %s; at most %d requests in flight (max_num_seqs %d + "
              "max_queued_requests %d)", engine_settings.model or "the bundled demo model", name,
@@ -105,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
              engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
              server_settings.max_queued_requests)
 
-    check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
     hold = _HoldUntilLoaded()
     logging.getLogger("uvicorn.error").addFilter(hold)
     logging.getLogger("uvicorn.access").addFilter(_quiet_health_polls)
@@ -131,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     state = ServerState(async_engine, server_settings, name, ServerMetrics(name))
     app = build_app(state)
     config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
+                            access_log=access_log,
                             timeout_graceful_shutdown=math.ceil(server_settings.shutdown_timeout))
     server = DrainingServer(config, state)
     server.run()
@@ -186,7 +197,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.draining:
-            self.state.draining = True
+            self.state.begin_drain()  # streams still open at the timeout end with an error event and [DONE]
             log.info("shutting down: no new requests; waiting up to %gs for %d in flight",
                      self.state.settings.shutdown_timeout, self.state.engine.num_in_flight)
         super().handle_exit(sig, frame)

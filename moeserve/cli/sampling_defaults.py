@@ -1,0 +1,78 @@
+"""The sampling `moeserve chat` starts with: the model's recommendation (generation_config.json), flags over it.
+
+Pure Python (no torch): tested without a model. The fields read from generation_config.json are vLLM's
+(`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as
+max_tokens. `do_sample` is not read, as vLLM does not: transformers writes `do_sample: false` into files whose
+authors never chose greedy decoding, and greedy decoding is what makes a chat loop (`I am sure I am sure ...`).
+A model that recommends no sampling value at all gets CHAT_FALLBACK (llama.cpp's defaults), said as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from moeserve.errors import ConfigError
+
+# generation_config.json field -> SamplingParams field, with its type
+RECOMMENDED_FIELDS: dict[str, tuple[str, type]] = {
+    "temperature": ("temperature", float),
+    "top_p": ("top_p", float),
+    "top_k": ("top_k", int),
+    "min_p": ("min_p", float),
+    "repetition_penalty": ("repetition_penalty", float),
+    "max_new_tokens": ("max_tokens", int),
+}
+
+# When the model recommends no sampling value: llama.cpp's llama-cli defaults (Ollama's are close), so a chat does
+# not loop as greedy decoding does. max_tokens None: the reply runs to its end token or the context's end.
+CHAT_FALLBACK: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+
+SAMPLING_NAMES = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+
+
+@dataclass(frozen=True)
+class ChosenSampling:
+    values: dict[str, Any]  # SamplingParams keywords: the ones set here, the rest keep SamplingParams' defaults
+    sources: dict[str, str]  # name -> where its value came from ("generation_config.json", "flag", ...)
+
+    def describe(self) -> str:
+        """One line: every value with its source, e.g. `temperature 0.6 (generation_config.json), top_k 20 (flag)`."""
+        if not self.values:
+            return "greedy"
+        return ", ".join(f"{name} {self.values[name]} ({self.sources[name]})" for name in self.values)
+
+
+def recommended_sampling(generation_config: Mapping[str, Any], file: str = "generation_config.json"
+                         ) -> dict[str, Any]:
+    """The sampling values the model's generation_config.json recommends, as SamplingParams keywords.
+    A value of the wrong type is a ConfigError naming the file and the field."""
+    values: dict[str, Any] = {}
+    for key, (name, kind) in RECOMMENDED_FIELDS.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and value != int(value)):
+            raise ConfigError(f"{file}: '{key}' must be {'an integer' if kind is int else 'a number'}, "
+                              f"got {str(value)[:40]}")
+        values[name] = kind(value)
+    return values
+
+
+def choose_sampling(generation_config: Mapping[str, Any], flags: Mapping[str, Any],
+                    file: str = "generation_config.json") -> ChosenSampling:
+    """Flags (values not None) over the model's recommendation; CHAT_FALLBACK when the model recommends no sampling
+    value (max_new_tokens alone is not a sampling recommendation)."""
+    model = recommended_sampling(generation_config, file)
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    base, where = (model, file) if set(model) - {"max_tokens"} else (
+        {**CHAT_FALLBACK, **model}, f"moeserve's chat default: {file} recommends no sampling")
+    for name in SAMPLING_NAMES:
+        if flags.get(name) is not None:
+            values[name], sources[name] = flags[name], "flag"
+        elif name in base:
+            values[name] = base[name]
+            sources[name] = file if name in model else where
+    return ChosenSampling(values, sources)
