@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,9 @@ class ToolParser(ABC):
         return None
 
     stop_after_call: str | None = CALL_CLOSE  # a stop string ending the output after one call (no parallel calls)
+    # How the format's template reads an assistant call's arguments: a mapping (transformers' convention: Qwen,
+    # GLM) or the JSON text as sent (DeepSeek's template concatenates it into the prompt).
+    template_arguments: str = "mapping"
 
 
 def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +92,14 @@ def parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
 
 
 class TaggedToolParser(ToolParser):
-    """Calls in `<tool_call>...</tool_call>` blocks, with text outside them as content. Subclasses parse a block's
-    body as it grows (`_advance`) and when it ends (`_close`)."""
+    """Calls in `call_open ... call_close` blocks (`<tool_call>...</tool_call>` unless a subclass says otherwise),
+    with text outside them as content; `layout_tags` outside a block (a format's wrapper around its calls) are
+    dropped like the whitespace before a call. Subclasses parse a block's body as it grows (`_advance`) and when it
+    ends (`_close`)."""
+
+    call_open: str = CALL_OPEN
+    call_close: str = CALL_CLOSE
+    layout_tags: tuple[str, ...] = ()
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)
@@ -102,14 +112,20 @@ class TaggedToolParser(ToolParser):
 
     @classmethod
     def matches(cls, template: str) -> bool:
-        return CALL_OPEN in template
+        return cls.call_open in template
+
+    def _next_tag(self) -> tuple[int, str]:
+        """The first tag in the pending text that changes state (-1 when none): the block's end inside a block;
+        outside, a block's start or a layout tag."""
+        tags = (self.call_close,) if self._inside else (self.call_open, *self.layout_tags)
+        found = [(at, tag) for tag in tags if (at := self._pending.find(tag)) >= 0]
+        return min(found) if found else (-1, "")
 
     def feed(self, text: str) -> ToolParse:
         out = ToolParse()
         self._pending += text
         while True:
-            tag = CALL_CLOSE if self._inside else CALL_OPEN
-            at = self._pending.find(tag)
+            at, tag = self._next_tag()
             if at < 0:
                 break
             if self._inside:
@@ -119,12 +135,15 @@ class TaggedToolParser(ToolParser):
                 before = self._pending[:at]
                 out.content += before.rstrip()  # whitespace before a call is layout ...
                 self._gap = before[len(before.rstrip()):]  # ... unless the block is not a call after all
+                if tag != self.call_open:  # a layout tag: dropped
+                    self._pending = self._pending[at + len(tag):]
+                    continue
                 self._index += 1
                 self._body, self._name_sent = "", False
             self._pending = self._pending[at + len(tag):]
             self._inside = not self._inside
-        tag = CALL_CLOSE if self._inside else CALL_OPEN
-        keep = partial_tag_len(self._pending, tag)
+        tags = (self.call_close,) if self._inside else (self.call_open, *self.layout_tags)
+        keep = max(partial_tag_len(self._pending, tag) for tag in tags)
         ready = self._pending[:len(self._pending) - keep]
         if self._inside:
             self._body += ready
@@ -154,7 +173,7 @@ class TaggedToolParser(ToolParser):
 
     def _as_content(self, out: ToolParse, complete: bool) -> None:
         """A block that is not a call: its text, tags included, is content."""
-        out.content += self._gap + CALL_OPEN + self._body + (CALL_CLOSE if complete else "")
+        out.content += self._gap + self.call_open + self._body + (self.call_close if complete else "")
         self._index -= 1
 
     @abstractmethod
@@ -193,6 +212,17 @@ def json_value_end(text: str) -> int | None:
     return None
 
 
+def json_arguments_piece(args: str, sent: int) -> tuple[str, int]:
+    """The arguments text (a JSON object or array, leading whitespace dropped) that arrived past the `sent` first
+    characters, up to the value's end: (piece, characters sent now). A string or scalar value waits for the close."""
+    stripped = args.lstrip()
+    if not stripped or stripped[0] not in "{[":
+        return "", sent
+    end = json_value_end(stripped)
+    upto = len(stripped) if end is None else end
+    return (stripped[sent:upto], upto) if upto > sent else ("", sent)
+
+
 class Qwen3JsonToolParser(TaggedToolParser):
     name = "qwen3_json"
 
@@ -208,15 +238,8 @@ class Qwen3JsonToolParser(TaggedToolParser):
                 return
             self._call(out, name=json.loads(f'"{head.group(1)}"'))
             self._args_start, self._args_sent = head.end(), 0
-        args = self._body[self._args_start:]
-        stripped = args.lstrip()
-        if not stripped or stripped[0] not in "{[":
-            return  # a string or scalar: sent whole at the close
-        end = json_value_end(stripped)
-        upto = len(stripped) if end is None else end
-        if upto > self._args_sent:
-            self._call(out, arguments=stripped[self._args_sent:upto])
-            self._args_sent = upto
+        piece, self._args_sent = json_arguments_piece(self._body[self._args_start:], self._args_sent)
+        self._call(out, arguments=piece)
 
     def _close(self, out: ToolParse, complete: bool) -> None:
         self._advance(out)
@@ -243,19 +266,29 @@ class Qwen3JsonToolParser(TaggedToolParser):
 
     @classmethod
     def call_grammar(cls, tools: list[dict[str, Any]], function_name: str | None) -> str | None:
-        # after the forced prefix: [name", "arguments": ]{arguments}}\n</tool_call>, one rule per function
-        functions = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
-        if function_name is not None:
-            functions = [f for f in functions if f.get("name") == function_name]
-        rules = []
-        for i, f in enumerate(functions):
-            name = json.dumps(f["name"], ensure_ascii=False)[1:-1]  # as written inside the JSON string
-            head = "" if function_name is not None else json.dumps(name + '", "arguments": ', ensure_ascii=False)
-            schema = json.dumps(parameters_schema(f), ensure_ascii=False)
-            rules.append(f"call{i}: {head} %json {schema} " + json.dumps("}\n" + CALL_CLOSE))
-        if not rules:
-            return None
-        return "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
+        # after the forced prefix: [name", "arguments": ]{arguments}}\n</tool_call>
+        def head(name: str) -> str:
+            return json.dumps(name, ensure_ascii=False)[1:-1] + '", "arguments": '  # as written inside the string
+
+        return json_call_grammar(tools, function_name, head, "}\n" + CALL_CLOSE)
+
+
+def json_call_grammar(tools: list[dict[str, Any]], function_name: str | None, head: Callable[[str], str],
+                      tail: str) -> str | None:
+    """A Lark grammar for the rest of one call whose arguments are JSON: one rule per function (only the named
+    one when `function_name` is given: the prefix already named it, else `head(name)` comes first), then the
+    arguments following the function's parameters schema, then `tail`."""
+    functions = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
+    if function_name is not None:
+        functions = [f for f in functions if f.get("name") == function_name]
+    rules = []
+    for i, f in enumerate(functions):
+        start = "" if function_name is not None else json.dumps(head(f["name"]), ensure_ascii=False)
+        schema = json.dumps(parameters_schema(f), ensure_ascii=False)
+        rules.append(f"call{i}: {start} %json {schema} " + json.dumps(tail, ensure_ascii=False))
+    if not rules:
+        return None
+    return "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
 
 
 def _loads(text: str) -> Any:
@@ -265,70 +298,14 @@ def _loads(text: str) -> Any:
         return None
 
 
-# ------------------------------------------------------------------------------------------------ qwen3 xml
-_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_XML_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+from moeserve.server.tool_parsers_deepseek import DeepSeekV3ToolParser  # noqa: E402  (they subclass the above)
+from moeserve.server.tool_parsers_xml import Glm45ToolParser, Qwen3XmlToolParser  # noqa: E402
 
-
-def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
-    """A parameter's text as the JSON value its schema asks for; a string when the schema says so, or when the
-    text is not valid for the type."""
-    kind = (schema or {}).get("type")
-    if kind == "string" or (isinstance(kind, list) and "string" in kind):
-        return text
-    if kind is None and not text.strip():
-        return text
-    value = _loads(text.strip())
-    if value is None and text.strip() != "null":
-        return text
-    return value
-
-
-class Qwen3XmlToolParser(TaggedToolParser):
-    name = "qwen3_xml"
-
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tools)
-        self._pos = 0  # how far into the body has been parsed
-        self._params_sent = 0
-        self._function = ""
-
-    @classmethod
-    def matches(cls, template: str) -> bool:
-        return CALL_OPEN in template and "<function=" in template and "<parameter=" in template
-
-    def _advance(self, out: ToolParse) -> None:
-        if not self._name_sent:
-            head = _XML_FUNCTION.match(self._body)
-            if head is None:
-                return
-            self._function = head.group(1).strip()
-            self._call(out, name=self._function)
-            self._pos, self._params_sent = head.end(), 0
-        properties = ((self.tools.get(self._function) or {}).get("parameters") or {}).get("properties") or {}
-        while (param := _XML_PARAMETER.match(self._body, self._pos)) is not None:
-            key = param.group(1).strip()
-            raw = param.group(2).removeprefix("\n").removesuffix("\n")  # the template writes '\n' + value + '\n'
-            value = typed_value(raw, properties.get(key))
-            piece = json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
-            self._call(out, arguments=("{" if self._params_sent == 0 else ", ") + piece)
-            self._params_sent += 1
-            self._pos = param.end()
-
-    def _close(self, out: ToolParse, complete: bool) -> None:
-        self._advance(out)
-        if not self._name_sent:
-            self._as_content(out, complete)
-            return
-        self._call(out, arguments="}" if self._params_sent else "{}")  # a call cut mid-parameter keeps the rest
-
-    @staticmethod
-    def forced_prefix(function_name: str | None) -> str:
-        return CALL_OPEN + "\n<function=" + (f"{function_name}>\n" if function_name is not None else "")
-
-
-# Most specific first: an XML-format template also mentions <tool_call>.
-TOOL_PARSERS: list[type[ToolParser]] = [Qwen3XmlToolParser, Qwen3JsonToolParser]
+# Most specific first: the XML-format and GLM templates also mention <tool_call>.
+TOOL_PARSERS: list[type[ToolParser]] = [Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser,
+                                        Qwen3JsonToolParser]
+__all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "Glm45ToolParser", "Qwen3JsonToolParser", "Qwen3XmlToolParser",
+           "ToolCallDelta", "ToolParse", "ToolParser", "tool_parser_for"]
 
 
 def tool_parser_for(template: str | None) -> type[ToolParser] | None:

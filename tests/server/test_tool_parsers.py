@@ -52,10 +52,10 @@ def run_tools(parser: ToolParser, chunks: list[str]) -> tuple[str, dict[int, lis
     return content, calls, streamed
 
 
-def assert_no_tag_piece(streamed: list[str], final: str) -> None:
+def assert_no_tag_piece(streamed: list[str], final: str, tags: tuple[str, ...] = TAGS) -> None:
     """No streamed content piece ends with the start of a tag, unless the final content really has it there."""
     for piece in streamed:
-        for tag in TAGS:
+        for tag in tags:
             for k in range(1, len(tag)):
                 if piece.endswith(tag[:k]):
                     assert tag[:k] in final, (piece, tag)

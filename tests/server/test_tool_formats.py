@@ -1,0 +1,146 @@
+"""The GLM-4.5 and DeepSeek-V3/R1 tool-call parsers, fed whole and split at every character (the same fields either
+way, no piece of a tag ever shown as content), and the call grammars of every template format: random walks
+through a grammar (tiny tokenizer, llguidance) give text that the format's own parser reads as a call whose
+arguments validate against the tool's schema."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from moeserve.engine.grammar import GrammarCompiler, GrammarSpec
+from moeserve.server.tool_parsers import (
+    DeepSeekV3ToolParser,
+    Glm45ToolParser,
+    Qwen3JsonToolParser,
+    Qwen3XmlToolParser,
+    ToolParser,
+    tool_parser_for,
+)
+from moeserve.server.tool_parsers_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
+from tests.conftest import write_tiny_tokenizer
+from tests.server.test_tool_parsers import WEATHER, assert_no_tag_piece, run_tools, split_every_way
+
+TEMPLATES = Path(__file__).parent / "templates"
+GLM_TAGS = ("<tool_call>", "</tool_call>")
+DEEPSEEK_TAGS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END)
+
+
+GLM_OUTPUT = ('Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris <b> "q"\nx'
+              '</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>units</arg_key>\n'
+              '<arg_value>{"t": "C"}</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>')
+
+
+@pytest.mark.parametrize("chunks", split_every_way(GLM_OUTPUT))
+def test_glm45_calls_any_split(chunks: list[str]) -> None:
+    content, calls, streamed = run_tools(Glm45ToolParser([WEATHER]), chunks)
+    assert content == "Let me check."
+    assert calls[0][0] == "get_weather"
+    assert json.loads(calls[0][1]) == {"city": 'Paris <b> "q"\nx', "days": 3, "units": {"t": "C"}}
+    assert calls[1] == ["get_time", "{}"]
+    assert_no_tag_piece(streamed, content, GLM_TAGS)
+
+
+DEEPSEEK_OUTPUT = (f'Sure.{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}get_weather\n```json\n{{"city": "Paris {{x}} '
+                   f'```", "days": [1, 2]}}\n```{CALL_END}\n{CALL_BEGIN}function{TOOL_SEP}get_time\n```json\n{{}}\n'
+                   f'```{CALL_END}{CALLS_END}')
+
+
+@pytest.mark.parametrize("chunks", split_every_way(DEEPSEEK_OUTPUT))
+def test_deepseek_v3_calls_any_split(chunks: list[str]) -> None:
+    content, calls, streamed = run_tools(DeepSeekV3ToolParser([WEATHER]), chunks)
+    assert content == "Sure."
+    assert calls == {0: ["get_weather", '{"city": "Paris {x} ```", "days": [1, 2]}'], 1: ["get_time", "{}"]}
+    assert_no_tag_piece(streamed, content, DEEPSEEK_TAGS)
+
+
+def test_deepseek_v3_1_form_and_arguments_as_they_come() -> None:
+    text = f'{CALLS_BEGIN}{CALL_BEGIN}get_weather{TOOL_SEP}{{"city": "Oslo"}}{CALL_END}{CALLS_END}'
+    for chunks in split_every_way(text):
+        content, calls, _ = run_tools(DeepSeekV3ToolParser([WEATHER]), chunks)
+        assert content == "" and calls == {0: ["get_weather", '{"city": "Oslo"}']}
+    parser = DeepSeekV3ToolParser([WEATHER])
+    first = parser.feed(f'{CALLS_BEGIN}{CALL_BEGIN}function{TOOL_SEP}get_weather\n```json\n{{"city": "Pa')
+    assert [c.name for c in first.calls if c.name] == ["get_weather"]
+    assert "".join(c.arguments for c in first.calls) == '{"city": "Pa'  # sent before the call ends
+    assert [c.arguments for c in parser.feed('ris"}\n```').calls] == ['ris"}']
+
+
+def test_cut_calls_and_non_calls() -> None:
+    """A call cut by the end of the output keeps what arrived; a block without a name is content, tags and all."""
+    content, calls, _ = run_tools(Glm45ToolParser([WEATHER]), ["<tool_call>get_weather\n<arg_key>city</arg_key>"
+                                                               "<arg_value>Rome</arg_value>\n<arg_key>da"])
+    assert content == "" and calls == {0: ["get_weather", '{"city": "Rome"}']}
+    content, calls, _ = run_tools(DeepSeekV3ToolParser([WEATHER]), [f"a {CALL_BEGIN}no separator{CALL_END} b"])
+    assert calls == {} and content == f"a {CALL_BEGIN}no separator{CALL_END} b"
+    content, calls, _ = run_tools(DeepSeekV3ToolParser([WEATHER]), ["Plain text, no calls.  "])
+    assert content == "Plain text, no calls.  " and calls == {}
+
+
+def test_each_template_picks_its_format() -> None:
+    picked = {name: tool_parser_for((TEMPLATES / name).read_text()) for name in
+              ("qwen3.jinja", "qwen3_5.jinja", "glm4_5.jinja", "deepseek_r1.jinja", "deepseek_r1_tools.jinja")}
+    assert picked == {"qwen3.jinja": Qwen3JsonToolParser, "qwen3_5.jinja": Qwen3XmlToolParser,
+                      "glm4_5.jinja": Glm45ToolParser, "deepseek_r1.jinja": DeepSeekV3ToolParser,
+                      "deepseek_r1_tools.jinja": DeepSeekV3ToolParser}
+
+
+# ------------------------------------------------------------------------------------------- call grammars
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+FORMATS = [Qwen3JsonToolParser, Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser]
+
+
+@pytest.fixture(scope="module")
+def compiler(tmp_path_factory: pytest.TempPathFactory) -> tuple[GrammarCompiler, Any]:
+    from tokenizers import Tokenizer
+
+    folder = write_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    return GrammarCompiler((folder / "tokenizer.json").read_text(), tok.get_vocab_size(), [eos]), tok
+
+
+def random_walk(compiler: GrammarCompiler, tok: Any, grammar: str, seed: int, limit: int = 400) -> str:
+    """Text of a walk through `grammar` that picks uniformly among the allowed tokens until the grammar ends."""
+    processor = compiler.compile(GrammarSpec("lark", grammar, "test")).new_processor({compiler.eos_token_ids[0]})
+    rng, ids = random.Random(seed), []
+    for _ in range(limit):
+        allowed = np.flatnonzero(processor.allowed())  # type: ignore[attr-defined]
+        if processor.is_finished() or len(allowed) == 0 or compiler.eos_token_ids[0] in allowed:
+            break
+        token = int(rng.choice(allowed))
+        processor.accept(token)
+        ids.append(token)
+    assert processor.is_finished() or compiler.eos_token_ids[0] in allowed, "the call grammar did not end"
+    return str(tok.decode(ids))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("named", [None, "get_weather", "get_time"])
+def test_call_grammar_gives_calls_that_follow_the_schema(compiler: tuple[GrammarCompiler, Any],
+                                                         fmt: type[ToolParser], named: str | None) -> None:
+    grammar = fmt.call_grammar(TOOLS, named)
+    assert grammar is not None
+    for seed in range(4):
+        text = fmt.forced_prefix(named) + random_walk(*compiler, grammar, seed)
+        content, calls, _ = run_tools(fmt(TOOLS), [text])
+        assert content == "" and len(calls) == 1, text
+        name, arguments = calls[0]
+        assert named is None or name == named
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
