@@ -149,6 +149,17 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
             self._cv.notify()
 
+    def end_streams(self, err: MoeserveError) -> int:
+        """End every open request now with `err` (its stream raises it) and abort it in the engine; the engine
+        keeps running. Returns how many were ended (the server's shutdown timeout uses this)."""
+        with self._cv:
+            streams, self._streams = self._streams, {}
+            self._commands.extend(("abort", request_id) for request_id in streams)
+            self._cv.notify()
+        for stream in streams.values():
+            stream.put(err)
+        return len(streams)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the thread (open streams get EngineDeadError) and release the engine's memory."""
         with self._cv:

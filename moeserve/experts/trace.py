@@ -15,9 +15,11 @@ by a crash reads back up to its last whole record.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +28,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from moeserve.errors import MoeserveError
+
+log = logging.getLogger("moeserve")
 
 MAGIC = b"MOETRACE"
 VERSION = 1
@@ -171,6 +175,48 @@ class TraceWriter:
         tokens, k = arr.shape
         payload = np.ascontiguousarray(arr, dtype="<u2").tobytes()
         self._file.write(bytes((rec_type,)) + _LAYER_HEAD.pack(layer, tokens, k) + payload)
+
+
+class FailSafeWriter:
+    """Wraps a trace writer (`record` / `end_step` / `close`) as a side channel: the first OSError it raises (a
+    full disk: ENOSPC, a removed mount: EIO) disables recording with one error log line, and the step that hit it
+    goes on. Without this a full disk under --record-trace failed every step and the engine stopped serving.
+    `on_disable` runs once when that happens (the engine drops its routing hook)."""
+
+    def __init__(self, writer: Any, path: str | Path, on_disable: Callable[[], None] | None = None) -> None:
+        self._writer, self.path, self._on_disable = writer, Path(path), on_disable
+        self.disabled = False
+
+    def record(self, layer: int, topk_ids: Any, predicted_next: Any = None) -> None:
+        if not self.disabled:
+            try:
+                self._writer.record(layer, topk_ids, predicted_next)
+            except OSError as err:
+                self._disable(err)
+
+    def end_step(self) -> None:
+        if not self.disabled:
+            try:
+                self._writer.end_step()
+            except OSError as err:
+                self._disable(err)
+
+    def close(self) -> None:
+        if self.disabled:
+            return
+        try:
+            self._writer.close()
+        except OSError as err:
+            self._disable(err)
+
+    def _disable(self, err: OSError) -> None:
+        self.disabled = True
+        log.error("record_trace: writing %s failed (%s); routing is no longer recorded, serving goes on (the file "
+                  "ends at the last whole record before the failure, or earlier)", self.path, err.strerror or err)
+        with contextlib.suppress(OSError):
+            self._writer.close()  # a full disk may refuse the last flush too
+        if self._on_disable is not None:
+            self._on_disable()
 
 
 def checked_ids(ids: Any, layer: int, num_experts: int) -> np.ndarray:

@@ -15,12 +15,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from moeserve.engine.async_engine import State
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.errors import APIError, install_error_handlers
+from moeserve.server.guard import RequestGuard
 from moeserve.server.metrics import StatsLogger
 from moeserve.server.protocol import (
     ChatCompletionRequest,
@@ -67,12 +69,31 @@ async def _log_stats(stats: StatsLogger) -> None:
             log.info("%s", line)
 
 
+def _keyed_docs(app: FastAPI, auth: list[Any]) -> None:
+    """/openapi.json, /docs and /redoc behind the API key (the schema lists every route and field: with a key set
+    the server is not open to browse). The HTML pages load the schema from the browser without the key, so with a
+    key set, read the schema with `curl -H "Authorization: Bearer KEY" .../openapi.json`."""
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=auth)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=auth)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=auth)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+
 def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     """The app. With `manage_engine`, startup starts the engine thread (the model loads in the background while
     /health answers 503) and shutdown stops it."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         stats_task = None
         if manage_engine:
             state.engine.start()
@@ -84,12 +105,19 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                 stats_task.cancel()
             if manage_engine:
                 state.engine.shutdown()
+            state.close()
 
+    keyed = state.settings.api_key is not None
     app = FastAPI(title="moeserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server for Mixture-of-Experts models larger than memory.")
+                  description="OpenAI-compatible server for Mixture-of-Experts models larger than memory.",
+                  openapi_url=None if keyed else "/openapi.json", docs_url=None if keyed else "/docs",
+                  redoc_url=None if keyed else "/redoc")
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=int(state.settings.max_request_body_mb * 1e6))
     auth = [_api_key_check(state)]
+    if keyed:
+        _keyed_docs(app, auth)
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health(strict: bool = False) -> Response:
@@ -136,11 +164,13 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            ids = state.chat_format().render(body.messages, body.add_generation_prompt).token_ids
+            rendered = await state.off_loop(state.chat_format().render, body.messages, body.add_generation_prompt)
+            ids = rendered.token_ids
         else:
             if state.tokenizer is None:
                 raise APIError(400, "this server runs without a tokenizer", param="prompt")
-            ids = state.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            ids = await state.off_loop(state.tokenizer.encode, body.prompt or "",
+                                       add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
@@ -152,6 +182,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
-        return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        text = await state.off_loop(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
 
     return app

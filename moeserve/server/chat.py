@@ -88,7 +88,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.accept(req.model, req)
     chat_format = state.chat_format()
     try:
-        prompt = chat_format.render(req)
+        prompt = await state.off_loop(chat_format.render, req)  # off the event loop: a long prompt takes seconds
     except RequestError as err:  # as an APIError: the catch-all handler would also close the connection
         raise from_exception(err) from None
     max_tokens = check_context(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,

@@ -45,7 +45,7 @@ def completion_logprobs(logprobs: list[dict[int, Logprob]], token_ids: list[int]
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def _prompt_token_ids(req: CompletionRequest, state: ServerState) -> list[list[int]]:
+async def _prompt_token_ids(req: CompletionRequest, state: ServerState) -> list[list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -55,13 +55,14 @@ def _prompt_token_ids(req: CompletionRequest, state: ServerState) -> list[list[i
         prompts = list(prompt)  # type: ignore[arg-type]
     if len(prompts) > 64:
         raise APIError(400, "at most 64 prompts per request", param="prompt")
-    out = []
+    out: list[list[int]] = []
     for p in prompts:
-        if isinstance(p, str):
-            if state.tokenizer is None:
-                raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
-            p = state.tokenizer.encode(p)
-        out.append(list(p))
+        if not isinstance(p, str):
+            out.append(list(p))
+            continue
+        if state.tokenizer is None:
+            raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
+        out.append(list(await state.off_loop(state.tokenizer.encode, p)))  # off the event loop: a long text takes s
     return out
 
 
@@ -69,7 +70,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     state.accept(req.model, req)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
-    prompts = _prompt_token_ids(req, state)
+    prompts = await _prompt_token_ids(req, state)
     try:
         spec = grammar_spec(req)
     except RequestError as err:  # as an APIError: the catch-all handler would also close the connection

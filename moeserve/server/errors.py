@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.engine.async_engine import EngineDeadError, EngineLoadingError, QueueFullError
 from moeserve.errors import ExpertLoadError, MoeserveError, RequestError
+from moeserve.server.log_text import client_text
 
 log = logging.getLogger("moeserve.server")
 
@@ -88,22 +89,36 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts), first_param
 
 
+def log_client_error(method: str, path: str, err: APIError) -> None:
+    """A client error (4xx) in one INFO line, escaped and cut (never a traceback: a fuzzer's bad requests must not
+    bury the log, nor forge lines in it)."""
+    if err.status < 500:
+        log.info("%s %s -> %d: %s", method, client_text(path), err.status, client_text(err.message))
+
+
+def answer(request: Request, err: APIError) -> JSONResponse:
+    """The error's response, logged by log_client_error."""
+    log_client_error(request.method, request.url.path, err)
+    return err.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error the app can produce leaves in the OpenAI shape."""
+    """Every error the app can produce leaves in the OpenAI shape. Exceptions of other types are answered by
+    guard.RequestGuard (Starlette's catch-all handler would re-raise them and close the connection)."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(err)
-        return APIError(400, message, param=param).response()
+        return answer(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return APIError(err.status_code, str(err.detail), kind, headers=dict(err.headers or {})).response()
+        return answer(request, APIError(err.status_code, str(err.detail), kind, headers=dict(err.headers or {})))
 
     @app.exception_handler(APIError)
-    async def _api(_: Request, err: APIError) -> JSONResponse:
-        return err.response()
+    async def _api(request: Request, err: APIError) -> JSONResponse:
+        return answer(request, err)
 
     @app.exception_handler(Exception)
     async def _any(_: Request, err: Exception) -> JSONResponse:

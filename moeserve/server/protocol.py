@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -79,7 +79,8 @@ class SamplingFields(RequestModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=-SEED_MAX, le=SEED_MAX)
-    stop: str | list[str] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    # At most MAX_STOP_STRINGS items (OpenAI allows 4); one string may be any length; "" stops nothing (dropped).
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -32,6 +32,10 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
     return max_tokens
 
 
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, logprobs: int | None,
                     extra_stop_token_ids: list[int] | None = None, extra_stop: list[str] | None = None,
                     constraint: Constraint | None = None) -> SamplingParams:
@@ -52,7 +56,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, max_num_seqs: int, log
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,
-        stop=([req.stop] if isinstance(req.stop, str) else list(req.stop or [])) + list(extra_stop or []),
+        stop=[s for s in _stop_strings(req.stop) if s] + list(extra_stop or []),  # "" stops nothing: dropped
         stop_token_ids=stop_ids,
         ignore_eos=req.ignore_eos,
         max_tokens=max_tokens,

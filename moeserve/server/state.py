@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from moeserve.config import ServerSettings
-from moeserve.engine.async_engine import AsyncEngine
+from moeserve.engine.async_engine import AsyncEngine, EngineDeadError
 from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatFormat, chat_format_for
 from moeserve.server.errors import APIError, from_exception, model_not_found
@@ -18,6 +22,11 @@ from moeserve.server.protocol import RequestModel, SamplingFields
 from moeserve.server.request_fields import check_request_fields
 
 log = logging.getLogger("moeserve.server")
+T = TypeVar("T")
+
+# Streams still open this long before uvicorn's graceful-shutdown deadline are ended by the server (an error event,
+# then [DONE]) rather than cut mid-body by uvicorn's task cancellation.
+STREAM_CUT_MARGIN_S = 0.5
 
 
 @dataclass
@@ -27,8 +36,41 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     draining: bool = False
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, set at start-up (for the shutdown timer)
     _chat_format: ChatFormat | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Tokenization and template rendering run here, off the event loop (a 10 MB prompt took ~14 s and stalled
+    # every stream and /health). One thread: HF fast tokenizers are not safe to reconfigure concurrently, and one
+    # big prompt at a time bounds the memory it takes.
+    _text_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the tokenization thread; the event loop keeps serving meanwhile."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
+
+    def begin_drain(self) -> None:
+        """Refuse new work (503) from now on; streams still open `shutdown_timeout` - STREAM_CUT_MARGIN_S from
+        now end with an error event and [DONE] instead of being cut mid-body. Safe from a signal handler."""
+        if self.draining:
+            return
+        self.draining = True
+        if self.loop is None:
+            return
+        delay = max(0.0, self.settings.shutdown_timeout - STREAM_CUT_MARGIN_S)
+        self.loop.call_soon_threadsafe(self.loop.call_later, delay, self._end_open_streams)
+
+    def _end_open_streams(self) -> None:
+        timeout = self.settings.shutdown_timeout
+        ended = self.engine.end_streams(EngineDeadError(
+            f"the server is shutting down and its shutdown timeout ({timeout:g} s) ran out before this request "
+            "finished; retry on another server or later"))
+        if ended:
+            log.warning("shutdown timeout (%g s) reached: ended %d open request(s) with an error", timeout, ended)
 
     # --------------------------------------------------------------------------------- the loaded engine
     @property
