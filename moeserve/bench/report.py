@@ -17,7 +17,8 @@ BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0),
-    "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0)}
+    "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0), "moeserve-lru": (2.0, 2.0),
+    "moeserve-prefetch": (2.0, 2.0)}
 
 
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],
@@ -98,7 +99,9 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
             "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
             # measured by moeserve's store; unknown for peers (None)
-            "bytes_per_token_disk": (mine.get("bytes_read", 0) / tokens) if mine else None,
+            "bytes_per_token_disk": (mine.get("bytes_from_disk", mine.get("bytes_read", 0)) / tokens) if mine else None,
+            "bytes_per_token_host": (mine.get("bytes_from_host", 0) / tokens) if mine else None,
+            "prefetched_per_token": (mine.get("prefetched", 0) / tokens) if mine else None,
             # how many times faster moeserve is than this engine, paired run by run
             "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
         })
@@ -116,7 +119,8 @@ def _settings(cfg: BenchConfig) -> dict[str, Any]:
     return {"cases": list(cfg.cases), "peers": list(cfg.peers), "new_tokens": cfg.new_tokens,
             "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
             "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads,
-            "prefetch": cfg.prefetch, "memory_limit_bytes": cfg.memory_limit_bytes}
+            "prefetch": cfg.prefetch, "memory_limit_bytes": cfg.memory_limit_bytes,
+            "route_trace": None if cfg.route_trace is None else str(cfg.route_trace)}
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -132,22 +136,49 @@ def format_table(summary: dict[str, Any]) -> str:
                  "best probe)" if beside else "")]
     limit = summary["settings"].get("memory_limit_bytes")
     if limit:
-        peaks = ", ".join(f"{row['engine']} {row['memory_peak_bytes'] / 2**30:.2f}" for row in summary["rows"]
-                          if row["case"] == summary["rows"][0]["case"] and row.get("memory_peak_bytes"))
         lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
-                     f"that much memory); peak charged GiB: {peaks or 'n/a'}")
-    header = (f"{'case':<10} {'engine':<32} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'of best':>7} {'ours/it':>7} "
-              f"{'peak RSS':>9} {'hit rate':>8} {'MB/tok mem':>10} {'MB/tok disk':>11}")
+                     "that much memory); 'charged': the most its cgroup held at once")
+    if summary["settings"].get("route_trace"):
+        lines.append(f"ROUTING FORCED BY THE TRACE {summary['settings']['route_trace']} (benchmark only: moeserve's "
+                     "experts follow it, through the per-op layer pass)")
+    header = (f"{'case':<10} {'engine':<26} {'tok/s':>8} {'ceiling':>8} {'of ceil':>7} {'of best':>7} {'ours/it':>7} "
+              f"{'peak RSS':>9} {'charged':>9} {'hit rate':>8} {'MB/tok mem':>10} {'MB/tok disk':>11} {'MB/tok host':>11}")
     lines += [header, "-" * len(header)]
     for row in summary["rows"]:
-        hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
-        vs = "-" if row["moeserve_speedup"] is None else f"{row['moeserve_speedup']:.2f}x"
-        disk = "-" if row["bytes_per_token_disk"] is None else f"{row['bytes_per_token_disk'] / 1e6:.1f}"
-        lines.append(
-            f"{row['case']:<10} {row['engine']:<32} {row['tokens_per_s']:>8.2f} {row['ceiling_tokens_per_s']:>8.1f} "
-            f"{row['fraction_of_ceiling']:>7.0%} {row['fraction_of_best_probe_ceiling']:>7.0%} {vs:>7} "
-            f"{row['peak_rss_bytes'] / 2**20:>7.0f}Mi {hit:>8} "
-            f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {disk:>11}")
+        lines.append(_format_row(row))
+    lines += unbounded_notes(summary)
     for s in summary["skipped"]:
         lines.append(f"skipped {s['engine']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
+    vs = "-" if row["moeserve_speedup"] is None else f"{row['moeserve_speedup']:.2f}x"
+    mb = {k: "-" if row.get(k) is None else f"{row[k] / 1e6:.1f}" for k in ("bytes_per_token_disk",
+                                                                            "bytes_per_token_host")}
+    charged = "-" if not row.get("memory_peak_bytes") else f"{row['memory_peak_bytes'] / 2**20:.0f}Mi"
+    return (f"{row['case']:<10} {row['engine']:<26} {row['tokens_per_s']:>8.2f} {row['ceiling_tokens_per_s']:>8.1f} "
+            f"{row['fraction_of_ceiling']:>7.0%} {row['fraction_of_best_probe_ceiling']:>7.0%} {vs:>7} "
+            f"{row['peak_rss_bytes'] / 2**20:>7.0f}Mi {charged:>9} {hit:>8} "
+            f"{row['bytes_per_token_memory'] / 1e6:>10.1f} {mb['bytes_per_token_disk']:>11} "
+            f"{mb['bytes_per_token_host']:>11}")
+
+
+def unbounded_notes(summary: dict[str, Any]) -> list[str]:
+    """One line per engine whose run the memory limit did not bound: its peak RSS above the limit, or far above
+    what its cgroup was charged (pages it maps are charged elsewhere, e.g. a file another process left in the page
+    cache). Without a limit, one line saying every run was unbounded."""
+    limit = summary["settings"].get("memory_limit_bytes")
+    if not limit:
+        return ["no memory limit: every engine could use the whole machine (peak RSS shown; --memory-limit-gb "
+                "bounds each, page cache included)"] if summary["rows"] else []
+    notes = []
+    for row in summary["rows"]:
+        rss, charged = row["peak_rss_bytes"], row.get("memory_peak_bytes") or 0
+        # slack: shared libraries the parent already read count in RSS, charged to the parent (~0.5 GiB of torch)
+        if rss > limit or rss > charged + max(0.25 * limit, 512 * 2**20):
+            notes.append(f"NOT BOUNDED: {row['case']} {row['engine']}: peak RSS {rss / 2**30:.2f} GiB, charged "
+                         f"{charged / 2**30:.2f} GiB of a {limit / 2**30:.1f} GiB limit: pages it maps are charged "
+                         "elsewhere (left in the page cache by another process?), so the limit did not hold it")
+    return notes

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from moeserve.bench import ceilings, memlimit, probes
+from moeserve.bench import ceilings, memlimit, pagecache, probes
 from moeserve.bench.shapes import BenchShape
 from moeserve.bench.worker import BenchWorkerError, Worker
 
@@ -32,7 +32,8 @@ CASES = ("decode-b1", "decode-b8", "prefill")
 SELF_PEERS: dict[str, dict[str, Any]] = {
     "moeserve-no-prefetch": {"prefetch": False}, "moeserve-torch-kernels": {"kernels": "torch"},
     "moeserve-plain-experts": {"expert_layout": "plain"}, "moeserve-per-op": {"decode_step": "per_op"},
-    "moeserve-batch-variant": {"batch_invariant": False},
+    "moeserve-batch-variant": {"batch_invariant": False}, "moeserve-lru": {"cache_policy": "lru"},
+    "moeserve-prefetch": {"prefetch": True},
 }
 PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
 
@@ -55,6 +56,8 @@ class BenchConfig:
     # Each engine's process in a memory cgroup of this many bytes, page cache included (bench/memlimit.py): a
     # machine with that much memory. None: no limit.
     memory_limit_bytes: int | None = None
+    # BENCHMARK ONLY: moeserve's experts follow this routing trace (bench/route_trace.py); None: its routers
+    route_trace: Path | None = None
 
 
 @dataclass
@@ -97,6 +100,8 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     ours: dict[str, Any] = dict(model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
                                 quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
                                 max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
+    if cfg.route_trace is not None:
+        ours["route_trace"] = str(cfg.route_trace)
     try:
         _start_all(cfg, cache_dir, workers, skipped, ours)
     except BaseException:
@@ -106,16 +111,31 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     return workers, skipped
 
 
+def drop_inputs(paths: list[Path], engine: str) -> pagecache.DropReport:
+    """Drop the bench's files from the page cache before `engine` starts, so it reads its weights into its own
+    memory (and cgroup) instead of mapping pages another process left there, uncharged (bench/pagecache.py)."""
+    report = pagecache.drop(paths)
+    log.info("before %s: %s", engine, report.describe())
+    return report
+
+
 def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], skipped: list[Skipped],
                ours: dict[str, Any]) -> None:
+    drop_inputs([cfg.checkpoint], "moeserve")
     workers["moeserve"] = Worker("moeserve", cgroup=_cgroup(cfg, "moeserve"), **ours,
                                  **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
     for peer in cfg.peers:
         if peer in SELF_PEERS:  # moeserve against itself with one setting changed: that setting's gain, paired
             keep_prefetch = {} if cfg.prefetch is None or "prefetch" in SELF_PEERS[peer] else {"prefetch": cfg.prefetch}
+            drop_inputs([cfg.checkpoint], peer)
             workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, **SELF_PEERS[peer], **keep_prefetch)
             continue
+        if cfg.route_trace is not None:
+            skipped.append(Skipped(peer, "routes by its own router: not comparable under --route-trace"))
+            log.warning("peer %s skipped: it routes by its own router, not by --route-trace", peer)
+            continue
         try:
+            drop_inputs([cfg.checkpoint], peer)  # the GGUF too: _start_peer drops it after writing it
             workers[peer] = _start_peer(peer, cfg, cache_dir)
         except (ImportError, BenchWorkerError, OSError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -156,6 +176,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
 
         kind = "q8_0" if peer.endswith("q8") else "bf16"
         path = ensure_gguf(cfg.checkpoint, cfg.shape, kind)
+        drop_inputs([path], peer)  # just written (or left by an earlier run): charged to this process, not the peer
         return Worker("llama.cpp", cgroup=_cgroup(cfg, peer), gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     raise ValueError(f"unknown peer {peer!r} (valid: {', '.join(PEERS)})")

@@ -8,6 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from moeserve.bench.shapes import BenchShape
 from moeserve.errors import ConfigError
 
 log = logging.getLogger("moeserve.bench")
@@ -31,6 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine and case (after one warm-up)")
     p.add_argument("--expert-cache-gb", type=float, default=None,
                    help="expert cache for moeserve (and accelerate's CPU budget); default per shape")
+    p.add_argument("--expert-cache-fraction", type=float, default=None,
+                   help="expert cache as a fraction of all the shape's experts (e.g. 0.25); instead of --expert-cache-gb")
+    p.add_argument("--route-trace", type=Path, default=None,
+                   help="BENCHMARK ONLY: moeserve's experts follow this routing trace (moetrace, JSON lines or a FLAME "
+                        "folder; see docs/trace-format.md) instead of the synthetic routers, so the cache sees a real "
+                        "model's locality; peers other than moeserve's variants are skipped")
     p.add_argument("--quantization", default="none", choices=["none", "int8"], help="moeserve's on-load quantization")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="moeserve's expert prefetch (default: the engine's default)")
@@ -61,6 +68,23 @@ def _limit_bytes(gb: float | None) -> int | None:
     return int(gb * 2**30)
 
 
+def _cache_gb(args: argparse.Namespace, shape: BenchShape, default: float | None) -> float | None:
+    """--expert-cache-gb, or --expert-cache-fraction of the shape's experts as GiB (whole units, logged), or the
+    shape's default."""
+    fraction = args.expert_cache_fraction
+    if fraction is None:
+        return args.expert_cache_gb if args.expert_cache_gb is not None else default
+    if args.expert_cache_gb is not None:
+        raise ConfigError("give --expert-cache-gb or --expert-cache-fraction, not both")
+    if not 0 < fraction <= 1:
+        raise ConfigError(f"--expert-cache-fraction must be in (0, 1] (got {fraction})")
+    unit = shape.expert_params * 2  # one bf16 unit (the synthetic shapes' fields are 64-byte multiples)
+    count = max(1, round(fraction * shape.total_experts))
+    log.info("expert cache: %d of %d experts (%.0f%%) = %.3f GiB", count, shape.total_experts,
+             100 * count / shape.total_experts, count * unit / 2**30)
+    return (count + 0.5) * unit / 2**30  # half a unit over: the engine's floor division keeps `count`
+
+
 def run(args: argparse.Namespace) -> int:
     from moeserve.bench import report, runner
     from moeserve.bench.shapes import DEFAULT_EXPERT_CACHE_GB, get_shape
@@ -77,10 +101,12 @@ def run(args: argparse.Namespace) -> int:
     if args.build_only:
         print(checkpoint)
         return 0
-    cache_gb = args.expert_cache_gb if args.expert_cache_gb is not None else DEFAULT_EXPERT_CACHE_GB[shape.name]
+    cache_gb = _cache_gb(args, shape, DEFAULT_EXPERT_CACHE_GB[shape.name])
+    if args.route_trace is not None and not args.route_trace.exists():
+        raise ConfigError(f"--route-trace {args.route_trace}: no such file or folder")
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
                              args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
-                             memory_limit_bytes=_limit_bytes(args.memory_limit_gb))
+                             memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace)
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:

@@ -163,3 +163,31 @@ def test_flame_folder_maps_onto_the_small_shape():
     assert all(len(set(row)) == 4 for row in mapped.ids.reshape(-1, 4).tolist())
     assert json.dumps(mapped.notes)  # three notes: layers, experts, top-k
     assert len(mapped.notes) == 3
+
+
+@pytest.mark.slow
+def test_bench_with_a_route_trace_and_a_cache_fraction(tmp_path, capsys):
+    """`moeserve bench --route-trace` on the tiny shape (2 layers, top-2 of 8), a trace of another size (3 layers,
+    16 experts, top-3): moeserve and its LRU variant run, the transformers peer is skipped with the reason, the
+    cache holds 25% of the experts and misses, and the table says the routing was forced."""
+    from moeserve.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    rng = np.random.default_rng(0)
+    header = TraceHeader(model="t", num_layers=3, num_experts=16, top_k=3, moe_layers=(0, 1, 2))
+    steps = [[LayerRecord(layer, rng.choice(16, (1, 3), replace=False).astype(np.uint16)) for layer in range(3)]
+             for _ in range(50)]
+    write_trace_file(trace, header, steps, "jsonl")
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--shape", "tiny", "--cache-dir", str(tmp_path / "cache"), "--tokens", "4", "--repeats", "1",
+               "--prompt-len", "4", "--cases", "decode-b1", "--peers", "moeserve-lru,transformers",
+               "--expert-cache-fraction", "0.25", "--route-trace", str(trace), "--json", str(out)])
+    assert rc == 0
+    summary = json.loads(out.read_text())
+    rows = {r["engine"]: r for r in summary["rows"]}
+    assert set(rows) == {"moeserve", "moeserve-lru"}
+    assert summary["skipped"][0]["engine"] == "transformers" and "--route-trace" in summary["skipped"][0]["reason"]
+    for row in rows.values():
+        assert 0 < row["expert_hit_rate"] < 1 and row["bytes_per_token_disk"] > 0
+    assert summary["settings"]["route_trace"] == str(trace)
+    assert "ROUTING FORCED BY THE TRACE" in capsys.readouterr().out
