@@ -1,10 +1,12 @@
 """`moeserve plan MODEL [--memory-gb N] [engine settings]`: will it fit, how, and how fast can it go? Loads no weights.
 
-Reads config.json and the shard headers and splits the memory budget (the engine setting memory_gb: --memory-gb,
-MOESERVE_MEMORY_GB; default free memory less headroom) with memory/split.py, the function the engine calls at
-start-up, printing the same "name: value" lines the engine logs. The runtime part is RUNTIME_OVERHEAD_BYTES (plan
-is not the serving process, which measures its own RSS) plus one step's activations. Then it probes RAM and disk
-bandwidth for a fraction of a second (skip with --no-probe) and prints the decode speed ceilings that follow.
+Reads config.json and the shard headers and sizes every tier (the engine setting memory_gb: --memory-gb,
+MOESERVE_MEMORY_GB; default free memory less headroom; host_cache_gb; unified_memory) with memory/sizing.py
+`size_tiers`, the function the engine calls at start-up, printing the same "name: value" lines the engine logs.
+The runtime part is RUNTIME_OVERHEAD_BYTES (plan is not the serving process, which measures its own RSS) plus one
+step's activations. Then it probes RAM and disk bandwidth for a fraction of a second (skip with --no-probe), and
+host -> GPU copies on a discrete GPU (pageable where pinning is unavailable, said so), and prints the decode speed
+ceilings that follow.
 Refuses (exit 1, one line) what the engine would refuse: a budget the parts cannot fit in.
 """
 
@@ -42,15 +44,11 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     footprint, dtype_name, expert_refs = _footprint(ckpt, arch, spec, s)
-    topology = detect_topology(device)
+    topology = detect_topology(device, s.unified_memory)
     needs = _needs(spec, s, dtype_name, footprint)
-    plan = make_plan(footprint, needs, memory_gb=s.memory_gb,
-                     expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb, host_cache_gb=s.host_cache_gb,
-                     max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs, device_type=device.type,
-                     unified=topology.unified, free_bytes=topology.fast_free_bytes)
+    plan = make_plan(footprint, needs, topology, s)
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
-    print(f"memory: {topology.reason}")
-    for name, line in plan.split.lines:  # the very lines the engine logs at start-up (memory/split.py)
+    for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
     print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up (plan "
           f"is not that process; the engine measures its own) + {(needs.overhead_bytes - RUNTIME_OVERHEAD_BYTES) / MiB:.1f}"
@@ -69,12 +67,16 @@ def run(args: argparse.Namespace) -> int:
         disk = disk_read_bandwidth(expert_refs)
         fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
         disk_bw = disk.bytes_per_s if disk is not None else None
+        h2d = None
         if device.type == "cuda" and not topology.unified:  # pragma: no cover - needs a GPU
-            host_bw = host_to_device_bandwidth(device).bytes_per_s
+            from moeserve.experts.transfer import CudaOps
+
+            h2d = host_to_device_bandwidth(CudaOps(device), device)
+            host_bw = h2d.bytes_per_s
         print(f"bandwidth: RAM copy {ram.gb_per_s:.1f} GB/s"
               + (f"; disk read {disk.gb_per_s:.2f} GB/s (cold, {disk.nbytes / MiB:.0f} MiB{_note(disk.note)})"
                  if disk is not None else "")
-              + (f"; host->GPU {host_bw / 1e9:.1f} GB/s" if host_bw else ""))
+              + (f"; host->GPU {h2d.gb_per_s:.1f} GB/s{_note(h2d.note)}" if h2d is not None else ""))
     for line in _ceilings(plan, fast_bw, host_bw, disk_bw, device.type):
         print(line)
     ckpt.close()
@@ -130,7 +132,6 @@ def _sizes(plan: MemoryPlan) -> list[str]:
         f"experts: {f.total_experts * f.unit_nbytes / MiB:.1f} MiB in all ({f.num_moe_layers} MoE layers x "
         f"{f.num_experts} experts of {f.unit_nbytes / MiB:.2f} MiB; top-{f.top_k} per token); the fast tier holds "
         f"{plan.capacity} = {plan.experts_per_layer:.1f} per layer of {f.num_experts}",
-        f"host tier: {plan.host.cache_bytes / MiB:.1f} MiB ({plan.host.reason})",
         f"bytes per token: fast tier {plan.fast_bytes_per_token / MiB:.1f} MiB; worst case from host "
         f"{plan.worst_host_bytes_per_token / MiB:.1f} MiB, from disk {plan.worst_disk_bytes_per_token / MiB:.1f} MiB",
     ]

@@ -356,6 +356,8 @@ class ExpertStore:
         if self.prefetcher is not None:
             self.prefetcher.close()
         self._misses.close()
+        if self.loader.host is not None:
+            self.loader.host.close()  # its pinned chunks go back to the OS now, not at exit (memory/pinned.py)
         self.source.close()
         self.source.checkpoint.close()
 

@@ -19,9 +19,11 @@ import torch
 
 from moeserve.checkpoint.finite import check_expert_unit
 from moeserve.experts.policies import LRUPolicy
-from moeserve.experts.transfer import HostToDevice, host_buffer
+from moeserve.experts.transfer import HostToDevice
 from moeserve.experts.unit import ExpertSource
 from moeserve.experts.verify import UnitVerifier, choose_checksum
+from moeserve.memory.chunks import plan_chunks
+from moeserve.memory.pinned import ChunkedHostPool
 
 Key = tuple[int, int]  # (layer, expert)
 
@@ -32,17 +34,14 @@ class Tier(StrEnum):
 
 
 class HostTier:
-    """A fixed pool of `capacity` units in host RAM (pinned where possible) with LRU replacement."""
+    """A fixed pool of `capacity` units in host RAM with LRU replacement, in power-of-two chunks pinned where
+    possible (memory/pinned.py: nothing for torch's pinned allocator to round up; a failure logged, the rest
+    pageable)."""
 
     def __init__(self, capacity: int, unit_nbytes: int, copier: HostToDevice | None) -> None:
         self.capacity = capacity
-        self.pinned = False
-        if copier is not None:
-            flat, why_not = host_buffer(copier.ops, capacity * unit_nbytes)
-            self.pinned = why_not is None
-        else:
-            flat = torch.empty(capacity * unit_nbytes, dtype=torch.uint8)
-        self.pool = flat.view(capacity, unit_nbytes)  # [capacity, unit_nbytes]: one row per host slot
+        # pinned only when there is a device to copy to (a CPU fast tier under a host tier copies plainly)
+        self.pool = ChunkedHostPool(plan_chunks(capacity, unit_nbytes), copier.ops.empty_pinned if copier else None)
         self._slot_of: dict[Key, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
         self._lru = LRUPolicy()
@@ -50,14 +49,33 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        return self.pool.numel()
+        """The chunks' bytes, slack included (what the tier holds of RAM)."""
+        return self.pool.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        """Every chunk is pinned."""
+        return self.pool.all_pinned
+
+    def is_pinned(self, t: torch.Tensor) -> bool | None:
+        """Whether `t` lies in a pinned chunk of this tier (None: not in this tier)."""
+        return self.pool.is_pinned(t)
+
+    def describe(self) -> str:
+        return self.pool.describe()
+
+    def close(self) -> None:
+        """Free the chunks and give the pinned RAM back (the tier is unusable after)."""
+        self._slot_of.clear()
+        self._free.clear()
+        self.pool.close()
 
     def lookup(self, key: Key) -> torch.Tensor | None:
         slot = self._slot_of.get(key)
         if slot is None:
             return None
         self._lru.on_hit(key)
-        return self.pool[slot]
+        return self.pool.slots[slot]
 
     def reserve(self, key: Key) -> torch.Tensor:
         """A host slot for `key` (evicting the LRU unit); the caller fills it, or calls `forget` on failure."""
@@ -70,7 +88,7 @@ class HostTier:
             self.evictions += 1
         self._slot_of[key] = slot
         self._lru.on_insert(key)
-        return self.pool[slot]
+        return self.pool.slots[slot]
 
     def forget(self, key: Key) -> None:
         slot = self._slot_of.pop(key, None)
@@ -146,7 +164,7 @@ class Loader:
         # guessed per call: a host-tier slot, or the staging buffer.
         assert self.copier is not None
         if self.host is not None:
-            start = self.host.pool.data_ptr()
-            if start <= src.data_ptr() < start + self.host.nbytes:
-                return self.host.pinned
+            pinned = self.host.is_pinned(src)
+            if pinned is not None:
+                return pinned
         return self.copier.mode.asynchronous and src.data_ptr() == self.copier.staging.data_ptr()

@@ -4,7 +4,7 @@
 - Disk: cold reads of a checkpoint's own expert tensors with pread, after dropping their page cache with
   posix_fadvise(DONTNEED), so the figure is the device's and not the kernel cache's (dirty or mapped pages cannot
   be dropped: a checkpoint written seconds ago may still read at page-cache speed, and the probe says so).
-- Host -> GPU: pinned copies, on CUDA machines.
+- Host -> GPU: pinned copies on CUDA machines, pageable ones where pinning is unavailable (said in the note).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.checkpoint.safetensors_file import FileReader, TensorRef
+from moeserve.experts.transfer import DeviceOps, host_buffer
 
 MiB = 2**20
 
@@ -80,13 +81,16 @@ def _drop_page_cache(refs: Sequence[TensorRef]) -> bool:
     return True
 
 
-def host_to_device_bandwidth(device: torch.device, nbytes: int = 64 * MiB) -> Bandwidth:  # pragma: no cover
-    """Pinned host -> GPU copy bandwidth (CUDA machines)."""
-    src = torch.ones(nbytes, dtype=torch.uint8).pin_memory()
+def host_to_device_bandwidth(ops: DeviceOps, device: torch.device, nbytes: int = 64 * MiB) -> Bandwidth:
+    """Host -> device copy bandwidth through `ops` (CudaOps on a GPU; tests pass a fake): from pinned memory, or,
+    where pinning is unavailable (WSL, a locked-memory limit), from pageable memory with blocking copies, as the
+    engine would then copy, and the note says so."""
+    src, why_not = host_buffer(ops, nbytes)
+    pinned = why_not is None
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
+    ops.synchronize(ops.copy(dst, src, non_blocking=pinned))  # warm-up
     t0 = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    return Bandwidth(nbytes / (time.perf_counter() - t0), nbytes)
+    ops.synchronize(ops.copy(dst, src, non_blocking=pinned))
+    seconds = time.perf_counter() - t0
+    note = "" if pinned else f"pinned memory unavailable ({why_not}): pageable, blocking copies"
+    return Bandwidth(nbytes / max(seconds, 1e-9), nbytes, note)

@@ -5,8 +5,15 @@ cache, KV pool) is split by memory/split.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
+
+from moeserve.errors import ConfigError
+from moeserve.memory.chunks import capacity_within, fmt_bytes, plan_chunks
+
+if TYPE_CHECKING:
+    from moeserve.memory.topology import MemoryTopology
 
 GiB = 1024**3
 # Headroom kept free for activations, allocator slack, the Python heap and the OS when moeserve picks budgets
@@ -30,35 +37,46 @@ def available_memory_bytes() -> int:
 @dataclass(frozen=True)
 class HostBudget:
     capacity: int  # experts held in the host RAM tier (0 = no host tier)
-    cache_bytes: int
+    cache_bytes: int  # what its power-of-two chunks take, slack included (memory/pinned.py)
     reason: str
 
 
-def choose_host_budget(
-    host_cache_gb: float | None,
-    unit_nbytes: int,
-    total_experts: int,
-    fast_capacity: int,
-    device_type: str,
-    unified: bool,
-    available_bytes: int | None = None,
-) -> HostBudget:
+def host_headroom_bytes(available_bytes: int) -> int:
+    """RAM a host tier leaves free: pinned pages cannot be swapped or reclaimed, so the rest of the process and
+    the OS keep the same headroom as a derived budget."""
+    return max(HEADROOM_MIN_BYTES, int(available_bytes * HEADROOM_FRACTION))
+
+
+def choose_host_budget(host_cache_gb: float | None, unit_nbytes: int, total_experts: int, fast_capacity: int,
+                       topology: MemoryTopology) -> HostBudget:
     """Host RAM tier between the device slots and disk: only on a discrete CUDA device, and only when the fast
-    tier does not already hold every expert. Default: as much of free RAM as the experts need, less headroom."""
-    if device_type != "cuda":
+    tier does not already hold every expert. Counted in whole power-of-two chunks (memory/pinned.py). Default: as
+    much of free RAM as the experts need, less headroom; an explicit host_cache_gb above that is refused
+    (ConfigError, one line naming the numbers)."""
+    if topology.device_type != "cuda":
         why = "" if not host_cache_gb else f" (host_cache_gb={host_cache_gb:g} ignored)"
         return HostBudget(0, 0, f"no host tier: on CPU the fast tier is RAM{why}")
-    if unified:
+    if topology.unified:
         return HostBudget(0, 0, "no host tier: unified memory is one pool, all of it budgeted by expert_cache_gb")
     if fast_capacity >= total_experts:
         return HostBudget(0, 0, "no host tier: every expert is in GPU memory")
+    free = topology.host_free_bytes
+    headroom = host_headroom_bytes(free)
+    lockable = max(0, free - headroom)
+    ram = f"{fmt_bytes(free)} available less {fmt_bytes(headroom)} headroom"
     if host_cache_gb is not None:
-        capacity = min(total_experts, int(host_cache_gb * GiB) // unit_nbytes)
-        return HostBudget(capacity, capacity * unit_nbytes,
-                          f"host_cache_gb={host_cache_gb:g} holds {capacity} of {total_experts} experts")
-    free = available_memory_bytes() if available_bytes is None else available_bytes
-    headroom = max(HEADROOM_MIN_BYTES, int(free * HEADROOM_FRACTION))
-    capacity = max(0, min(total_experts, (free - headroom) // unit_nbytes))
-    return HostBudget(capacity, capacity * unit_nbytes,
-                      f"host tier of {capacity} of {total_experts} experts ({capacity * unit_nbytes / GiB:.2f} GiB) "
-                      f"from {free / GiB:.1f} GiB free RAM ({headroom / GiB:.1f} GiB kept as headroom)")
+        capacity = capacity_within(int(host_cache_gb * GiB), unit_nbytes, total_experts)
+        chunks = plan_chunks(capacity, unit_nbytes)
+        if chunks.nbytes > lockable:
+            raise ConfigError(f"host_cache_gb={host_cache_gb:g} needs {fmt_bytes(chunks.nbytes)} of pinned host RAM "
+                              f"({capacity} experts in {chunks.describe()}), more than the {fmt_bytes(lockable)} "
+                              f"that can be locked safely ({ram}): lower host_cache_gb, or leave it unset to size "
+                              "it from free RAM")
+        why = f"host_cache_gb={host_cache_gb:g}, set"
+    else:
+        capacity = capacity_within(lockable, unit_nbytes, total_experts)
+        chunks = plan_chunks(capacity, unit_nbytes)
+        why = f"auto: {ram}"
+    return HostBudget(capacity, chunks.nbytes,
+                      f"{capacity} of {total_experts} experts, {fmt_bytes(chunks.nbytes)} in {chunks.describe()}, "
+                      f"pinned where the driver allows ({why})")

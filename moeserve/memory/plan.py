@@ -2,8 +2,9 @@
 
 Every byte has an owner: resident weights (everything but experts), the expert store's read buffers, the runtime
 (interpreter, torch, activations), the KV pool, the expert cache in the fast tier, the host tier (discrete CUDA
-only). The fast tier is split by `memory/split.py` `split_memory`, the very function the engine calls at start-up,
-from the memory budget (`memory_gb`, or free memory less headroom); it refuses, one line, what cannot fit.
+only). Every tier is sized by `memory/sizing.py` `size_tiers`, the very function the engine calls at start-up: the
+fast tier split by `memory/split.py` from the memory budget (`memory_gb`, or free memory less headroom), the host
+tier from host RAM in pinned chunks; it refuses, one line, what cannot fit.
 
 Speed ceilings for decode (batch 1), from bytes per token and measured bandwidths:
 - fast tier: every resident weight but the embedding table (one row) plus top-k experts per MoE layer;
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.memory.budget import GiB, HostBudget, choose_host_budget
-from moeserve.memory.split import MemoryNeeds, MemorySplit, split_memory
+from moeserve.memory.budget import GiB, HostBudget
+from moeserve.memory.sizing import TierSettings, TierSizes, size_tiers
+from moeserve.memory.split import MemoryNeeds, MemorySplit
+from moeserve.memory.topology import MemoryTopology
 
 # The runtime `moeserve plan` charges for the serving process's RSS at start-up (interpreter, torch, tokenizer;
 # about 0.25 GiB on CPU): plan is not that process, so it states a generous figure where the engine measures its
@@ -47,6 +50,7 @@ class MemoryPlan:
     footprint: ModelFootprint
     split: MemorySplit  # the fast tier, as the engine will split it
     host: HostBudget
+    sizes: TierSizes  # both, with the lines the engine logs
 
     @property
     def capacity(self) -> int:  # experts in the fast tier
@@ -89,26 +93,10 @@ class MemoryPlan:
         return min(1.0, self.capacity / self.footprint.total_experts)
 
 
-def make_plan(
-    footprint: ModelFootprint,
-    needs: MemoryNeeds,
-    *,
-    memory_gb: float | None,
-    expert_cache_gb: float | None,
-    kv_cache_gb: float | None,
-    host_cache_gb: float | None,
-    max_model_len: int | None,
-    max_num_seqs: int,
-    device_type: str,
-    unified: bool,
-    free_bytes: int,
-) -> MemoryPlan:
-    """Split the fast tier with `split_memory` (ConfigError when it cannot fit) and size the host tier."""
-    split = split_memory(needs, memory_gb=memory_gb, expert_cache_gb=expert_cache_gb, kv_cache_gb=kv_cache_gb,
-                         max_model_len=max_model_len, max_num_seqs=max_num_seqs, free_bytes=free_bytes)
-    host = choose_host_budget(host_cache_gb, footprint.unit_nbytes, footprint.total_experts,
-                              split.expert_capacity, device_type, unified)
-    return MemoryPlan(footprint, split, host)
+def make_plan(footprint: ModelFootprint, needs: MemoryNeeds, topology: MemoryTopology, s: TierSettings) -> MemoryPlan:
+    """The tiers sized by `size_tiers`, the engine's own function (ConfigError when they cannot fit)."""
+    sizes = size_tiers(needs, topology, s)
+    return MemoryPlan(footprint, sizes.split, sizes.host, sizes)
 
 
 def decode_ceiling(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, disk_bw: float | None,

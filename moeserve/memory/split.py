@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import psutil
 
 from moeserve.errors import ConfigError
-from moeserve.memory.budget import HEADROOM_FRACTION, HEADROOM_MIN_BYTES
+from moeserve.memory.budget import HEADROOM_FRACTION, HEADROOM_MIN_BYTES, fmt_bytes
 
 GiB = 1024**3
 MiB = 2**20
@@ -78,11 +78,6 @@ class MemorySplit:
     @property
     def total_bytes(self) -> int:
         return self.resident_bytes + self.staging_bytes + self.overhead_bytes + self.expert_bytes + self.kv_bytes
-
-
-def fmt_bytes(n: float) -> str:
-    """'1.25 GiB', or '12.3 MiB' below 1 GiB."""
-    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.1f} MiB"
 
 
 def kv_for(needs: MemoryNeeds, tokens: int, seqs: int = 1) -> int:

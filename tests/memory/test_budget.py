@@ -1,34 +1,56 @@
-"""Budgets: explicit, from free memory, the host tier, and unified memory as one budget."""
+"""Budgets: the host tier (discrete CUDA only, in pinned power-of-two chunks, host_cache_gb checked against RAM)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import pytest
 
-import torch
-
+from moeserve.errors import ConfigError
 from moeserve.memory.budget import GiB, choose_host_budget
-from moeserve.memory.topology import detect_topology
+from moeserve.memory.chunks import plan_chunks
+from moeserve.memory.topology import MemoryTopology
 
-UNIT = 64 * 2**20  # one expert: 64 MiB
+MiB = 2**20
+UNIT = 64 * MiB  # one expert: 64 MiB (4 per 256 MiB chunk, no slack)
+
+
+def topo(kind: str = "discrete", host_free: int = 100 * GiB) -> MemoryTopology:
+    device = "cpu" if kind == "cpu" else "cuda"
+    return MemoryTopology(device, kind == "unified", 16 * GiB, host_free, 128 * GiB, kind)
 
 
 def test_host_tier_only_on_discrete_cuda():
-    cpu = choose_host_budget(4.0, UNIT, 100, 10, "cpu", unified=False)
+    cpu = choose_host_budget(4.0, UNIT, 100, 10, topo("cpu"))
     assert cpu.capacity == 0 and "ignored" in cpu.reason
-    unified = choose_host_budget(4.0, UNIT, 100, 10, "cuda", unified=True)
+    unified = choose_host_budget(4.0, UNIT, 100, 10, topo("unified"))
     assert unified.capacity == 0 and "one pool" in unified.reason
-    discrete = choose_host_budget(4.0, UNIT, 100, 10, "cuda", unified=False)
-    assert discrete.capacity == 64
-    auto = choose_host_budget(None, UNIT, 100, 10, "cuda", unified=False, available_bytes=5 * GiB)
-    assert auto.capacity == (5 * GiB - GiB) // UNIT  # 1 GiB headroom floor
-    assert choose_host_budget(None, UNIT, 100, 100, "cuda", unified=False).capacity == 0  # all on the GPU
+    discrete = choose_host_budget(4.0, UNIT, 100, 10, topo())
+    assert discrete.capacity == 64 and discrete.cache_bytes == 4 * GiB and "host_cache_gb=4, set" in discrete.reason
+    auto = choose_host_budget(None, UNIT, 100, 10, topo(host_free=5 * GiB))
+    assert auto.capacity == (5 * GiB - GiB) // UNIT  # 1 GiB headroom floor; 256 MiB chunks of 4 units, no slack
+    assert "auto: 5.00 GiB available less 1.00 GiB headroom" in auto.reason
+    assert choose_host_budget(None, UNIT, 100, 100, topo()).capacity == 0  # all on the GPU
 
 
-def test_topology_unified_memory_is_one_budget():
-    integrated = SimpleNamespace(name="NVIDIA GB10", is_integrated=1)
-    t = detect_topology(torch.device("cuda"), cuda_props=integrated, host_free_bytes=100 * GiB)
-    assert t.unified and t.fast_free_bytes == t.host_free_bytes == 100 * GiB and "one" in t.reason
-    discrete = SimpleNamespace(name="NVIDIA H100", is_integrated=0)
-    t = detect_topology(torch.device("cuda"), cuda_props=discrete, cuda_free_bytes=70 * GiB, host_free_bytes=GiB)
-    assert not t.unified and t.fast_free_bytes == 70 * GiB and t.host_free_bytes == GiB
-    assert detect_topology(torch.device("cpu"), host_free_bytes=GiB).fast_free_bytes == GiB
+def test_the_chunks_slack_is_counted_in_the_budget():
+    """A 100 MiB unit: 256 MiB chunks would waste 56 of 256, 512 MiB ones 12 of 512, 1 GiB ones 24 of 1024: the
+    tier is in 512 MiB chunks of 5 units, and what the budget counts is the chunks' bytes, not capacity x unit."""
+    unit = 100 * MiB
+    host = choose_host_budget(4.0, unit, 1000, 1, topo())
+    chunks = plan_chunks(host.capacity, unit)
+    assert set(chunks.chunk_nbytes) == {512 * MiB} and host.capacity == 40  # 8 chunks x 5 units = exactly 4 GiB
+    assert host.cache_bytes == chunks.nbytes == 4 * GiB > host.capacity * unit
+    assert "40 of 1000 experts, 4.00 GiB in 8 chunks (8 x 512.0 MiB; 96.0 MiB slack)" in host.reason
+    auto = choose_host_budget(None, unit, 1000, 1, topo(host_free=10 * GiB))  # 9 GiB lockable
+    assert auto.cache_bytes <= 9 * GiB and plan_chunks(auto.capacity + 1, unit).nbytes > 9 * GiB
+
+
+def test_an_explicit_host_cache_beyond_ram_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        choose_host_budget(100.0, UNIT, 10_000, 10, topo(host_free=64 * GiB))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("host_cache_gb=100 needs 100.00 GiB of pinned host RAM (1600 experts in 400 chunks")
+    assert "more than the 57.60 GiB that can be locked safely (64.00 GiB available less 6.40 GiB headroom)" in msg
+    # capped at what the model has: 100 GiB asked, 10 experts needed, no refusal
+    small = choose_host_budget(100.0, UNIT, 10, 1, topo(host_free=8 * GiB))
+    assert small.capacity == 10 and small.cache_bytes == 640 * MiB  # 2 x 256 MiB of 4 units + 2 units in 128 MiB

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from moeserve.cli import main
+from moeserve.config import EngineSettings
 from moeserve.errors import ConfigError
 from moeserve.memory.budget import GiB
 from moeserve.memory.plan import ModelFootprint, decode_ceiling, make_plan
 from moeserve.memory.split import MemoryNeeds, kv_for, split_memory
+from moeserve.memory.topology import MemoryTopology
 
 MiB = 2**20
 FOOT = ModelFootprint(resident_bytes=1 * GiB, embed_bytes=256 * MiB, hidden_bytes=8 * 1024, unit_nbytes=16 * MiB,
@@ -18,11 +20,11 @@ NEEDS = MemoryNeeds(resident_bytes=GiB, unit_nbytes=16 * MiB, total_experts=640,
                     overhead_bytes=GiB // 2)
 
 
-def plan(memory_gb: float | None, expert_cache_gb: float | None = None, **kw):  # noqa: ANN003, ANN201
-    args = dict(memory_gb=memory_gb, expert_cache_gb=expert_cache_gb, kv_cache_gb=None, max_model_len=None,
-                max_num_seqs=8, free_bytes=100 * GiB)
-    args.update(kw)
-    return make_plan(FOOT, NEEDS, host_cache_gb=None, device_type="cpu", unified=False, **args)
+CPU = MemoryTopology("cpu", False, 100 * GiB, 100 * GiB, 128 * GiB, "CPU")
+
+
+def plan(memory_gb: float | None, expert_cache_gb: float | None = None):  # noqa: ANN201
+    return make_plan(FOOT, NEEDS, CPU, EngineSettings(memory_gb=memory_gb, expert_cache_gb=expert_cache_gb))
 
 
 def test_the_plan_is_the_engine_split():
