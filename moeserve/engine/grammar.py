@@ -44,9 +44,19 @@ class GrammarSpec:
     kind: GrammarKind
     value: Any
     param: str  # the request field it came from, named in errors
+    # Reasoning allowed before the constrained answer: "open" (the prompt opened <think>: free text up to the first
+    # </think>), "optional" (the output may start with <think>...</think>), or None (the answer comes at once).
+    reasoning: Literal["open", "optional"] | None = None
+    prefix: str = ""  # literal text the answer starts with (a tool call's opening, after any reasoning)
 
     def text(self) -> str:
         """The llguidance grammar (its JSON form). Raises RequestError for a value of the wrong shape."""
+        answer = self._answer_text()
+        if self.reasoning is None and not self.prefix:
+            return answer
+        return after_reasoning(answer, self.reasoning, self.prefix)
+
+    def _answer_text(self) -> str:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
@@ -61,6 +71,24 @@ class GrammarSpec:
         if self.kind == "choice":
             return str(LLMatcher.grammar_from_lark(choice_lark(self.value)))
         return str(LLMatcher.grammar_from_lark(self.value))
+
+
+THINK_BODY = r"/(?s:.*)<\/think>/"  # lazy: ends at the first </think>
+AFTER_THINK = '("\\n" "\\n"?)?'  # the newlines templates put between </think> and the answer
+
+
+def after_reasoning(answer: str, reasoning: str | None, prefix: str) -> str:
+    """A grammar (llguidance's JSON form) of optional reasoning, then `prefix`, then the grammar `answer` (Lark text
+    or JSON form), which is referenced as a sub-grammar so that any kind of constraint can follow reasoning."""
+    if answer.lstrip().startswith("{"):
+        grammars = json.loads(answer)["grammars"]
+    else:
+        grammars = [{"lark_grammar": answer}]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    think = {"open": f"think {AFTER_THINK} ", "optional": f'("<think>" think {AFTER_THINK})? ', None: ""}[reasoning]
+    start = think + (json.dumps(prefix, ensure_ascii=False) + " " if prefix else "") + "@answer"
+    top = f"start: {start}\nthink[lazy]: {THINK_BODY}\n" if reasoning else f"start: {start}\n"
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": top}, *grammars]})
 
 
 def with_json_options(schema: dict[str, Any]) -> dict[str, Any]:

@@ -14,19 +14,22 @@ named), so the output is a call (of that function); where the format has a call 
 harmony) the rest of that one call is constrained, its arguments to the function's parameters schema.
 parallel_tool_calls=false stops the output at the end of the first call.
 
-Structured output (response_format, guided_*: structured.py) constrains the answer: a prompt that leaves `<think>`
-open gets it closed (empty reasoning, as for a forced call), harmony's final channel is opened in the prompt.
+Structured output (response_format, guided_*: structured.py) constrains the answer. With a template that has
+`<think>` tags the model may reason first: the grammar lets the reasoning run free up to its first `</think>` (opened
+by the prompt, or optional), then holds the answer, or a forced call from its opening tag on, to the constraint.
+Harmony's final channel is opened in the prompt (no analysis before a constrained answer).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from moeserve.engine.grammar import GrammarSpec
 from moeserve.errors import RequestError
@@ -187,17 +190,21 @@ def template_variables(template: str | None) -> set[str] | None:
         return None
 
 
-def _template_message(m: ChatMessage) -> dict[str, Any]:
+def _template_message(m: ChatMessage, null_content: bool, arguments_as_text: bool) -> dict[str, Any]:
+    """A message as the template reads it: content a string (parts joined; null stays null only for a template
+    that tests for it, as DeepSeek's does), a call's arguments a mapping (transformers' convention, as vLLM passes
+    them) or, for a template that concatenates them, the JSON text (checked to be an object)."""
     message = m.model_dump(exclude_none=True)
-    message["content"] = m.text()  # templates expect a string; null and content parts are normalised
-    if m.tool_calls:  # templates read the arguments as a mapping (transformers' convention, as vLLM passes them)
-        message["tool_calls"] = [{**call, "function": {**call["function"],
-                                                       "arguments": _arguments(call["function"]["arguments"])}}
-                                 for call in message["tool_calls"]]
+    message["content"] = None if null_content and m.content is None else m.text()
+    if m.tool_calls:
+        message["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": _arguments(call["function"]["arguments"],
+                                                                              arguments_as_text)}}
+            for call in message["tool_calls"]]
     return message
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str, as_text: bool) -> Any:
     try:
         value = json.loads(text or "{}")
     except ValueError:
@@ -205,7 +212,10 @@ def _arguments(text: str) -> Any:
                            param="messages") from None
     if not isinstance(value, dict):
         raise RequestError("an assistant tool call's arguments must be a JSON object", param="messages")
-    return value
+    return (text or "{}") if as_text else value
+
+
+_TESTS_NULL_CONTENT = re.compile(r"(\['content'\]|\.content) is (not )?none")
 
 
 class TemplateChat(ChatFormat):
@@ -218,6 +228,9 @@ class TemplateChat(ChatFormat):
         self.tool_parser = tool_parser_for(self.template)
         self.think = self.template is not None and template_has_think_tags(self.template)
         self.variables = template_variables(self.template)
+        # a template that tells null content apart ("is none") gets it as null; others get ""
+        self.null_content = self.template is not None and _TESTS_NULL_CONTENT.search(self.template) is not None
+        self.arguments_as_text = self.tool_parser is not None and self.tool_parser.template_arguments == "text"
 
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:
@@ -231,23 +244,39 @@ class TemplateChat(ChatFormat):
         if plan.tools and self.tool_parser is None:
             raise RequestError("this model's chat template has no tool-call format, so it cannot use tools",
                                param="tools")
+        if plan.tools and self.variables is not None and "tools" not in self.variables:
+            raise RequestError("this model's chat template does not show tools to the model (it never reads "
+                               "'tools'): serve it with a chat template that does (--chat-template)", param="tools")
         text = self._apply(req.messages, req.add_generation_prompt, plan.tools, self._template_kwargs(req))
         in_reasoning = self.think and opens_reasoning(text)
-        forced = ""
-        grammar = grammar_spec(req)
-        if plan.forced and self.tool_parser is not None:
-            forced = self.tool_parser.forced_prefix(plan.function_name)
-            call = self.tool_parser.call_grammar(plan.tools or [], plan.function_name)
-            grammar = GrammarSpec("lark", call, "tools") if call is not None else None
-        if in_reasoning and (forced or grammar is not None):
-            # a forced call or a constrained answer comes after the reasoning, so the reasoning is closed, empty
-            forced = "</think>\n\n" + forced
+        forced, grammar = self._constraint(req, plan, in_reasoning, thinking_off=text.rstrip().endswith("</think>"))
         stop = [] if plan.parallel or self.tool_parser is None or self.tool_parser.stop_after_call is None \
             else [self.tool_parser.stop_after_call]
         # The rendered text already holds the special tokens: do not add BOS again.
         ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
         return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop,
                           grammar=grammar)
+
+    def _constraint(self, req: ChatCompletionRequest, plan: ToolPlan, in_reasoning: bool, thinking_off: bool
+                    ) -> tuple[str, GrammarSpec | None]:
+        """(text appended to the prompt, the output's grammar). A template with <think> tags may reason before a
+        constrained answer or a forced call: the grammar lets the reasoning run free up to its first </think>
+        (opened by the prompt, or optional unless the prompt ends with a closed, empty one: thinking switched off),
+        then holds the answer (a call's opening included) to its constraint. Without a grammar for the call, its
+        opening goes in the prompt, after an empty reasoning."""
+        grammar = grammar_spec(req)
+        reasoning: Literal["open", "optional"] | None = None
+        if self.think and not thinking_off:
+            reasoning = "open" if in_reasoning else "optional"
+        if not (plan.forced and self.tool_parser is not None):
+            return "", replace(grammar, reasoning=reasoning) if grammar is not None else None
+        opening = self.tool_parser.forced_prefix(plan.function_name)
+        call = self.tool_parser.call_grammar(plan.tools or [], plan.function_name)
+        if call is None:
+            return ("</think>\n\n" if in_reasoning else "") + opening, None
+        if reasoning is None:
+            return opening, GrammarSpec("lark", call, "tools")
+        return "", GrammarSpec("lark", call, "tools", reasoning, prefix=opening)
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """chat_template_kwargs (and reasoning_effort) checked against what the template reads: a name it does
@@ -277,7 +306,8 @@ class TemplateChat(ChatFormat):
     def _apply(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any]) -> str:
         try:
-            return str(self.tokenizer.apply_chat_template([_template_message(m) for m in messages],
+            rendered = [_template_message(m, self.null_content, self.arguments_as_text) for m in messages]
+            return str(self.tokenizer.apply_chat_template(rendered,
                                                           add_generation_prompt=add_generation_prompt, tools=tools,
                                                           **kwargs))
         except RequestError:

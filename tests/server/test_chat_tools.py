@@ -213,16 +213,23 @@ def test_parallel_tool_calls_false_stops_after_the_first(qwen3: tuple[ThreadServ
 
 def test_tool_choice_named_and_required_open_the_call(qwen3: tuple[ThreadServer, ScriptedTextEngine]) -> None:
     server, engine = qwen3
-    engine.script = '{"city": "Rome"}}\n</tool_call>'  # the prompt already holds the call's start
+    engine.script = '{"city": "Rome"}}\n</tool_call>'  # thinking off: the prompt holds the call's start
     named = {"type": "function", "function": {"name": "get_weather"}}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
     for stream in (False, True):
-        out = ask(server, stream, tools=[WEATHER, TIME], tool_choice=named)
+        out = ask(server, stream, tools=[WEATHER, TIME], tool_choice=named, extra_body=off)
         assert [(name, args) for _, name, args in out["tool_calls"]] == [("get_weather", '{"city": "Rome"}')]
         assert out["content"] is None and out["finish_reason"] == "tool_calls"
     assert engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+        '</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    # thinking on: the model may reason first, then (by the grammar) writes the call from its opening tag
+    engine.script = '<think>\nRome.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    out = ask(server, True, tools=[WEATHER, TIME], tool_choice=named)
+    assert [(name, args) for _, name, args in out["tool_calls"]] == [("get_weather", '{"city": "Rome"}')]
+    assert out["reasoning"] == "Rome." and out["content"] is None
+    assert engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
     engine.script = 'get_time", "arguments": {}}\n</tool_call>'
-    out = ask(server, True, tools=[WEATHER, TIME], tool_choice="required")
+    out = ask(server, True, tools=[WEATHER, TIME], tool_choice="required", extra_body=off)
     assert [(name, args) for _, name, args in out["tool_calls"]] == [("get_time", "{}")]
     with pytest.raises(openai.BadRequestError, match="did you mean 'get_weather'"):
         ask(server, False, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_wether"}})
@@ -272,13 +279,15 @@ def test_qwen3_5_xml_tool_call(qwen3_5: tuple[ThreadServer, ScriptedTextEngine])
         ("get_weather", {"city": "New York", "days": 3})]
     assert full["reasoning"] == "The weather tool." and full["content"] is None
     assert engine.prompts[-1] == hf_prompt(Path(engine.checkpoint.path), ASK, tools=[WEATHER])
-    # named: the reasoning the prompt opened is closed, then the call starts
-    engine.script = "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    # named: the model may reason first (the prompt opened <think>), then the grammar holds it to the call
+    engine.script = XML_CALL.replace("city>\nNew York", "city>\nOslo").replace("<parameter=days>\n3\n</parameter>\n", "")
     out = ask(server, True, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert [(name, json.loads(args)) for _, name, args in out["tool_calls"]] == [("get_weather", {"city": "Oslo"})]
-    assert out["reasoning"] is None
-    assert engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
-        "<think>\n</think>\n\n<tool_call>\n<function=get_weather>\n")
+    assert out["reasoning"] == "The weather tool."
+    assert engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("<think>\n")
+    grammar = json.loads(engine.grammar_specs[-1].text())  # reasoning, then the call from its opening tag
+    assert "think[lazy]" in grammar["grammars"][0]["lark_grammar"]
+    assert json.dumps("<tool_call>\n<function=get_weather>\n") in grammar["grammars"][0]["lark_grammar"]
 
 
 def test_tools_need_a_template_with_a_tool_format(live_server: ThreadServer) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from moeserve.engine.grammar import GrammarCompiler, GrammarSpec
+from moeserve.server.reasoning import ThinkTagSplitter
 from moeserve.server.tool_parsers import (
     DeepSeekV3ToolParser,
     Glm45ToolParser,
@@ -116,21 +117,6 @@ def compiler(tmp_path_factory: pytest.TempPathFactory) -> tuple[GrammarCompiler,
     return GrammarCompiler((folder / "tokenizer.json").read_text(), tok.get_vocab_size(), [eos]), tok
 
 
-def random_walk(compiler: GrammarCompiler, tok: Any, grammar: str, seed: int, limit: int = 400) -> str:
-    """Text of a walk through `grammar` that picks uniformly among the allowed tokens until the grammar ends."""
-    processor = compiler.compile(GrammarSpec("lark", grammar, "test")).new_processor({compiler.eos_token_ids[0]})
-    rng, ids = random.Random(seed), []
-    for _ in range(limit):
-        allowed = np.flatnonzero(processor.allowed())  # type: ignore[attr-defined]
-        if processor.is_finished() or len(allowed) == 0 or compiler.eos_token_ids[0] in allowed:
-            break
-        token = int(rng.choice(allowed))
-        processor.accept(token)
-        ids.append(token)
-    assert processor.is_finished() or compiler.eos_token_ids[0] in allowed, "the call grammar did not end"
-    return str(tok.decode(ids))
-
-
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("named", [None, "get_weather", "get_time"])
 def test_call_grammar_gives_calls_that_follow_the_schema(compiler: tuple[GrammarCompiler, Any],
@@ -138,9 +124,60 @@ def test_call_grammar_gives_calls_that_follow_the_schema(compiler: tuple[Grammar
     grammar = fmt.call_grammar(TOOLS, named)
     assert grammar is not None
     for seed in range(4):
-        text = fmt.forced_prefix(named) + random_walk(*compiler, grammar, seed)
+        text = fmt.forced_prefix(named) + walk_after(*compiler, GrammarSpec("lark", grammar, "t"), "", seed)
         content, calls, _ = run_tools(fmt(TOOLS), [text])
         assert content == "" and len(calls) == 1, text
         name, arguments = calls[0]
         assert named is None or name == named
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+# ------------------------------------------------------------------------------- reasoning before the answer
+def walk_after(compiler: GrammarCompiler, tok: Any, spec: GrammarSpec, forced: str, seed: int) -> str:
+    """`forced` fed token by token (each must be allowed), then a random walk to the grammar's end: the text."""
+    processor = compiler.compile(spec).new_processor({compiler.eos_token_ids[0]})
+    ids = tok.encode(forced, add_special_tokens=False).ids
+    for token in ids:
+        assert processor.allowed()[token], f"{tok.decode([token])!r} refused in {forced!r}"  # type: ignore[attr-defined]
+        processor.accept(token)
+    rng = random.Random(seed)
+    for _ in range(400):
+        allowed = np.flatnonzero(processor.allowed())  # type: ignore[attr-defined]
+        if processor.is_finished() or compiler.eos_token_ids[0] in allowed:
+            return str(tok.decode(ids))
+        token = int(rng.choice(allowed))
+        processor.accept(token)
+        ids.append(token)
+    raise AssertionError("the grammar did not end")
+
+
+def split_reasoning(text: str, opened: bool) -> tuple[str, str]:
+    splitter = ThinkTagSplitter(opened)
+    parts = [splitter.feed(text), splitter.flush()]
+    return "".join(p.reasoning for p in parts), "".join(p.content for p in parts)
+
+
+@pytest.mark.parametrize("reasoning", ["open", "optional"])
+def test_reasoning_then_a_constrained_answer(compiler: tuple[GrammarCompiler, Any], reasoning: str) -> None:
+    schema = SCHEMAS["get_weather"]
+    thought = "The fox, <b> and </thin k>.\n" + ("</think>\n\n" if reasoning == "open" else "")
+    forced = thought if reasoning == "open" else "<think>" + thought + "</think>\n\n"
+    spec = GrammarSpec("json_schema", schema, "t", reasoning)  # type: ignore[arg-type]
+    for seed in range(3):
+        said, answer = split_reasoning(walk_after(*compiler, spec, forced, seed), reasoning == "open")
+        assert said == "The fox, <b> and </thin k>."
+        jsonschema.validate(json.loads(answer), schema)
+    # no reasoning at all is allowed too when it is optional (the answer may start at once)
+    if reasoning == "optional":
+        jsonschema.validate(json.loads(walk_after(*compiler, spec, "{", 0)), schema)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_reasoning_then_a_forced_call(compiler: tuple[GrammarCompiler, Any], fmt: type[ToolParser]) -> None:
+    """A forced call after free reasoning: the call's opening comes from the grammar, not from the prompt."""
+    spec = GrammarSpec("lark", fmt.call_grammar(TOOLS, None), "tools", "open", prefix=fmt.forced_prefix(None))
+    for seed in range(3):
+        said, answer = split_reasoning(walk_after(*compiler, spec, "Need a tool.\n</think>\n\n", seed), True)
+        content, calls, _ = run_tools(fmt(TOOLS), [answer])
+        assert said == "Need a tool." and content == "" and len(calls) == 1, answer
+        jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
