@@ -4,7 +4,7 @@
 
 `Loader.load(key, slot_bytes)` fills one fast-tier slot and says which tier served it:
 - CPU machine: fast tier = RAM, so the unit is `pread` straight from disk into the slot (no copy at all);
-- CUDA machine without a host tier: disk -> one reused staging buffer (pinned if possible) -> device slot;
+- CUDA machine without a host tier: disk -> one of two staging buffers (pinned if possible) -> device slot;
 - CUDA machine with a host tier: a host hit is copied from its (pinned) host slot; a host miss is read from disk
   into a host slot (evicting the least recently used one) and copied from there.
 The host tier uses the host tier's own LRU: it is the victim cache of the fast tier, so recency is what matters.
@@ -13,12 +13,14 @@ The host tier uses the host tier's own LRU: it is the victim cache of the fast t
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Container
 from enum import StrEnum
 
 import torch
 
 from moeserve.checkpoint.finite import check_expert_unit
-from moeserve.experts.policies import LRUPolicy
+from moeserve.experts.policies import LRUPolicy, NoVictimError
 from moeserve.experts.transfer import HostToDevice
 from moeserve.experts.unit import ExpertSource
 from moeserve.experts.verify import UnitVerifier, choose_checksum
@@ -77,12 +79,16 @@ class HostTier:
         self._lru.on_hit(key)
         return self.pool.slots[slot]
 
-    def reserve(self, key: Key) -> torch.Tensor:
-        """A host slot for `key` (evicting the LRU unit); the caller fills it, or calls `forget` on failure."""
+    def reserve(self, key: Key, busy: Container[Key] = ()) -> torch.Tensor | None:
+        """A host slot for `key` (evicting the LRU unit not in `busy`), or None when every unit is busy; the caller
+        fills it, or calls `forget` on failure."""
         if self._free:
             slot = self._free.pop()
         else:
-            victim = self._lru.choose_victim(())
+            try:
+                victim = self._lru.choose_victim(busy)
+            except NoVictimError:
+                return None
             self._lru.on_evict(victim)
             slot = self._slot_of.pop(victim)
             self.evictions += 1
@@ -98,7 +104,14 @@ class HostTier:
 
 
 class Loader:
-    """Fills fast-tier slots from the slower tiers. Safe to call from the compute and the prefetch thread."""
+    """Fills fast-tier slots from the slower tiers. Safe to call from several threads at once (the I/O threads,
+    the compute thread, the prefetcher): no lock is held across a disk read or a copy.
+
+    A staged load takes a source buffer under the lock (a host-tier slot, hit or reserved, marked busy so that no
+    other load evicts it; else one of the copier's staging buffers, taken out of the free list), then reads and
+    copies with the lock released, and gives the buffer back. With two staging buffers the read of one unit
+    overlaps the copy of the previous one (which the next refill of its buffer waits for: `wait_source_free`).
+    """
 
     def __init__(self, source: ExpertSource, device: torch.device, copier: HostToDevice | None = None,
                  host: HostTier | None = None, verify: bool = True) -> None:
@@ -112,9 +125,14 @@ class Loader:
             choose_checksum(), lambda key: source.unit_files(*key),
             lambda key, unit: check_expert_unit(source, key[0], key[1], unit),
             lambda key: source.corrupt_advice(*key), padding=source.layout.padding()) if verify else None
-        # Device transfers share the staging buffer / host pool: one transfer at a time (the disk is one queue
-        # anyway). Direct reads into RAM slots need no lock: pread has no shared file position.
+        # Guards the host tier's map, the busy host slots and the free staging buffers; held only to take or give
+        # back a buffer, never across I/O. Direct reads into RAM slots need none: pread has no shared file position.
         self._lock = threading.Lock()
+        self._buffer_returned = threading.Condition(self._lock)
+        # FIFO: the buffer taken next is the one given back longest ago, whose copy has had the most time to finish
+        self._free_buffers: deque[torch.Tensor] = deque(copier.staging if copier is not None else ())
+        self._host_busy: set[Key] = set()  # host-tier units a load is reading into or copying from
+        self._spare_made = False  # see _take_buffer
 
     @property
     def staged(self) -> bool:
@@ -122,36 +140,62 @@ class Loader:
 
     def load(self, key: Key, slot: int, slot_bytes: torch.Tensor) -> Tier:
         """Fill `slot_bytes` (fast-tier slot `slot`) with unit `key`. Raises what the source raises."""
-        layer, expert = key
         if self.verifier is not None:
             self.verifier.before_read(key)
         if not self.staged:
-            self.source.read_unit(layer, expert, slot_bytes)
-            if self.verifier is not None:
-                self.verifier.after_read(key, slot_bytes)
+            self._read(key, slot_bytes)
             return Tier.DISK
-        with self._lock:
-            tier = Tier.HOST
-            src = self.host.lookup(key) if self.host is not None else None
-            if src is None:
-                tier = Tier.DISK
-                src = self.host.reserve(key) if self.host is not None else self._staging()
+        src, tier, in_host = self._take_source(key)
+        filled = tier is Tier.HOST
+        try:
+            if tier is Tier.DISK:
                 if self.copier is not None:
                     self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
-                try:
-                    self.source.read_unit(layer, expert, src)
-                    if self.verifier is not None:
-                        self.verifier.after_read(key, src)
-                except BaseException:
-                    if self.host is not None:
-                        self.host.forget(key)  # the host slot holds garbage: nothing may map to it
-                    raise
+                self._read(key, src)
+                filled = True
             self._copy_up(slot, slot_bytes, src)
-            return tier
+        finally:
+            self._give_back(key, src, in_host, filled)
+        return tier
 
-    def _staging(self) -> torch.Tensor:
-        assert self.copier is not None  # staged without a host tier means a device copier exists
-        return self.copier.staging
+    def _read(self, key: Key, dst: torch.Tensor) -> None:
+        self.source.read_unit(key[0], key[1], dst)
+        if self.verifier is not None:
+            self.verifier.after_read(key, dst)
+
+    def _take_source(self, key: Key) -> tuple[torch.Tensor, Tier, bool]:
+        """(the buffer `key` is copied up from, the tier that serves it, whether the buffer is a host slot)."""
+        with self._lock:
+            if self.host is not None and key not in self._host_busy:
+                src = self.host.lookup(key)
+                tier = Tier.HOST
+                if src is None:
+                    src, tier = self.host.reserve(key, busy=self._host_busy), Tier.DISK
+                if src is not None:  # None: every host slot is busy; the unit passes through a staging buffer
+                    self._host_busy.add(key)
+                    return src, tier, True
+            return self._take_buffer(), Tier.DISK, False
+
+    def _take_buffer(self) -> torch.Tensor:
+        """(Lock held.) A staging buffer no other load uses, waiting (asleep) for one to come back."""
+        while not self._free_buffers:
+            if self.copier is None and not self._spare_made:
+                # CPU fast tier under a host tier with every host slot busy: one plain buffer, made on first need
+                self._spare_made = True
+                return torch.empty(self.source.layout.nbytes, dtype=torch.uint8)
+            self._buffer_returned.wait()
+        return self._free_buffers.popleft()
+
+    def _give_back(self, key: Key, src: torch.Tensor, in_host: bool, filled: bool) -> None:
+        with self._lock:
+            if not in_host:
+                self._free_buffers.append(src)
+                self._buffer_returned.notify()
+                return
+            self._host_busy.discard(key)
+            if not filled:
+                assert self.host is not None
+                self.host.forget(key)  # the host slot holds garbage: nothing may map to it
 
     def _copy_up(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.copier is None:  # CPU fast tier under a host tier: a plain memory copy
@@ -161,10 +205,10 @@ class Loader:
 
     def _pinned(self, src: torch.Tensor) -> bool:
         # Pinnedness is what was recorded when each host buffer was allocated (pinning succeeded or not), never
-        # guessed per call: a host-tier slot, or the staging buffer.
+        # guessed per call: a host-tier slot, or a staging buffer.
         assert self.copier is not None
         if self.host is not None:
             pinned = self.host.is_pinned(src)
             if pinned is not None:
                 return pinned
-        return self.copier.mode.asynchronous and src.data_ptr() == self.copier.staging.data_ptr()
+        return self.copier.mode.asynchronous and self.copier.is_pinned_staging(src)

@@ -6,9 +6,14 @@ is made once, at start-up:
 
 - pinning works: units are staged in pinned memory and copied on a side stream; an event recorded after each copy
   is what the compute stream waits on before a kernel reads the slot, and what the next reuse of the staging
-  buffer waits on;
+  buffer waits on. There are two staging buffers (`STAGING_BUFFERS`), so the disk read of one unit overlaps the
+  copy of the previous one out of the other buffer;
 - pinning fails or is unavailable (WSL, some containers, locked-memory limits): plain synchronous copies, and the
   reason is logged once.
+
+The host waits on an event (a staging buffer or host slot about to be refilled, a synchronous copy) with a
+blocking wait: CUDA's default event spins a core in `synchronize()`; `CudaOps` records those events with
+`blocking=True` (cudaEventBlockingSync), so the waiting thread sleeps and the core stays free for the compute.
 
 All CUDA calls go through `DeviceOps`, so the choice and the event discipline are exercised on CPU with a fake.
 """
@@ -24,6 +29,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger("moeserve")
+
+STAGING_BUFFERS = 2  # a read into one overlaps the copy out of the other
 
 
 class DeviceOps(ABC):
@@ -51,10 +58,12 @@ class DeviceOps(ABC):
 
     @abstractmethod
     def synchronize(self, event: Any) -> None:
-        """Block the host until `event` has fired."""
+        """Block the host until `event` has fired, without spinning a core (the thread sleeps)."""
 
 
-class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device; tests/gpu exercise it
+class CudaOps(DeviceOps):
+    """The CUDA streams and events (tests/experts/test_transfer.py runs it against a stand-in of `torch.cuda`)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
@@ -65,7 +74,8 @@ class CudaOps(DeviceOps):  # pragma: no cover - needs a CUDA device; tests/gpu e
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> Any:
         with torch.cuda.stream(self.stream):
             dst.copy_(src, non_blocking=non_blocking)
-            event = torch.cuda.Event()
+            # The host waits on copy events (a buffer to refill): blocking=True makes that wait sleep, not spin.
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return event
 
@@ -108,18 +118,26 @@ class HostToDevice:
     Thread-safe: the compute thread and the prefetch thread both copy (one lock; copies are short to enqueue).
     """
 
-    def __init__(self, ops: DeviceOps, num_slots: int, unit_nbytes: int) -> None:
+    def __init__(self, ops: DeviceOps, num_slots: int, unit_nbytes: int,
+                 staging_buffers: int = STAGING_BUFFERS) -> None:
         self.ops = ops
         self._lock = threading.Lock()
-        staging, why_not = host_buffer(ops, unit_nbytes)
-        self.staging = staging
+        made = [host_buffer(ops, unit_nbytes) for _ in range(staging_buffers)]
+        self.staging = tuple(buffer for buffer, _ in made)  # the read buffers of misses without a host tier
+        self._pinned_staging = {buffer.data_ptr() for buffer, why in made if why is None}
+        why_not = next((why for _, why in made if why is not None), None)
         if why_not is None:
-            self.mode = CopyMode(True, "pinned staging buffer, asynchronous copies on a side stream with events")
+            self.mode = CopyMode(True, f"{staging_buffers} pinned staging buffers (a read overlaps the previous "
+                                 "unit's copy), asynchronous copies on a side stream with events, blocking waits")
         else:
             self.mode = CopyMode(False, f"pinned memory unavailable ({why_not}): synchronous copies")
         self._filled: list[Any] = [None] * num_slots  # event of the last copy into each slot
         self._read: list[Any] = [None] * num_slots  # compute-stream event after the last use of each slot
         self._source_busy: dict[int, Any] = {}  # data_ptr of a pinned source -> event of its last copy
+
+    def is_pinned_staging(self, src: torch.Tensor) -> bool:
+        """`src` is one of the staging buffers and pinning it worked."""
+        return src.data_ptr() in self._pinned_staging
 
     def wait_source_free(self, src: torch.Tensor) -> None:
         """Block until no copy from `src` (pinned host buffer) is in flight: call before refilling it."""

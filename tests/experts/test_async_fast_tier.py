@@ -19,16 +19,19 @@ Waits checked by removal (each test_removing_* monkeypatches one out and sees wr
 4. `HostToDevice.wait_source_free`: the host waits for the copy out of a pinned buffer (the staging buffer, a
    host-tier slot) before reading the next unit into it;
 5. `ExpertStore._load_everything`'s `before_use` of every slot: a resident store's kernels wait for its loads.
-Also checked, a lock rather than a wait: `Loader._lock`, by which the readers of the one staging buffer (I/O
-threads, compute thread, prefetcher) take turns; without it the unit verifier sees a unit's bytes change under its
-read (ExpertLoadError) or a kernel reads wrong bytes.
+Also checked, ownership rather than waits (the loader holds no lock across a read or a copy):
+6. `Loader._take_buffer`: each of the two staging buffers is used by one load at a time (a load waits, asleep,
+   for one to come back); handing every load the same buffer gives wrong data or a unit that changes under the
+   verifier's read;
+7. the busy mark on host-tier slots (`HostTier.reserve(key, busy=...)`): a host slot a load is reading into or
+   copying from is never another load's victim; without it, with fewer host slots than loads at once
+   ("small-host"), a busy slot is refilled under its load.
 Not checkable here: the `synchronize` after a synchronous copy in `copy_in` (torch's blocking `copy_` already
 waits for it on CUDA, and the fake does the same, so removing it changes nothing on either).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 from collections.abc import Callable, Iterator
@@ -41,7 +44,7 @@ import torch
 
 from moeserve.errors import ExpertLoadError
 from moeserve.experts.store import ExpertStore, StoreOptions
-from moeserve.experts.tiers import Loader
+from moeserve.experts.tiers import HostTier, Loader
 from moeserve.experts.transfer import HostToDevice
 from moeserve.experts.unit import ExpertSource, UnitLayout
 from tests.experts.async_device import AsyncFakeOps, Timing
@@ -96,6 +99,8 @@ CONFIGS = {c.name: c for c in [
     Config("pinned-staging-pageable-host", capacity=5, host_capacity=12, pin_limit_bytes=UNIT_BYTES),
     Config("no-pinning", capacity=5, host_capacity=12, pin_limit_bytes=0),
     Config("resident", capacity=32),
+    # fewer host slots than loads at once (I/O threads, compute thread, prefetcher): loads find them all busy
+    Config("small-host", capacity=5, host_capacity=2, prefetch=True),  # as many host slots as loads at once
 ]}
 TIMINGS: dict[str, tuple[Timing, Timing]] = {  # (copies, kernels)
     "random": ("random", "random"),
@@ -112,6 +117,7 @@ class Outcome:
     wrong: list[tuple[int, int, int]] = field(default_factory=list)  # (step, layer, expert) read wrong bytes
     launched: int = 0
     checked: int = 0
+    host_pinned: bool | None = None  # the host tier's, read before close() frees it
 
     def check(self, unit: torch.Tensor, expected: torch.Tensor, where: tuple[int, int, int]) -> None:
         """A kernel: runs on the compute stream, reads the slot when it runs."""
@@ -155,6 +161,7 @@ def run(config: Config, timing: str, seed: int, steps: int = STEPS) -> Outcome:
             if rng.random() < 0.5:
                 ops.synchronize_compute()
         ops.synchronize_compute()
+        out.host_pinned = store.loader.host.pinned if store.loader.host is not None else None
     finally:
         store.close()
         ops.close()
@@ -168,9 +175,10 @@ def assert_exercised(config: Config, out: Outcome) -> None:
     assert store.copier is not None
     if config.host_capacity:
         host = store.loader.host
-        assert host is not None and stats.bytes_from_host > 0
+        assert host is not None and host.evictions > 0
+        assert stats.bytes_from_host > 0 or host.capacity < config.capacity
         assert out.source.disk_reads > host.capacity  # host slots were taken from units in them: evictions
-        assert host.pinned == (config.pin_limit_bytes is None)
+        assert out.host_pinned == (config.pin_limit_bytes is None)
     if config.prefetch:
         assert stats.prefetched > 0 and stats.prefetch_used > 0
     if config.pin_limit_bytes is None:
@@ -262,21 +270,31 @@ def test_removing_the_resident_stores_wait_for_its_loads(monkeypatch):
     assert_wrong_data([("resident", "late-copies")])
 
 
-def test_removing_the_loaders_lock_around_the_staging_buffer(monkeypatch):
-    init = Loader.__init__
-
-    def init_without_lock(self: Loader, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        self._lock = contextlib.nullcontext()  # type: ignore[assignment]
-
-    monkeypatch.setattr(Loader, "__init__", init_without_lock)
-    failed = []
-    for seed in (0, 1):
+def collides(name: str, seeds: tuple[int, ...] = (0, 1, 2)) -> bool:
+    """Some run of `name` read wrong bytes, or had the verifier see a unit change under its read."""
+    for seed in seeds:
         try:
-            failed.append(bool(run(CONFIGS["prefetch"], "random", seed).wrong))
+            if run(CONFIGS[name], "random", seed).wrong:
+                return True
         except ExpertLoadError as err:
-            failed.append("differ from those read before" in str(err))
-    assert any(failed), "the readers of the staging buffer never collided without the lock"
+            if "differ from those read before" in str(err):
+                return True
+    return False
+
+
+def test_removing_the_staging_buffers_checkout(monkeypatch):
+    # Every load reads into the first staging buffer, whether another load is reading into it or copying out of it
+    # (what one staging buffer shared without a lock is): the readers (I/O threads, compute thread, prefetcher)
+    # overwrite each other's units.
+    monkeypatch.setattr(Loader, "_take_buffer", lambda self: self.copier.staging[0])
+    assert collides("prefetch"), "the readers of a staging buffer never collided without the checkout"
+
+
+def test_removing_the_busy_mark_on_host_slots(monkeypatch):
+    # A host slot being read into, or copied from, may then be chosen as another load's victim and refilled.
+    reserve = HostTier.reserve
+    monkeypatch.setattr(HostTier, "reserve", lambda self, key, busy=(): reserve(self, key))
+    assert collides("small-host"), "no load refilled a busy host slot without the mark"
 
 
 def test_a_caller_may_not_skip_the_store_when_slots_arrive_by_device_copies():

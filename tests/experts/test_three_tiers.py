@@ -110,7 +110,7 @@ def check_three_tiers_equal_resident(folder: Path, three_tiers: Callable[..., li
     logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30, **settings)
     host = store.loader.host
     assert not store.resident and store.capacity == FAST_UNITS and store.copier is not None
-    assert host is not None and host.pinned and host.capacity == total // 2
+    assert host is not None and host.capacity == total // 2
     assert host.evictions > 0, f"{label}: no host-tier eviction"
     assert store.stats.bytes_from_host > 0 and store.stats.misses > 0
     (ops,) = made

@@ -8,6 +8,7 @@ a pinned staging buffer is not refilled while a copy from it may be in flight.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeserve.experts.store import ExpertStore, StoreOptions
@@ -67,14 +68,17 @@ def test_pinning_available_selects_async_copies_from_pinned_staging():
     store = store_with(ops)
     assert store.copier is not None and store.copier.mode.asynchronous
     use(store, 0, [0, 1])
+    use(store, 0, [2])  # evicts one: a third read, into the first staging buffer again
     copies = [c for c in ops.calls if c[0] == "copy"]
-    assert len(copies) == 2 and all(non_blocking and pinned for _, non_blocking, pinned, _ in copies)
+    assert len(copies) == 3 and all(non_blocking and pinned for _, non_blocking, pinned, _ in copies)
     # Each slot's copy event is waited on by the compute stream before the chunk is used.
     waited = {c[1] for c in ops.calls if c[0] == "compute_wait"}
-    assert waited == {copies[0][3], copies[1][3]}
-    # Staging was refilled for the second unit only after the first copy from it had completed.
-    first_sync = ops.calls.index(("synchronize", copies[0][3]))
-    assert first_sync < ops.calls.index(copies[1])
+    assert waited == {c[3] for c in copies}
+    # Two staging buffers taken in turn: the second unit was read while the first one's copy was in flight (no
+    # wait for it), the third refilled the first buffer only after the first copy from it had completed.
+    synced = [c[1] for c in ops.calls if c[0] == "synchronize"]
+    assert synced == [copies[0][3]]
+    assert ops.calls.index(copies[1]) < ops.calls.index(("synchronize", copies[0][3])) < ops.calls.index(copies[2])
 
 
 def test_pinning_unavailable_selects_synchronous_copies_and_says_why_once():
@@ -109,6 +113,59 @@ def test_host_to_device_never_passes_non_blocking_for_pageable_sources():
     copier = HostToDevice(ops, num_slots=2, unit_nbytes=64)
     pageable = torch.zeros(64, dtype=torch.uint8)
     copier.copy_in(0, torch.empty(64, dtype=torch.uint8), pageable, src_pinned=False)
-    copier.copy_in(1, torch.empty(64, dtype=torch.uint8), copier.staging, src_pinned=True)
+    copier.copy_in(1, torch.empty(64, dtype=torch.uint8), copier.staging[0], src_pinned=True)
     copies = [c for c in ops.calls if c[0] == "copy"]
     assert [c[1] for c in copies] == [False, True]
+
+
+class StandInEvent:
+    made: list[StandInEvent] = []
+
+    def __init__(self, blocking: bool = False) -> None:
+        self.blocking = blocking
+        self.recorded_on: object = None
+        self.synchronized = 0
+        StandInEvent.made.append(self)
+
+    def record(self, stream: object) -> None:
+        self.recorded_on = stream
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+class StandInStream:
+    def __init__(self, device: object = None) -> None:
+        self.waited: list[object] = []
+
+    def wait_event(self, event: object) -> None:
+        self.waited.append(event)
+
+
+def test_cuda_ops_record_copy_events_the_host_waits_on_without_spinning(monkeypatch):
+    # CudaOps against a stand-in of torch.cuda's Stream / Event / stream(): the calls it makes, on CPU tensors.
+    import contextlib
+
+    from moeserve.experts.transfer import CudaOps
+
+    current = StandInStream()
+    StandInEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Stream", StandInStream)
+    monkeypatch.setattr(torch.cuda, "Event", StandInEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    ops = CudaOps(torch.device("cuda", 0))
+    src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    event = ops.copy(dst, src, non_blocking=True)
+    assert torch.equal(dst, src) and event.recorded_on is ops.stream
+    assert event.blocking  # cudaEventBlockingSync: synchronize() sleeps instead of spinning a core
+    ops.synchronize(event)
+    assert event.synchronized == 1
+    ops.side_wait(event)
+    ops.compute_wait(event)
+    assert ops.stream.waited == [event] and current.waited == [event]
+    readers = ops.compute_event()
+    assert readers.recorded_on is current and not readers.blocking  # only ever waited on by a stream
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):  # no CUDA: pinning fails, and host_buffer falls back to pageable
+            ops.empty_pinned(64)
