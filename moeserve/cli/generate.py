@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt-token-ids", help="comma-separated token ids (works without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print results as JSON lines")
-    p.add_argument("--stats", action="store_true", help="print expert-cache and KV-cache statistics after generating")
+    p.add_argument("--stats", action="store_true", help="print expert-cache and KV-cache statistics, time to first token and "
+                   "prefill / decode tokens/s after generating")
     add_sampling_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=run)
@@ -64,7 +65,28 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         print(_stats_text(llm))
         print(sequence_memory_text(llm.engine.sequence_memory_stats()))
+        print(timing_text(outputs))
     return 0
+
+
+def timing_text(outputs: list) -> str:  # list[RequestOutput]
+    """One line from the engine's own timestamps (arrival, first token, last token of each request): time to first
+    token, prefill tokens/s (every prompt token over the span from the first arrival to the last first token) and
+    decode tokens/s (the tokens after each sequence's first, over the span from the first first token to the last
+    token). A rate is `tokens / seconds` of the printed values."""
+    metrics = [out.metrics for out in outputs]
+    ttfts = [m["first_token_time"] - m["arrival_time"] for m in metrics]
+    prefill_tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    prefill_s = max(m["first_token_time"] for m in metrics) - min(m["arrival_time"] for m in metrics)
+    decode_tokens = sum(max(len(s.token_ids) - 1, 0) for out in outputs for s in out.outputs)
+    decode_s = max(m["last_token_time"] for m in metrics) - min(m["first_token_time"] for m in metrics)
+    ttft = f"time to first token {ttfts[0]:.4f} s" if len(ttfts) == 1 else (
+        f"time to first token {sum(ttfts) / len(ttfts):.4f} s (mean of {len(ttfts)} requests, max "
+        f"{max(ttfts):.4f} s)")
+    decode = (f"decode {decode_tokens} tokens in {decode_s:.4f} s = {decode_tokens / decode_s:.1f} tokens/s"
+              if decode_tokens and decode_s > 0 else "decode: no token after the first")
+    return (f"timing: {ttft}; prefill {prefill_tokens} tokens in {prefill_s:.4f} s = "
+            f"{prefill_tokens / prefill_s:.1f} tokens/s; {decode}")
 
 
 def sequence_memory_text(m: dict[str, float]) -> str:

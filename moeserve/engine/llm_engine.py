@@ -73,12 +73,15 @@ class Request:
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None  # of the latest token sampled (time.monotonic(), as the two above)
 
     def output(self) -> RequestOutput:
         finished = all(s.status == Status.FINISHED for s in self.seqs)
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
+        if self.last_token_time is not None:
+            metrics["last_token_time"] = self.last_token_time
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.output() for s in self.seqs], finished, metrics)
 
@@ -487,6 +490,7 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
+            req.last_token_time = now
             detok = None
             if self.tokenizer is not None:
                 tok, skip = self.tokenizer, seq.params.skip_special_tokens

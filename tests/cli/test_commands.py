@@ -83,3 +83,43 @@ def test_abbreviated_flags_are_refused(tiny_text_model, capsys) -> None:
         main(["generate", str(tiny_text_model), "--prompt", "Hi", "--max-tok", "3"])  # --max-tokens abbreviated
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --max-tok" in capsys.readouterr().err
+
+
+TIMING = re.compile(r"timing: time to first token ([0-9.]+) s; prefill (\d+) tokens in ([0-9.]+) s = ([0-9.]+) "
+                    r"tokens/s; decode (\d+) tokens in ([0-9.]+) s = ([0-9.]+) tokens/s$")
+
+
+def test_generate_stats_prints_time_to_first_token_and_tokens_per_second(tiny_text_model, capsys) -> None:
+    """--stats' timing line, from the engine's timestamps: one 40-token prompt, 5 tokens; positive numbers, the
+    prefill span of one request is its time to first token, each rate is its tokens over its seconds."""
+    ids = ",".join(str((7 * i + 3) % 90 + 5) for i in range(40))
+    assert main(["generate", str(tiny_text_model), "--prompt-token-ids", ids, "--max-tokens", "5", "--ignore-eos",
+                 "--stats"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("kv cache:")  # beside the cache tables
+    m = TIMING.match(lines[-1])
+    assert m, lines[-1]
+    ttft, prefill_tokens, prefill_s, prefill_rate, decode_tokens, decode_s, decode_rate = map(float, m.groups())
+    assert (prefill_tokens, decode_tokens) == (40, 4)
+    assert 0 < ttft == prefill_s and decode_s > 0
+    for tokens, seconds, rate in ((prefill_tokens, prefill_s, prefill_rate), (decode_tokens, decode_s, decode_rate)):
+        assert rate > 0 and abs(tokens / seconds - rate) <= 0.05 + rate * 0.0001 / seconds  # printed roundings
+
+
+def test_timing_text_spans_a_batch() -> None:
+    """Two requests (arrival, first token, last token): prefill from the first arrival to the last first token,
+    decode from the first first token to the last token, n=2 sequences counted apiece."""
+    from moeserve.cli.generate import timing_text
+    from moeserve.engine.outputs import CompletionOutput, RequestOutput
+
+    def request(prompt_len: int, tokens: list[int], times: tuple[float, float, float]) -> RequestOutput:
+        samples = [CompletionOutput(i, "", [0] * n, None, None, "length") for i, n in enumerate(tokens)]
+        metrics = dict(zip(("arrival_time", "first_token_time", "last_token_time"), times))
+        return RequestOutput(str(prompt_len), None, [1] * prompt_len, samples, True, metrics)
+
+    text = timing_text([request(30, [5], (10.0, 10.5, 11.5)), request(10, [3, 2], (10.0, 10.75, 11.0))])
+    assert text == ("timing: time to first token 0.6250 s (mean of 2 requests, max 0.7500 s); prefill 40 tokens in "
+                    "0.7500 s = 53.3 tokens/s; decode 7 tokens in 1.0000 s = 7.0 tokens/s")
+    one = timing_text([request(8, [1], (1.0, 1.25, 1.25))])
+    assert one == "timing: time to first token 0.2500 s; prefill 8 tokens in 0.2500 s = 32.0 tokens/s; decode: " \
+        "no token after the first"
