@@ -1,0 +1,81 @@
+"""One function sizes every tier (memory/sizing.py): `moeserve plan` prints exactly the lines the engine logs, on
+a fake discrete GPU + host RAM (a fake `Machine`: no CUDA needed), the host tier included."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moeserve.cli import main
+from moeserve.config import EngineSettings
+from moeserve.engine import llm_engine
+from moeserve.engine.llm_engine import LLMEngine
+from moeserve.errors import ConfigError
+from moeserve.memory import topology
+from moeserve.memory.topology import Machine
+
+GiB = 2**30
+NAMES = ("memory", "memory budget", "KV pool", "placement", "max_model_len", "host tier")
+RTX_5080 = SimpleNamespace(name="NVIDIA GeForce RTX 5080", is_integrated=0, total_memory=int(15.5 * GiB))
+
+
+class _Stop(Exception):
+    """Raised in place of build_model: the engine has sized its tiers and would now allocate them on the GPU."""
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, host_free: int) -> None:
+    machine = Machine(host_total_bytes=64 * GiB, host_free_bytes=host_free, gpu=RTX_5080, gpu_free_bytes=2 * GiB)
+    monkeypatch.setattr(topology, "read_machine", lambda device: machine)
+
+
+def _engine_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, **settings: object) -> list[str]:
+    monkeypatch.setattr(LLMEngine, "_choose_device", lambda self, want: torch.device("cuda"))
+
+    def stop(*args: object, **kwargs: object) -> None:
+        raise _Stop
+
+    monkeypatch.setattr(llm_engine, "build_model", stop)
+    with caplog.at_level(logging.INFO, logger="moeserve"), pytest.raises(_Stop):
+        LLMEngine(EngineSettings(device="cuda", skip_tokenizer_init=True, **settings))  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    return [line for line in lines if line.split(": ", 1)[0] in NAMES]
+
+
+def _plan_lines(capsys: pytest.CaptureFixture[str], args: list[str]) -> list[str]:
+    assert main(["plan", *args, "--device", "cuda", "--no-probe"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    return [line for line in out if line.split(": ", 1)[0] in NAMES]
+
+
+@pytest.mark.parametrize("host_cache_gb", [None, 0.0001])
+def test_plan_prints_the_sizes_the_engine_logs(tiny_checkpoint, monkeypatch, caplog, capsys, host_cache_gb):
+    folder = str(tiny_checkpoint("qwen3_moe"))
+    _fake_gpu(monkeypatch, host_free=40 * GiB)
+    settings = {"model": folder, "expert_cache_gb": 0.0001, "max_model_len": 64}
+    args = [folder, "--expert-cache-gb", "0.0001", "--max-model-len", "64"]
+    if host_cache_gb is not None:
+        settings["host_cache_gb"] = host_cache_gb
+        args += ["--host-cache-gb", str(host_cache_gb)]
+    engine = _engine_lines(monkeypatch, caplog, **settings)
+    plan = _plan_lines(capsys, args)
+    assert [line.split(": ", 1)[0] for line in engine] == list(NAMES)
+    assert plan == engine
+    assert engine[0].startswith("memory: NVIDIA GeForce RTX 5080: discrete, fast tier = GPU memory")
+    host = engine[-1]
+    assert "pinned where the driver allows" in host
+    assert ("host_cache_gb=0.0001, set" if host_cache_gb else "auto: 40.00 GiB available less 4.00 GiB") in host
+
+
+def test_both_refuse_a_host_cache_beyond_ram_with_the_same_line(tiny_checkpoint, monkeypatch, caplog, capsys):
+    folder = str(tiny_checkpoint("qwen3_moe"))
+    _fake_gpu(monkeypatch, host_free=GiB)  # all of it headroom: nothing may be locked
+    with pytest.raises(ConfigError) as engine_err:
+        _engine_lines(monkeypatch, caplog, model=folder, expert_cache_gb=0.0001, max_model_len=64, host_cache_gb=0.5)
+    assert main(["plan", folder, "--device", "cuda", "--no-probe", "--expert-cache-gb", "0.0001",
+                 "--max-model-len", "64", "--host-cache-gb", "0.5"]) == 1
+    plan_err = capsys.readouterr().err.strip()
+    assert plan_err == f"error: {engine_err.value}"
+    assert "host_cache_gb=0.5 needs" in plan_err and "more than the 0.0 MiB that can be locked safely (1.00 GiB available" in plan_err
