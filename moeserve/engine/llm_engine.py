@@ -46,11 +46,20 @@ from moeserve.models.expert_plans import (
     int8_expert_plan,
     interleaved_expert_plan,
 )
+from moeserve.models.gated_delta_rule import CHUNK
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
-from moeserve.state.kv_cache import PagedKVCache, bytes_per_block, fixed_pool_bytes, kv_groups, size_pools
+from moeserve.state.kinds import RecurrentState
+from moeserve.state.kv_cache import (
+    KVGroup,
+    PagedKVCache,
+    fixed_pool_bytes,
+    group_block_bytes,
+    kv_groups,
+    size_pools,
+)
 from moeserve.state.manager import SequenceMemory
 from moeserve.tokenizer import Tokenizer
 
@@ -109,9 +118,9 @@ class LLMEngine:
 
         self.cpp_kernels = self._choose_kernels(s.kernels)
         self.max_num_batched_tokens = self._choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs)
-        self.kv_groups = kv_groups(spec.attention.sliding_window)
-        self._block_bytes = [bytes_per_block(len(g.layers), s.block_size, spec.attention.num_kv_heads,
-                                             spec.attention.head_dim, self.dtype) for g in self.kv_groups]
+        self.kv_groups = spec_kv_groups(spec)
+        self._block_bytes = group_block_bytes(self.kv_groups, s.block_size, spec.attention.num_kv_heads,
+                                              spec.attention.head_dim, self.dtype)
         plan, budget, store_options, load_bytes, kv_bytes = self._plan_memory(ckpt, spec, s)
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
@@ -128,8 +137,11 @@ class LLMEngine:
                                spec.attention.head_dim, self.dtype, self.device)
         self.memory = SequenceMemory([g.kind for g in self.kv_groups], num_blocks, s.block_size,
                                      s.enable_prefix_caching)
+        no_reuse = [g.kind.name for g in self.kv_groups if not g.kind.caches_prefixes]
+        why = (f" ({no_reuse[0]} layers: a state is valid only at the position it was left at)"
+               if no_reuse and s.enable_prefix_caching else "")
         self._chose("KV cache", f"paged: {self.kv.describe()} ({self.dtype_name}); prefix caching "
-                                f"{'on' if self.memory.prefix_caching else 'off'}")
+                                f"{'on' if self.memory.prefix_caching else 'off'}{why}")
         self.scheduler = Scheduler(s.max_num_seqs, self.max_num_batched_tokens, self.memory)
         decode_token = None
         if self.tokenizer is not None:
@@ -467,8 +479,8 @@ class LLMEngine:
             rows += [b] * n
             assert seq.blocks is not None
             for g in groups:
-                table = seq.blocks.tables[g]
-                slots[g] += [table[p // bs] * bs + p % bs for p in span]
+                table, kind = seq.blocks.tables[g], self.kv_groups[g].kind
+                slots[g] += [kind.slot_of(table, p, bs) for p in span]
         tables = [[seq.blocks.tables[g] for seq, _ in scheduled] for g in groups]  # type: ignore[union-attr]
         dev = self.device
         decode_only = len(tokens) == len(scheduled)
@@ -481,6 +493,7 @@ class LLMEngine:
             block_tables=[_table_tensor(t, dev) for t in tables],
             tables=tables,
             rows=None if decode_only else torch.tensor(rows, dtype=torch.long, device=dev),
+            prompt_lens=[len(seq.prompt_token_ids) for seq, _ in scheduled],
         )
 
     def _update(self, seqs: list[Sequence], samples: list) -> list[RequestOutput]:
@@ -517,9 +530,9 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                  batched_tokens: int, runtime_bytes: int | None = None) -> MemoryNeeds:
     """What memory/split.py splits the budget among (the engine at start-up and `moeserve plan` alike): sizes from
     shapes, the runtime measured in this process now (`runtime_bytes` instead: `plan` is not the serving process)."""
-    groups = kv_groups(spec.attention.sliding_window)
+    groups = spec_kv_groups(spec)
     a, m = spec.attention, spec.moe
-    block_bytes = [bytes_per_block(len(g.layers), s.block_size, a.num_kv_heads, a.head_dim, dtype) for g in groups]
+    block_bytes = group_block_bytes(groups, s.block_size, a.num_kv_heads, a.head_dim, dtype)
     model_max = s.max_model_len or spec.max_position_embeddings
     fixed_kv, kv_per_token = fixed_pool_bytes(groups, block_bytes, s.block_size, s.max_num_seqs, batched_tokens,
                                               model_max)
@@ -533,6 +546,17 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
     staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
                        staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes)
+
+
+def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
+    """The sequence-memory groups of a model: attention layers by window, linear-attention layers as one
+    recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state)."""
+    la = spec.linear_attention
+    if la is None:
+        return kv_groups(spec.attention.sliding_window)
+    kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
+                          state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK)
+    return kv_groups(spec.attention.sliding_window, kind, la.layers)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

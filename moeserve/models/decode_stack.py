@@ -26,7 +26,7 @@ import torch
 
 from moeserve.errors import ConfigError
 from moeserve.models.expert_kernels import FUSED_MAX_TOKENS
-from moeserve.models.layers import ForwardBatch
+from moeserve.models.layers import Attention, ForwardBatch
 from moeserve.models.passes import LayerPass
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -71,6 +71,7 @@ class _Fused(LayerPass):
         model = self.model
         spec, a = model.spec, model.spec.attention
         attn0 = model.layers[0].attn
+        assert isinstance(attn0, Attention)  # why_not_fused: every layer's mixer is a stackable Attention
         stack = torch.classes.moeserve.DecodeStack(
             spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, spec.moe.top_k,
             model.moe_blocks[0].routing.stack_mode, spec.moe.norm_topk_prob, spec.moe.weights_in_fp32,

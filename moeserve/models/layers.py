@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -40,6 +40,9 @@ class ForwardBatch:
     block_tables: list[torch.Tensor]  # per group [B, max blocks] int64
     tables: list[list[list[int]]]  # per group, per sequence
     rows: torch.Tensor | None = None  # [N] int64: the sequence of each token (None when decode-only: row i)
+    # per sequence, its prompt's length (recurrent layers compute prompt tokens in chunks, later ones one by one);
+    # empty: a sequence's new tokens are its prompt unless it adds one token to a cached prefix
+    prompt_lens: list[int] = field(default_factory=list)
 
     @cached_property
     def decode_only(self) -> bool:
@@ -74,7 +77,16 @@ def rms_norm_fp32_scale(x: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 RMS_NORMS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor], torch.dtype | None]] = {
     "cast_then_scale": (rms_norm, None),
     "scale_in_fp32": (rms_norm_fp32_scale, torch.float32),
+    "zero_centered": (rms_norm_fp32_scale, torch.float32),  # the weight held as 1 + w (NORM_OFFSETS)
 }
+# Added to a norm weight once at load: zero-centred norms store w and scale by (1 + w) (transformers computes
+# 1.0 + w.float() in fp32 on every call: the same fp32 value).
+NORM_OFFSETS: dict[str, float] = {"zero_centered": 1.0}
+
+
+def scales_in_fp32(norm_style: str) -> bool:
+    """Whether the norm multiplies by its weight in fp32 before the cast (the C++ norms' `fp32_scale`)."""
+    return RMS_NORMS[norm_style][0] is rms_norm_fp32_scale
 
 
 class Rotary:
@@ -136,11 +148,35 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
 QUERY_BLOCK = 16  # query positions per call of the batch-invariant torch attention (Attention._aligned_blocks)
 
 
-class Attention:
+class TokenMixer(ABC):
+    """The part of a decoder layer that mixes tokens: softmax attention over the KV cache (`Attention`) or linear
+    attention over a recurrent state (models/gated_delta.py)."""
+
+    layer: int
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """x [N, H] (normed) -> [N, H]; reads and writes the layer's sequence memory in `kv`."""
+
+    @abstractmethod
+    def linears(self) -> list[Linear]: ...
+
+    @abstractmethod
+    def why_not_stacked(self) -> str | None:
+        """None when the fused decode stack (models/decode_stack.py) can run this part, else why not."""
+
+    @abstractmethod
+    def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        """Give this part (with its layer's norms) to a torch.classes.moeserve.DecodeStack."""
+
+
+class Attention(TokenMixer):
     """Grouped-query attention over the paged KV cache; optional q/k norm, biases, sinks, sliding window.
 
-    q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits).
-    With `cpp` set (the moeserve C++ ops are loaded), the per-head q/k norm, the rotary embedding and the KV
+    q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits), and
+    with `spec.output_gate` a fourth part, the gate [N, nh*d]: the output is multiplied by sigmoid(gate) before
+    o_proj (Qwen3-Next). `qk_norm` is the per-head norm function (rms_norm; rms_norm_fp32_scale for zero-centred
+    norms, which the C++ op does not do: they run in torch before it). With `cpp` set (the moeserve C++ ops are loaded), the per-head q/k norm, the rotary embedding and the KV
     write run as one op, and decode-only batches attend with one op; the torch path is kept operation for
     operation as transformers computes it and is what `kernels=torch` runs.
     """
@@ -158,11 +194,13 @@ class Attention:
         eps: float,
         cpp: bool = False,
         invariant: bool = False,
+        qk_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
     ) -> None:
         self.spec, self.layer = spec, layer
         self.qkv, self.o = qkv, o
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.split = [q_size, kv_size, kv_size]
+        self.split = [q_size, kv_size, kv_size] + ([q_size] if spec.output_gate else [])
+        self.qk_norm = qk_norm
         self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
         self._sinks_f32 = None if sinks is None else sinks.float().contiguous()  # the C++ op's form
         self.rotary, self.eps = rotary, eps
@@ -174,21 +212,23 @@ class Attention:
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d], [N, nkv*d] (views)
+        q, k, v, *gate = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d] x2 (views)
         if s.qk_norm == "full":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
         if self.cpp:
+            if self.qk_norm is not rms_norm and s.qk_norm == "per_head":  # a norm the C++ op does not do
+                q, k = self._per_head_norms(q, k, n)
             out = self._cpp_attention(q, k, v, batch, kv)
-            return self.o(out.reshape(n, s.num_heads * s.head_dim))
+            return self.o(self._gated(out.reshape(n, s.num_heads * s.head_dim), gate))
         q = q.view(n, s.num_heads, s.head_dim)
         k = k.view(n, s.num_kv_heads, s.head_dim)
         v = v.view(n, s.num_kv_heads, s.head_dim)
         if s.qk_norm == "per_head":
-            assert self.q_norm is not None and self.k_norm is not None
-            q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
+            q, k = self._per_head_norms(q, k, n)
+            q, k = q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim)
         q = self.rotary.apply(q, batch.positions)
         k = self.rotary.apply(k, batch.positions)
         if self.invariant:
@@ -198,7 +238,24 @@ class Attention:
             out = self._decode_batched(q, k, v, batch, kv)
         else:
             out = self._per_sequence(q, k, v, batch, kv)
-        return self.o(out.reshape(n, s.num_heads * s.head_dim))
+        return self.o(self._gated(out.reshape(n, s.num_heads * s.head_dim), gate))
+
+    def _per_head_norms(self, q: torch.Tensor, k: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k normed per head with `self.qk_norm`, as [N, nh*d] and [N, nkv*d]."""
+        s = self.spec
+        assert self.q_norm is not None and self.k_norm is not None
+        q = self.qk_norm(q.reshape(n, s.num_heads, s.head_dim), self.q_norm, self.eps)
+        k = self.qk_norm(k.reshape(n, s.num_kv_heads, s.head_dim), self.k_norm, self.eps)
+        return q.reshape(n, -1), k.reshape(n, -1)
+
+    def _gated(self, out: torch.Tensor, gate: list[torch.Tensor]) -> torch.Tensor:
+        """out * sigmoid(gate) with an output gate (in the compute dtype, as transformers), else out."""
+        if not gate:
+            return out
+        if self.invariant:  # element-wise ops in fixed row blocks (their vector tails must not move with N)
+            both = torch.cat([out, gate[0]], dim=-1)
+            return in_row_blocks(lambda t: t[:, : out.shape[1]] * torch.sigmoid(t[:, out.shape[1]:]), both)
+        return out * torch.sigmoid(gate[0])
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o]
@@ -208,6 +265,8 @@ class Attention:
         s = self.spec
         if s.sinks or s.clip_qkv is not None or s.qk_norm == "full":
             return "attention sinks, qkv clipping or a full-width q/k norm"
+        if s.output_gate or self.qk_norm is not rms_norm:
+            return "a gated attention output or a zero-centred q/k norm (Qwen3-Next)"
         return _not_gemv(self.linears())
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
@@ -398,7 +457,7 @@ def _not_gemv(linears: list[Linear]) -> str | None:
 
 
 class DecoderLayer:
-    def __init__(self, attn: Attention, mlp: MLP, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+    def __init__(self, attn: TokenMixer, mlp: MLP, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                  norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm) -> None:
         self.attn, self.mlp = attn, mlp
         self.input_norm, self.post_norm, self.eps, self.norm = input_norm, post_norm, eps, norm

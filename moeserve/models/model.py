@@ -20,13 +20,25 @@ from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.models.decode_stack import choose_decode_step
 from moeserve.models.expert_kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.expert_plans import ExpertPlan
-from moeserve.models.layers import MLP, RMS_NORMS, Attention, DecoderLayer, DenseMLP, ForwardBatch, Rotary
+from moeserve.models.gated_delta import build_gated_delta
+from moeserve.models.layers import (
+    MLP,
+    NORM_OFFSETS,
+    RMS_NORMS,
+    Attention,
+    DecoderLayer,
+    DenseMLP,
+    ForwardBatch,
+    Rotary,
+    TokenMixer,
+    scales_in_fp32,
+)
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
 from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
-from moeserve.models.registry import Architecture
-from moeserve.models.spec import ModelSpec
+from moeserve.models.registry import Architecture, WeightNames
+from moeserve.models.spec import AttentionSpec, ModelSpec
 from moeserve.models.validate import is_skipped
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -53,7 +65,7 @@ class MoeModel:
         self.moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
         self.norm = RMS_NORMS[spec.norm_style][0]
         eps = spec.rms_norm_eps
-        self.layer_pass: LayerPass = (CppLayers(layers, final_norm, eps, spec.norm_style == "scale_in_fp32")
+        self.layer_pass: LayerPass = (CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
                                       if options.cpp else TorchLayers(layers, final_norm, self.norm, eps))
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
@@ -148,7 +160,8 @@ def build_model(
         choices.append(("skipped layers", f"num_nextn_predict_layers={spec.skipped_layers}: the multi-token-"
                         f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
-    final_norm = load.tensor(names.final_norm, (h,), RMS_NORMS[spec.norm_style][1])
+    choices += _unserved(ckpt, arch)
+    final_norm = _norm(load, names.final_norm, spec)
     head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
         if opts.dense_int8:  # an int8 copy of the tied table for the head; lookups keep the table itself
@@ -165,6 +178,24 @@ def build_model(
     if int8:
         model.choices.append(("dense layers (quantization=int8)", int8))
     return model
+
+
+def _unserved(ckpt: Checkpoint, arch: Architecture) -> list[tuple[str, str]]:
+    """A start-up line per group of checkpoint tensors the architecture does not serve (Architecture.unserved)."""
+    lines = []
+    for prefix, why in arch.unserved:
+        sizes = [ref.nbytes for name, ref in ckpt.tensors.items() if name.startswith(prefix)]
+        if sizes:
+            lines.append((f"not loaded: {prefix}*", f"{why} ({len(sizes)} tensors, {sum(sizes) / 2**20:.1f} MiB in "
+                          "the checkpoint, never read)"))
+    return lines
+
+
+def _norm(load: WeightLoader, name: str, spec: ModelSpec, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """A norm weight in the dtype its style keeps it in, with its style's offset (zero-centred: 1 + w) added once."""
+    weight = load.tensor(name, shape or (spec.hidden_size,), RMS_NORMS[spec.norm_style][1])
+    offset = NORM_OFFSETS.get(spec.norm_style)
+    return weight.add_(offset) if offset else weight
 
 
 def _invariance_reason(opts: ModelOptions, block: str) -> str:
@@ -193,28 +224,14 @@ def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dt
 
 def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,  # noqa: PLR0913
                  store: ExpertStore, kernel: ExpertKernel, opts: ModelOptions) -> DecoderLayer:
-    """Read layer L's resident weights (attention, norms, router, dense or shared MLP)."""
-    names, a, h = arch.names, spec.attention, spec.hidden_size
+    """Read layer L's resident weights (attention or linear attention, norms, router, dense or shared MLP)."""
+    names, h = arch.names, spec.hidden_size
 
     def n(template: str) -> str:
         return template.format(L=L)
 
-    q_norm = k_norm = None
-    if a.qk_norm == "per_head":
-        q_norm, k_norm = load.tensor(n(names.q_norm), (a.head_dim,)), load.tensor(n(names.k_norm), (a.head_dim,))
-    elif a.qk_norm == "full":
-        q_norm = load.tensor(n(names.q_norm), (a.num_heads * a.head_dim,))
-        k_norm = load.tensor(n(names.k_norm), (a.num_kv_heads * a.head_dim,))
-    attn = Attention(
-        a, L,
-        qkv=load.stacked_linear([(n(names.q_proj), a.num_heads * a.head_dim),
-                                 (n(names.k_proj), a.num_kv_heads * a.head_dim),
-                                 (n(names.v_proj), a.num_kv_heads * a.head_dim)], h, a.qkv_bias),
-        o=load.linear(n(names.o_proj), h, a.num_heads * a.head_dim, a.o_bias),
-        q_norm=q_norm, k_norm=k_norm,
-        sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,
-        rotary=rotary, eps=spec.rms_norm_eps, cpp=opts.cpp, invariant=opts.batch_invariant,
-    )
+    attn = (_build_attention(load, arch, spec, L, rotary, opts) if spec.attention_layers[L]
+            else build_gated_delta(load, arch, spec, L, opts.batch_invariant))
     mlp: MLP
     if spec.moe_layers[L]:
         m = spec.moe
@@ -238,6 +255,49 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         di = spec.dense_intermediate_size
         mlp = DenseMLP(load.linear(n(names.dense_gate), di, h), load.linear(n(names.dense_up), di, h),
                        load.linear(n(names.dense_down), h, di), opts.batch_invariant)
-    norm, norm_dtype = RMS_NORMS[spec.norm_style]
-    return DecoderLayer(attn, mlp, load.tensor(n(names.input_norm), (h,), norm_dtype),
-                        load.tensor(n(names.post_norm), (h,), norm_dtype), spec.rms_norm_eps, norm)
+    norm = RMS_NORMS[spec.norm_style][0]
+    return DecoderLayer(attn, mlp, _norm(load, n(names.input_norm), spec), _norm(load, n(names.post_norm), spec),
+                        spec.rms_norm_eps, norm)
+
+
+def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
+                     opts: ModelOptions) -> TokenMixer:
+    """Layer L's softmax attention: q/k/v (and an output gate) stacked into one Linear, norms, sinks."""
+    names, a, h = arch.names, spec.attention, spec.hidden_size
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    q_norm = k_norm = None
+    if a.qk_norm == "per_head":
+        q_norm, k_norm = _norm(load, n(names.q_norm), spec, (a.head_dim,)), _norm(load, n(names.k_norm), spec,
+                                                                                  (a.head_dim,))
+    elif a.qk_norm == "full":
+        q_norm = load.tensor(n(names.q_norm), (a.num_heads * a.head_dim,))
+        k_norm = load.tensor(n(names.k_norm), (a.num_kv_heads * a.head_dim,))
+    return Attention(
+        a, L, qkv=_qkv_linear(load, names, a, L, h),
+        o=load.linear(n(names.o_proj), h, a.num_heads * a.head_dim, a.o_bias),
+        q_norm=q_norm, k_norm=k_norm,
+        sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,
+        rotary=rotary, eps=spec.rms_norm_eps, cpp=opts.cpp, invariant=opts.batch_invariant,
+        qk_norm=RMS_NORMS[spec.norm_style][0] if a.qk_norm == "per_head" else RMS_NORMS["cast_then_scale"][0],
+    )
+
+
+def _qkv_linear(load: WeightLoader, names: WeightNames, a: AttentionSpec, L: int, h: int) -> Linear:
+    """q, k, v stacked into one Linear; with an output gate, q_proj's rows [heads, (query, gate), d] are split and
+    the gates stacked last: [q, k, v, gate]."""
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    parts = [(names.q_proj.format(L=L), q), (names.k_proj.format(L=L), kv), (names.v_proj.format(L=L), kv)]
+    if not a.output_gate:
+        return load.stacked_linear(parts, h, a.qkv_bias)
+    query_gate = load.linear_weight(parts[0][0], 2 * q, h).view(a.num_heads, 2, a.head_dim, h)
+    weight = torch.cat([query_gate[:, 0].reshape(q, h)] + [load.linear_weight(p, r, h) for p, r in parts[1:]]
+                       + [query_gate[:, 1].reshape(q, h)])
+    bias = None
+    if a.qkv_bias:
+        qb = load.tensor(parts[0][0] + ".bias", (2 * q,)).view(a.num_heads, 2, a.head_dim)
+        bias = torch.cat([qb[:, 0].reshape(q)] + [load.tensor(p + ".bias", (r,)) for p, r in parts[1:]]
+                         + [qb[:, 1].reshape(q)])
+    return load.make_linear(weight, bias)

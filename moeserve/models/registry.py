@@ -49,6 +49,19 @@ class WeightNames:
     # Experts stacked along dim 0 in one tensor per projection (gpt-oss): prefixes, biases are `<prefix>_bias`.
     stacked_gate_up: str = "model.layers.{L}.mlp.experts.gate_up_proj"
     stacked_down: str = "model.layers.{L}.mlp.experts.down_proj"
+    # Gated DeltaNet linear attention (ModelSpec.linear_attention): Qwen3-Next's two input projections or Qwen3.5's
+    # four (LinearAttentionSpec.projections), the conv, decay and norm parameters, the output projection
+    linear_qkvz: str = "model.layers.{L}.linear_attn.in_proj_qkvz"
+    linear_ba: str = "model.layers.{L}.linear_attn.in_proj_ba"
+    linear_qkv: str = "model.layers.{L}.linear_attn.in_proj_qkv"
+    linear_z: str = "model.layers.{L}.linear_attn.in_proj_z"
+    linear_b: str = "model.layers.{L}.linear_attn.in_proj_b"
+    linear_a: str = "model.layers.{L}.linear_attn.in_proj_a"
+    linear_conv: str = "model.layers.{L}.linear_attn.conv1d.weight"
+    linear_a_log: str = "model.layers.{L}.linear_attn.A_log"
+    linear_dt_bias: str = "model.layers.{L}.linear_attn.dt_bias"
+    linear_norm: str = "model.layers.{L}.linear_attn.norm.weight"
+    linear_out: str = "model.layers.{L}.linear_attn.out_proj"
 
 
 class Architecture(ABC):
@@ -56,6 +69,9 @@ class Architecture(ABC):
 
     name: ClassVar[str]
     names: ClassVar[WeightNames] = WeightNames()
+    # Checkpoint tensors not served, by name prefix, and why (a vision tower, multi-token-prediction layers): never
+    # read, counted in no resident size, named in the start-up log (models/validate.py is_skipped)
+    unserved: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     @abstractmethod
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:

@@ -73,16 +73,44 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
         return template.format(L=L)
 
     yield from ((n(names.input_norm), (h,), False), (n(names.post_norm), (h,), False))
+    if not spec.attention_layers[L]:
+        yield from _linear_attention_tensors(arch, spec, L)
+        yield from _mlp_tensors(arch, spec, L)
+        return
     if a.qk_norm != "none":
         per_head = a.qk_norm == "per_head"
         yield n(names.q_norm), (a.head_dim if per_head else q,), False
         yield n(names.k_norm), (a.head_dim if per_head else kv,), False
-    for prefix, rows, cols, bias in ((names.q_proj, q, h, a.qkv_bias), (names.k_proj, kv, h, a.qkv_bias),
+    q_rows = 2 * q if a.output_gate else q  # with an output gate, q_proj gives each head's gate beside its query
+    for prefix, rows, cols, bias in ((names.q_proj, q_rows, h, a.qkv_bias), (names.k_proj, kv, h, a.qkv_bias),
                                      (names.v_proj, kv, h, a.qkv_bias), (names.o_proj, h, q, a.o_bias)):
         yield from _linear(n(prefix), rows, cols, bias)
     if a.sinks:
         yield n(names.sinks), (a.num_heads,), False
     yield from _mlp_tensors(arch, spec, L)
+
+
+def linear_attention_parts(arch: Architecture, spec: ModelSpec, L: int) -> list[tuple[str, int]]:
+    """The input projections of linear-attention layer L as (Linear prefix, output rows), in checkpoint order."""
+    la, names = spec.linear_attention, arch.names
+    assert la is not None
+    if la.projections == "qkvz_ba":
+        return [(names.linear_qkvz.format(L=L), 2 * la.key_dim + 2 * la.value_dim),
+                (names.linear_ba.format(L=L), 2 * la.num_v_heads)]
+    return [(names.linear_qkv.format(L=L), la.conv_dim), (names.linear_z.format(L=L), la.value_dim),
+            (names.linear_b.format(L=L), la.num_v_heads), (names.linear_a.format(L=L), la.num_v_heads)]
+
+
+def _linear_attention_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    la, names, h = spec.linear_attention, arch.names, spec.hidden_size
+    assert la is not None
+    for prefix, rows in linear_attention_parts(arch, spec, L):
+        yield from _linear(prefix, rows, h, False)
+    yield names.linear_conv.format(L=L), (la.conv_dim, 1, la.conv_kernel), False
+    yield names.linear_a_log.format(L=L), (la.num_v_heads,), False
+    yield names.linear_dt_bias.format(L=L), (la.num_v_heads,), False
+    yield names.linear_norm.format(L=L), (la.v_head_dim,), False
+    yield from _linear(names.linear_out.format(L=L), h, la.value_dim, False)
 
 
 def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
@@ -121,7 +149,10 @@ def layer_of(arch: Architecture, name: str) -> int | None:
 
 
 def is_skipped(arch: Architecture, spec: ModelSpec, name: str) -> bool:
-    """A tensor of a layer the model holds but does not serve (spec.skipped_layers: MTP layers past the last)."""
+    """A tensor the checkpoint holds but the model does not serve: of a layer past the last (spec.skipped_layers:
+    MTP layers), or under one of the architecture's `unserved` prefixes (a vision tower, separate MTP modules)."""
+    if any(name.startswith(prefix) for prefix, _ in arch.unserved):
+        return True
     layer = layer_of(arch, name)
     return layer is not None and layer >= spec.num_layers
 

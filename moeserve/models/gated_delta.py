@@ -1,0 +1,186 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): a `TokenMixer` over a per-sequence recurrent state.
+
+Per token (transformers' Qwen3NextGatedDeltaNet, operation for operation):
+
+    q, k, v, z, b, a = in_proj(x)              # one Linear: the checkpoint's projections stacked at load
+    q, k, v = silu(causal_conv(q, k, v))       # depthwise conv over the last `conv_kernel` tokens of the sequence
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)      # models/gated_delta_rule.py, state [Hv, dk, dv]
+    out = out_proj(rms_norm(o) * w * silu(z))  # per value head
+
+Sequence memory (state/kinds.py RecurrentState): per sequence a slot holding the last conv_kernel - 1 conv inputs
+(compute dtype) and the state (fp32); a sequence starting at position 0 starts from zeros, whatever its slot held.
+Prompt tokens take the chunk form on a grid of CHUNK positions from 0 (the scheduler cuts prompts on that grid);
+tokens after the prompt (decode, or recomputed output after a preemption) take the recurrent step. Shapes: N tokens,
+Hk / Hv key / value heads, dk / dv their dims, C = conv channels (q, k and v side by side).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.models.gated_delta_rule import chunk_form, l2norm, recurrent_step
+from moeserve.models.layers import ForwardBatch, TokenMixer
+from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.spec import LinearAttentionSpec
+from moeserve.state.kv_cache import PagedKVCache
+
+
+class GatedDeltaNet(TokenMixer):
+    def __init__(self, spec: LinearAttentionSpec, layer: int, in_proj: Linear, out_proj: Linear,
+                 conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
+                 eps: float, invariant: bool = False) -> None:
+        """in_proj: rows [q (Hk*dk), k (Hk*dk), v (Hv*dv), z (Hv*dv), b (Hv), a (Hv)]; conv_weight [C, K] (fp32
+        copy of the checkpoint's [C, 1, K]); a_log, dt_bias [Hv] and norm [dv] in the compute dtype."""
+        self.spec, self.layer = spec, layer
+        self.in_proj, self.out_proj = in_proj, out_proj
+        self.conv_weight = conv_weight
+        self.a_log, self.dt_bias, self.norm, self.eps = a_log, dt_bias, norm, eps
+        s = spec
+        self.split = [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads]
+        self.invariant = invariant
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        mixed, z, b, a = self.in_proj(x).split_with_sizes(self.split, dim=-1)  # [N, C], [N, Hv*dv], [N, Hv] x2
+        conv_states, states = kv.recurrent(self.layer)
+        slots = [table[0] for table in batch.tables[kv.group_of(self.layer)]]
+        mixed = torch.cat([self._conv(mixed[off : off + n], conv_states[slot], start == 0)
+                           for off, n, start, slot in self._pieces(batch, slots)])
+        gates = torch.cat([b, a], dim=-1)
+        qkv, beta, g = self._rowwise(self._activate, mixed, gates)
+        outs = []
+        for b_i, (off, n, start, slot) in enumerate(self._pieces(batch, slots)):
+            state = states[slot]
+            if start == 0:
+                state.zero_()
+            prompt = batch.prompt_lens[b_i] if batch.prompt_lens else (start + n if n > 1 else start)
+            outs.append(self._core(qkv[off : off + n], g[off : off + n], beta[off : off + n], state, start, prompt))
+        core = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, Hv, dv] fp32
+        gated = self._rowwise(self._gated_norm, core.to(x.dtype).reshape(x.shape[0], -1), z)[0]
+        return self.out_proj(gated)
+
+    def _pieces(self, batch: ForwardBatch, slots: list[int]) -> list[tuple[int, int, int, int]]:
+        """(offset in the batch, new tokens, first position, state slot) per sequence."""
+        out, off = [], 0
+        for n, start, slot in zip(batch.num_new, batch.starts, slots):
+            out.append((off, n, start, slot))
+            off += n
+        return out
+
+    def _conv(self, x: torch.Tensor, history: torch.Tensor, fresh: bool) -> torch.Tensor:
+        """Causal depthwise conv of one sequence's new inputs x [n, C] after its last K-1 inputs `history`
+        [K-1, C] (zeros for a fresh sequence; updated in place). Each output is one fp32 sum over the K taps in
+        order, rounded once to the compute dtype: the same bits however the sequence's tokens are split."""
+        if fresh:
+            history.zero_()
+        k = self.conv_weight.shape[1]
+        padded = torch.cat([history, x])  # [K-1+n, C]
+        n = x.shape[0]
+        acc = padded[0:n].float() * self.conv_weight[:, 0]
+        for j in range(1, k):
+            acc = acc + padded[j : j + n].float() * self.conv_weight[:, j]
+        history.copy_(padded[-(k - 1):])
+        return acc.to(x.dtype)
+
+    def _rowwise(self, fn: Any, *parts: torch.Tensor) -> list[torch.Tensor]:
+        """fn(*parts) for a row-wise fn; batch-invariant: in fixed row blocks (element-wise ops round a tensor's
+        vector tail otherwise, and which rows fall there must not depend on the batch)."""
+        if not self.invariant:
+            return list(fn(*parts))
+        widths = [p.shape[1] for p in parts]
+        both = torch.cat([p.float() if p.dtype != parts[0].dtype else p for p in parts], dim=-1)
+        outs: list[torch.Tensor] = []
+
+        def block(t: torch.Tensor) -> torch.Tensor:
+            pieces = fn(*torch.split(t, widths, dim=-1))
+            outs.append(pieces)
+            return torch.cat([p.reshape(p.shape[0], -1).float() for p in pieces], dim=-1)
+
+        flat = in_row_blocks(block, both)
+        shapes = [p.shape[1:] for p in outs[0]]
+        dtypes = [p.dtype for p in outs[0]]
+        sizes = [int(torch.Size(sh).numel()) for sh in shapes]
+        return [t.reshape(-1, *sh).to(dt) for t, sh, dt in zip(flat.split(sizes, dim=-1), shapes, dtypes)]
+
+    def _activate(self, mixed: torch.Tensor, gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """silu of the conv outputs, and per value head beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+        (fp32)."""
+        h = self.spec.num_v_heads
+        b, a = gates[:, :h].to(self.dt_bias.dtype), gates[:, h:].to(self.dt_bias.dtype)
+        beta = b.sigmoid().float()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return F.silu(mixed.to(self.dt_bias.dtype)), beta, g
+
+    def _core(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, start: int,
+              prompt_len: int) -> torch.Tensor:
+        """One sequence's tokens at positions [start, start + n): [n, Hv, dv] fp32."""
+        s = self.spec
+        n = qkv.shape[0]
+        q, k, v = qkv.float().split_with_sizes([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        rep = s.num_v_heads // s.num_k_heads
+        q = l2norm(q.reshape(n, s.num_k_heads, s.k_head_dim)).repeat_interleave(rep, dim=1)
+        k = l2norm(k.reshape(n, s.num_k_heads, s.k_head_dim)).repeat_interleave(rep, dim=1)
+        v = v.reshape(n, s.num_v_heads, s.v_head_dim)
+        cut = max(0, min(n, prompt_len - start))  # tokens of the prompt: chunk form; the rest: one by one
+        outs = []
+        if cut:
+            outs.append(chunk_form(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state))
+        for t in range(cut, n):
+            outs.append(recurrent_step(q[t], k[t], v[t], g[t], beta[t], state).unsqueeze(0))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor]:
+        """Per value head: RMSNorm(core) * w, times silu(z) in fp32, rounded to the compute dtype."""
+        s = self.spec
+        n = core.shape[0]
+        dtype = self.norm.dtype
+        h = core.to(dtype).reshape(n, s.num_v_heads, s.v_head_dim).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.norm * h.to(dtype)
+        out = h * F.silu(z.to(dtype).reshape(n, s.num_v_heads, s.v_head_dim).float())
+        return (out.to(dtype).reshape(n, -1),)
+
+    def linears(self) -> list[Linear]:
+        return [self.in_proj, self.out_proj]
+
+    def why_not_stacked(self) -> str | None:
+        return "Gated DeltaNet linear attention (no decode-stack mode yet)"
+
+    def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        raise NotImplementedError("why_not_stacked refuses Gated DeltaNet layers")
+
+
+def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool) -> GatedDeltaNet:
+    """Layer L's Gated DeltaNet from the checkpoint (`load`: a models.loader.WeightLoader). The input projections
+    are stacked into one Linear with rows in the order GatedDeltaNet reads them: Qwen3-Next's, grouped per key
+    head ([Hk, (q, k, v, z)] and [Hk, (b, a)]), are regrouped; Qwen3.5's are in that order already. Each output
+    row is the same dot product either way: the same bits."""
+    from moeserve.models.validate import linear_attention_parts
+
+    la, names, h = spec.linear_attention, arch.names, spec.hidden_size
+    weights = [load.linear_weight(prefix, rows, h) for prefix, rows in linear_attention_parts(arch, spec, L)]
+    if la.projections == "qkvz_ba":
+        weights = _regroup_qkvz_ba(la, weights[0], weights[1], h)
+    in_proj = load.make_linear(torch.cat(weights), None)
+    del weights
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    conv = load.tensor(n(names.linear_conv), (la.conv_dim, 1, la.conv_kernel)).view(la.conv_dim, la.conv_kernel)
+    return GatedDeltaNet(
+        la, L, in_proj, load.linear(n(names.linear_out), h, la.value_dim), conv,
+        load.tensor(n(names.linear_a_log), (la.num_v_heads,)), load.tensor(n(names.linear_dt_bias), (la.num_v_heads,)),
+        load.tensor(n(names.linear_norm), (la.v_head_dim,)), spec.rms_norm_eps, invariant)
+
+
+def _regroup_qkvz_ba(la: LinearAttentionSpec, qkvz: torch.Tensor, ba: torch.Tensor, h: int) -> list[torch.Tensor]:
+    """Qwen3-Next's [Hk, (dk, dk, r*dv, r*dv)] and [Hk, (r, r)] rows (r = Hv / Hk) as [q, k, v, z, b, a]."""
+    r, dk = la.num_v_heads // la.num_k_heads, la.k_head_dim
+    w = qkvz.view(la.num_k_heads, -1, h)
+    cuts = [dk, dk, r * la.v_head_dim, r * la.v_head_dim]
+    parts = [p.reshape(-1, h) for p in w.split(cuts, dim=1)]
+    return parts + [p.reshape(-1, h) for p in ba.view(la.num_k_heads, 2 * r, h).split([r, r], dim=1)]
