@@ -26,3 +26,21 @@ def test_probes_measure_positive_bandwidth(tiny_checkpoint):
     disk = disk_read_bandwidth(refs, max_bytes=64 * 1024)
     assert disk is not None and disk.bytes_per_s > 0 and 64 * 1024 <= disk.nbytes < 64 * 1024 + refs[0].nbytes
     assert disk_read_bandwidth([]) is None
+
+
+def test_the_host_to_device_probe_falls_back_to_pageable_copies_and_says_so():
+    """Where pinning is unavailable (WSL, a locked-memory limit) the probe does not crash: it copies from pageable
+    memory with blocking copies, as the engine will, and its note says why. The device ops are the fake fast tier's."""
+    from moeserve.memory.bandwidth import host_to_device_bandwidth
+    from tests.experts.async_device import AsyncFakeOps
+
+    for limit, note in ((None, ""), (0, "pinned memory unavailable (fake: cannot pin 1048576 bytes (limit 0)): "
+                                        "pageable, blocking copies")):
+        ops = AsyncFakeOps(0, pin_limit_bytes=limit)
+        try:
+            bw = host_to_device_bandwidth(ops, torch.device("cpu"), nbytes=2**20)
+        finally:
+            ops.close()
+        assert bw.bytes_per_s > 0 and bw.nbytes == 2**20 and bw.note == note
+        assert ops.violations == []  # never a non_blocking copy from pageable memory
+        assert (ops.async_copies, ops.sync_copies) == ((2, 0) if limit is None else (0, 2))
