@@ -138,6 +138,27 @@ def before_use_without_wait(self: HostToDevice, slot: int) -> None:
         self._filled[slot] = None  # the copy's event, dropped: the model reads the slot before the copy ran
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [*ARCHS, "gpt_oss", "nvfp4-ct", "fp8-block", "mxfp4-gpt-oss", "int8"])
+def test_cuda_three_tiers_equal_resident(folder_of, case: str) -> None:
+    # The real thing (scripts/gpu_acceptance.sh): GPU slots + pinned host tier + disk vs everything on the GPU.
+    folder = folder_of(case)
+    settings: dict[str, Any] = {"device": "cuda", "quantization": "int8" if case == "int8" else "none"}
+    ref_logits, ref_outs, resident = run(folder, **settings)
+    assert resident.resident
+    host_gb = resident.total_experts // 2 * resident.unit_nbytes / 2**30
+    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30,
+                              host_cache_gb=host_gb, **settings)
+    assert not store.resident and store.copier is not None and store.copier.mode.asynchronous
+    for step, (a, b) in enumerate(zip(logits, ref_logits, strict=True)):
+        assert torch.equal(a.cpu(), b.cpu()), f"{case} on CUDA: logits differ at step {step}"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs]
+    assert logprob_tables(outs) == logprob_tables(ref_outs)
+    if store.loader.host is None:
+        pytest.skip("no host tier on this machine (unified memory): GPU slots + disk only")
+    assert store.loader.host.evictions > 0 and store.stats.bytes_from_host > 0
+
+
 def test_whole_model_needs_the_compute_wait(folder_of, three_tiers, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = folder_of("qwen3_moe")
     ref_logits, _, resident = run(folder)
