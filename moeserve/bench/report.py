@@ -18,7 +18,7 @@ BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0),
     "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0), "moeserve-lru": (2.0, 2.0),
-    "moeserve-prefetch": (2.0, 2.0)}
+    "moeserve-prefetch": (2.0, 2.0), "moeserve-prefetch-auto": (2.0, 2.0)}
 
 
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],

@@ -33,7 +33,7 @@ SELF_PEERS: dict[str, dict[str, Any]] = {
     "moeserve-no-prefetch": {"prefetch": False}, "moeserve-torch-kernels": {"kernels": "torch"},
     "moeserve-plain-experts": {"expert_layout": "plain"}, "moeserve-per-op": {"decode_step": "per_op"},
     "moeserve-batch-variant": {"batch_invariant": False}, "moeserve-lru": {"cache_policy": "lru"},
-    "moeserve-prefetch": {"prefetch": True},
+    "moeserve-prefetch": {"prefetch": True}, "moeserve-prefetch-auto": {"prefetch": "auto"},
 }
 PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
 
@@ -128,7 +128,12 @@ def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], sk
         if peer in SELF_PEERS:  # moeserve against itself with one setting changed: that setting's gain, paired
             keep_prefetch = {} if cfg.prefetch is None or "prefetch" in SELF_PEERS[peer] else {"prefetch": cfg.prefetch}
             drop_inputs([cfg.checkpoint], peer)
-            workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, **SELF_PEERS[peer], **keep_prefetch)
+            try:  # a setting this build does not have (e.g. prefetch=auto) skips the variant, with the reason
+                workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, **SELF_PEERS[peer],
+                                       **keep_prefetch)
+            except BenchWorkerError as err:
+                skipped.append(Skipped(peer, str(err).splitlines()[0]))
+                log.warning("peer %s skipped: %s", peer, skipped[-1].reason)
             continue
         if cfg.route_trace is not None:
             skipped.append(Skipped(peer, "routes by its own router: not comparable under --route-trace"))

@@ -1,0 +1,92 @@
+"""Offloaded speed under real locality (issue 19): `moeserve bench --route-trace` at several expert-cache sizes,
+moeserve's default against its variants (LRU, prefetch on, prefetch auto where the build has it), alternated in
+each run, then one table of every run.
+
+    .venv/bin/python scripts/bench_route_trace.py --shape small --trace /work/shared/traces/flame-moe-290m \\
+        --fractions 0.1,0.25,0.5 --out-dir /tmp/route-bench
+
+Each fraction is one `moeserve bench` run (its own JSON in --out-dir); `--synthetic` adds, per fraction, the same
+run on the synthetic routers, for the contrast with near-uniform routing. 'of ceil' is the fraction of the
+ceiling from the run's own bytes (dense from memory, each miss from disk at the probed bandwidth): the I/O ceiling
+of an offloaded run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moeserve.cli import main as moeserve_main
+
+VARIANTS = "moeserve-prefetch,moeserve-lru,moeserve-prefetch-auto"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="small")
+    p.add_argument("--trace", type=Path, required=True, help="routing trace (moetrace, JSON lines or FLAME folder)")
+    p.add_argument("--fractions", default="0.1,0.25,0.5", help="expert cache sizes, fractions of all experts")
+    p.add_argument("--peers", default=VARIANTS, help=f"moeserve variants beside the default (default {VARIANTS})")
+    p.add_argument("--cases", default="decode-b1")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--synthetic", action="store_true", help="also run each fraction on the synthetic routers")
+    p.add_argument("--memory-limit-gb", type=float, default=None)
+    p.add_argument("--out-dir", type=Path, default=Path("route-bench"))
+    return p.parse_args(argv)
+
+
+def run_one(args: argparse.Namespace, fraction: float, trace: Path | None) -> dict:
+    name = f"{args.shape}-{fraction:g}-{'trace' if trace else 'synthetic'}.json"
+    out = args.out_dir / name
+    argv = ["bench", "--shape", args.shape, "--cases", args.cases, "--peers", args.peers, "--tokens",
+            str(args.tokens), "--repeats", str(args.repeats), "--expert-cache-fraction", str(fraction),
+            "--json", str(out)]
+    argv += ["--route-trace", str(trace)] if trace else []
+    argv += ["--memory-limit-gb", str(args.memory_limit_gb)] if args.memory_limit_gb else []
+    if moeserve_main(argv) != 0:
+        raise SystemExit(f"moeserve {' '.join(argv)} failed")
+    return json.loads(out.read_text())
+
+
+def _mb(row: dict, key: str) -> str:
+    return "-" if row.get(key) is None else f"{row[key] / 1e6:.1f}"
+
+
+def table(runs: list[tuple[float, str, dict]]) -> str:
+    header = (f"{'cache':>6} {'routing':<9} {'case':<10} {'engine':<24} {'tok/s':>7} {'of ceil':>7} {'vs dflt':>7} "
+              f"{'hit rate':>8} {'MB/tok disk':>11} {'MB/tok host':>11} {'pf/tok':>6} {'charged':>9}")
+    lines = [header, "-" * len(header)]
+    for fraction, routing, summary in runs:
+        rows = summary["rows"]
+        for row in rows:
+            default = next(r for r in rows if r["case"] == row["case"] and r["engine"] == "moeserve")
+            vs = row["tokens_per_s"] / default["tokens_per_s"] if default["tokens_per_s"] else float("nan")
+            hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
+            pf = "-" if row.get("prefetched_per_token") is None else f"{row['prefetched_per_token']:.1f}"
+            charged = "-" if not row.get("memory_peak_bytes") else f"{row['memory_peak_bytes'] / 2**20:.0f}Mi"
+            lines.append(f"{fraction:>6.0%} {routing:<9} {row['case']:<10} {row['engine']:<24} "
+                         f"{row['tokens_per_s']:>7.2f} {row['fraction_of_ceiling']:>7.0%} {vs:>6.2f}x {hit:>8} "
+                         f"{_mb(row, 'bytes_per_token_disk'):>11} {_mb(row, 'bytes_per_token_host'):>11} {pf:>6} {charged:>9}")
+        lines += [f"{'':>6} skipped {s['engine']}: {s['reason']}" for s in summary["skipped"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for fraction in (float(f) for f in args.fractions.split(",")):
+        runs.append((fraction, "trace", run_one(args, fraction, args.trace)))
+        if args.synthetic:
+            runs.append((fraction, "synthetic", run_one(args, fraction, None)))
+    text = table(runs)
+    print(f"\nshape {args.shape}, trace {args.trace}, {args.tokens} tokens x {args.repeats} runs per engine\n{text}")
+    (args.out_dir / f"{args.shape}-table.txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
