@@ -196,9 +196,8 @@ class ExpertStore:
         parts = [f"fast tier ({self.device.type}) {self.capacity} of {self.total_experts} experts "
                  f"({self.cache_nbytes / 2**20:.1f} MiB{pages})"]
         if self.loader.host is not None:
-            pinned = "pinned" if self.loader.host.pinned else "pageable"
-            parts.append(f"host tier {self.loader.host.capacity} experts ({self.host_nbytes / 2**20:.1f} MiB, "
-                         f"{pinned})")
+            # the pinned bytes (power-of-two chunks; what failed to pin and why): memory/pinned.py
+            parts.append(f"host tier {self.loader.host.capacity} experts ({self.loader.host.describe()})")
         if self.copier is not None:
             parts.append(f"transfers: {self.copier.mode.reason}")
         if self.policy is None:
