@@ -85,7 +85,7 @@ def after_reasoning(answer: str, reasoning: str | None, prefix: str) -> str:
     else:
         grammars = [{"lark_grammar": answer}]
     grammars[0] = {**grammars[0], "name": "answer"}
-    think = {"open": f"think {AFTER_THINK} ", "optional": f'("<think>" think {AFTER_THINK})? ', None: ""}[reasoning]
+    think = {"open": f"think {AFTER_THINK} ", "optional": f'("\\n"? "<think>" think {AFTER_THINK})? ', None: ""}[reasoning]
     start = think + (json.dumps(prefix, ensure_ascii=False) + " " if prefix else "") + "@answer"
     top = f"start: {start}\nthink[lazy]: {THINK_BODY}\n" if reasoning else f"start: {start}\n"
     return json.dumps({"grammars": [{"name": "start", "lark_grammar": top}, *grammars]})

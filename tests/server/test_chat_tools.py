@@ -61,6 +61,8 @@ class ScriptedTextEngine(ScriptedEngine):
                 reason = "stop"
             elif reason is None and len(out) >= (params.max_tokens or 1):
                 reason = "length"
+            if reason is None:  # a character cut between tokens waits for its last byte, as in the engine
+                text = text.rstrip("\ufffd")
             comps = [CompletionOutput(i, text, list(out), None, None, reason, stop_reason) for i in range(params.n)]
             outputs.append(RequestOutput(rid, None, prompt, comps, reason is not None))
             if reason is not None:
