@@ -7,7 +7,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint
 
+# The C++ kernels are built here (announced, one line per compiled source; minutes the first time, cached in
+# ~/.cache/moeserve/kernels afterwards) so that the first `serve` does not. Without a compiler the engine runs
+# torch's ops: setup goes on.
 setup: $(STAMP)
+	@$(VENV)/bin/moeserve build-kernels || echo "make setup: going on without the C++ kernels (see above)"
 
 # torch first, pinned to 2.13.0. Which build that is depends on where pip finds it: a local CPU wheel where one is
 # provided (PIP_FIND_LINKS), else PyPI's, which on Linux x86_64 is the CUDA build. TORCH_INDEX picks an index:

@@ -29,6 +29,7 @@ SUBCOMMANDS = [
     "bench",
     "simulate",
     "trace",
+    "build_kernels",
 ]
 
 

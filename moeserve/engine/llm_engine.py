@@ -150,9 +150,10 @@ class LLMEngine:
         self.sampler = Sampler(decode_token, s.seed)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
-        self.load_seconds = time.monotonic() - t0
-        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB)",
-                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20)
+        self.load_seconds = time.monotonic() - t0 - self.kernel_seconds
+        build = f"; the C++ kernels took {self.kernel_seconds:.0f} s more" if self.kernel_seconds >= 1 else ""
+        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB%s)",
+                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20, build)
         if self.model.dequantized_linears:
             log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
                      len(self.model.dequantized_linears), self.dtype_name)
@@ -275,7 +276,9 @@ class LLMEngine:
     def _choose_kernels(self, want: str) -> bool:
         """The moeserve C++ ops (norms, attention, dense GEMVs; each where its dtype applies) or torch's only;
         kernels=cpp raises ConfigError when they cannot be built or run here."""
+        t0 = time.monotonic()
         use, reason = kernels.choose(want, self.device.type)
+        self.kernel_seconds = time.monotonic() - t0  # a first build takes minutes: kept out of the load time
         self._chose("kernels", f"{'cpp' if use else 'torch'} ({want}: {reason})")
         return use
 
