@@ -83,9 +83,11 @@ class EngineSettings(BaseModel):
         "shared", description="how the expert cache's slots are shared among MoE layers: shared = one pool, "
         "per_layer = an equal quota per layer, mixed = a floor of half the equal quota per layer, the rest shared"
     )
-    # Off by default: on the bench models (near-uniform routing) no guess pays for its read, and no measurement yet
-    # shows a win on real routing (docs/benchmarks.md keeps the figures). It never changes the output.
-    prefetch: bool = Field(False, description="predict and load the next layer's experts in the background")
+    # Off by default: on the bench models (near-uniform routing) no guess pays for its read. auto measures whether
+    # it pays on this run's routing (experts/prefetch_auto.py, docs/policies.md). It never changes the output.
+    prefetch: bool | Literal["auto"] = Field(
+        False, description="predict and load the next layer's experts in the background: true, false, or auto = "
+        "only while the misses it saves pay for its reads (measured online, logged, in /metrics)")
     quantization: Literal["none", "int8"] = Field(
         "none", description="on-load weight quantization of 16-bit checkpoints"
     )
@@ -240,6 +242,12 @@ def add_cli_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel], ski
         help_text = f"{field.description} (env {ENV_PREFIX}{name.upper()}; default {field.default})"
         if field.annotation is bool:
             group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        if bool in get_args(field.annotation):  # bool | Literal[...]: a bare --flag is true, --no-flag false
+            _, choices = _flag_type(Literal[tuple(a for a in get_args(field.annotation) if a is not bool)])
+            group.add_argument(flag, dest=name, nargs="?", const="true", default=None, help=help_text,
+                               metavar="{true,false," + ",".join(choices or []) + "}")
+            group.add_argument("--no-" + flag[2:], dest=name, action="store_const", const="false", help=argparse.SUPPRESS)
             continue
         typ, choices = _flag_type(field.annotation)
         group.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_text)

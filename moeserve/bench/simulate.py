@@ -34,6 +34,7 @@ from moeserve.experts.calls import (
 )
 from moeserve.experts.guess import OnlineGuesses
 from moeserve.experts.policies import Key, make_policy
+from moeserve.experts.prefetch_auto import PrefetchCounts
 from moeserve.experts.quota import DEFAULT_CACHE_MODE, make_quota
 from moeserve.experts.slot_cache import SlotCache
 
@@ -46,8 +47,11 @@ __all__ = [
 # predictions recorded in the trace. affinity: a layer-to-next-layer co-occurrence table fitted on the
 # warm-up part of the trace and then frozen (`affinity_predictions`). online: the store's own guesses
 # (`OnlineGuesses`, moeserve/experts/guess.py: an AffinityPredictor learning as the trace replays, after the
-# warm-up part if any, and the store's read gate), with `OnlinePrefetch`'s settings: what the engine does.
-PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online")
+# warm-up part if any, and the store's read gate), with `OnlinePrefetch`'s settings: what the engine does. auto:
+# online, reading only while `PrefetchAuto` (experts/prefetch_auto.py) measures that it pays (the engine's
+# prefetch=auto).
+PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online", "auto")
+_ONLINE = ("online", "auto")
 
 
 @dataclass
@@ -61,6 +65,7 @@ class SimResult:
     prefetched: int = 0  # prefetch reads
     prefetch_used: int = 0  # prefetched keys that were needed before they were evicted
     steps: int = 0  # forward steps (tokens at batch 1) replayed
+    auto: str | None = None  # prefetch=auto: its last decision and reason, and how often it switched
     per_layer: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (hits, misses)
 
     @property
@@ -112,8 +117,9 @@ class OnlinePrefetch:
     min_prob: float = 0.0
     history: Sequence[Sequence[LayerCall]] = ()
 
-    def guesses(self) -> OnlineGuesses:
-        guesses = OnlineGuesses(self.num_experts, self.min_prob)
+    def guesses(self, auto: PrefetchCounts | None = None) -> OnlineGuesses:
+        """`auto`: the cache's counters, for prefetch=auto (None: always read what passes the gate)."""
+        guesses = OnlineGuesses(self.num_experts, self.min_prob, auto=auto)
         for step in self.history:
             for call in step:
                 guesses.predictor.observe(call.layer, call.expert_ids)
@@ -156,8 +162,8 @@ def simulate(
         raise ConfigError(f"capacity={capacity}: the cache must hold at least one expert")
     if prefetch not in PREFETCH_MODES:
         raise ConfigError(f"prefetch={prefetch!r}: choose one of {', '.join(PREFETCH_MODES)}")
-    if prefetch == "online" and online is None:
-        raise ConfigError("prefetch 'online' needs its settings (OnlinePrefetch)")
+    if prefetch in _ONLINE and online is None:
+        raise ConfigError(f"prefetch {prefetch!r} needs its settings (OnlinePrefetch)")
     calls = [call for step in steps for call in step]
     # Per call: the next call of the same step (online guesses stay within a forward step).
     next_in_step: list[LayerCall | None] = []
@@ -169,7 +175,9 @@ def simulate(
     if policy == "belady":
         options["future"] = [chunk for call in calls for chunk in _chunks(call, cache)]
     cache.policy = make_policy(policy, **options)
-    guesses = online.guesses() if online is not None and prefetch == "online" else None
+    guesses = None
+    if online is not None and prefetch in _ONLINE:
+        guesses = online.guesses(cache.stats if prefetch == "auto" else None)
     for index, call in enumerate(calls):
         if guesses is not None:  # the layer has routed: its experts are known before any load
             guesses.observe(call.layer, call.expert_ids)
@@ -185,7 +193,9 @@ def simulate(
                 _prefetch(cache, chunk, upcoming)
             cache.release(chunk)
     stats = cache.stats
+    auto = guesses.auto if guesses is not None else None
     return SimResult(policy=policy, capacity=capacity, prefetch=prefetch, cache_mode=cache_mode,
+                     auto=f"{auto.reason} ({auto.switches} switches)" if auto is not None else None,
                      hits=stats.hits, misses=stats.misses,
                      prefetched=stats.prefetched, prefetch_used=stats.prefetch_used, steps=len(steps),
                      per_layer={layer: (st.hits, st.misses) for layer, st in sorted(stats.layers.items())})
@@ -296,9 +306,9 @@ def run_grid(
         raise ConfigError("prefetch 'predicted': this trace records no predictions (try oracle or affinity)")
     fit: Sequence[Sequence[LayerCall]] = []
     evaluate = steps
-    if "online" in prefetches and online is None:
-        raise ConfigError("prefetch 'online' needs its settings (OnlinePrefetch)")
-    if "static" in policies or "affinity" in prefetches or "online" in prefetches:
+    if any(p in _ONLINE for p in prefetches) and online is None:
+        raise ConfigError("prefetch 'online' and 'auto' need their settings (OnlinePrefetch)")
+    if "static" in policies or "affinity" in prefetches or any(p in _ONLINE for p in prefetches):
         split = int(len(steps) * warmup_fraction)
         fit, evaluate = steps[:split], steps[split:]
     if not evaluate:

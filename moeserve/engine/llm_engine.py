@@ -321,7 +321,8 @@ class LLMEngine:
                                   "cache_trace=FILE (record one with record_trace=FILE)")
             options = static_policy_options(s.cache_trace, capacity)
         return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
-                            prefetch=s.prefetch, cache_mode=s.expert_cache_mode)
+                            prefetch=s.prefetch is not False, prefetch_auto=s.prefetch == "auto",
+                            cache_mode=s.expert_cache_mode)
 
     def _open_trace(self, path: str | None, fmt: str, model_path: str) -> FailSafeWriter | None:
         """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""

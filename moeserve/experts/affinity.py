@@ -96,7 +96,9 @@ def _naive_bayes(log_prior: list[float], log_pairs: list[list[float]]) -> list[f
 class AffinityPredictor:
     """Predicts the next MoE layer's experts from the experts this step's latest layers used (module doc)."""
 
-    def __init__(self, num_experts: int, depth: int = 2, smoothing: float = 0.1) -> None:
+    def __init__(self, num_experts: int, depth: int = 2, smoothing: float = 0.1, temporal: bool = True) -> None:
+        """`temporal`: also learn from the previous step's experts at the predicted layer (consecutive tokens
+        share experts in decode; see docs/policies.md for what it gains)."""
         if num_experts < 1:
             raise ConfigError(f"affinity: num_experts={num_experts} must be >= 1")
         if depth < 1:
@@ -108,6 +110,8 @@ class AffinityPredictor:
         self._smoothing = smoothing
         self._tables: dict[tuple[int, int], _Transition] = {}  # (layer a, later layer b) -> counts
         self._recent: list[tuple[int, list[int]]] = []  # this step's latest `depth` (layer, expert ids)
+        self._temporal: dict[int, _Transition] | None = {} if temporal else None  # layer -> its step-to-step counts
+        self._previous: dict[int, list[int]] = {}  # layer -> its experts in the latest step it ran
         self._pending: dict[int, list[int]] = {}  # layer -> ranking guessed for it, not yet checked
         self._guesses: list[int] = [0] * num_experts  # per rank: guesses checked
         self._hits: list[int] = [0] * num_experts  # per rank: guesses that the layer then used
@@ -132,6 +136,14 @@ class AffinityPredictor:
                 table = self._tables[(src, layer)] = _Transition(self.num_experts, self._smoothing)
             table.add(src_ids, ids)
         self._recent = (self._recent + [(layer, ids)])[-self.depth :]
+        if self._temporal is not None:
+            before = self._previous.get(layer)
+            if before is not None:
+                table = self._temporal.get(layer)
+                if table is None:
+                    table = self._temporal[layer] = _Transition(self.num_experts, self._smoothing)
+                table.add(before, ids)
+            self._previous[layer] = ids
 
     def chance(self, rank: int) -> float:
         """Calibrated chance that a rank-``rank`` guess is used: (hits + 1) / (guesses + 2) so far."""
@@ -151,6 +163,9 @@ class AffinityPredictor:
             table = self._tables.get((src, next_layer))
             if table is not None:
                 rows.extend(table.log_pair[i] for i in src_ids)
+        temporal = self._temporal.get(next_layer) if self._temporal is not None else None
+        if temporal is not None:  # the previous step's experts at the predicted layer
+            rows.extend(temporal.log_pair[i] for i in self._previous[next_layer])
         scores = _naive_bayes(latest.log_prior(), rows)
         k = min(k, self.num_experts)
         ranking = heapq.nsmallest(k, range(self.num_experts), key=lambda j: (-scores[j], j))

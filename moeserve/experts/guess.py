@@ -7,7 +7,8 @@ layer runs) and the uncached ones only while such guesses have been used often e
 (`ReadCalibration`): the predictor's calibration covers every guess, and the likely ones are mostly cached
 already, so the uncached rest can be far less likely. While that gate is shut, the guessing itself (Python at
 every layer, with the CPU caches cold after the layer's compute) runs on one call in PROBE_EVERY, enough to notice
-when uncached guesses become worth reading again.
+when uncached guesses become worth reading again; so does it while prefetch=auto (`PrefetchAuto`) has decided that
+reads do not pay (before its first decision it guesses on every call, to decide soon).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from moeserve.experts.affinity import AffinityPredictor
+from moeserve.experts.prefetch_auto import PrefetchAuto, PrefetchCounts
 
 PROBE_EVERY = 8  # with the read gate shut, the predictor guesses on one layer call in this many
 PROBE_AFTER = 64  # ... once this many first uncached guesses were scored (before that it always guesses)
@@ -37,7 +39,11 @@ class ReadCalibration:
     def __init__(self, num_experts: int) -> None:
         self._guesses = [0] * num_experts  # per position: uncached guesses scored
         self._used = [0] * num_experts  # per position: those the layer then used
-        self._pending: dict[int, list[int]] = {}  # layer -> its uncached guesses, not scored yet
+        self._pending: dict[int, tuple[list[int], int]] = {}  # layer -> its uncached guesses, how many kept
+        # The guesses `keep` passed (read, or would have been read with prefetch off), and those then used: the
+        # shadow estimate of prefetch=auto (`PrefetchAuto`).
+        self.kept = 0
+        self.kept_used = 0
 
     def chance(self, position: int) -> float:
         return (self._used[position] + 1) / (self._guesses[position] + 2)
@@ -49,29 +55,37 @@ class ReadCalibration:
     def keep(self, layer: int, uncached: list[int], min_prob: float) -> list[int]:
         """The leading uncached guesses (most likely first) whose position has been used >= `min_prob` of the
         time; remembers all of them to score when `layer` runs."""
-        self._pending[layer] = uncached
         n = 0
         while n < len(uncached) and self.chance(n) >= min_prob:
             n += 1
+        self._pending[layer] = (uncached, n)
         return uncached[:n]
 
     def check(self, layer: int, used: Collection[int]) -> None:
         """`layer` ran with experts `used`: score its pending uncached guesses."""
-        guessed = self._pending.pop(layer, None)
-        if guessed:
+        pending = self._pending.pop(layer, None)
+        if pending:
+            guessed, kept = pending
             needed = set(used)
             for position, e in enumerate(guessed):
+                hit = e in needed
                 self._guesses[position] += 1
-                self._used[position] += e in needed
+                self._used[position] += hit
+                if position < kept:
+                    self.kept += 1
+                    self.kept_used += hit
 
 
 class OnlineGuesses:
     """The store's prefetch guesses, learned from its own layer calls."""
 
-    def __init__(self, num_experts: int, min_prob: float, predictor: Predictor | None = None) -> None:
+    def __init__(self, num_experts: int, min_prob: float, predictor: Predictor | None = None,
+                 auto: PrefetchCounts | None = None) -> None:
+        """`auto`: the cache's prefetch counters; reads then happen only while `PrefetchAuto` says they pay."""
         self.predictor: Predictor = predictor if predictor is not None else AffinityPredictor(num_experts)
         self.min_prob = min_prob
         self.reads_worth = ReadCalibration(num_experts)
+        self.auto = PrefetchAuto(auto, self.reads_worth) if auto is not None else None
         self._calls = 0  # guesses asked for (see PROBE_EVERY)
 
     def observe(self, layer: int, expert_ids: Sequence[int]) -> None:
@@ -84,7 +98,8 @@ class OnlineGuesses:
         that does not probe while the read gate is shut. Then `choose` against the cache."""
         self._calls += 1
         rw = self.reads_worth
-        if rw.chance(0) < self.min_prob and rw.scored(0) >= PROBE_AFTER and self._calls % PROBE_EVERY:
+        shut = rw.chance(0) < self.min_prob or (self.auto is not None and not self.auto.on and self.auto.gain is not None)
+        if shut and rw.scored(0) >= PROBE_AFTER and self._calls % PROBE_EVERY:
             return []
         return self.predictor.predict(next_layer, width, self.min_prob)
 
@@ -95,4 +110,6 @@ class OnlineGuesses:
             return []
         cached = [held(e) for e in likely]
         read = set(self.reads_worth.keep(next_layer, [e for e, c in zip(likely, cached) if not c], self.min_prob))
+        if self.auto is not None and not self.auto.review():
+            read = set()  # prefetch=auto, off: the guesses are scored (the shadow estimate), nothing is read
         return [e for e, c in zip(likely, cached) if c or e in read]

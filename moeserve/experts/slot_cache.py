@@ -45,6 +45,8 @@ class LayerStats:
     bytes_from_host: int = 0
     prefetched: int = 0  # units loaded ahead of a predicted use (their bytes are in bytes_from_*)
     prefetch_used: int = 0  # prefetched units that were needed before being evicted
+    # Demand misses on units a prefetch evicted, at the next call of their layer: what prefetch cost in hits.
+    prefetch_harm: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -78,6 +80,7 @@ class StoreStats:
     bytes_read = property(lambda self: self._total("bytes_read"))
     prefetched = property(lambda self: self._total("prefetched"))
     prefetch_used = property(lambda self: self._total("prefetch_used"))
+    prefetch_harm = property(lambda self: self._total("prefetch_harm"))
 
     @property
     def hit_rate(self) -> float:
@@ -151,6 +154,7 @@ class SlotCache:
         self._pinned: set[Key] = set()  # the chunk the caller is computing
         self._protected: set[Key] = set()  # kept from prefetch victims until the next layer call begins
         self._unused_prefetch: set[Key] = set()  # prefetched, not needed yet
+        self._prefetch_victims: dict[int, set[Key]] = {}  # layer -> its keys a prefetch evicted since its last call
 
     # ------------------------------------------------------------------------------------------- queries
     def slot(self, key: Key) -> int | None:
@@ -221,7 +225,11 @@ class SlotCache:
         slot_of = self._slot_of
         hits = [k for k in keys if k in slot_of]
         self._count_hits(layer, hits)
-        return [k for k in keys if k not in slot_of] if len(hits) < len(keys) else []
+        misses = [k for k in keys if k not in slot_of] if len(hits) < len(keys) else []
+        victims = self._prefetch_victims.pop(layer, None) if self._prefetch_victims else None
+        if victims and misses:
+            self.stats.layer(layer).prefetch_harm += sum(1 for k in misses if k in victims)
+        return misses
 
     def all_cached(self, layer: int, keys: Sequence[Key]) -> list[int] | None:
         """When every key is ready: `begin_call` (all hits) and `pin`, and return their slots. Otherwise None
@@ -239,6 +247,8 @@ class SlotCache:
         counted and told to the policy exactly as `begin_call` does."""
         self._start_call(layer)
         self._count_hits(layer, keys)
+        if self._prefetch_victims:
+            self._prefetch_victims.pop(layer, None)
 
     def count_resident_hits(self, layer: int, hits: int) -> None:
         """Cache without a policy (everything resident): `hits` needed experts of `layer`, served from slots."""
@@ -304,7 +314,7 @@ class SlotCache:
         """A slot to prefetch `key` into: free, or the victim's of one neither pinned, loading nor protected;
         None when there is none (stop prefetching). `key` is loading and protected; the policy hears of it when
         it lands (`finish_read(prefetched=True)`)."""
-        slot = self._slot_for(key, _AnyOf(self._pinned, self._protected, self._loading))
+        slot = self._slot_for(key, _AnyOf(self._pinned, self._protected, self._loading), by_prefetch=True)
         if slot is None:
             return None
         self._loading[key] = slot
@@ -339,7 +349,7 @@ class SlotCache:
             self.policy.on_evict(key)
 
     # ------------------------------------------------------------------------------------------ internals
-    def _slot_for(self, key: Key, keep: Container[Key]) -> int | None:
+    def _slot_for(self, key: Key, keep: Container[Key], by_prefetch: bool = False) -> int | None:
         """A slot for a read of `key`: a free one while its layer may grow, else a victim's outside `keep` from
         the layers the quota allows; None when there is none. The slot counts for `key`'s layer from now."""
         layer = key[0]
@@ -347,20 +357,22 @@ class SlotCache:
         if self._free and self.quota.may_grow(layer, held):
             slot: int | None = self._free.pop()
         else:
-            slot = self._evict(keep, self.quota.victim_layers(layer, self._held))
+            slot = self._evict(keep, self.quota.victim_layers(layer, self._held), by_prefetch)
         if slot is not None:
             self._held[layer] = self._held.get(layer, 0) + 1
         return slot
 
-    def _evict(self, keep: Container[Key], layers: Container[int] | None) -> int | None:
+    def _evict(self, keep: Container[Key], layers: Container[int] | None, by_prefetch: bool = False) -> int | None:
         """The slot of the policy's victim outside `keep` (and in `layers`), now unmapped; None when every ready
-        key is kept."""
+        key is kept. `by_prefetch`: remembered until its layer's next call (`prefetch_harm`)."""
         assert self.policy is not None, "a cache without a policy never evicts"
         try:
             victim = self.policy.choose_victim(keep) if layers is None else self.policy.choose_victim(keep, layers)
         except NoVictimError:
             return None
         self._held[victim[0]] -= 1
+        if by_prefetch:
+            self._prefetch_victims.setdefault(victim[0], set()).add(victim)
         slot = self._slot_of.pop(victim)
         if self._on_map is not None:
             self._on_map(victim, -1)

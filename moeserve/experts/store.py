@@ -74,6 +74,8 @@ class StoreOptions:
     prefetch_predictor: str = "affinity"
     prefetch_min_prob: float = 0.5
     cache_mode: str = "shared"  # how the slots are shared among layers: shared, per_layer, mixed (experts/quota.py)
+    # prefetch=auto: the affinity guesses are read only while they pay (experts/prefetch_auto.py)
+    prefetch_auto: bool = False
 
 
 class ExpertStore:
@@ -124,7 +126,8 @@ class ExpertStore:
             if opts.prefetch_predictor not in ("affinity", "hint"):
                 raise MoeserveError(f"unknown prefetch_predictor {opts.prefetch_predictor!r} (affinity, hint)")
             own = opts.prefetch_predictor == "affinity"
-            guesses = OnlineGuesses(num_experts, opts.prefetch_min_prob) if own else None
+            auto = self.cache.stats if opts.prefetch_auto else None
+            guesses = OnlineGuesses(num_experts, opts.prefetch_min_prob, auto=auto) if own else None
             self.prefetcher = Prefetcher(self._cond, self.cache, self._fill, self.layers, guesses)
 
     def _make_slots(self) -> None:
@@ -203,7 +206,10 @@ class ExpertStore:
         if self.policy is None:
             return "; ".join(parts + ["all experts resident"])
         how = "off"
-        if self.prefetcher is not None:
+        if self.guesses is not None and self.guesses.auto is not None:
+            how = (f"auto (read while the misses it saves pay for its reads, >= {self.guesses.auto.min_gain:.2f} "
+                   "per read, re-checked online; starts off, measuring)")
+        elif self.prefetcher is not None:
             how = (f"on (experts the affinity predictor learned online gives >= {self.prefetch_min_prob:.0%} "
                    "chance in the next layer, read only while such guesses not in the cache were used as often)"
                    if self.guesses is not None else "on (the caller's guesses)")
@@ -216,6 +222,11 @@ class ExpertStore:
         parts.append(f"{'O_DIRECT' if self._direct_reads() else 'page-cache'} reads, read buffers up to "
                      f"{self.staging_nbytes / 2**20:.1f} MiB")
         return "; ".join(parts)
+
+    def prefetch_decision(self) -> tuple[bool, str] | None:
+        """prefetch=auto: whether it reads now, and why (None: prefetch is not auto)."""
+        auto = self.guesses.auto if self.guesses is not None else None
+        return (auto.on, auto.reason) if auto is not None else None
 
     def experts(self, layer: int, expert_ids: Sequence[int],
                 prefetch: tuple[int, Sequence[int]] | None = None) -> Iterator[Chunk]:

@@ -63,3 +63,22 @@ def test_rejects_bad_arguments():
     p = AffinityPredictor(2)
     with pytest.raises(ConfigError):
         p.observe(0, [2])
+
+
+def test_temporal_predicts_the_previous_steps_experts_at_the_predicted_layer():
+    """Layer 1 keeps its expert for runs of 8 steps, whatever layer 0 used: only the step-to-step counts see it."""
+    import random
+
+    rng = random.Random(0)
+    scores = {}
+    for temporal in (False, True):
+        pred = AffinityPredictor(8, temporal=temporal)
+        right = 0
+        for t in range(800):
+            pred.observe(0, [rng.randrange(8)])
+            guess = pred.predict(1, 1)
+            used = (t // 8) % 8
+            right += t >= 400 and guess == [used]
+            pred.observe(1, [used])
+        scores[temporal] = right / 400
+    assert scores[True] > 0.8 and scores[False] < 0.3
