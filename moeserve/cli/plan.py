@@ -50,9 +50,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
     for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
-    print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up (plan "
-          f"is not that process; the engine measures its own) + {(needs.overhead_bytes - RUNTIME_OVERHEAD_BYTES) / MiB:.1f}"
-          " MiB for one step's activations and the rotary tables")
+    acts = f"{needs.overhead_bytes / MiB:.1f} MiB for one step's activations and the rotary tables (from shapes)"
+    if s.memory_gb is not None:
+        print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up "
+              f"(plan is not that process; the engine measures its own) + {acts}")
+    else:  # a budget derived from free memory: the process's own RSS is outside it (memory/split.py)
+        print(f"runtime: {acts}; the serving process's own RSS is outside free memory, not charged")
     for line in _sizes(plan):
         print(line)
     fast_bw = host_bw = disk_bw = None

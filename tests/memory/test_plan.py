@@ -85,3 +85,12 @@ def test_cli_plan_refuses_in_one_line(tiny_checkpoint, capsys):
     assert main(["plan", str(folder), "--memory-gb", "0.1", "--no-probe"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: does not fit") and "\n" not in err
+
+
+def test_cli_plan_runtime_line_without_memory_gb(tiny_checkpoint, capsys):
+    """Without memory_gb the stated RSS is not in the split (free memory excludes it): the runtime line gives the
+    activations alone (it printed the activations less the stated RSS, a negative figure, before)."""
+    folder = tiny_checkpoint("qwen3_moe")
+    assert main(["plan", str(folder), "--no-probe", "--max-model-len", "64"]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("runtime: ")]
+    assert "the serving process's own RSS is outside free memory, not charged" in line and "-" not in line
