@@ -5,6 +5,9 @@ Belady, in hit rate (>= 0.9x) and in reads (<= 1.5x).
     .venv/bin/python scripts/policy_table.py /work/shared/traces/flame-moe-290m \
         --capacity 64,96,128,192,256,384 --out /tmp/flame-table.md --json /tmp/flame-table.json
 
+Long grids can run in parts (e.g. one process per capacity mode, each with --json) and be put together with
+`--from-json part1.json part2.json ...` (no simulation then; the header line needs the trace again).
+
 Same replay as `moeserve simulate` (the engine's SlotCache; the first half of the steps only teaches the online
 predictor and fits static's profile, every cell is evaluated on the second half from a cold cache).
 """
@@ -12,6 +15,7 @@ predictor and fits static's profile, every cell is evaluated on the second half 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -75,12 +79,21 @@ def main() -> None:
     ap.add_argument("--online-min-prob", type=float, default=0.4)
     ap.add_argument("--out", type=Path, default=None, help="also write the markdown here")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, nargs="+", default=None, help="tables from these --json outputs")
     args = ap.parse_args()
     caps = [int(x) for x in args.capacity.split(",")]
     policies, prefetches, modes = (args.policy.split(","), args.prefetch.split(","), args.cache_mode.split(","))
     header, steps, _ = load_calls(args.trace)
-    online = OnlinePrefetch(header.num_experts, None, args.online_min_prob)
-    grid = run_grid(steps, policies, caps, prefetches, 0.5, None, None, online, modes)
+    if args.from_json:
+        names = {f.name for f in dataclasses.fields(SimResult)}
+        rows = [r for path in args.from_json for r in json.loads(path.read_text())]
+        results = [SimResult(**{k: v for k, v in r.items() if k in names}) for r in rows]
+        for r in results:
+            r.per_layer = {int(k): tuple(v) for k, v in r.per_layer.items()}  # type: ignore[misc]
+        grid = GridResult(results, fit_steps=len(steps) // 2, eval_steps=len(steps) - len(steps) // 2)
+    else:
+        online = OnlinePrefetch(header.num_experts, None, args.online_min_prob)
+        grid = run_grid(steps, policies, caps, prefetches, 0.5, None, None, online, modes)
     lines = [f"{header.model}: {len(header.moe_layers)} MoE layers x {header.num_experts} experts, top-{header.top_k}; "
              f"fitted on {grid.fit_steps} steps, evaluated on {grid.eval_steps}. Cells: hit rate (experts read per "
              "step).", ""]

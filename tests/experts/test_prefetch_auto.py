@@ -139,3 +139,30 @@ def test_metrics_export_the_decision_and_its_reason():
                              sequence_memory_stats=lambda: {})
     text = ServerMetrics("m").render(engine)
     assert 'expert_prefetch_enabled{model_name="m",reason="off: measuring"} 0' in text
+
+
+def test_the_engine_with_auto_prefetch_and_per_layer_quotas_gives_the_resident_tokens(caplog):
+    """The trained demo model (real locality), offloaded to 3 experts per layer: same tokens as resident; the mode and
+    the prefetch decision are in the start-up line and the store."""
+    from pathlib import Path
+
+    import moeserve
+    from moeserve import LLM, SamplingParams
+
+    demo = Path(moeserve.__file__).resolve().parent / "demo_model"
+    if not (demo / "model.safetensors").is_file():
+        pytest.skip("demo model not built")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Once upon a time", "It is a truth universally acknowledged, that"]
+    resident = LLM(str(demo), dtype="float32", threads=1)
+    unit = resident.engine.model.store.unit_nbytes
+    want = [o.outputs[0].token_ids for o in resident.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="moeserve"):
+        llm = LLM(str(demo), dtype="float32", threads=1, expert_cache_gb=12 * unit / 2**30, prefetch="auto",
+                  expert_cache_mode="per_layer")
+    assert "cache mode per_layer: 3 slots per MoE layer" in caplog.text and "prefetch auto" in caplog.text
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want and llm.stats.misses > 0
+    decision = llm.engine.model.store.prefetch_decision()
+    assert decision is not None and decision[1]
+    llm.engine.close()
