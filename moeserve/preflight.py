@@ -1,5 +1,6 @@
 """Checks of EngineSettings that need no model: run before anything is loaded, so a bad setting fails in the first
-second with one line instead of after minutes of loading (or, under `serve`, after the server started).
+second with one line instead of after minutes of loading (or, under `serve`, after the server started). `moeserve`
+imports only the chosen subcommand's module, so a bad choice or path is refused before torch is even imported.
 
 `check_engine_settings(settings)` raises ConfigError / CheckpointError naming the setting. It reads no weight and
 imports no torch: the model folder is only resolved (a folder, or an id in the local Hugging Face cache), files
@@ -17,12 +18,10 @@ from moeserve.errors import ConfigError
 
 
 def check_engine_settings(s: EngineSettings) -> None:
-    """Raise a one-line error for the first setting that cannot work; see the module docstring."""
-    from moeserve.checkpoint.folder import resolve_model_path
+    """Raise a one-line error for the first setting that cannot work; see the module docstring. The model folder
+    comes last: finding it imports torch (moeserve.checkpoint), seconds on a busy machine; the rest does not."""
     from moeserve.experts.policies import ONLINE_POLICY_NAMES
 
-    if s.model is not None:
-        resolve_model_path(s.model)
     if s.cache_policy not in ONLINE_POLICY_NAMES:
         hint = did_you_mean(s.cache_policy, list(ONLINE_POLICY_NAMES))
         raise ConfigError(f"unknown cache_policy '{s.cache_policy}'{hint}")
@@ -39,6 +38,10 @@ def check_engine_settings(s: EngineSettings) -> None:
         check_writable_file("record_trace", s.record_trace)
     if s.int8_cache_dir not in (None, "off"):
         check_writable_folder("int8_cache_dir", s.int8_cache_dir)
+    if s.model is not None:
+        from moeserve.checkpoint.folder import resolve_model_path
+
+        resolve_model_path(s.model)
 
 
 def check_readable_file(name: str, value: str) -> None:

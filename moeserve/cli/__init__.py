@@ -83,7 +83,16 @@ class _StrictParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_modules(argv: list[str] | None) -> list[str]:
+    """The subcommand modules to import: only the named command's when argv names one (so `serve` with a bad setting
+    fails before torch is imported by another subcommand's module), else all (for --help, or to list the choices)."""
+    named = {name.replace("_", "-"): name for name in SUBCOMMANDS}
+    first = next((a for a in argv or () if a in named), None)
+    return [named[first]] if first is not None else SUBCOMMANDS
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line parser; with `argv`, only the subcommand it names is imported and registered."""
     parser = _StrictParser(
         prog="moeserve",
         description="Serve Mixture-of-Experts models larger than memory (OpenAI-compatible).",
@@ -95,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     # the day another flag shares the prefix).
     sub = parser.add_subparsers(dest="command", metavar="COMMAND",
                                 parser_class=_StrictParser)
-    for name in SUBCOMMANDS:
+    for name in _chosen_modules(argv):
         try:
             module = importlib.import_module(f"moeserve.cli.{name}")
         except ModuleNotFoundError as err:
@@ -127,7 +136,7 @@ def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, u
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         _refuse_unknown(parser, args, unknown)

@@ -33,15 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.cli.chat_loop import ChatLoop
-    from moeserve.cli.sampling_defaults import choose_sampling
-    from moeserve.engine.llm import LLM
-    from moeserve.engine.sampling_params import SamplingParams
     from moeserve.errors import ConfigError, RequestError
 
     if args.logprobs is not None:
         raise ConfigError("chat does not print log-probabilities: use generate --logprobs N")
-    llm = LLM(**engine_settings(args).model_dump())
+    settings = engine_settings(args)  # checked before torch is imported
+    from moeserve.cli.chat_loop import ChatLoop
+    from moeserve.cli.sampling_defaults import choose_sampling
+    from moeserve.engine.llm import LLM
+    from moeserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(**settings.model_dump())
     engine, tok = llm.engine, llm.engine.tokenizer
     if tok is None:
         raise RequestError("chat needs a tokenizer (skip_tokenizer_init was set)")

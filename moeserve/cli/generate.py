@@ -31,9 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings = engine_settings(args)  # checked before torch is imported
     from moeserve.engine.llm import LLM
 
-    settings = engine_settings(args)
     llm = LLM(**settings.model_dump())
     params = sampling_params(args)
     if args.prompt_token_ids:

@@ -5,6 +5,7 @@ GET /health polls never logged."""
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import os
 import signal
@@ -149,3 +150,26 @@ def test_request_lines_are_logged_unless_disabled_and_health_polls_never(disable
     assert "GET /health" not in out
     assert ('"POST /v1/completions HTTP/1.1" 200' in out) is not disable
     assert ('"GET /v1/models HTTP/1.1" 200' in out) is not disable
+
+
+@pytest.mark.parametrize("argv", [["serve", "--cache-policy", "lfr"], ["generate", "--record-trace", "/no/such/x"],
+                                  ["--log-level", "error", "chat", "--cache-policy", "static"]])
+def test_a_bad_setting_is_refused_before_torch_is_imported(argv: list[str]) -> None:
+    """The first second, said without timing: the refusal comes before `import torch` (seconds on a busy machine);
+    only the chosen subcommand's module is imported."""
+    code = ("import sys; from moeserve.cli import main; status = main(sys.argv[1:]); "
+            "print(status, 'torch' in sys.modules, sorted(m for m in sys.modules if m.startswith('moeserve.cli.')))")
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    status, torch_imported, modules = proc.stdout.split(" ", 2)
+    assert (status, torch_imported) == ("1", "False"), proc.stderr
+    assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+    command = next(a for a in argv if not a.startswith("-") and a != "error")
+    assert set(ast.literal_eval(modules)) - {"moeserve.cli.common"} == {f"moeserve.cli.{command}"}
+
+
+def test_help_still_lists_every_command(capsys) -> None:
+    from moeserve.cli import SUBCOMMANDS, main
+
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert all(name.replace("_", "-") in out for name in SUBCOMMANDS)
