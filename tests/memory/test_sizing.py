@@ -79,3 +79,19 @@ def test_both_refuse_a_host_cache_beyond_ram_with_the_same_line(tiny_checkpoint,
     plan_err = capsys.readouterr().err.strip()
     assert plan_err == f"error: {engine_err.value}"
     assert "host_cache_gb=0.5 needs" in plan_err and "more than the 0.0 MiB that can be locked safely (1.00 GiB available" in plan_err
+
+
+def test_gpu_activations_are_budgeted_from_the_shapes(tiny_checkpoint, monkeypatch, capsys):
+    """On the (fake) GPU the runtime part of the split is one step's activations computed from the model's shapes
+    (memory/split.py activation_bytes), beside the derived budget's headroom: it grows with the tokens per step."""
+    import re
+
+    folder = str(tiny_checkpoint("qwen3_moe"))
+    _fake_gpu(monkeypatch, host_free=40 * GiB)
+    runtime = {}
+    for tokens in (256, 4096):
+        lines = _plan_lines(capsys, [folder, "--max-model-len", "64", "--max-num-batched-tokens", str(tokens)])
+        budget = next(line for line in lines if line.startswith("memory budget: "))
+        assert "derived: 2.00 GiB free less 1.00 GiB headroom" in budget  # the GPU's free memory, not RAM
+        runtime[tokens] = float(re.search(r"runtime ([\d.]+) MiB", budget).group(1))  # type: ignore[union-attr]
+    assert runtime[4096] > 4 * runtime[256]  # 16x the tokens: the per-token activations dominate
