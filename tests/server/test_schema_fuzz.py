@@ -1,18 +1,33 @@
-"""schemathesis against /openapi.json on a live loopback server: no request the schema allows may cause a 5xx."""
+"""schemathesis against /openapi.json on a live loopback server: no request the schema allows may cause a 5xx, and
+every error leaves in the OpenAI shape.
+
+Every operation of the schema, with a fixed seed (a failure replays). Half the cases with a JSON body get a lone
+UTF-16 surrogate put into one of their strings (schemathesis, like hypothesis's text(), generates only valid
+Unicode; a lone "\\ud800" in JSON gave 500s): those must be a 400 naming the surrogate. A few examples per
+operation in the fast tier; many more in the slow tier (CI runs both).
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 from tests.server.conftest import ThreadServer, engine_factory, make_state
 
-EXAMPLES_PER_OPERATION = 30
+SEED = 20_251_125
+FAST_EXAMPLES = 8
+SLOW_EXAMPLES = 120
+OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize"}
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +38,95 @@ def fuzz_server(tiny_text_model: Path) -> Iterator[ThreadServer]:
     server.stop()
 
 
-@pytest.mark.slow
-def test_no_server_errors(fuzz_server: ThreadServer) -> None:
-    schema = schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+def string_paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Paths to every string in a JSON value (dict keys included, as (..., key, None))."""
+    if isinstance(value, str):
+        yield path
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield (*path, key, None)
+            yield from string_paths(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from string_paths(item, (*path, i))
+
+
+def with_surrogate(body: Any, data: st.DataObject) -> Any | None:
+    """A copy of `body` with a lone surrogate inserted into one of its strings; None when it has none."""
+    paths = list(string_paths(body))
+    if not paths:
+        return None
+    path = data.draw(st.sampled_from(paths))
+    lone = data.draw(st.characters(categories=["Cs"]))  # U+D800..U+DFFF: never valid alone
+    body = copy.deepcopy(body)
+    if path and path[-1] is None:  # a key: rename it
+        parent = body
+        for step in path[:-2]:
+            parent = parent[step]
+        parent[path[-2] + lone] = parent.pop(path[-2])
+        return body
+    if not path:
+        return body + lone
+    parent = body
+    for step in path[:-1]:
+        parent = parent[step]
+    text = parent[path[-1]]
+    at = data.draw(st.integers(0, len(text)))
+    parent[path[-1]] = text[:at] + lone + text[at:]
+    return body
+
+
+def fuzz(server: ThreadServer, examples: int) -> None:
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"}
+    assert {op.path for op in operations} >= OPERATIONS
     for operation in operations:
 
-        @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
-                  database=None)
-        def check(case: Any) -> None:
-            response = case.call(timeout=60)
-            assert response.status_code < 500, (case.method, case.path, response.status_code, response.text[:500])
+        @given(case=operation.as_strategy(), data=st.data())
+        @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @seed(SEED)
+        def check(case: Any, data: st.DataObject) -> None:
+            mutated = None
+            if isinstance(case.body, (dict, list, str)) and data.draw(st.booleans()):
+                mutated = with_surrogate(case.body, data)
+            if mutated is None:
+                response = case.call(timeout=60)
+            else:  # sent as JSON text with \uXXXX escapes (clients that encode to UTF-8 first cannot send this)
+                response = httpx.request(case.method, server.url + case.path, params=case.query, timeout=60,
+                                         content=json.dumps(mutated), headers={"content-type": "application/json"})
+            where = (case.method, case.path, response.status_code, response.text[:500])
+            assert response.status_code < 500, where
             if response.status_code >= 400:  # every error leaves in the OpenAI shape
-                assert set(response.json()) == {"error"}
+                assert set(response.json()) == {"error"}, where
+            if mutated is not None:
+                assert response.status_code == 400, where
+                assert "lone UTF-16 surrogate" in response.json()["error"]["message"], where
 
         check()
+
+
+def test_no_server_errors(fuzz_server: ThreadServer) -> None:
+    fuzz(fuzz_server, FAST_EXAMPLES)
+
+
+@pytest.mark.slow
+def test_no_server_errors_many_examples(fuzz_server: ThreadServer) -> None:
+    fuzz(fuzz_server, SLOW_EXAMPLES)
+
+
+def test_with_surrogate_reaches_every_kind_of_string() -> None:
+    body = {"a": "xy", "b": [{"c": "z"}], "d": 1}
+    seen: set[str] = set()
+
+    @given(data=st.data())
+    @settings(max_examples=60, database=None)
+    @seed(SEED)
+    def check(data: st.DataObject) -> None:
+        out = with_surrogate(body, data)
+        assert out is not None and body == {"a": "xy", "b": [{"c": "z"}], "d": 1}  # the original is untouched
+        changed = "key" if set(out) != set(body) or set(out["b"][0]) != {"c"} else \
+            "a" if out["a"] != "xy" else "c" if out["b"][0]["c"] != "z" else "nothing"
+        seen.add(changed)
+
+    check()
+    assert seen == {"a", "c", "key"}
