@@ -64,7 +64,11 @@ def _api_key_check(state: ServerState) -> Any:
 async def _log_stats(stats: StatsLogger) -> None:
     while True:
         await asyncio.sleep(stats.interval_s)
-        line = stats.line()
+        try:
+            line = stats.line()
+        except Exception as err:  # a side channel: it stops alone, with one line; serving goes on
+            log.error("periodic stats log failed (%s: %s); no more stats lines", type(err).__name__, err)
+            return
         if line is not None:
             log.info("%s", line)
 

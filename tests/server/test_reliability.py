@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 from moeserve.config import ServerSettings, build_settings
 from moeserve.errors import ConfigError
 from moeserve.server.log_text import client_text
-from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
+from tests.server.conftest import MODEL_NAME, REPO, ThreadServer, engine_factory, make_state
 from tests.server.test_failures import wait_until
 
 SMALL = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2, "temperature": 0}
@@ -253,6 +255,11 @@ def test_an_empty_api_key_is_refused() -> None:
     for key in ("", "  "):
         with pytest.raises(ConfigError, match="empty API key"):
             build_settings(ServerSettings, {"api_key": key})
+    # at start-up, in one line, before anything loads (`--api-key "$UNSET"` must not serve without a key)
+    done = subprocess.run([sys.executable, "-m", "moeserve", "serve", "--api-key", "", "--port", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode != 0 and len(lines) == 1 and "empty API key" in lines[0], lines
 
 
 @pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.server.conftest import ThreadServer, engine_factory, make_state
 
 SEED = 20_251_125
-FAST_EXAMPLES = 8
+FAST_EXAMPLES = 5
 SLOW_EXAMPLES = 120
 OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
               "/detokenize"}
