@@ -60,6 +60,8 @@ def choose_host_budget(host_cache_gb: float | None, unit_nbytes: int, total_expe
         return HostBudget(0, 0, "no host tier: unified memory is one pool, all of it budgeted by expert_cache_gb")
     if fast_capacity >= total_experts:
         return HostBudget(0, 0, "no host tier: every expert is in GPU memory")
+    if host_cache_gb == 0:
+        return HostBudget(0, 0, "no host tier: host_cache_gb=0, set (misses are read from disk)")
     free = topology.host_free_bytes
     headroom = host_headroom_bytes(free)
     lockable = max(0, free - headroom)

@@ -29,6 +29,8 @@ def test_host_tier_only_on_discrete_cuda():
     assert auto.capacity == (5 * GiB - GiB) // UNIT  # 1 GiB headroom floor; 256 MiB chunks of 4 units, no slack
     assert "auto: 5.00 GiB available less 1.00 GiB headroom" in auto.reason
     assert choose_host_budget(None, UNIT, 100, 100, topo()).capacity == 0  # all on the GPU
+    off = choose_host_budget(0.0, UNIT, 100, 10, topo())
+    assert off.capacity == 0 and off.reason == "no host tier: host_cache_gb=0, set (misses are read from disk)"
 
 
 def test_the_chunks_slack_is_counted_in_the_budget():
