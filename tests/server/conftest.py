@@ -77,9 +77,13 @@ class ThreadServer:
         self.sock.close()
 
 
-def wait_healthy(url: str, timeout: float = 120.0) -> None:
+def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen[str] | None = None) -> None:
+    """Until /health answers 200; raises at the deadline, or at once when `proc` (the server's process) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            output = proc.stdout.read()[-3000:] if proc.stdout is not None else ""
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy:\n{output}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return

@@ -10,10 +10,8 @@ the model choose (tool_choice auto), and the loop ends when an answer comes with
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
@@ -21,27 +19,12 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from tests.conftest import write_tiny_checkpoint
-from tests.server.conftest import MODEL_NAME, start_subprocess_server
+from tests.server.conftest import MODEL_NAME, start_subprocess_server, wait_healthy
 from tests.server.test_chat_tools import QWEN3_TEMPLATE, _model_folder
 
 MAX_STEPS = 4
 REQUEST_TIMEOUT_S = 300  # one request on a loaded 2-core machine; fails loudly when exceeded
 READY_TIMEOUT_S = 900  # the server's start (a first kernel build included); fails loudly when exceeded
-
-
-def wait_ready(proc: subprocess.Popen[str], url: str) -> None:
-    """Until /health answers 200; fails at once when the server exits, and loudly at the deadline."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"moeserve serve exited with {proc.returncode}:\n{proc.stdout.read()[-3000:]}")  # type: ignore[union-attr]
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"moeserve serve not ready after {READY_TIMEOUT_S} s")
 
 
 class WeatherArgs(BaseModel):
@@ -67,7 +50,7 @@ def test_langchain_tool_loop_against_moeserve_serve(tmp_path: Path) -> None:
                           eos_token_id=tok.token_to_id("<|im_end|>"), max_position_embeddings=4096)
     proc, url = start_subprocess_server(folder, "--max-num-seqs", "2")
     try:
-        wait_ready(proc, url)
+        wait_healthy(url, READY_TIMEOUT_S, proc)
         llm = ChatOpenAI(base_url=url + "/v1", api_key="none", model=MODEL_NAME, max_retries=0,  # type: ignore[arg-type]
                          timeout=REQUEST_TIMEOUT_S, temperature=1.0, seed=0, max_tokens=200,  # type: ignore[call-arg]
                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
