@@ -134,14 +134,16 @@ class ChatLoop:
             return
         if self.interactive:
             self.out.write(ASSISTANT_PROMPT)
-        text, stopped = self._stream(request_id)
-        self.out.write(f"\n{STOPPED}\n" if stopped else "\n")
+        text, ended = self._stream(request_id)
+        if ended == "failed":  # said already; the turn is forgotten, so it can be sent again
+            return
+        self.out.write(f"\n{STOPPED}\n" if ended == "stopped" else "\n")
         self.out.flush()
         self.history += [{"role": "user", "content": line}, {"role": "assistant", "content": text}]
 
-    def _stream(self, request_id: str) -> tuple[str, bool]:
-        """(the reply's text, whether Ctrl-C stopped it). SIGINT only sets a flag while the engine steps, so a
-        step is never cut in the middle; a second Ctrl-C before the step ends quits as usual."""
+    def _stream(self, request_id: str) -> tuple[str, str]:
+        """(the reply's text, how it ended: "done", "stopped" by Ctrl-C, or "failed"). SIGINT only sets a flag while
+        the engine steps, so a step is never cut in the middle; a second Ctrl-C before the step ends quits."""
         text = ""
         self._interrupted = False
         installed, previous = self._catch_sigint()
@@ -152,18 +154,18 @@ class ChatLoop:
                         continue
                     if out.error is not None:  # e.g. an expert that cannot be read: this reply ends, the chat goes on
                         self.say(f"\nerror: {out.error}")
-                        return text, False
+                        return text, "failed"
                     new = out.outputs[0].text
                     self.out.write(new[len(text):])  # the delta, as soon as it is safe to show
                     self.out.flush()
                     text = new
                 if self._interrupted:
                     self.engine.abort_request(request_id)
-                    return text, True
+                    return text, "stopped"
         finally:
             if installed:
                 signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
-        return text, False
+        return text, "done"
 
     def _catch_sigint(self) -> tuple[bool, Any]:
         """Install the reply's SIGINT handler (main thread only): (installed, the previous handler)."""

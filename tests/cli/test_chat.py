@@ -194,6 +194,34 @@ def test_sigint_during_a_reply_stops_it_and_the_next_turn_works() -> None:
     assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C at the prompt quits again
 
 
+def test_a_refused_turn_or_a_failed_reply_leaves_the_chat_going() -> None:
+    """A prompt the engine refuses (too long for the context) and a reply that fails mid-way (an expert that cannot
+    be read) are said in one line each; neither enters the history, and the next turn is answered."""
+    from moeserve.errors import ExpertLoadError, RequestError
+
+    class Refusing(ScriptedEngine):
+        def add_request(self, ids: list[int], params: SamplingParams) -> str:
+            if "long" in rendered(ids):
+                raise RequestError("This model's maximum context length is 512 tokens", param="prompt")
+            return super().add_request(ids, params)
+
+        def step(self) -> list[Output]:
+            outputs = super().step()
+            if len(self.prompts) == 1:  # the first accepted reply fails
+                outputs = [Output(o.request_id, o.outputs, True, ExpertLoadError("expert 3 of layer 1 unreadable"))
+                           for o in outputs]
+                self.requests.clear()
+            return outputs
+
+    engine = Refusing()
+    loop, out, status = chat(["a long one", "fails", "works"], engine)
+    assert status == 0
+    assert "error: This model's maximum context length is 512 tokens (/reset starts a new conversation)" in out
+    assert "error: expert 3 of layer 1 unreadable" in out
+    assert rendered(engine.prompts[1]) == "user: works\nassistant:"
+    assert loop.history[-1] == {"role": "assistant", "content": "word word word"}
+
+
 # ------------------------------------------------------------------------------------ the real command, in a pty
 class Terminal:
     """A child process on a pseudo-terminal (stdin and stdout are a tty, as for a person); `expect` reads until a
