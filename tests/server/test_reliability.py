@@ -270,3 +270,29 @@ def test_the_docs_need_the_key_when_one_is_set(thread_server: Any, path: str) ->
     assert httpx.get(server.url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200
     open_server = thread_server(make_state(StuckEngine))
     assert httpx.get(open_server.url + path).status_code == 200
+
+
+def test_sigterm_begins_the_drain_that_ends_open_streams() -> None:
+    """serve's signal handler starts ServerState.begin_drain (the timer that ends open requests cleanly)."""
+    import signal
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from moeserve.cli.serve import DrainingServer
+
+    class State:
+        draining = False
+        settings = SimpleNamespace(shutdown_timeout=1.0)
+        engine = SimpleNamespace(num_in_flight=0)
+        drains = 0
+
+        def begin_drain(self) -> None:
+            self.drains += 1
+            self.draining = True
+
+    state = State()
+    server = DrainingServer(uvicorn.Config(app=lambda *_: None), state)
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGTERM, None)
+    assert state.drains == 1 and server.should_exit
