@@ -76,11 +76,19 @@ def log_level(args: argparse.Namespace) -> int:
 
 
 class _StrictParser(argparse.ArgumentParser):
-    """An ArgumentParser that never accepts an abbreviated flag."""
+    """An ArgumentParser that never accepts an abbreviated flag, and names the closest choice of a bad one."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        # `moeserve serv`, `--kernels cppp`: "invalid choice: 'serv' (did you mean 'serve'?)"
+        if action.choices is not None and value not in action.choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices], n=1, cutoff=0.6)
+            if close:
+                raise argparse.ArgumentError(action, f"invalid choice: {value!r} (did you mean {close[0]!r}?)")
+        super()._check_value(action, value)  # type: ignore[misc]
 
 
 def _chosen_modules(argv: list[str] | None) -> list[str]:

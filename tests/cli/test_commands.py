@@ -123,3 +123,15 @@ def test_timing_text_spans_a_batch() -> None:
     one = timing_text([request(8, [1], (1.0, 1.25, 1.25))])
     assert one == "timing: time to first token 0.2500 s; prefill 8 tokens in 0.2500 s = 32.0 tokens/s; decode: " \
         "no token after the first"
+
+
+def test_a_bad_command_or_choice_names_the_closest(capsys) -> None:
+    import pytest
+
+    for argv, expected in ((["serv"], "argument COMMAND: invalid choice: 'serv' (did you mean 'serve'?)"),
+                           (["generate", "--kernels", "cppp"], "invalid choice: 'cppp' (did you mean 'cpp'?)"),
+                           (["generate", "--kernels", "zzz"], "invalid choice: 'zzz' (choose from")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert expected in capsys.readouterr().err
