@@ -103,7 +103,8 @@ class SamplingFields(RequestModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(..., min_length=1)
+    # "" reaches the engine's check ("the prompt is empty"): a length error about "items" would puzzle for a string
+    prompt: str | Annotated[list[str] | list[int] | list[list[int]], Field(min_length=1)]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
