@@ -133,6 +133,10 @@ class ServerSettings(BaseModel):
     api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond max_num_seqs before 503")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
+    disable_log_requests: bool = Field(
+        False, description="no log line per request (uvicorn's access log; vLLM's name); errors are still logged, "
+        "and GET /health polls never are"
+    )
     max_request_body_mb: float = Field(16.0, gt=0, description="largest request body accepted, in MB (413 beyond)")
 
     @field_validator("api_key")

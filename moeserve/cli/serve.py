@@ -36,9 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("model_path", metavar="MODEL", nargs="?", default=None,
                         help="model folder or cached Hugging Face id (default: the bundled demo model)")
     add_cli_arguments(parser, ServerSettings)
-    parser.add_argument("--disable-log-requests", action="store_true",
-                        help="no log line per request (uvicorn's access log; vLLM's name); errors are still logged, "
-                        "and GET /health polls are never logged")
     add_cli_arguments(parser, EngineSettings, skip=("model",))
     parser.set_defaults(func=run)
 
@@ -99,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     server_settings: ServerSettings = settings_from_args(ServerSettings, args)
     check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
     check_engine_settings(engine_settings)  # a bad setting: one line now, not once the server runs
-    return _serve(engine_settings, server_settings, access_log=not args.disable_log_requests)
+    return _serve(engine_settings, server_settings)
 
 
-def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, access_log: bool) -> int:
+def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
     from moeserve.engine.async_engine import AsyncEngine
     from moeserve.engine.llm_engine import LLMEngine
     from moeserve.server.app import build_app
@@ -141,7 +138,7 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, acc
     state = ServerState(async_engine, server_settings, name, ServerMetrics(name))
     app = build_app(state)
     config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
-                            access_log=access_log,
+                            access_log=not server_settings.disable_log_requests,
                             timeout_graceful_shutdown=math.ceil(server_settings.shutdown_timeout))
     server = DrainingServer(config, state)
     server.run()
