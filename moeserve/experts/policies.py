@@ -250,14 +250,20 @@ class LFRUPolicy(EvictionPolicy):
 
     name = "lfru"
 
-    def __init__(self, half_life: float = 16.0, remember_evicted: bool = True, max_score: float | None = None) -> None:
+    def __init__(self, half_life: float = 16.0, remember_evicted: bool = True, max_score: float | None = None,
+                 cycle_aware: bool = False) -> None:
         """`max_score`: a use count the score never exceeds (None: no cap). 1 makes the policy pure recency, aged
-        per visit of the key's layer (with the tie-break above: Belady's choice among equally old keys)."""
+        per visit of the key's layer (with the tie-break above: Belady's choice among equally old keys).
+        `cycle_aware`: across layers, evict the key with the longest expected time to its next use, d + n (1/p - 1)
+        layer calls: d until its layer's next visit (layers run in a cycle of n), p its chance of use per visit
+        (the score times 1 - 2^(-1/half_life)). Within a layer the order is the same as without."""
         if half_life <= 0:
             raise ConfigError(f"lfru: half_life={half_life} must be > 0 (layer visits)")
         if max_score is not None and max_score < 1:
             raise ConfigError(f"lfru: max_score={max_score} must be >= 1 (one use)")
         self._decay = math.log(2.0) / half_life  # log-score lost per visit of the key's layer
+        self._cycle = cycle_aware
+        self._per_use = 1.0 - 2.0 ** (-1.0 / half_life)  # score -> chance per visit, in the steady state
         self._log_cap = math.inf if max_score is None else math.log(max_score)
         self._remember = remember_evicted
         self._visits: dict[int, int] = {}  # layer -> visits so far
@@ -309,12 +315,23 @@ class LFRUPolicy(EvictionPolicy):
             if found is None:
                 continue
             log_now = found[0] - self._decay * self._visits.get(layer, 0)
-            rank = (round(log_now, 9), -self._last_tick.get(layer, 0))
+            rank = ((-self._time_to_use(layer, log_now), 0) if self._cycle else
+                    (round(log_now, 9), -self._last_tick.get(layer, 0)))
             if best is None or rank < best:
                 best, victim = rank, found[1]
         if victim is None:
             raise _no_victim(self)
         return victim
+
+
+    def _time_to_use(self, layer: int, log_score: float) -> float:
+        """Expected layer calls until a key of `layer` with this log score is used: the cycle is n layers long."""
+        n = len(self._visits)
+        d = max(1, n - (self._tick - self._last_tick.get(layer, 0)))  # until the layer's next visit
+        if log_score == -math.inf:
+            return math.inf
+        p = min(1.0, math.exp(log_score) * self._per_use)
+        return d + n * (1.0 / p - 1.0)
 
 
 class _LayerRecency(EvictionPolicy):
@@ -418,12 +435,12 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
     name = "lfru"
 
     def __init__(self, half_life: float = 16.0, remember_evicted: bool = True, max_score: float | None = None,
-                 adapt: bool = True, window: int = 8192) -> None:
+                 adapt: bool = True, window: int = 8192, cycle_aware: bool = True) -> None:
         if window < 1:
             raise ConfigError(f"lfru: window={window} must be >= 1 (accesses)")
 
         def scoring(cap: float | None) -> LFRUPolicy:
-            return LFRUPolicy(half_life, remember_evicted, cap)
+            return LFRUPolicy(half_life, remember_evicted, cap, cycle_aware)
 
         # Recency = LFRU's order capped at one use, not LRU: it ages per layer visit and breaks ties like Belady
         # (bench trace: 1.11 misses per decode step against 1.65 with LRUPolicy as the recency side).

@@ -361,3 +361,23 @@ def test_deferred_hits_wait_until_a_choice_needs_them():
         deferred.begin_layer(0)
         deferred.on_hit(k(1))
     assert len(seen) == 6  # the 4th logged event replays the log: its length stays bounded
+
+
+def test_cycle_aware_lfru_weighs_the_distance_to_the_layers_next_visit():
+    """Layers 0, 1, 2 run in a cycle; (0, 1) is used on 3 visits of 4, (2, 1) on every one. Just after layer 2 ran,
+    plain LFRU evicts the less used (0, 1), needed at the very next call about 3 times in 4; cycle-aware LFRU
+    evicts (2, 1), whose next use is at least 3 calls away: 3.75 expected calls against 2.8."""
+    from moeserve.experts.policies import LFRUPolicy
+
+    choices = {}
+    for cycle in (False, True):
+        p = LFRUPolicy(cycle_aware=cycle)
+        for t in range(64):
+            for layer in (0, 1, 2):
+                p.begin_layer(layer)
+                key = (layer, 1)
+                if layer == 1 or (layer == 0 and t % 4 == 3):
+                    continue
+                (p.on_hit if t else p.on_insert)(key)
+        choices[cycle] = p.choose_victim(set())
+    assert choices == {False: (0, 1), True: (2, 1)}
