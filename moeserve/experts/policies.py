@@ -1,6 +1,7 @@
 """Eviction policies for the expert cache: pure Python, no torch, no numpy.
 
-The cache is one global cache over all MoE layers; a key is ``(layer, expert)``. `SlotCache`
+The cache is one pool of slots over all MoE layers (shared among them as its capacity mode says, experts/quota.py:
+a quota restricts `choose_victim` to some layers); a key is ``(layer, expert)``. `SlotCache`
 (experts/slot_cache.py, which both the expert store and the simulator in `moeserve.bench.simulate` drive) calls a
 policy like this, once per layer call (once per chunk when a layer needs more experts than the cache holds)::
 
