@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import CheckpointError
 from moeserve.models.quantized import check_dense_shape, checkpoint_scheme, is_stored_dense, linear_format
@@ -159,7 +161,9 @@ def is_skipped(arch: Architecture, spec: ModelSpec, name: str) -> bool:
 
 def kept_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
     """Checkpoint tensors `build_model` holds in float32 whatever the compute dtype: the routers of MoeSpec.router_fp32
-    and the routing correction biases (transformers keeps them so)."""
+    and the routing correction biases (transformers keeps them so), and the norms of a style that scales in fp32."""
+    from moeserve.models.layers import RMS_NORMS  # layers imports torch: only here
+
     names, m = arch.names, spec.moe
     out: set[str] = set()
     for L in spec.moe_layer_ids:
@@ -167,6 +171,12 @@ def kept_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
             out.add(names.router.format(L=L) + ".weight")
         if m.correction_bias:
             out.add(names.router_correction_bias.format(L=L))
+    if RMS_NORMS[spec.norm_style][1] == torch.float32:
+        out |= {names.final_norm} | {t.format(L=L) for L in range(spec.num_layers)
+                                     for t in (names.input_norm, names.post_norm)}
+        if spec.attention.qk_norm == "per_head":
+            out |= {t.format(L=L) for L in range(spec.num_layers) if spec.attention_layers[L]
+                    for t in (names.q_norm, names.k_norm)}
     return out
 
 
