@@ -49,6 +49,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         partial_rotary_factor=0.5, routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=300,
         max_position_embeddings=512,
     ),
+    # Qwen3-Next: 3 Gated DeltaNet layers then 1 gated full-attention layer (layer_types from full_attention_interval),
+    # 2 key heads for 4 value heads, partial rotary 0.25, a gated shared expert, zero-centred norms (randomized)
+    "qwen3_next": dict(
+        model_type="qwen3_next", hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, vocab_size=300, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        full_attention_interval=4, partial_rotary_factor=0.25, max_position_embeddings=512,
+    ),
 }
 ARCHS = tuple(TINY_CONFIGS)
 

@@ -67,6 +67,11 @@ def randomize_zero_inits(model: Any, std: float = 0.1) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, std)
+        # zero-centred RMSNorms (Qwen3-Next, Qwen3.5) init their weight w to 0 (scale 1 + w): give them values, so a
+        # norm that scaled by w, or ignored it, is caught
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and param.dim() == 1 and not param.any():
+                param.normal_(0.0, std)
 
 
 def write_gpt_oss_mxfp4(src: Path, folder: Path) -> Path:
