@@ -121,6 +121,17 @@ class EngineSettings(BaseModel):
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
     )
 
+    @field_validator("prefetch", mode="before")
+    @classmethod
+    def _prefetch_value(cls, value: Any) -> Any:
+        words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                 "off": False, "auto": "auto"}
+        if isinstance(value, str) and value.strip().lower() in words:
+            return words[value.strip().lower()]
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"expected true, false or auto{did_you_mean(str(value), ['true', 'false', 'auto'])}")
+
 
 class ServerSettings(BaseModel):
     """Settings of the OpenAI-compatible HTTP server (on top of EngineSettings)."""
