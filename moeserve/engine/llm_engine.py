@@ -51,6 +51,7 @@ from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
+from moeserve.preflight import check_engine_settings
 from moeserve.state.kinds import RecurrentState
 from moeserve.state.kv_cache import (
     KVGroup,
@@ -98,6 +99,7 @@ class Request:
 class LLMEngine:
     def __init__(self, settings: EngineSettings) -> None:
         t0 = time.monotonic()
+        check_engine_settings(settings)  # a bad setting or path: one line now, not after the weights are read
         self.settings = s = settings
         self._choices: dict[str, str] = {}  # every start-up choice, by name: see `choices`
         model_path = s.model or str(demo_model_path())

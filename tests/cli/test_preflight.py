@@ -173,3 +173,11 @@ def test_help_still_lists_every_command(capsys) -> None:
     assert main([]) == 2
     out = capsys.readouterr().out
     assert all(name.replace("_", "-") in out for name in SUBCOMMANDS)
+
+
+def test_the_python_api_checks_first_too(tmp_path: Path) -> None:
+    """LLM(...) (and the server's engine thread) run the same checks before anything is opened."""
+    from moeserve import LLM
+
+    with pytest.raises(ConfigError, match="record_trace=.*does not exist"):
+        LLM(str(tmp_path / "not-a-model"), record_trace=str(tmp_path / "no" / "trace.bin"))
