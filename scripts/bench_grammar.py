@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import base64
 import statistics
 import sys
 import tempfile
@@ -39,23 +38,11 @@ LONG = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9
 
 
 def o200k_tokenizer() -> tuple[object, int]:
-    from llguidance import LLTokenizer
+    from moeserve.server.harmony import grammar_tokenizer, load_encoding, vocab_folder
 
-    from moeserve.server.harmony import VOCAB_FILE, vocab_folder
-
-    ranks = {}
-    for line in (vocab_folder(None) / VOCAB_FILE).read_text().splitlines():
-        token, rank = line.split()
-        ranks[base64.b64decode(token)] = int(rank)
     vocab = 201088  # gpt-oss's embedding rows
-    specials = {"<|endoftext|>": 199999, "<|return|>": 200002}
-    pattern = "|".join([r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-                        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-                        r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""",
-                        r"""\s+"""])
     t0 = time.perf_counter()
-    tok = LLTokenizer.from_tiktoken(encoder=ranks, special_tokens=specials, pattern=pattern,  # type: ignore[attr-defined]
-                                    eos_token=200002, n_vocab=vocab)
+    tok = grammar_tokenizer(vocab_folder(None), load_encoding(str(vocab_folder(None))), vocab)
     print(f"o200k llguidance tokenizer built in {time.perf_counter() - t0:.2f} s ({vocab} tokens)")
     return tok, vocab
 

@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -165,8 +166,10 @@ class GrammarCompiler:
     150k vocabulary) is built on first use; compiled grammars are kept by text (LRU)."""
 
     def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int], cache_size: int = 64,
-                 ll_tokenizer: Any = None) -> None:
-        """`tokenizer_json`: a `tokenizers` JSON; or `ll_tokenizer`, an llguidance LLTokenizer built elsewhere."""
+                 ll_tokenizer: Any = None, make_ll_tokenizer: tuple[str, Callable[[], Any]] | None = None) -> None:
+        """`tokenizer_json`: a `tokenizers` JSON; or `ll_tokenizer`, an llguidance LLTokenizer built elsewhere; or
+        `make_ll_tokenizer`: (what it is built from, for the log; a function building it on first use)."""
+        self._make = make_ll_tokenizer
         self._tokenizer_json = tokenizer_json
         self.vocab_size, self.eos_token_ids = vocab_size, sorted(eos_token_ids)
         self._cache: OrderedDict[str, GrammarConstraint] = OrderedDict()
@@ -179,12 +182,17 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 from llguidance import LLTokenizer
 
-                if self._tokenizer_json is None:
-                    raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
                 t0 = time.monotonic()
-                eos = self.eos_token_ids or None
-                self._ll_tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
-                log.info("structured output: llguidance tokenizer built in %.2f s", time.monotonic() - t0)
+                if self._make is not None:
+                    source, make = self._make
+                    self._ll_tokenizer = make()
+                else:
+                    if self._tokenizer_json is None:
+                        raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
+                    source, eos = "tokenizer.json", self.eos_token_ids or None
+                    self._ll_tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=eos)
+                log.info("structured output: llguidance tokenizer built from %s in %.2f s", source,
+                         time.monotonic() - t0)
             return self._ll_tokenizer
 
     def compile(self, spec: GrammarSpec) -> GrammarConstraint:

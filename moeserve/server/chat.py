@@ -95,7 +95,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                                state.max_model_len)
     state.validate_prompt(prompt.token_ids)
     top_k = req.top_logprobs or 0
-    constraint = await compile_constraint(state.llm, prompt.grammar)  # an invalid schema is a 400
+    constraint = await compile_constraint(state.llm, prompt.grammar, chat_format.grammar_compiler(state.llm))
     params = sampling_params(req, max_tokens, state.max_num_seqs, top_k if req.logprobs else None,
                              chat_format.stop_token_ids(), prompt.stop, constraint)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -31,14 +31,22 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from moeserve.engine.grammar import GrammarSpec
+from moeserve.engine.grammar import GrammarCompiler, GrammarSpec
 from moeserve.errors import RequestError
-from moeserve.server.harmony import HarmonyOutputParser, build_conversation, load_encoding, vocab_folder
+from moeserve.server.harmony import (
+    VOCAB_FILE,
+    HarmonyOutputParser,
+    build_conversation,
+    grammar_tokenizer,
+    harmony_call_grammar,
+    load_encoding,
+    vocab_folder,
+)
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from moeserve.server.reasoning import ThinkTagSplitter, opens_reasoning, template_has_think_tags
 from moeserve.server.streaming import Delta
 from moeserve.server.structured import grammar_spec
-from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, parameters_schema, tool_parser_for
+from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
 
 
 @dataclass
@@ -128,6 +136,10 @@ class ChatFormat(ABC):
     @abstractmethod
     def new_parser(self, prompt: ChatPrompt) -> OutputParser:
         """A parser for one output of `prompt` (it knows the prompt's tools and forced start)."""
+
+    def grammar_compiler(self, llm: Any) -> Any:
+        """What compiles this format's output constraints: the engine's (from its tokenizer), or None."""
+        return getattr(llm, "grammar_compiler", None)
 
 
 # -------------------------------------------------------------------------------------------- jinja template
@@ -349,6 +361,7 @@ class HarmonyChat(ChatFormat):
     def __init__(self, model_folder: Path | None) -> None:
         self.vocab_folder = vocab_folder(model_folder)
         self.encoding = load_encoding(str(self.vocab_folder))
+        self._compiler: GrammarCompiler | None = None
 
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:
@@ -368,14 +381,25 @@ class HarmonyChat(ChatFormat):
         if plan.forced:  # harmony's own header of a call: the model writes the name (unless named) and arguments
             header = "<|channel|>commentary to=functions." + (
                 f"{plan.function_name} <|constrain|>json<|message|>" if plan.function_name else "")
-            named = [t["function"] for t in plan.tools or [] if t.get("function", {}).get("name") == plan.function_name]
-            # a named call's arguments follow its schema (the call ends with <|call|>, a stop token)
-            grammar = GrammarSpec("json_schema", parameters_schema(named[0]), "tools") if named else None
+            # the call (its name when not named, then arguments following its schema) ends with <|call|>, a stop token
+            grammar = GrammarSpec("lark", harmony_call_grammar(plan.tools or [], plan.function_name), "tools")
         forced = list(self.encoding.encode(header, allowed_special="all")) if header else []
         return ChatPrompt(ids + forced, None, plan.tools, forced_ids=forced, grammar=grammar)
 
     def stop_token_ids(self) -> list[int]:
         return list(self.encoding.stop_tokens_for_assistant_actions())
+
+    def grammar_compiler(self, llm: Any) -> Any:
+        """The engine's compiler; without a tokenizer.json (or with skip_tokenizer_init), one built from the
+        harmony vocabulary the format already reads (on the first constrained request, off the event loop)."""
+        compiler = super().grammar_compiler(llm)
+        if compiler is None and self._compiler is None:
+            vocab_size = int(llm.spec.vocab_size)
+            folder, encoding = self.vocab_folder, self.encoding
+            stops = self.stop_token_ids()
+            self._compiler = GrammarCompiler(None, vocab_size, stops, make_ll_tokenizer=(
+                f"the harmony vocabulary ({VOCAB_FILE})", lambda: grammar_tokenizer(folder, encoding, vocab_size)))
+        return compiler if compiler is not None else self._compiler
 
     def new_parser(self, prompt: ChatPrompt) -> OutputParser:
         return _HarmonyParser(self.encoding, prompt.forced_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
+import json
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from typing import Any
 
 from moeserve.errors import CheckpointError, RequestError
 from moeserve.server.protocol import ChatMessage
-from moeserve.server.tool_parsers import ToolCallDelta
+from moeserve.server.tool_parsers import ToolCallDelta, parameters_schema
 
 VOCAB_FILE = "o200k_base.tiktoken"
 # A harmony header ("<|channel|>commentary to=functions.x <|constrain|>json") is a few tokens; text that runs
@@ -82,6 +83,49 @@ def load_encoding(folder: str) -> Any:
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
     return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+# tiktoken's o200k_base pre-tokenizer (how text is split before BPE merges)
+O200K_PATTERN = "|".join([
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    r"""\p{N}{1,3}""", r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""", r"""\s*[\r\n]+""", r"""\s+(?!\S)""", r"""\s+"""])
+
+
+def grammar_tokenizer(folder: Path, encoding: Any, vocab_size: int) -> Any:
+    """An llguidance tokenizer of the harmony vocabulary: the o200k ranks in `folder` and harmony's special tokens
+    (ids past the ranks, found by decoding), for constrained decoding without a tokenizer.json. About a second."""
+    import base64
+
+    from llguidance import LLTokenizer
+
+    ranks = {}
+    for line in (folder / VOCAB_FILE).read_text().splitlines():
+        token, rank = line.split()
+        ranks[base64.b64decode(token)] = int(rank)
+    specials = {}
+    for token_id in range(len(ranks), vocab_size):
+        try:
+            text = encoding.decode([token_id])
+        except Exception:  # an id the encoding does not define
+            continue
+        if text.startswith("<|"):
+            specials[text] = token_id
+    return LLTokenizer.from_tiktoken(encoder=ranks, special_tokens=specials, pattern=O200K_PATTERN,  # type: ignore[attr-defined]
+                                     eos_token=specials.get("<|return|>"), n_vocab=vocab_size)
+
+
+def harmony_call_grammar(tools: list[dict[str, Any]], function_name: str | None) -> str:
+    """A Lark grammar for the rest of a forced call after `<|channel|>commentary to=functions.` (and, when named,
+    the name and `<|constrain|>json<|message|>`, which the prompt then holds): the arguments follow the function's
+    parameters schema. Special tokens are written as llguidance's `<|name|>`."""
+    functions = [t["function"] for t in tools if isinstance(t.get("function"), dict)
+                 and function_name in (None, t["function"].get("name"))]
+    rules = []
+    for i, f in enumerate(functions):
+        head = "" if function_name is not None else json.dumps(f["name"] + " ") + ' <|constrain|> "json" <|message|> '
+        rules.append(f"call{i}: {head}%json {json.dumps(parameters_schema(f), ensure_ascii=False)}")
+    return "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)
 
 
 def build_conversation(messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None,

@@ -134,12 +134,12 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
     return found[0] if found else None
 
 
-async def compile_constraint(llm: Any, spec: GrammarSpec | None) -> Constraint | None:
-    """Compile `spec` for the engine's tokenizer on a worker thread (a large schema takes milliseconds to
-    seconds; llguidance releases the GIL). Raises APIError (400) for an invalid one."""
+async def compile_constraint(llm: Any, spec: GrammarSpec | None, compiler: Any = None) -> Constraint | None:
+    """Compile `spec` for the engine's tokenizer (or with `compiler`, the chat format's) on a worker thread (a large
+    schema takes milliseconds to seconds; llguidance releases the GIL). Raises APIError (400) for an invalid one."""
     if spec is None:
         return None
-    compiler = getattr(llm, "grammar_compiler", None)
+    compiler = compiler if compiler is not None else getattr(llm, "grammar_compiler", None)
     try:
         if compiler is None:
             raise RequestError("structured output needs the model's tokenizer (the server runs without one)",
