@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(_json(header, grid), indent=1))
     if args.plot:
-        plot(grid, policies, capacities, prefetches, args.plot, header.model)
+        plot(grid, policies, capacities, prefetches, args.plot, header.model, cache_modes[0])
     return 0
 
 
@@ -185,8 +185,10 @@ def _json(header: TraceHeader, grid: GridResult) -> dict[str, Any]:
 
 
 def plot(
-    grid: GridResult, policies: list[str], capacities: list[int], prefetches: list[str], out: Path, title: str
+    grid: GridResult, policies: list[str], capacities: list[int], prefetches: list[str], out: Path, title: str,
+    cache_mode: str = DEFAULT_CACHE_MODE,
 ) -> None:
+    """Hit rate and reads per step vs capacity, one line per policy and prefetch mode, for one capacity mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +199,7 @@ def plot(
     colors = {p: f"C{i}" for i, p in enumerate(policies)}  # one colour per policy, one style per prefetch
     for i, prefetch in enumerate(prefetches):
         for policy in policies:
-            runs = [grid.get(policy, c, prefetch) for c in capacities]
+            runs = [grid.get(policy, c, prefetch, cache_mode) for c in capacities]
             style = dict(linestyle=styles[i % len(styles)], marker="o", markersize=3, color=colors[policy])
             ax.plot(
                 capacities,

@@ -62,3 +62,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert "--policy 'lruu'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["simulate"])
+
+
+def test_cli_compares_capacity_modes_and_prefetch_auto(tmp_path, capsys):
+    trace = tmp_path / "toy.moetrace"
+    small_trace(trace)
+    argv = ["simulate", str(trace), "--policy", "lru,lfru,belady", "--capacity", "6,9", "--prefetch", "none,auto",
+            "--cache-mode", "shared,per_layer", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "=== expert cache mode shared" in out and "=== expert cache mode per_layer" in out
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert {(r["cache_mode"], r["prefetch"]) for r in results} == {
+        (m, p) for m in ("shared", "per_layer") for p in ("none", "auto")}
+    assert all(r["auto"] for r in results if r["prefetch"] == "auto")
+    assert main(["simulate", str(trace), "--cache-mode", "per-layer"]) != 0
+    assert "--cache-mode 'per-layer': choose from shared, per_layer, mixed" in capsys.readouterr().err
