@@ -7,7 +7,7 @@ DeepSeek-R1's (it shows no tools to the model), `deepseek_r1_tools.jinja` the sa
 Two engines: a scripted one that "generates" a given text (auto calls, parallel calls, reasoning: a random model
 would not write them), whose received prompts are compared with transformers' apply_chat_template; and a real
 engine on a tiny random model, where forced calls (required / named) and json_schema answers are the grammar's work
-alone, each validated with jsonschema.
+alone, each validated with jsonschema (also on the Qwen3 and Qwen3.5 templates: JSON and XML calls).
 """
 
 from __future__ import annotations
@@ -151,11 +151,12 @@ def _real_server(folder: Path, template: str) -> ThreadServer:
     return ThreadServer(make_state(engine_factory(folder, max_num_seqs=8)))
 
 
-@pytest.fixture(scope="module", params=["glm4_5", "deepseek_v3_tools"])
+@pytest.fixture(scope="module", params=["glm4_5", "deepseek_v3_tools", "qwen3", "qwen3_5"])
 def real(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
     server = _real_server(tmp_path_factory.mktemp(request.param), (TEMPLATES / f"{request.param}.jinja").read_text())
-    # GLM's thinking is switched off (a random model would not close its <think>); DeepSeek-V3's prompt has none
-    extra = {"chat_template_kwargs": {"enable_thinking": False}} if request.param == "glm4_5" else {}
+    # thinking switched off where the template has the switch (a random model would not close its <think>);
+    # DeepSeek-V3's prompt opens none
+    extra = {} if request.param == "deepseek_v3_tools" else {"chat_template_kwargs": {"enable_thinking": False}}
     yield extra, server
     server.stop()
 
