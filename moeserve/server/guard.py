@@ -3,7 +3,8 @@
 - the body-size limit (`max_request_body_mb`): a Content-Length beyond it is a 413 before a byte is read, and a
   body streamed in without one (chunked) is counted as it arrives and cut at the limit with the same 413;
 - lone UTF-16 surrogates (`"\\ud800"` in JSON parses to a Python str that cannot be encoded): a 400 naming the
-  field, for every route at once, before pydantic or a tokenizer sees the string;
+  field, for every route at once, before pydantic or a tokenizer sees the string; a body that is not UTF-8 (an
+  encoded surrogate included) is a 400 too;
 - exceptions that escape a route: answered here in the OpenAI shape (Starlette's catch-all handler re-raises
   after answering, and uvicorn then logs a traceback and closes a keep-alive connection); a client gone before
   its answer is one INFO line, not a traceback;
@@ -87,7 +88,13 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
 
 
 def check_unicode(body: bytes) -> None:
-    """Raise a 400 APIError when the JSON body holds a lone surrogate (a valid pair is one character)."""
+    """Raise a 400 APIError when the JSON body is not UTF-8 (Python's json reads bytes with `surrogatepass`, so an
+    encoded surrogate became a lone one) or holds a lone surrogate escape (a valid pair is one character)."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {err.start}: {err.reason}); JSON must be "
+                       "sent as UTF-8") from None
     if not _SURROGATE_ESCAPE.search(body):
         return
     try:

@@ -128,6 +128,11 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(live_server: ThreadServer, p
     assert response.json()["error"]["message"].startswith(f"{where}: a lone UTF-16 surrogate")
 
 
+def test_a_surrogate_encoded_as_utf8_bytes_is_a_400(live_server: ThreadServer) -> None:
+    response = post(live_server.url, "/tokenize", b'{"prompt": "a\xed\xa0\x80"}')  # not UTF-8: not JSON
+    assert response.status_code == 400 and is_openai_error(response)
+
+
 def test_a_surrogate_pair_is_one_character(live_server: ThreadServer) -> None:
     response = post(live_server.url, "/tokenize", b'{"prompt": "\\ud83d\\ude00"}')
     assert response.status_code == 200

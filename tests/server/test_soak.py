@@ -45,6 +45,7 @@ BAD_BODIES = [
     b'{"model": "tiny", "prompt": "x", "max_tokens": 100000}',  # beyond the context
     b'{"model": "other", "prompt": "x"}',  # unknown model (404)
     b'{"model": "tiny", "prompt": [999999999]}',  # token id out of range
+    b'{"model": "tiny", "prompt": "\xed\xa0\x80"}',  # a surrogate encoded as bytes: not UTF-8
 ]
 
 
