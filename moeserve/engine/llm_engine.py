@@ -52,7 +52,7 @@ from moeserve.models.layers import ForwardBatch
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings
-from moeserve.state.kinds import RecurrentState
+from moeserve.state.kinds import LatentKV, RecurrentState
 from moeserve.state.kv_cache import (
     KVGroup,
     PagedKVCache,
@@ -558,11 +558,12 @@ def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
     """The sequence-memory groups of a model: attention layers by window, linear-attention layers as one
     recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state)."""
     la = spec.linear_attention
+    latent = LatentKV(spec.mla.latent_width) if spec.mla is not None else None  # MLA: one latent row per token
     if la is None:
-        return kv_groups(spec.attention.sliding_window)
+        return kv_groups(spec.attention.sliding_window, latent=latent)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK)
-    return kv_groups(spec.attention.sliding_window, kind, la.layers)
+    return kv_groups(spec.attention.sliding_window, kind, la.layers, latent)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -148,6 +148,42 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
 QUERY_BLOCK = 16  # query positions per call of the batch-invariant torch attention (Attention._aligned_blocks)
 
 
+@dataclass(frozen=True)
+class QueryBlock:
+    """QUERY_BLOCK positions [first, first + size) of sequence `seq` of a batch, aligned to a multiple of `size`;
+    the step computes its positions [lo, hi), rows `rows` of the flattened batch."""
+
+    seq: int
+    first: int
+    size: int
+    lo: int
+    hi: int
+    rows: slice
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """This block's rows of x [N, ...] at their positions in a zero tensor [size, ...]."""
+        out = x.new_zeros(self.size, *x.shape[1:])
+        out[self.lo - self.first : self.hi - self.first] = x[self.rows]
+        return out
+
+    def own(self, out: torch.Tensor) -> torch.Tensor:
+        """The rows of a block's result [size, ...] that the step computes."""
+        return out[self.lo - self.first : self.hi - self.first]
+
+
+def query_blocks(batch: ForwardBatch, block_size: int) -> Iterator[QueryBlock]:
+    """The aligned query blocks of a batch-invariant attention, sequence by sequence, in the batch's row order (a
+    block's call shapes depend only on its positions: see Attention._aligned_blocks)."""
+    r = QUERY_BLOCK if block_size % QUERY_BLOCK == 0 else block_size
+    off = 0
+    for b, (start, num) in enumerate(zip(batch.starts, batch.num_new)):
+        end = start + num
+        for a in range(start - start % r, end, r):
+            lo, hi = max(a, start), min(a + r, end)
+            yield QueryBlock(b, a, r, lo, hi, slice(off + lo - start, off + hi - start))
+        off += num
+
+
 class TokenMixer(ABC):
     """The part of a decoder layer that mixes tokens: softmax attention over the KV cache (`Attention`) or linear
     attention over a recurrent state (models/gated_delta.py)."""
@@ -277,9 +313,8 @@ class Attention(TokenMixer):
                         k_cache, v_cache, self.window or 0, kv.group_of(self.layer))
 
     def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """One op normalises (per head, unless __call__ did: a zero-centred norm), rotates and caches; a second
-        attends every token (batch-invariant)."""
-        per_head = self.spec.qk_norm == "per_head" and self.qk_norm is rms_norm
+        """One op normalises (per head), rotates and caches; a second attends every token (batch-invariant)."""
+        per_head = self.spec.qk_norm == "per_head"
         kc, vc = kv.layer(self.layer)
         g = kv.group_of(self.layer)
         q = torch.ops.moeserve.qk_norm_rope_cache(
@@ -339,25 +374,19 @@ class Attention(TokenMixer):
         probability exactly 0)."""
         kc, vc = kv.layer(self.layer)
         tables, bs = batch.tables[kv.group_of(self.layer)], kv.block_size
-        r = QUERY_BLOCK if bs % QUERY_BLOCK == 0 else bs
-        outs, off = [], 0
-        for table, start, num in zip(tables, batch.starts, batch.num_new):
-            end = start + num
-            for a in range(start - start % r, end, r):
-                lo_row, hi_row = max(a, start), min(a + r, end)
-                q_blk = q.new_zeros(r, *q.shape[1:])
-                q_blk[lo_row - a : hi_row - a] = q[off + lo_row - start : off + hi_row - start]
-                lo = 0 if self.window is None else max(0, a - self.window + 1)
-                keys = self._gather(kc, table, lo, a + r, bs).unsqueeze(0)  # [1, nkv, L, d]
-                values = self._gather(vc, table, lo, a + r, bs).unsqueeze(0)
-                q_pos = torch.arange(a, a + r, device=q.device)[:, None]
-                k_pos = torch.arange(lo, a + r, device=q.device)[None, :]
-                visible = k_pos <= q_pos
-                if self.window is not None:
-                    visible &= k_pos > q_pos - self.window
-                out = self._attend(q_blk.transpose(0, 1).unsqueeze(0), keys, values, visible)[0].transpose(0, 1)
-                outs.append(out[lo_row - a : hi_row - a])
-            off += num
+        outs = []
+        for blk in query_blocks(batch, bs):
+            a, r, table = blk.first, blk.size, tables[blk.seq]
+            lo = 0 if self.window is None else max(0, a - self.window + 1)
+            keys = self._gather(kc, table, lo, a + r, bs).unsqueeze(0)  # [1, nkv, L, d]
+            values = self._gather(vc, table, lo, a + r, bs).unsqueeze(0)
+            q_pos = torch.arange(a, a + r, device=q.device)[:, None]
+            k_pos = torch.arange(lo, a + r, device=q.device)[None, :]
+            visible = k_pos <= q_pos
+            if self.window is not None:
+                visible &= k_pos > q_pos - self.window
+            out = self._attend(blk.padded(q).transpose(0, 1).unsqueeze(0), keys, values, visible)[0].transpose(0, 1)
+            outs.append(blk.own(out))
         return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
     def _decode_batched(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:

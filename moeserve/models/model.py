@@ -35,6 +35,7 @@ from moeserve.models.layers import (
 )
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
+from moeserve.models.mla import build_mla
 from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.registry import Architecture, WeightNames
@@ -230,8 +231,7 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     def n(template: str) -> str:
         return template.format(L=L)
 
-    attn = (_build_attention(load, arch, spec, L, rotary, opts) if spec.attention_layers[L]
-            else build_gated_delta(load, arch, spec, L, opts.batch_invariant))
+    attn = _token_mixer(load, arch, spec, L, rotary, opts)
     mlp: MLP
     if spec.moe_layers[L]:
         m = spec.moe
@@ -258,6 +258,17 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     norm = RMS_NORMS[spec.norm_style][0]
     return DecoderLayer(attn, mlp, _norm(load, n(names.input_norm), spec), _norm(load, n(names.post_norm), spec),
                         spec.rms_norm_eps, norm)
+
+
+def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
+                 opts: ModelOptions) -> TokenMixer:
+    """Layer L's token mixer: linear attention (spec.linear_attention), latent attention (spec.mla) or softmax
+    attention with per-head keys and values."""
+    if not spec.attention_layers[L]:
+        return build_gated_delta(load, arch, spec, L, opts.batch_invariant)
+    if spec.mla is not None:
+        return build_mla(load, arch, spec, L, rotary, opts.batch_invariant)
+    return _build_attention(load, arch, spec, L, rotary, opts)
 
 
 def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,

@@ -62,6 +62,14 @@ class WeightNames:
     linear_dt_bias: str = "model.layers.{L}.linear_attn.dt_bias"
     linear_norm: str = "model.layers.{L}.linear_attn.norm.weight"
     linear_out: str = "model.layers.{L}.linear_attn.out_proj"
+    # Multi-head latent attention (ModelSpec.mla): the query's low-rank pair and its norm (q_proj when there is no
+    # q_lora_rank), the latent's down projection (with the shared rotated key), its norm and its up projection
+    mla_q_a: str = "model.layers.{L}.self_attn.q_a_proj"
+    mla_q_a_norm: str = "model.layers.{L}.self_attn.q_a_layernorm.weight"
+    mla_q_b: str = "model.layers.{L}.self_attn.q_b_proj"
+    mla_kv_a: str = "model.layers.{L}.self_attn.kv_a_proj_with_mqa"
+    mla_kv_a_norm: str = "model.layers.{L}.self_attn.kv_a_layernorm.weight"
+    mla_kv_b: str = "model.layers.{L}.self_attn.kv_b_proj"
 
 
 class Architecture(ABC):

@@ -74,6 +74,32 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2). Per token the layer caches one latent row:
+    kv_lora_rank values (kv_a_proj_with_mqa's first part, RMS-normed) and qk_rope_head_dim rotated key values
+    shared by every head; kv_b_proj turns the latent into each head's key (qk_nope_head_dim) and value (v_head_dim).
+    The query comes from q_a_proj -> q_a_layernorm -> q_b_proj, or from q_proj when q_lora_rank is None."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    bias: bool  # attention_bias: biases on q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj
+    interleaved_rope: bool  # rope_interleave: rotary pairs are (x0, x1), (x2, x3)... (transformers' default)
+    softmax_scale: float  # qk_head_dim**-0.5, times yarn's mscale(factor, mscale_all_dim)**2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_width(self) -> int:
+        """Values cached per token and layer: the latent and the shared rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class RopeSpec:
     theta: float
     rope_type: str  # "default" | "yarn" | "linear"
@@ -131,6 +157,7 @@ class ModelSpec:
     # (num_nextn_predict_layers), skipped at load and logged; their tensors count in no resident size.
     skipped_layers: int = 0
     linear_attention: LinearAttentionSpec | None = None  # hybrid models: which layers are linear attention
+    mla: MlaSpec | None = None  # multi-head latent attention in every attention layer (DeepSeek-V3, Kimi-K2)
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
@@ -175,6 +202,11 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "linear_key_head_dim": (1, 2**13),
     "linear_value_head_dim": (1, 2**13),
     "linear_conv_kernel_dim": (1, 64),
+    "q_lora_rank": (1, 2**16),
+    "kv_lora_rank": (1, 2**16),
+    "qk_nope_head_dim": (1, 2**13),
+    "qk_rope_head_dim": (2, 2**13),
+    "v_head_dim": (1, 2**13),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
@@ -190,6 +222,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "original_max_position_embeddings": (0.0, 2.0**24),  # yarn; some configs write it as a float
     "partial_rotary_factor": (0.0, 1.0 + 1e-9),  # (0, 1]
     "routed_scaling_factor": (0.0, math.inf),
+    "mscale": (-1e-300, math.inf),  # yarn (DeepSeek): >= 0, 0 = not used (transformers' test is truthiness)
+    "mscale_all_dim": (-1e-300, math.inf),
 }
 ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
 

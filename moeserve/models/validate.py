@@ -79,6 +79,10 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
         yield from _linear_attention_tensors(arch, spec, L)
         yield from _mlp_tensors(arch, spec, L)
         return
+    if spec.mla is not None:
+        yield from _mla_tensors(arch, spec, L)
+        yield from _mlp_tensors(arch, spec, L)
+        return
     if a.qk_norm != "none":
         per_head = a.qk_norm == "per_head"
         yield n(names.q_norm), (a.head_dim if per_head else q,), False
@@ -113,6 +117,22 @@ def _linear_attention_tensors(arch: Architecture, spec: ModelSpec, L: int) -> It
     yield names.linear_dt_bias.format(L=L), (la.num_v_heads,), False
     yield names.linear_norm.format(L=L), (la.v_head_dim,), False
     yield from _linear(names.linear_out.format(L=L), h, la.value_dim, False)
+
+
+def _mla_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    """Latent attention (models/mla.py build_mla): the query's projections, the latent's, their norms, o_proj."""
+    m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
+    assert m is not None
+    if m.q_lora_rank is not None:
+        yield from _linear(names.mla_q_a.format(L=L), m.q_lora_rank, h, m.bias)
+        yield names.mla_q_a_norm.format(L=L), (m.q_lora_rank,), False
+        yield from _linear(names.mla_q_b.format(L=L), nh * m.qk_head_dim, m.q_lora_rank, False)
+    else:
+        yield from _linear(names.q_proj.format(L=L), nh * m.qk_head_dim, h, False)
+    yield from _linear(names.mla_kv_a.format(L=L), m.latent_width, h, m.bias)
+    yield names.mla_kv_a_norm.format(L=L), (m.kv_lora_rank,), False
+    yield from _linear(names.mla_kv_b.format(L=L), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False)
+    yield from _linear(names.o_proj.format(L=L), h, nh * m.v_head_dim, m.bias)
 
 
 def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:

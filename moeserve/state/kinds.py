@@ -4,8 +4,10 @@ Layers that keep the same kind of memory form one KV group (state/kv_cache.py): 
 per sequence. A kind says which blocks a sequence must hold and which prefix-cache hits it can use; the block
 manager (state/manager.py) does the rest the same way for every kind.
 
-- `FullAttention`: every past token's keys and values, `block_size` tokens per block (also the kind of a
-  compressed MLA latent: per-token rows of another width, held the same way).
+- `FullAttention`: every past token's keys and values, `block_size` tokens per block.
+- `LatentKV(width)`: full attention whose cache holds one row of `width` values per token and layer instead of
+  keys and values per head (multi-head latent attention: the compressed latent and the shared rotated key); blocks,
+  prefix hits and reuse as for full attention.
 - `SlidingWindow(window)`: a token attends to the last `window` positions only; blocks that fall out of the
   window are freed as the sequence advances.
 - `RecurrentState`: a fixed-size state per sequence (linear attention, SSM): one block per sequence whatever its
@@ -67,6 +69,17 @@ class FullAttention(CacheKind):
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
+
+
+class LatentKV(FullAttention):
+    """One `width`-value row per token and layer (MLA's latent + rotated key), `block_size` rows per block."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.name = f"latent attention ({width} values per token)"
+
+    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return num_layers * block_size * self.width * itemsize
 
 
 class SlidingWindow(CacheKind):

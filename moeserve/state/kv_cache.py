@@ -10,6 +10,10 @@ memory split (memory/split.py), so a long run never grows memory.
 A recurrent group (state/kinds.py RecurrentState: linear-attention layers) holds no keys or values: per layer, one
 state slot per running sequence, a conv tensor [slots, *conv_shape] in the compute dtype and a state tensor
 [slots, *state_shape] in fp32 (`recurrent(layer)`); a sequence's block table in that group is its one slot.
+
+A latent group (state/kinds.py LatentKV: multi-head latent attention) holds per layer one tensor
+[blocks, block_size, width] (`latent(layer)`): a token's row is its compressed latent and its rotated key, for
+every head at once; its blocks are numbered, shared and cached like full attention's.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.state.kinds import CacheKind, FullAttention, RecurrentState, SlidingWindow, kind_key
+from moeserve.state.kinds import CacheKind, FullAttention, LatentKV, RecurrentState, SlidingWindow, kind_key
 
 
 @dataclass(frozen=True)
@@ -29,14 +33,14 @@ class KVGroup:
 
 
 def kv_groups(windows: Sequence[int | None], recurrent: RecurrentState | None = None,
-              recurrent_layers: Sequence[int] = ()) -> list[KVGroup]:
-    """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention), except the
-    `recurrent_layers`, which keep the `recurrent` kind of state."""
+              recurrent_layers: Sequence[int] = (), latent: LatentKV | None = None) -> list[KVGroup]:
+    """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention, or the `latent`
+    kind when given), except the `recurrent_layers`, which keep the `recurrent` kind of state."""
     kinds: dict[tuple[str, int], CacheKind] = {}
     members: dict[tuple[str, int], list[int]] = {}
     linear = set(recurrent_layers)
     for layer, window in enumerate(windows):
-        kind: CacheKind = FullAttention() if window is None else SlidingWindow(window)
+        kind: CacheKind = (latent or FullAttention()) if window is None else SlidingWindow(window)
         if layer in linear:
             assert recurrent is not None, "recurrent layers need their state kind"
             kind = recurrent
@@ -63,9 +67,13 @@ class PagedKVCache:
         self._group_of: dict[int, int] = {}
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tensors: list[torch.Tensor] = []
+        self._latent: dict[int, torch.Tensor] = {}
         for g, (group, n) in enumerate(zip(self.groups, self.num_blocks)):
             if isinstance(group.kind, RecurrentState):  # the one kind whose memory is not rows of K and V
                 self._add_recurrent(g, group, group.kind, n, dtype, device)
+                continue
+            if isinstance(group.kind, LatentKV):  # one row per token for every head: no K and V
+                self._add_latent(g, group, group.kind, n, dtype, device)
                 continue
             kv = torch.zeros((len(group.layers), 2, n, num_kv_heads, block_size, head_dim), dtype=dtype,
                              device=device)
@@ -82,6 +90,18 @@ class PagedKVCache:
         for i, layer in enumerate(group.layers):
             self._group_of[layer] = g
             self._layers[layer] = (conv[i], state[i])
+
+    def _add_latent(self, g: int, group: KVGroup, kind: LatentKV, blocks: int, dtype: torch.dtype,
+                    device: torch.device) -> None:
+        latent = torch.zeros((len(group.layers), blocks, self.block_size, kind.width), dtype=dtype, device=device)
+        self._tensors.append(latent)
+        for i, layer in enumerate(group.layers):
+            self._group_of[layer] = g
+            self._latent[layer] = latent[i]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        """The latent rows [blocks, block_size, width] of a multi-head-latent-attention `layer`."""
+        return self._latent[layer]
 
     def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv inputs [slots, *conv_shape], state [slots, *state_shape] fp32) of a recurrent `layer`."""

@@ -1,0 +1,106 @@
+"""DeepSeek-V3 and Kimi-K2 (DeepseekV3ForCausalLM; model_type deepseek_v3 or kimi_k2): multi-head latent attention
+(models/mla.py) over a compressed latent cache, DeepSeek-V3's "noaux_tc" routing (sigmoid scores, a correction bias
+for the choice, n_group / topk_group groups, routed_scaling_factor: moe.SigmoidGroups, as GLM-4.5), ungated shared
+experts (n_shared_experts x moe_intermediate_size) and dense MLPs in the first first_k_dense_replace layers.
+
+- Rotary: on the qk_rope_head_dim dims of each head only (transformers' config.head_dim = qk_rope_head_dim), in
+  DeepSeek's interleaved pair layout unless rope_interleave is false; yarn as transformers computes it: the cos/sin
+  factor mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1 for the published configs) and the softmax
+  scale qk_head_dim**-0.5 times mscale(factor, mscale_all_dim)**2.
+- q_lora_rank null (as DeepSeek-V2-Lite): q_proj in place of q_a_proj / q_a_layernorm / q_b_proj.
+- The published checkpoints hold num_nextn_predict_layers multi-token-prediction layers past num_hidden_layers
+  (model.layers.61.* in DeepSeek-V3): skipped at load (logged), in no resident size, as transformers skips them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from moeserve.models.archs.glm4_moe import SHARED_EXPERTS_NAMES, noaux_tc_moe, require
+from moeserve.models.registry import Architecture, register
+from moeserve.models.spec import (
+    ConfigReader,
+    MlaSpec,
+    ModelSpec,
+    RopeSpec,
+    base_attention,
+    read_rope,
+)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's yarn magnitude scale (transformers' get_mscale / yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def deepseek_rope(c: ConfigReader) -> RopeSpec:
+    """read_rope, with yarn's cos/sin factor made explicit (attention_factor) from mscale / mscale_all_dim as
+    transformers derives it when config.json names none."""
+    rope = read_rope(c)
+    if rope.rope_type != "yarn" or rope.param("attention_factor") is not None:
+        return rope
+    factor = float(rope.param("factor"))
+    mscale, mscale_all = rope.param("mscale"), rope.param("mscale_all_dim")
+    attention = (yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all)) if mscale and mscale_all
+                 else yarn_mscale(factor))
+    params = tuple(sorted({**dict(rope.params), "attention_factor": attention}.items()))
+    return RopeSpec(rope.theta, rope.rope_type, params, rope.partial_rotary_factor)
+
+
+def softmax_scale(qk_head_dim: int, rope: RopeSpec) -> float:
+    """qk_head_dim**-0.5, times mscale(factor, mscale_all_dim)**2 under yarn (transformers' yarn_apply_mscale)."""
+    scale = qk_head_dim**-0.5
+    mscale_all = rope.param("mscale_all_dim", 0) if rope.rope_type != "default" else 0
+    if mscale_all:
+        m = yarn_mscale(float(rope.param("factor")), float(mscale_all))
+        scale = scale * m * m
+    return scale
+
+
+def read_mla(c: ConfigReader, rope: RopeSpec) -> MlaSpec:
+    nope, rope_dim = c.int("qk_nope_head_dim"), c.int("qk_rope_head_dim")
+    return MlaSpec(
+        q_lora_rank=c.optional_int("q_lora_rank"),
+        kv_lora_rank=c.int("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=c.int("v_head_dim"),
+        bias=c.bool("attention_bias", default=False),
+        interleaved_rope=c.bool("rope_interleave", default=True),
+        softmax_scale=softmax_scale(nope + rope_dim, rope),
+    )
+
+
+@register
+class DeepseekV3(Architecture):
+    name = "DeepseekV3ForCausalLM"
+    names = SHARED_EXPERTS_NAMES
+
+    def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
+        c = ConfigReader(config, where)
+        require(c, self.name, hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid")
+        num_layers = c.int("num_hidden_layers")
+        first_dense = c.int("first_k_dense_replace", default=3)
+        rope_dim = c.int("qk_rope_head_dim")
+        rope = deepseek_rope(c)
+        return ModelSpec(
+            architecture=self.name,
+            model_type=str(c.get("model_type", default="deepseek_v3")),
+            hidden_size=c.int("hidden_size"),
+            num_layers=num_layers,
+            vocab_size=c.int("vocab_size"),
+            rms_norm_eps=c.float("rms_norm_eps", default=1e-6),
+            max_position_embeddings=c.int("max_position_embeddings", default=4096),
+            tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+            dense_intermediate_size=c.int("intermediate_size"),
+            moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+            # the rotary part of each head is what the shared Rotary tables are built for (head_dim = rope dims)
+            attention=replace(base_attention(c, num_layers), head_dim=rope_dim),
+            rope=rope,
+            moe=noaux_tc_moe(c, groups=(8, 4), routed_scaling_factor=2.5),  # transformers' defaults
+            config_dtype=c.optional_str("dtype", "torch_dtype"),
+            skipped_layers=c.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
+            mla=read_mla(c, rope),
+        )

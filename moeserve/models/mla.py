@@ -1,0 +1,136 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): a `TokenMixer` over a compressed latent cache.
+
+Per token (transformers' DeepseekV3Attention, with its cache kept compressed):
+
+    q = q_b(rms_norm(q_a(x)))  or  q_proj(x)          # [nh, nope + rope]
+    c, k_pe = kv_a_proj_with_mqa(x)                    # the latent [kv_lora_rank] and one rotated key [rope] for all heads
+    c = rms_norm(c);  q_pe, k_pe = rope(q_pe), rope(k_pe)   # DeepSeek's interleaved pairs unless rope_interleave=false
+    cache[token] = [c, k_pe]                           # state/kinds.py LatentKV: kv_lora_rank + rope values per token
+    k_nope, v = kv_b(c) per head                       # never built: the absorbed form below is the same product
+
+Absorbed form (every token, prefill and decode): kv_b's key part W_UK [nh, nope, kv_lora] is folded into the query
+(q_lat = q_nope W_UK), so a head's score over a cached token is q_lat . c + q_pe . k_pe, and its output is
+(sum_t p_t c_t) W_UV^T with kv_b's value part W_UV [nh, v, kv_lora]: the per-head keys and values of the whole
+context are never expanded. Queries go in blocks of QUERY_BLOCK positions aligned to multiples of it (rows outside
+the step zero-padded), each block against the cached rows up to its end (later ones masked): a block's call shapes
+depend only on its positions, so chunked prefill, prefix-cache hits, batching and decode give the same bits.
+Shapes: N tokens, nh heads, r = rope dims, R = kv_lora_rank, W = R + r (a cached row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, query_blocks, rms_norm
+from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.registry import Architecture
+from moeserve.models.spec import MlaSpec, ModelSpec
+from moeserve.state.kv_cache import PagedKVCache
+
+
+class MlaAttention(TokenMixer):
+    def __init__(self, spec: MlaSpec, num_heads: int, layer: int, q_a: Linear | None, q_a_norm: torch.Tensor | None,
+                 q: Linear, kv_a: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o: Linear, rotary: Rotary,
+                 eps: float, invariant: bool = False) -> None:
+        """q_a / q_a_norm: the query's low-rank pair (None without q_lora_rank: `q` is q_proj, else q_b_proj);
+        kv_b: kv_b_proj's weight [nh * (nope + v), R], split here into W_UK [nh, nope, R] and W_UV^T [nh, R, v]."""
+        self.spec, self.num_heads, self.layer = spec, num_heads, layer
+        self.q_a, self.q_a_norm, self.q, self.kv_a, self.kv_a_norm, self.o = q_a, q_a_norm, q, kv_a, kv_a_norm, o
+        per_head = kv_b.view(num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
+        self.w_uk = per_head[:, : spec.qk_nope_head_dim].contiguous()  # [nh, nope, R]
+        self.w_uv_t = per_head[:, spec.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [nh, R, v]
+        self.rotary, self.eps, self.invariant = rotary, eps, invariant
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        s, n = self.spec, x.shape[0]
+        if self.q_a is not None:
+            assert self.q_a_norm is not None
+            q = self.q(self._norm(self.q_a(x), self.q_a_norm))
+        else:
+            q = self.q(x)
+        q_nope, q_pe = q.view(n, self.num_heads, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
+        c, k_pe = self.kv_a(x).split([s.kv_lora_rank, s.qk_rope_head_dim], -1)
+        c = self._norm(c, self.kv_a_norm)
+        q_pe = self._rope(q_pe, batch.positions)
+        k_pe = self._rope(k_pe.unsqueeze(1), batch.positions).squeeze(1)
+        cache = kv.latent(self.layer)  # [blocks, bs, W]
+        g = kv.group_of(self.layer)
+        cache.view(-1, s.latent_width)[batch.slot_mappings[g]] = torch.cat([c, k_pe], dim=-1)
+        out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
+        return self.o(out.reshape(n, self.num_heads * s.v_head_dim))
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm (fp32, cast, then scaled); batch-invariant: in fixed row blocks."""
+        if self.invariant:
+            return in_row_blocks(lambda t: rms_norm(t, weight, self.eps), x)
+        return rms_norm(x, weight, self.eps)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, r] rotated at `positions`: DeepSeek's interleaved pairs (x0, x1), (x2, x3)... give the
+        rotated evens then the rotated odds (transformers' apply_rotary_pos_emb_interleave), else half-split."""
+        if not self.spec.interleaved_rope:
+            return self.rotary.apply(x, positions)
+        half = x.shape[-1] // 2
+        cos = self.rotary.cos[positions, :half].unsqueeze(1)
+        sin = self.rotary.sin[positions, :half].unsqueeze(1)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+    def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
+                batch: ForwardBatch) -> torch.Tensor:
+        """Every sequence's new tokens against its cached rows, in aligned query blocks: [N, nh, v]."""
+        bs = cache.shape[1]
+        outs = []
+        for blk in query_blocks(batch, bs):
+            end = blk.first + blk.size
+            blocks = torch.tensor(tables[blk.seq][: -(-end // bs)], dtype=torch.long, device=cache.device)
+            latent = cache[blocks].reshape(-1, cache.shape[-1])[:end]  # positions [0, end)
+            outs.append(blk.own(self._block(blk.padded(q_nope), blk.padded(q_pe), latent, blk.first)))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _block(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, first: int) -> torch.Tensor:
+        """Queries at positions [first, first + r) ([r, nh, nope], [r, nh, rope]) against the cached rows of
+        positions [0, first + r) (`latent` [first + r, W]; rows past a query's position masked): [r, nh, v]."""
+        s, r = self.spec, q_nope.shape[0]
+        c, k_pe = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], -1)  # [L, R], [L, rope]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, r, R]
+        scores = torch.matmul(q_lat, c.t()) + torch.matmul(q_pe.transpose(0, 1), k_pe.t())  # [nh, r, L]
+        q_pos = torch.arange(first, first + r, device=latent.device)[:, None]
+        visible = torch.arange(latent.shape[0], device=latent.device)[None, :] <= q_pos  # [r, L]
+        scores = (scores.float() * s.softmax_scale).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(c.dtype)
+        o_lat = torch.matmul(probs, c)  # [nh, r, R]
+        return torch.bmm(o_lat, self.w_uv_t).transpose(0, 1)  # [r, nh, v]
+
+    def linears(self) -> list[Linear]:
+        return [lin for lin in (self.q_a, self.q, self.kv_a, self.o) if lin is not None]
+
+    def why_not_stacked(self) -> str | None:
+        return "multi-head latent attention (no decode-stack mode)"
+
+    def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        raise NotImplementedError("the fused decode stack has no multi-head latent attention (why_not_stacked)")
+
+
+def build_mla(load: Any, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary, invariant: bool) -> MlaAttention:
+    """Layer L's latent attention from the checkpoint (`load`: a models/loader.py WeightLoader)."""
+    m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
+    assert m is not None
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    q_a = q_a_norm = None
+    if m.q_lora_rank is not None:
+        q_a = load.linear(n(names.mla_q_a), m.q_lora_rank, h, m.bias)
+        q_a_norm = load.tensor(n(names.mla_q_a_norm), (m.q_lora_rank,))
+        q = load.linear(n(names.mla_q_b), nh * m.qk_head_dim, m.q_lora_rank)
+    else:
+        q = load.linear(n(names.q_proj), nh * m.qk_head_dim, h)
+    kv_a = load.linear(n(names.mla_kv_a), m.latent_width, h, m.bias)
+    kv_a_norm = load.tensor(n(names.mla_kv_a_norm), (m.kv_lora_rank,))
+    kv_b = load.linear_weight(n(names.mla_kv_b), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    o = load.linear(n(names.o_proj), h, nh * m.v_head_dim, m.bias)
+    return MlaAttention(m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, invariant)
