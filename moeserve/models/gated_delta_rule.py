@@ -19,6 +19,8 @@ sequence's numbers never depend on what runs beside it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 64  # tokens per chunk of the chunk form (transformers' and FLA's default)
@@ -54,8 +56,10 @@ def _pad(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_LOWER = torch.ones(CHUNK, CHUNK, dtype=torch.bool).tril()  # j <= i
-_STRICT_UPPER = ~_LOWER
+@functools.cache
+def _strict_upper(device: torch.device) -> torch.Tensor:
+    """The [CHUNK, CHUNK] mask of j > i on `device` (made once per device)."""
+    return torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=device).triu(1)
 
 
 def _one_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - fp32 [Hv, C, ...]
@@ -63,7 +67,8 @@ def _one_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:  # noqa: 
     q = q * q.shape[-1] ** -0.5
     k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
     cum = g.cumsum(dim=-1)  # [Hv, C]: log decay from the chunk start to each token
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(_STRICT_UPPER, float("-inf")).exp()  # [Hv, C, C]
+    pairs = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [Hv, C, C]: log decay from token j to token i
+    decay = pairs.masked_fill(_strict_upper(g.device), float("-inf")).exp()
     # token i's update sees the updates of tokens j < i of the chunk through S: a unit-lower-triangular system
     system = (k_beta @ k.transpose(-1, -2)) * decay
     values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
