@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from moeserve.cli.common import (
     add_engine_arguments,
@@ -15,6 +16,7 @@ from moeserve.cli.common import (
     add_sampling_arguments,
     engine_settings,
 )
+from moeserve.cli.sampling_defaults import ChosenSampling, choose_sampling
 
 # flags whose value, when given, wins over the model's recommendation (unset: None)
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
@@ -39,7 +41,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("chat does not print log-probabilities: use generate --logprobs N")
     settings = engine_settings(args)  # checked before torch is imported
     from moeserve.cli.chat_loop import ChatLoop
-    from moeserve.cli.sampling_defaults import choose_sampling
     from moeserve.engine.llm import LLM
     from moeserve.engine.sampling_params import SamplingParams
 
@@ -47,10 +48,8 @@ def run(args: argparse.Namespace) -> int:
     engine, tok = llm.engine, llm.engine.tokenizer
     if tok is None:
         raise RequestError("chat needs a tokenizer (skip_tokenizer_init was set)")
-    chosen = choose_sampling(engine.checkpoint.generation_config, {n: getattr(args, n) for n in _SAMPLING_FLAGS},
-                             str(engine.checkpoint.path / "generation_config.json"))
-    fixed = {"seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos, "logprobs": None}
-    sampling = {"max_tokens": None, **chosen.values, **{k: v for k, v in fixed.items() if v}}
+    chosen, sampling = session_sampling(args, engine.checkpoint.generation_config,
+                                        str(engine.checkpoint.path / "generation_config.json"))
 
     def make_params(**values: object) -> SamplingParams:
         return SamplingParams(**values)  # type: ignore[arg-type]
@@ -62,3 +61,13 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         import readline  # noqa: F401 - line editing and history for input()
     return ChatLoop(engine, tok, make_params, sampling, args.system, interactive=interactive).run()
+
+
+def session_sampling(args: argparse.Namespace, generation_config: dict[str, Any], file: str
+                     ) -> tuple[ChosenSampling, dict[str, Any]]:
+    """(the sampling chosen from the model's file and the flags, the SamplingParams keywords the chat starts
+    with: those, no max_tokens unless chosen, and --seed / --stop / --ignore-eos when given)."""
+    chosen = choose_sampling(generation_config, {n: getattr(args, n) for n in _SAMPLING_FLAGS}, file)
+    fixed = {"seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos}
+    given = {k: v for k, v in fixed.items() if v is not None and v is not False}  # --seed 0 is a seed
+    return chosen, {"max_tokens": None, **chosen.values, **given}

@@ -291,3 +291,18 @@ def test_the_real_chat_stops_a_reply_on_sigint_and_goes_on() -> None:
         if term.proc.poll() is None:
             term.proc.kill()
         os.close(term.master)
+
+
+def test_the_session_starts_with_the_chosen_sampling_and_the_given_flags() -> None:
+    import argparse
+
+    from moeserve.cli.chat import session_sampling
+
+    flags = dict(temperature=None, top_p=None, top_k=None, min_p=None, repetition_penalty=None, max_tokens=None)
+    args = argparse.Namespace(**flags, seed=0, stop=["\n\n"], ignore_eos=False)
+    chosen, sampling = session_sampling(args, QWEN3_GENERATION_CONFIG, "generation_config.json")
+    assert sampling == {"max_tokens": None, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "seed": 0,
+                        "stop": ["\n\n"]}  # seed 0 kept, ignore_eos False left out
+    SamplingParams(**sampling)
+    args = argparse.Namespace(**{**flags, "max_tokens": 7}, seed=None, stop=None, ignore_eos=True)
+    assert session_sampling(args, {}, "g.json")[1] == {**CHAT_FALLBACK, "max_tokens": 7, "ignore_eos": True}
