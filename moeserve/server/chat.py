@@ -3,6 +3,7 @@ into reasoning / content / tool calls; streamed (SSE) or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -98,6 +99,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     constraint = await compile_constraint(state.llm, prompt.grammar, chat_format.grammar_compiler(state.llm))
     params = sampling_params(req, max_tokens, state.max_num_seqs, top_k if req.logprobs else None,
                              chat_format.stop_token_ids(), prompt.stop, constraint)
+    if prompt.keep_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.request_timer()
     try:

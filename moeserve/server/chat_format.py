@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -43,10 +44,18 @@ from moeserve.server.harmony import (
     vocab_folder,
 )
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from moeserve.server.reasoning import ThinkTagSplitter, opens_reasoning, template_has_think_tags
+from moeserve.server.reasoning import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    ThinkTagSplitter,
+    opens_reasoning,
+    template_has_think_tags,
+)
 from moeserve.server.streaming import Delta
 from moeserve.server.structured import grammar_spec
 from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
+
+log = logging.getLogger("moeserve")
 
 
 @dataclass
@@ -59,6 +68,7 @@ class ChatPrompt:
     starts_in_reasoning: bool = False  # the prompt leaves <think> open
     stop: list[str] = field(default_factory=list)  # extra stop strings (the end of a call, without parallel calls)
     grammar: GrammarSpec | None = None  # what the output is constrained to (response_format, or a forced call)
+    keep_special_tokens: bool = False  # decode the output with special tokens: the parsers' tags are among them
 
 
 @dataclass
@@ -240,6 +250,7 @@ class TemplateChat(ChatFormat):
         self.tool_parser = tool_parser_for(self.template)
         self.think = self.template is not None and template_has_think_tags(self.template)
         self.variables = template_variables(self.template)
+        self.keep_special_tokens = self._tags_are_special_tokens()
         # a template that tells null content apart ("is none") gets it as null; others get ""
         self.null_content = self.template is not None and _TESTS_NULL_CONTENT.search(self.template) is not None
         self.arguments_as_text = self.tool_parser is not None and self.tool_parser.template_arguments == "text"
@@ -267,7 +278,23 @@ class TemplateChat(ChatFormat):
         # The rendered text already holds the special tokens: do not add BOS again.
         ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
         return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop,
-                          grammar=grammar)
+                          grammar=grammar, keep_special_tokens=self.keep_special_tokens)
+
+    def _tags_are_special_tokens(self) -> bool:
+        """Whether decoding with skip_special_tokens would drop a tag the output parsers read (in some tokenizers
+        <think> or the tool-call markers are special tokens): then chat outputs are decoded keeping them (the end
+        token is never part of the text). Logged, as every automatic choice."""
+        tags = (self.tool_parser.tags if self.tool_parser is not None else ()) + \
+            ((THINK_OPEN, THINK_CLOSE) if self.think else ())
+        if self.tokenizer is None or not tags:
+            return False
+        dropped = [t for t in tags if self.tokenizer.decode(self.tokenizer.encode(t, add_special_tokens=False),
+                                                             skip_special_tokens=True) != t]
+        if dropped:
+            log.info("chat: %s are special tokens of this tokenizer: chat outputs are decoded keeping special "
+                     "tokens (skip_special_tokens false) so that reasoning and tool calls can be read",
+                     ", ".join(dropped))
+        return bool(dropped)
 
     def _constraint(self, req: ChatCompletionRequest, plan: ToolPlan, in_reasoning: bool, thinking_off: bool
                     ) -> tuple[str, GrammarSpec | None]:

@@ -78,6 +78,7 @@ class ToolParser(ABC):
         return None
 
     stop_after_call: str | None = CALL_CLOSE  # a stop string ending the output after one call (no parallel calls)
+    tags: tuple[str, ...] = (CALL_OPEN, CALL_CLOSE)  # the format's markers, which the output text must keep
     # How the format's template reads an assistant call's arguments: a mapping (transformers' convention: Qwen,
     # GLM) or the JSON text as sent (DeepSeek's template concatenates it into the prompt).
     template_arguments: str = "mapping"

@@ -33,6 +33,7 @@ class DeepSeekV3ToolParser(TaggedToolParser):
     name = "deepseek_v3"
     call_open, call_close = CALL_BEGIN, CALL_END
     layout_tags = (CALLS_BEGIN, CALLS_END)
+    tags = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
     stop_after_call = CALL_END
     template_arguments = "text"
 

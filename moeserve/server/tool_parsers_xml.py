@@ -175,6 +175,7 @@ class Glm45ToolParser(KeyValueToolParser):
     _head = re.compile(r"\s*([^<\n]+?)[ \t]*(?=\n|<arg_key>)")  # the name, once a newline or a key follows it
     _head_at_close = re.compile(r"\s*([^<\n]+?)\s*(?=<arg_key>|$)")
     _param = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    tags = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     _name_tail = "{name}\n"
     _param_open = "<arg_key>{key}</arg_key>\n<arg_value>"
     _value_close = "</arg_value>\n"

@@ -141,6 +141,31 @@ def test_a_template_that_shows_no_tools_refuses_them(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_tags_that_are_special_tokens_are_kept_in_the_text(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """With a tokenizer whose tool-call and <think> tags are special tokens (skip_special_tokens would drop them),
+    chat outputs are decoded keeping them, and the choice is logged."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = _model_folder(tmp_path / "m", (TEMPLATES / "glm4_5.jinja").read_text())
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tags = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+            "</arg_value>"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tags])
+    tok.save(str(folder / "tokenizer.json"))
+    engine = ScriptedTextEngine(folder)
+    engine.script = GLM_CALLS
+    server = ThreadServer(make_state(lambda: engine))
+    try:
+        with caplog.at_level("INFO", logger="moeserve"):  # the chat format is set up on the first chat request
+            for stream in (False, True):
+                out = ask(server, stream, tools=[WEATHER, TIME], max_tokens=1000)
+                assert calls_of(out) == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
+                assert out["reasoning"] == "Two tools." and out["content"] == "Checking."
+        assert "are special tokens of this tokenizer" in caplog.text
+    finally:
+        server.stop()
+
+
 # --------------------------------------------------------------------------------- real engine, random model
 def _real_server(folder: Path, template: str) -> ThreadServer:
     from tokenizers import Tokenizer

@@ -52,7 +52,7 @@ class ScriptedTextEngine(ScriptedEngine):
         script = self.tokenizer.encode(self.script, add_special_tokens=False)
         for rid, (prompt, params, out) in list(self.requests.items()):
             out.append(script[len(out)])
-            text = self.tokenizer.decode(out)
+            text = self.tokenizer.decode(out, skip_special_tokens=params.skip_special_tokens)
             reason, stop_reason = None, None
             for stop in params.stop_strings:
                 if stop in text:
