@@ -109,7 +109,7 @@ def test_end_tokens_are_allowed_exactly_when_the_grammar_is_satisfied(tiny_text_
 
 
 def test_mask_cost_per_token_is_printed(llm: LLM) -> None:
-    """Not a timing assertion: the cost is printed (pytest -s) for the record; scripts/bench_grammar.py measures it
+    """Not a timing assertion: the cost is printed (pytest -s) for the record; scripts/bench_structured.py measures it
     with a real vocabulary."""
     constraint = _compile(llm, "json_schema", SCHEMA)
     processor = constraint.new_processor(set(llm.engine.eos_token_ids))

@@ -6,7 +6,7 @@
 2. Engine tokens/s with and without a schema at batch 1 and 8, alternated (each configuration `--rounds` times), on
    a tiny random Qwen3-MoE (tests' helpers) or `--model DIR`.
 
-    .venv/bin/python scripts/bench_grammar.py [--model DIR] [--rounds 3] [--tokens 64]
+    .venv/bin/python scripts/bench_structured.py [--model DIR] [--rounds 3] [--tokens 64]
 """
 
 from __future__ import annotations
