@@ -1,0 +1,191 @@
+"""DeepSeek-V3 / Kimi-K2 (DeepseekV3ForCausalLM): multi-head latent attention over a latent cache (models/mla.py).
+
+- The specs of the published DeepSeek-V3 and Kimi-K2 config.json files (shared/reference/configs): latent dims,
+  yarn's softmax scale, noaux_tc routing, first_k_dense_replace, MTP layers announced.
+- Tiny checkpoints transformers writes (correction biases randomized, 2 shared experts, a dense first layer), fp32:
+  transformers' greedy tokens and log-probabilities within 1e-4, with q_lora_rank set and null, interleaved and
+  half-split rope, yarn with mscale != mscale_all_dim, attention biases; C++ kernels and torch.
+- bf16, default settings: chunked prefill equals one pass, a prefix-cache hit equals a cold run, sequences batched
+  and preempted keep their solo numbers, offloaded experts equal resident ones, all bit for bit.
+- The latent cache holds kv_lora_rank + rope values per token and layer, logged beside the full-KV figure.
+- DeepSeek-V3's real dimensions truncated to 2 layers (one dense, one MoE; 16 of 256 experts) (slow).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.models.registry import get_architecture
+from moeserve.state.kv_cache import fixed_pool_bytes
+from tests.engine.test_parity_transformers import hf_greedy, hf_model
+from tests.logits_capture import generate_capturing_logits
+
+CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "configs"
+STEPS = 6
+TINY = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=2,
+    first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    routed_scaling_factor=2.5, norm_topk_prob=True, vocab_size=300, max_position_embeddings=512,
+    initializer_range=0.08,
+)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "q-lora": {},
+    "no-q-lora-yarn": dict(q_lora_rank=None, rope_parameters=YARN),
+    "half-split-rope-bias-one-group": dict(rope_interleave=False, attention_bias=True, n_group=1, topk_group=1),
+}
+
+
+def write_tiny(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> Path:
+    """A random DeepseekV3ForCausalLM saved by transformers' save_pretrained (correction biases randomized)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.checkpoints import randomize_zero_inits
+
+    config = AutoConfig.for_model("deepseek_v3", **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    randomize_zero_inits(model)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    cache: dict[str, Path] = {}
+
+    def make(variant: str = "q-lora", dtype: torch.dtype = torch.float32) -> Path:
+        key = f"{variant}-{dtype}"
+        if key not in cache:
+            cache[key] = write_tiny(tmp_path_factory.mktemp(key), dtype, **VARIANTS[variant])
+        return cache[key]
+
+    return make
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "Kimi-K2"])
+def test_spec_of_the_published_configs(name: str) -> None:
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    spec = get_architecture(config, "config.json").spec(config, "config.json")
+    m, moe = spec.mla, spec.moe
+    assert m is not None
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
+        1536, 512, 128, 64, 128)
+    assert m.latent_width == 576 and m.interleaved_rope and spec.attention.head_dim == 64
+    assert moe.routing == "sigmoid_groups" and moe.correction_bias and moe.shared_intermediate_size == 2048
+    if name == "DeepSeek-V3":  # yarn factor 40, mscale_all_dim 1: scale 192**-0.5 * (0.1 ln 40 + 1)**2
+        assert m.softmax_scale == pytest.approx(192**-0.5 * (0.1 * torch.log(torch.tensor(40.0)).item() + 1) ** 2)
+        assert spec.rope.param("attention_factor") == 1.0  # mscale / mscale_all_dim
+        assert spec.moe_layers == (False,) * 3 + (True,) * 58 and spec.skipped_layers == 1
+        assert (moe.num_experts, moe.n_group, moe.topk_group, moe.routed_scaling_factor) == (256, 8, 4, 2.5)
+    else:
+        assert m.softmax_scale == 192**-0.5 and spec.rope.rope_type == "default"
+        assert spec.moe_layers == (False,) + (True,) * 60 and moe.num_experts == 384
+
+
+def test_unsupported_routing_is_refused_in_one_line() -> None:
+    from moeserve.errors import UnsupportedModelError
+
+    config = {**json.loads((CONFIGS / "DeepSeek-V3.json").read_text()), "topk_method": "greedy"}
+    with pytest.raises(UnsupportedModelError, match="topk_method='greedy' is not supported") as err:
+        get_architecture(config, "config.json").spec(config, "config.json")
+    assert "\n" not in str(err.value)
+
+
+def prompts(seed: int = 0, lengths: tuple[int, ...] = (40, 5, 23)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(300) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_matches_transformers(tiny, variant: str, kernels: str) -> None:
+    """fp32, three prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4."""
+    folder = tiny(variant)
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", kernels=kernels)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3))
+    llm.engine.close()
+    ref_model = hf_model(folder, torch.float32)
+    for prompt, out in zip(prompts(), outs):
+        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
+        assert out.outputs[0].token_ids == ref_tokens, f"{variant}: prompt of {len(prompt)} tokens"
+        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (variant, len(prompt), token_id)
+
+
+def sampled_logits(folder: Path, batch: list[list[int]], **settings: Any) -> tuple[list[torch.Tensor], list]:
+    """Default settings (bf16 from the checkpoint): the logits of the steps after the prompts, and the outputs."""
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, **settings)
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    logits, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in batch], params)
+    return logits[-(STEPS - 1):], [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny) -> None:
+    folder = tiny(dtype=torch.bfloat16)
+    prompt = prompts(1, (150,))[0]
+    whole, whole_out = sampled_logits(folder, [prompt])
+    for budget in (37, 64):  # chunks that end inside a query block and on one
+        chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=budget)
+        assert all(torch.equal(a, b) for a, b in zip(whole, chunked)) and whole_out == chunked_out, budget
+    assert whole[0].dtype == torch.float32 and len(whole) == STEPS - 1
+
+
+def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
+    """A second request sharing 64 prompt tokens (4 latent blocks) takes them from the cache: its numbers are those
+    of a run without prefix caching."""
+    folder = tiny(dtype=torch.bfloat16)
+    first, second = prompts(2, (70, 30))
+    second = first[:64] + second
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
+    assert "latent attention (40 values per token)" in llm.engine.choices["KV cache"]
+    llm.generate([{"prompt_token_ids": first}], params)
+    hit = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    assert llm.engine.memory.stats.hit_tokens >= 64
+    llm.engine.close()
+    cold_llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, enable_prefix_caching=False)
+    cold = cold_llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    cold_llm.engine.close()
+    assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
+
+
+def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny) -> None:
+    folder = tiny(dtype=torch.bfloat16)
+    batch = prompts(7, (40, 33, 47, 12))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128)
+    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in batch]
+    e = llm.engine
+    e.close()
+    fixed, per_token = fixed_pool_bytes(e.kv_groups, e._block_bytes, 16, 8, e.max_num_batched_tokens, 128)
+    tight = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128,
+                kv_cache_gb=(fixed + 12 * 16 * per_token) / 2**30)
+    together = tight.generate([{"prompt_token_ids": p} for p in batch], params)
+    assert tight.engine.scheduler.stats.preemptions > 0, "the pool was meant to be too small for all four"
+    tight.engine.close()
+    for i, (a, b) in enumerate(zip(together, solo)):
+        assert a.outputs[0].token_ids == b.token_ids and a.outputs[0].logprobs == b.logprobs, f"request {i}"
+
+
+def test_offloaded_equals_resident_in_bf16(tiny) -> None:
+    folder = tiny(dtype=torch.bfloat16)
+    batch = prompts(3)
+    ref, ref_out = sampled_logits(folder, batch)
+    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
+    unit = probe.engine.model.store.unit_nbytes
+    assert "multi-head latent attention" in probe.engine.choices["decode step"]  # the fused step refuses it
+    probe.engine.close()
+    got, got_out = sampled_logits(folder, batch, expert_cache_gb=3 * unit / 2**30 * 1.001)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
