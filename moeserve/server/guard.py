@@ -127,18 +127,17 @@ class RequestGuard:
         except APIError as err:
             await self._answer(err, scope, receive, send)
             return
-        await self._serve(scope, body, receive, send)
+        pending = [body]  # handed to the app once, then not held here for the rest of the request
+        del body
+        await self._serve(scope, pending, receive, send)
 
-    async def _serve(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
-        replayed = False
+    async def _serve(self, scope: Scope, pending: list[bytes], receive: Receive, send: Send) -> None:
         started = False
-        large = len(body) >= TRIM_AFTER_BYTES
+        large = len(pending[0]) >= TRIM_AFTER_BYTES
 
         async def replay() -> Message:  # the body once, then the real channel (for disconnects)
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
+            if pending:
+                return {"type": "http.request", "body": pending.pop(), "more_body": False}
             return await receive()
 
         async def tracked(message: Message) -> None:
