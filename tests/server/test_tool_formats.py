@@ -181,3 +181,36 @@ def test_reasoning_then_a_forced_call(compiler: tuple[GrammarCompiler, Any], fmt
         content, calls, _ = run_tools(fmt(TOOLS), [answer])
         assert said == "Need a tool." and content == "" and len(calls) == 1, answer
         jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
+
+
+# ------------------------------------------------------------------- reasoning and calls together, any split
+GLM_FULL = "\n<think>Two tools, <b>.</think>\nChecking.\n" + GLM_OUTPUT.removeprefix("Let me check.\n")
+DEEPSEEK_FULL = "The weather.\n</think>\n\n" + DEEPSEEK_OUTPUT
+
+
+@pytest.mark.parametrize("fmt, text, opened", [(Glm45ToolParser, GLM_FULL, False),
+                                               (DeepSeekV3ToolParser, DEEPSEEK_FULL, True)], ids=["glm45", "deepseek"])
+def test_reasoning_and_calls_any_split(fmt: type[ToolParser], text: str, opened: bool) -> None:
+    """The chat output parser (<think> splitter, then the format's tool parser) gives the same fields whatever the
+    pieces, and no piece of a tag reaches the reasoning or the content."""
+    from moeserve.server.chat_format import _TemplateParser
+    from moeserve.server.streaming import Delta
+
+    def run(chunks: list[str]) -> tuple[str, str, list[tuple[int, str | None, str]], list[str]]:
+        parser = _TemplateParser(ThinkTagSplitter(opened), fmt([WEATHER]), "")
+        outs = [parser.feed(Delta(c, [], None, None, None)) for c in chunks] + [parser.flush()]
+        pieces = [o.reasoning for o in outs] + [o.content for o in outs]
+        calls = [(c.index, c.name, c.arguments) for o in outs for c in o.tool_calls]
+        return "".join(o.reasoning for o in outs), "".join(o.content for o in outs), calls, pieces
+
+    reasoning, content, calls, _ = run([text])
+    assert reasoning in ("Two tools, <b>.", "The weather.") and content in ("Checking.", "Sure.")
+    names = [name for _, name, _ in calls if name]
+    assert names == ["get_weather", "get_time"]
+    joined = {i: "".join(a for j, _, a in calls if j == i) for i in (0, 1)}
+    for chunks in split_every_way(text)[1:]:
+        r, c, got, pieces = run(chunks)
+        assert (r, c) == (reasoning, content)
+        assert [n for _, n, _ in got if n] == names
+        assert {i: "".join(a for j, _, a in got if j == i) for i in (0, 1)} == joined
+        assert_no_tag_piece(pieces, reasoning + content, ("<think>", "</think>", *fmt.tags))
