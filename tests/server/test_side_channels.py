@@ -76,3 +76,25 @@ def test_a_full_disk_under_record_trace_keeps_serving(tiny_text_model: Path, thr
     assert llm.trace.disabled
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "record_trace" in errors[0].getMessage(), [r.getMessage() for r in errors]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_record_trace_on_a_really_full_device(tiny_text_model: Path, thread_server: Any,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The same with real writes: /dev/full opens, then every flush fails with ENOSPC (the file object buffers
+    8 KiB, so the first failure comes after a few requests' worth of routing)."""
+    caplog.set_level(logging.INFO)
+    server = thread_server(make_state(engine_factory(tiny_text_model, record_trace="/dev/full")))
+    body = {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    llm = server.state.llm
+    for _ in range(200):  # bounded: 8 KiB of routing records take far fewer
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200
+        if llm.trace.disabled:
+            break
+    assert llm.trace.disabled
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "No space left on device" in errors[0].getMessage()
