@@ -34,8 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moeserve.checkpoint.folder import open_checkpoint
-    from moeserve.engine.llm_engine import demo_model_path
+    from moeserve.engine.llm_engine import DTYPES, demo_model_path
     from moeserve.memory.topology import detect_topology
+    from moeserve.models.mla import kv_per_token_line
     from moeserve.models.validate import read_model
 
     s = engine_settings(args)
@@ -50,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
     for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
+    kv_line = kv_per_token_line(spec, DTYPES[dtype_name].itemsize)  # latent attention: what its cache saves
+    if kv_line is not None:
+        print(f"KV per token: {kv_line}")
     acts = f"{needs.overhead_bytes / MiB:.1f} MiB for one step's activations and the rotary tables (from shapes)"
     if s.memory_gb is not None:
         print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up "

@@ -49,6 +49,7 @@ from moeserve.models.expert_plans import (
 from moeserve.models.gated_delta_rule import CHUNK
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
+from moeserve.models.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings
@@ -144,6 +145,9 @@ class LLMEngine:
                if no_reuse and s.enable_prefix_caching else "")
         self._chose("KV cache", f"paged: {self.kv.describe()} ({self.dtype_name}); prefix caching "
                                 f"{'on' if self.memory.prefix_caching else 'off'}{why}")
+        kv_line = kv_per_token_line(spec, self.dtype.itemsize)
+        if kv_line is not None:
+            self._chose("KV per token", kv_line)
         self.scheduler = Scheduler(s.max_num_seqs, self.max_num_batched_tokens, self.memory)
         decode_token = None
         if self.tokenizer is not None:

@@ -134,3 +134,17 @@ def build_mla(load: Any, arch: Architecture, spec: ModelSpec, L: int, rotary: Ro
     kv_b = load.linear_weight(n(names.mla_kv_b), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
     o = load.linear(n(names.o_proj), h, nh * m.v_head_dim, m.bias)
     return MlaAttention(m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, invariant)
+
+
+def kv_per_token_line(spec: ModelSpec, itemsize: int) -> str | None:
+    """The latent cache's bytes per token beside those of the same model with full per-head keys and values (None
+    without MLA). The engine logs it at start-up and `moeserve plan` prints it (name "KV per token")."""
+    m = spec.mla
+    if m is None:
+        return None
+    layers, heads = spec.num_layers, spec.attention.num_heads
+    latent = layers * m.latent_width * itemsize
+    full = layers * heads * (m.qk_head_dim + m.v_head_dim) * itemsize
+    return (f"{latent} bytes/token in the latent cache ({layers} layers x {m.latent_width} values: kv_lora_rank "
+            f"{m.kv_lora_rank} + rope {m.qk_rope_head_dim}); {full} bytes/token with full per-head keys and values "
+            f"({heads} heads x (key {m.qk_head_dim} + value {m.v_head_dim})): {full / latent:.1f}x less")

@@ -189,3 +189,58 @@ def test_offloaded_equals_resident_in_bf16(tiny) -> None:
     probe.engine.close()
     got, got_out = sampled_logits(folder, batch, expert_cache_gb=3 * unit / 2**30 * 1.001)
     assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
+
+
+def deepseek_header_only(folder: Path, config: dict[str, Any]) -> Path:
+    """A bf16 checkpoint of `config` with real headers and no data (tests.models.checkpoints.write_header_only), the
+    tensor names and shapes of the published DeepSeek-V3 checkpoints written out here, MTP layers included."""
+    from tests.models.checkpoints import write_header_only
+
+    c = config
+    h, nh, q_lora, kv_lora = c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
+    qk, v, rope, moe_i = c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"], c["qk_rope_head_dim"], c[
+        "moe_intermediate_size"]
+    shapes = {"model.embed_tokens.weight": [c["vocab_size"], h], "model.norm.weight": [h],
+              "lm_head.weight": [c["vocab_size"], h]}
+    for L in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
+        p = f"model.layers.{L}."
+        shapes |= {p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+                   p + "self_attn.q_a_proj.weight": [q_lora, h], p + "self_attn.q_a_layernorm.weight": [q_lora],
+                   p + "self_attn.q_b_proj.weight": [nh * qk, q_lora],
+                   p + "self_attn.kv_a_proj_with_mqa.weight": [kv_lora + rope, h],
+                   p + "self_attn.kv_a_layernorm.weight": [kv_lora],
+                   p + "self_attn.kv_b_proj.weight": [nh * (qk - rope + v), kv_lora],
+                   p + "self_attn.o_proj.weight": [h, nh * v]}
+        mlps = [("mlp.", c["intermediate_size"])]
+        if L >= c["first_k_dense_replace"]:
+            mlps = [(f"mlp.experts.{e}.", moe_i) for e in range(c["n_routed_experts"])] + [
+                ("mlp.shared_experts.", moe_i * c["n_shared_experts"])]
+            shapes |= {p + "mlp.gate.weight": [c["n_routed_experts"], h],
+                       p + "mlp.gate.e_score_correction_bias": [c["n_routed_experts"]]}
+        for m, width in mlps:
+            shapes |= {p + m + "gate_proj.weight": [width, h], p + m + "up_proj.weight": [width, h],
+                       p + m + "down_proj.weight": [h, width]}
+    fp32 = {n for n in shapes if n.endswith(("mlp.gate.weight", "e_score_correction_bias"))}
+    return write_header_only(folder, {n: ("F32" if n in fp32 else "BF16", s) for n, s in shapes.items()}, config)
+
+
+def test_latent_kv_per_token_is_logged_and_planned(tiny, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The engine's start-up line and `moeserve plan` (from config.json and headers: DeepSeek-V3 as published, in
+    bf16) give the latent cache's bytes per token beside full per-head K and V."""
+    from moeserve.cli import main
+
+    llm = LLM(str(tiny()), skip_tokenizer_init=True, dtype="float32", max_model_len=64)
+    line = llm.engine.choices["KV per token"]
+    llm.engine.close()
+    # 3 layers x (32 + 8) fp32 values; 3 layers x 4 heads x (24 + 12) fp32 values
+    assert line.startswith("480 bytes/token in the latent cache") and "1728 bytes/token with full per-head" in line
+    config = {k: v for k, v in json.loads((CONFIGS / "DeepSeek-V3.json").read_text()).items()
+              if k != "quantization_config" and not k.startswith("_")}
+    folder = deepseek_header_only(tmp_path / "dsv3", config)
+    capsys.readouterr()
+    assert main(["plan", str(folder), "--no-probe", "--max-model-len", "4096", "--memory-gb", "2000"]) == 0
+    out = capsys.readouterr().out
+    # 61 layers x 576 bf16 values = 70272 B; 61 layers x 128 heads x (192 + 128) bf16 values = 4997120 B
+    assert ("KV per token: 70272 bytes/token in the latent cache (61 layers x 576 values: kv_lora_rank 512 + rope "
+            "64); 4997120 bytes/token with full per-head keys and values (128 heads x (key 192 + value 128)): "
+            "71.1x less") in out, out
