@@ -55,7 +55,9 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
     for r in results:
         ours = by_key.get((r.case, "moeserve"))
         # moeserve and its variants: their own store counters; other engines: moeserve's (same model and cache)
-        ref_run = _median_run(r) if r.engine.startswith("moeserve") or not ours else _median_run(ours)
+        # moeserve's counters summed over all runs: every engine's runs see the same prompts (and, with a route
+        # trace, the same trace tokens), where one run each would compare different stretches of the routing
+        ref_run = _summed_run(r) if r.engine.startswith("moeserve") or not ours else _summed_run(ours)
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
         int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
         engine_key = "moeserve-int8" if int8 else r.engine
@@ -82,9 +84,9 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             fraction = statistics.median(run["tokens"] / run["seconds"] / c for run, c in zip(timed, beside))
         else:
             ceiling, fraction = best_ceiling, ceilings.fraction_of_ceiling(tps, best_ceiling)
-        mine = _median_run(r).get("store") or {}
+        mine = _summed_run(r).get("store") or {}
         accesses = mine.get("hits", 0) + mine.get("misses", 0)
-        tokens = statistics.median(run["tokens"] for run in r.runs)
+        tokens = sum(run["tokens"] for run in r.runs)
         rows.append({
             "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
             "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
@@ -92,6 +94,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             # against the better memory probe of before and after the whole run (another moment than the runs)
             "best_probe_ceiling_tokens_per_s": best_ceiling,
             "fraction_of_best_probe_ceiling": ceilings.fraction_of_ceiling(tps, best_ceiling),
+            "runs_store": [run.get("store") for run in r.runs],
             "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
             # with --memory-limit-gb: the most its cgroup held at once, page cache included (None: no limit)
             "memory_peak_bytes": max((run.get("cgroup_peak_bytes") or 0 for run in r.runs), default=0) or None,
@@ -110,9 +113,11 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "skipped": [{"engine": s.engine, "reason": s.reason} for s in skipped]}
 
 
-def _median_run(r: CaseResult) -> dict[str, Any]:
-    order = sorted(range(len(r.runs)), key=lambda i: r.runs[i]["tokens"] / max(r.runs[i]["seconds"], 1e-12))
-    return r.runs[order[len(order) // 2]]
+def _summed_run(r: CaseResult) -> dict[str, Any]:
+    """Steps and store counters of all of `r`'s runs added up (the store's: None when the engine has none)."""
+    stores = [run.get("store") or {} for run in r.runs]
+    return {"steps": sum(run["steps"] for run in r.runs),
+            "store": {k: sum(st.get(k, 0) for st in stores) for k in stores[0]} if stores[0] else {}}
 
 
 def _settings(cfg: BenchConfig) -> dict[str, Any]:
