@@ -143,3 +143,22 @@ def test_the_store_follows_the_mode_and_logs_it():
     assert sum(1 for k in store.cached_keys() if k[0] == 0) == 2
     assert (1, 3) in store.cached_keys()
     assert torch is not None
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "mixed"])
+def test_the_store_with_prefetch_keeps_the_quota_and_serves_the_right_units(mode):
+    pytest.importorskip("torch")
+    from tests.experts.test_store import make_store, use
+
+    store = make_store(capacity=6, policy="lfru", layers=(0, 1, 2), num_experts=8, cache_mode=mode, prefetch=True,
+                       prefetch_min_prob=0.0)
+    rng = random.Random(mode)
+    quota = store.cache.quota
+    for _ in range(60):
+        for layer in (0, 1, 2):
+            use(store, layer, sorted(rng.sample(range(8), rng.randint(1, 3))))  # checks every unit's bytes
+            store.prefetcher.wait_idle()
+            for other in (0, 1, 2):
+                assert store.cache.held(other) <= quota.ceilings.get(other, 6)
+    assert store.stats.prefetched > 0
+    store.close()
