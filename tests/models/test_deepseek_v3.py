@@ -244,3 +244,111 @@ def test_latent_kv_per_token_is_logged_and_planned(tiny, tmp_path: Path, capsys:
     assert ("KV per token: 70272 bytes/token in the latent cache (61 layers x 576 values: kv_lora_rank 512 + rope "
             "64); 4997120 bytes/token with full per-head keys and values (128 heads x (key 192 + value 128)): "
             "71.1x less") in out, out
+
+
+# DeepSeek-V3's published dimensions (shared/reference/configs/DeepSeek-V3.json) with its yarn rope; cut to keep CI in
+# budget: 2 layers (first_k_dense_replace 1: one dense layer with the real 18432-wide MLP, one MoE layer), 16 of the
+# 256 routed experts (n_group 8 of 2 experts each, topk_group 4, top-8: the group rule still decides), vocabulary 4096
+REAL_DIMS = dict(
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
+    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=16, n_group=8, topk_group=4, num_experts_per_tok=8, n_shared_experts=1,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, num_hidden_layers=2,
+    vocab_size=4096, max_position_embeddings=4096, initializer_range=0.04,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
+)
+
+
+@pytest.mark.slow
+def test_real_dims_greedy_matches_transformers_and_offloads_exactly(tmp_path: Path) -> None:
+    """bf16: transformers' greedy tokens until a near-tie (the engines round bf16 differently: transformers expands
+    per-head keys, moeserve folds kv_b into the query), log-probabilities within 2 bf16 steps; offloaded experts
+    (3 slots) give the resident run's logits bit for bit."""
+    folder = tmp_path / "deepseek_v3"
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.models.checkpoints import randomize_zero_inits
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **REAL_DIMS), dtype=torch.bfloat16)
+    randomize_zero_inits(model)
+    model.save_pretrained(folder)
+    del model
+    batch = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 3, [11, 5, 77]]
+    resident, outs = sampled_logits(folder, batch)
+    ref_model = hf_model(folder, torch.bfloat16)
+    for prompt, (tokens, logprobs) in zip(batch, outs):
+        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
+        same = 0
+        while same < STEPS and tokens[same] == ref_tokens[same]:
+            same += 1
+        if same < STEPS:
+            ref = ref_logps[same]
+            assert float(ref[ref_tokens[same]] - ref[tokens[same]]) < 0.5, f"diverged at step {same}"
+        assert same >= STEPS // 2, f"greedy paths part at step {same}"
+        for lp, ref in zip(logprobs[:same], ref_logps):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < 0.5
+    del ref_model
+    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
+    unit = probe.engine.model.store.unit_nbytes
+    probe.engine.close()
+    offloaded, off_outs = sampled_logits(folder, batch, expert_cache_gb=3 * unit / 2**30 * 1.001)
+    assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs == outs
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the tiny model with every *_proj Linear in FP8 with 32x32 blocks as DeepSeek-V3 ships them: weight float8_e4m3fn,
+    weight_scale_inv float32; router and lm_head bf16, the reference: the same model with each of those Linears
+    replaced by a numpy decoder's dequantization, fp32). Widths 72 / 40 / 24 / 112 leave partial edge blocks."""
+    from tests.models import checkpoints as C
+
+    root = tmp_path_factory.mktemp("fp8")
+    src = write_tiny(root / "bf16", torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)
+    quantized = C.quantize_checkpoint(src, root / "fp8", C.fp8_block_quantize, C.FP8_CONFIG)
+    return quantized, C.dequantized_reference(src, quantized, root / "ref", C.fp8_block_reference, torch.float32)
+
+
+def test_fp8_block_checkpoint_matches_transformers_on_its_dequantization(fp8: tuple[Path, Path]) -> None:
+    from moeserve.checkpoint.folder import open_checkpoint
+
+    quantized, reference = fp8
+    names = open_checkpoint(quantized).tensors
+    for kind in ("self_attn.kv_b_proj", "self_attn.q_a_proj", "mlp.experts.3.down_proj", "mlp.shared_experts.up_proj"):
+        weight = names[f"model.layers.1.{kind}.weight"]
+        assert weight.dtype_code == "F8_E4M3" and f"model.layers.1.{kind}.weight_scale_inv" in names
+    llm = LLM(str(quantized), skip_tokenizer_init=True, dtype="float32")
+    assert "fp8" in llm.engine.choices["experts"].lower()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
+                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3))
+    llm.engine.close()
+    ref_model = hf_model(reference, torch.float32)
+    for prompt, out in zip(prompts(), outs):
+        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
+        assert out.outputs[0].token_ids == ref_tokens, len(prompt)
+        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (len(prompt), token_id)
+
+
+def test_fp8_experts_stay_fp8_offloaded_and_equal_resident(fp8: tuple[Path, Path]) -> None:
+    """bf16, one expert slot: every miss reads exactly the stored FP8 bytes of one expert (codes + scales), and the
+    logits equal the resident run's bit for bit."""
+    from moeserve.checkpoint.folder import open_checkpoint
+
+    quantized, _ = fp8
+    ref, ref_out = sampled_logits(quantized, prompts(4))
+    llm = LLM(str(quantized), skip_tokenizer_init=True, max_model_len=256, expert_cache_gb=1e-9)
+    store, reader = llm.engine.model.store, llm.engine.checkpoint.reader
+    assert not store.resident and store.capacity == 1
+    before = reader.bytes_read
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    got, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in prompts(4)], params)
+    stored = sum(r.nbytes for n, r in open_checkpoint(quantized).tensors.items()
+                 if n.startswith("model.layers.1.mlp.experts.0."))
+    assert stored < 3 * 64 * 40 * 2 / 1.8  # FP8 codes and scales, not bf16
+    assert store.stats.misses > 0 and reader.bytes_read - before == store.stats.misses * stored
+    assert all(torch.equal(a, b) for a, b in zip(got[-(STEPS - 1):], ref))
+    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == ref_out
