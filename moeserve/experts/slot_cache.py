@@ -109,8 +109,9 @@ def format_stats(stats: StoreStats) -> str:
         rows.append(row(str(layer), stats.layers[layer]))
     rows.append(row("all", stats))
     accuracy = stats.prefetch_accuracy
+    harm = f" ({stats.prefetch_harm} units it evicted were missed next)" if stats.prefetched else ""
     rows.append(f"hit rate {100 * stats.hit_rate:.1f}%, prefetch accuracy "
-                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}, load errors {stats.load_errors}, "
+                f"{'n/a' if accuracy is None else f'{100 * accuracy:.1f}%'}{harm}, load errors {stats.load_errors}, "
                 f"compute thread waited {stats.wait_seconds:.2f} s on reads ({stats.read_seconds:.2f} s reading)")
     return "\n".join(rows)
 
