@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from moeserve.errors import RequestError
 log = logging.getLogger("moeserve")
 
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
+SpecialTags = tuple[tuple[str, int], ...]  # (tag text, token id) for tags that are special tokens
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 1_000_000  # a request's schema or grammar, as text
 
@@ -49,13 +51,14 @@ class GrammarSpec:
     # </think>), "optional" (the output may start with <think>...</think>), or None (the answer comes at once).
     reasoning: Literal["open", "optional"] | None = None
     prefix: str = ""  # literal text the answer starts with (a tool call's opening, after any reasoning)
+    special_tags: SpecialTags = ()  # tags that are special tokens of the tokenizer (matched by id, not by text)
 
     def text(self) -> str:
         """The llguidance grammar (its JSON form). Raises RequestError for a value of the wrong shape."""
         answer = self._answer_text()
         if self.reasoning is None and not self.prefix:
             return answer
-        return after_reasoning(answer, self.reasoning, self.prefix)
+        return after_reasoning(answer, self.reasoning, self.prefix, self.special_tags)
 
     def _answer_text(self) -> str:
         from llguidance import LLMatcher
@@ -74,22 +77,80 @@ class GrammarSpec:
         return str(LLMatcher.grammar_from_lark(self.value))
 
 
-THINK_BODY = r"/(?s:.*)<\/think>/"  # lazy: ends at the first </think>
 AFTER_THINK = '("\\n" "\\n"?)?'  # the newlines templates put between </think> and the answer
 
 
-def after_reasoning(answer: str, reasoning: str | None, prefix: str) -> str:
+def after_reasoning(answer: str, reasoning: str | None, prefix: str, specials: SpecialTags = ()) -> str:
     """A grammar (llguidance's JSON form) of optional reasoning, then `prefix`, then the grammar `answer` (Lark text
-    or JSON form), which is referenced as a sub-grammar so that any kind of constraint can follow reasoning."""
+    or JSON form), which is referenced as a sub-grammar so that any kind of constraint can follow reasoning. The
+    reasoning is free text up to the first </think> (a lazy lexeme; when </think> is a special token, text, which
+    cannot hold a special token, then that token)."""
     if answer.lstrip().startswith("{"):
         grammars = json.loads(answer)["grammars"]
     else:
         grammars = [{"lark_grammar": answer}]
     grammars[0] = {**grammars[0], "name": "answer"}
-    think = {"open": f"think {AFTER_THINK} ", "optional": f'("\\n"? "<think>" think {AFTER_THINK})? ', None: ""}[reasoning]
-    start = think + (json.dumps(prefix, ensure_ascii=False) + " " if prefix else "") + "@answer"
-    top = f"start: {start}\nthink[lazy]: {THINK_BODY}\n" if reasoning else f"start: {start}\n"
+    opening = lark_literal("<think>", specials)
+    think = {"open": f"think {AFTER_THINK} ", "optional": f'("\\n"? {opening} think {AFTER_THINK})? ',
+             None: ""}[reasoning]
+    start = think + (lark_literal(prefix, specials) + " " if prefix else "") + "@answer"
+    close = dict(specials).get("</think>")
+    body = r"think[lazy]: /(?s:.*)<\/think>/" if close is None else f"think: /(?s:.*)/ <[{close}]>"
+    top = f"start: {start}\n{body}\n" if reasoning else f"start: {start}\n"
     return json.dumps({"grammars": [{"name": "start", "lark_grammar": top}, *grammars]})
+
+
+def lark_regex_literal(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return "".join("\\n" if ch == "\n" else "\\/" if ch == "/" else "\\" + ch if ch in ".^$*+?{}[]\\|()" else ch
+                   for ch in text)
+
+
+def lark_literal(text: str, specials: SpecialTags = ()) -> str:
+    """`text` as a Lark sequence: quoted pieces, and llguidance's `<[id]>` for each special-token tag in it (a
+    quoted tag would have to be spelled in ordinary tokens)."""
+    pieces: list[str | int] = [text]
+    for tag, token_id in specials:
+        split: list[str | int] = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                split.append(piece)
+                continue
+            for i, part in enumerate(piece.split(tag)):
+                split.extend(([token_id] if i else []) + ([part] if part else []))
+        pieces = split
+    out = [f"<[{p}]>" if isinstance(p, int) else json.dumps(p, ensure_ascii=False) for p in pieces]
+    return " ".join(out) if out else '""'
+
+
+_LARK_ITEM = re.compile(r'%json\s*|"(?:[^"\\]|\\.)*"|/(?:[^/\\\n]|\\.)*/')
+
+
+def with_special_tokens(lark: str, specials: SpecialTags) -> str:
+    """A Lark grammar built by moeserve (call grammars) with its special-token tags matched by id: in quoted
+    literals (never inside `%json` schemas), and at the end of a lazy text lexeme (`x[lazy]: /(?s:...)TAG.../`
+    becomes text, then the token, then the rest)."""
+    if not specials:
+        return lark
+    for tag, token_id in specials:
+        lazy = re.compile(r"\[lazy\]: /(\(\?s:(?:[^/\\]|\\.)*?\))" + re.escape(lark_regex_literal(tag))
+                          + r"((?:\\n)*)/")
+        def text_then_token(m: re.Match[str], token_id: int = token_id) -> str:
+            return f": /{m.group(1)}/ <[{token_id}]>" + ' "\\n"' * (len(m.group(2)) // 2)
+
+        lark = lazy.sub(text_then_token, lark)
+    out, at = [], 0
+    while (m := _LARK_ITEM.search(lark, at)) is not None:
+        out.append(lark[at:m.start()])
+        if m.group().startswith("%json"):
+            _, end = json.JSONDecoder().raw_decode(lark, m.end())  # the schema is copied as it is
+            out.append(lark[m.start():end])
+            at = end
+            continue
+        item = m.group()
+        out.append(lark_literal(json.loads(item), specials) if item.startswith('"') else item)
+        at = m.end()
+    return "".join(out) + lark[at:]
 
 
 def with_json_options(schema: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from moeserve.engine.grammar import GrammarCompiler, GrammarSpec
+from moeserve.engine.grammar import GrammarCompiler, GrammarSpec, SpecialTags, with_special_tokens
 from moeserve.errors import RequestError
 from moeserve.server.harmony import (
     VOCAB_FILE,
@@ -250,7 +250,7 @@ class TemplateChat(ChatFormat):
         self.tool_parser = tool_parser_for(self.template)
         self.think = self.template is not None and template_has_think_tags(self.template)
         self.variables = template_variables(self.template)
-        self.keep_special_tokens = self._tags_are_special_tokens()
+        self.special_tags = self._special_tags()
         # a template that tells null content apart ("is none") gets it as null; others get ""
         self.null_content = self.template is not None and _TESTS_NULL_CONTENT.search(self.template) is not None
         self.arguments_as_text = self.tool_parser is not None and self.tool_parser.template_arguments == "text"
@@ -278,23 +278,27 @@ class TemplateChat(ChatFormat):
         # The rendered text already holds the special tokens: do not add BOS again.
         ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
         return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop,
-                          grammar=grammar, keep_special_tokens=self.keep_special_tokens)
+                          grammar=grammar, keep_special_tokens=bool(self.special_tags))
 
-    def _tags_are_special_tokens(self) -> bool:
-        """Whether decoding with skip_special_tokens would drop a tag the output parsers read (in some tokenizers
-        <think> or the tool-call markers are special tokens): then chat outputs are decoded keeping them (the end
-        token is never part of the text). Logged, as every automatic choice."""
+    def _special_tags(self) -> SpecialTags:
+        """The tags the output parsers read that are special tokens of this tokenizer (decoding with
+        skip_special_tokens drops them; in some tokenizers <think> or the tool-call markers are): chat outputs are
+        then decoded keeping special tokens (the end token is never part of the text), and grammars match these
+        tags by token id. Logged, as every automatic choice."""
         tags = (self.tool_parser.tags if self.tool_parser is not None else ()) + \
             ((THINK_OPEN, THINK_CLOSE) if self.think else ())
         if self.tokenizer is None or not tags:
-            return False
-        dropped = [t for t in tags if self.tokenizer.decode(self.tokenizer.encode(t, add_special_tokens=False),
-                                                             skip_special_tokens=True) != t]
-        if dropped:
+            return ()
+        found = []
+        for tag in tags:
+            ids = self.tokenizer.encode(tag, add_special_tokens=False)
+            if len(ids) == 1 and self.tokenizer.decode(ids, skip_special_tokens=True) != tag:
+                found.append((tag, ids[0]))
+        if found:
             log.info("chat: %s are special tokens of this tokenizer: chat outputs are decoded keeping special "
-                     "tokens (skip_special_tokens false) so that reasoning and tool calls can be read",
-                     ", ".join(dropped))
-        return bool(dropped)
+                     "tokens (skip_special_tokens false), and grammars match them by id",
+                     ", ".join(tag for tag, _ in found))
+        return tuple(found)
 
     def _constraint(self, req: ChatCompletionRequest, plan: ToolPlan, in_reasoning: bool, thinking_off: bool
                     ) -> tuple[str, GrammarSpec | None]:
@@ -307,15 +311,17 @@ class TemplateChat(ChatFormat):
         reasoning: Literal["open", "optional"] | None = None
         if self.think and not thinking_off:
             reasoning = "open" if in_reasoning else "optional"
+        specials = self.special_tags
         if not (plan.forced and self.tool_parser is not None):
-            return "", replace(grammar, reasoning=reasoning) if grammar is not None else None
+            return "", replace(grammar, reasoning=reasoning, special_tags=specials) if grammar is not None else None
         opening = self.tool_parser.forced_prefix(plan.function_name)
         call = self.tool_parser.call_grammar(plan.tools or [], plan.function_name)
         if call is None:
             return ("</think>\n\n" if in_reasoning else "") + opening, None
+        call = with_special_tokens(call, specials)
         if reasoning is None:
             return opening, GrammarSpec("lark", call, "tools")
-        return "", GrammarSpec("lark", call, "tools", reasoning, prefix=opening)
+        return "", GrammarSpec("lark", call, "tools", reasoning, prefix=opening, special_tags=specials)
 
     def _template_kwargs(self, req: ChatCompletionRequest) -> dict[str, Any]:
         """chat_template_kwargs (and reasoning_effort) checked against what the template reads: a name it does

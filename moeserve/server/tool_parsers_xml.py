@@ -36,21 +36,6 @@ def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
         return text
 
 
-def _lark_regex(text: str) -> str:
-    """`text` as a literal inside a Lark /regex/."""
-    out = []
-    for ch in text:
-        if ch == "\n":
-            out.append("\\n")
-        elif ch == "/":
-            out.append("\\/")
-        elif ch in ".^$*+?{}[]\\|()":
-            out.append("\\" + ch)
-        else:
-            out.append(ch)
-    return "".join(out)
-
-
 class KeyValueToolParser(TaggedToolParser):
     """A call's body is a function name (`_head`, which must be ended by what follows it, or by the block's end:
     `_head_at_close`) then parameters (`_param`: key and raw value); `_value` strips the template's layout."""
@@ -131,7 +116,7 @@ class KeyValueToolParser(TaggedToolParser):
     def _value_rule(cls, rule: str, schema: dict[str, Any], lines: list[str]) -> str:
         """One value and its closing tag: free text (lazy: it ends at the first closing tag) for a string, one of
         the strings of an enum, or JSON of the parameter's schema."""
-        from moeserve.engine.grammar import with_json_options
+        from moeserve.engine.grammar import lark_regex_literal, with_json_options
 
         close = json.dumps(cls._value_close, ensure_ascii=False)
         kind = schema.get("type")
@@ -142,7 +127,7 @@ class KeyValueToolParser(TaggedToolParser):
         if is_string:
             limit = schema.get("maxLength")
             length = f"{{0,{int(limit)}}}" if isinstance(limit, int) and kind == "string" else "*"
-            lines.append(f"{rule}_text[lazy]: /(?s:.{length}){_lark_regex(cls._value_close)}/")
+            lines.append(f"{rule}_text[lazy]: /(?s:.{length}){lark_regex_literal(cls._value_close)}/")
             return f"{rule}_text"
         return f"%json {json.dumps(with_json_options(schema), ensure_ascii=False)} {close}"
 

@@ -14,7 +14,13 @@ import jsonschema
 import numpy as np
 import pytest
 
-from moeserve.engine.grammar import GrammarCompiler, GrammarSpec
+from moeserve.engine.grammar import (
+    GrammarCompiler,
+    GrammarSpec,
+    SpecialTags,
+    lark_literal,
+    with_special_tokens,
+)
 from moeserve.server.reasoning import ThinkTagSplitter
 from moeserve.server.tool_parsers import (
     DeepSeekV3ToolParser,
@@ -144,7 +150,7 @@ def walk_after(compiler: GrammarCompiler, tok: Any, spec: GrammarSpec, forced: s
     for _ in range(400):
         allowed = np.flatnonzero(processor.allowed())  # type: ignore[attr-defined]
         if processor.is_finished() or compiler.eos_token_ids[0] in allowed:
-            return str(tok.decode(ids))
+            return str(tok.decode(ids, skip_special_tokens=False))
         token = int(rng.choice(allowed))
         processor.accept(token)
         ids.append(token)
@@ -214,3 +220,48 @@ def test_reasoning_and_calls_any_split(fmt: type[ToolParser], text: str, opened:
         assert [n for _, n, _ in got if n] == names
         assert {i: "".join(a for j, _, a in got if j == i) for i in (0, 1)} == joined
         assert_no_tag_piece(pieces, reasoning + content, ("<think>", "</think>", *fmt.tags))
+
+
+# -------------------------------------------------------------------- tags that are special tokens
+@pytest.fixture(scope="module")
+def special_compiler(tmp_path_factory: pytest.TempPathFactory) -> tuple[GrammarCompiler, Any, SpecialTags]:
+    """The tiny tokenizer with <think>, GLM's and DeepSeek's tags as special tokens (skip_special_tokens drops
+    them), as some tokenizers register them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    folder = write_tiny_tokenizer(tmp_path_factory.mktemp("special"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tags = ["<think>", "</think>", *Glm45ToolParser.tags, *DeepSeekV3ToolParser.tags]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tags])
+    specials = tuple((t, tok.token_to_id(t)) for t in tags)
+    eos = tok.token_to_id("<|im_end|>")
+    return GrammarCompiler(tok.to_str(), tok.get_vocab_size(), [eos]), tok, specials
+
+
+@pytest.mark.parametrize("fmt", [Glm45ToolParser, DeepSeekV3ToolParser], ids=lambda f: f.name)
+def test_call_grammars_match_special_token_tags_by_id(special_compiler: tuple[GrammarCompiler, Any, SpecialTags],
+                                                      fmt: type[ToolParser]) -> None:
+    compiler, tok, specials = special_compiler
+    for named in (None, "get_weather"):
+        grammar = with_special_tokens(fmt.call_grammar(TOOLS, named) or "", specials)
+        for seed in range(3):  # seed 0: no reasoning allowed; else the walk starts with some
+            spec = GrammarSpec("lark", grammar, "tools", "optional" if seed else None, prefix=fmt.forced_prefix(named),
+                               special_tags=specials)
+            forced = "<think>Tools.</think>\n" if seed else ""
+            text = walk_after(compiler, tok, spec, forced, seed)
+            said, answer = split_reasoning(text, False)
+            content, calls, _ = run_tools(fmt(TOOLS), [answer])
+            assert said == ("Tools." if seed else "") and content == "" and len(calls) == 1, text
+            assert named is None or calls[0][0] == named
+            jsonschema.validate(json.loads(calls[0][1]), SCHEMAS[calls[0][0]])
+            ids = tok.encode(text, add_special_tokens=False).ids
+            assert set(ids) & {token_id for _, token_id in specials}, "the tags came as their special tokens"
+
+
+def test_lark_literals_split_at_special_tags() -> None:
+    specials = (("<tool_call>", 7), ("</arg_value>", 9))
+    assert lark_literal("<tool_call>f\n", specials) == '<[7]> "f\\n"'
+    assert lark_literal("", specials) == '""'
+    lark = 'a[lazy]: /(?s:.{0,4})<\\/arg_value>\\n/\nb: "x</arg_value>" %json {"enum": ["</arg_value>"]}'
+    assert with_special_tokens(lark, specials) == (
+        'a: /(?s:.{0,4})/ <[9]> "\\n"\nb: "x" <[9]> %json {"enum": ["</arg_value>"]}')
