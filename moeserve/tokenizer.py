@@ -36,6 +36,9 @@ def _read_text(path: Path) -> str:
         raise CheckpointError(f"{path}: cannot read as UTF-8 text ({err})") from None
 
 
+LONG_TEXT_CHARS = 1 << 16  # from here on encode() releases the GIL (encode_batch of one text)
+
+
 class Tokenizer:
     def __init__(self, folder: Path, chat_template_path: str | None = None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -78,6 +81,10 @@ class Tokenizer:
         return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= LONG_TEXT_CHARS:
+            # `tokenizers` holds the GIL through encode() but releases it in encode_batch(): a long text (seconds
+            # of work) must not stop the server's event loop meanwhile. Same pipeline, same ids.
+            return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -301,3 +301,13 @@ def test_sigterm_begins_the_drain_that_ends_open_streams() -> None:
     server.handle_exit(signal.SIGTERM, None)
     server.handle_exit(signal.SIGTERM, None)
     assert state.drains == 1 and server.should_exit
+
+
+def test_long_texts_encode_alike_through_the_gil_free_path(live_server: ThreadServer) -> None:
+    """Tokenizer.encode takes encode_batch (which releases the GIL) from LONG_TEXT_CHARS on: the same ids."""
+    from moeserve.tokenizer import LONG_TEXT_CHARS
+
+    tokenizer = live_server.state.tokenizer
+    text = ("Wörds, numbers 12345 and <|im_end|> tokens\n\t " * (LONG_TEXT_CHARS // 40 + 1))[: LONG_TEXT_CHARS + 7]
+    for special in (True, False):
+        assert tokenizer.encode(text, special) == list(tokenizer._tok.encode(text, add_special_tokens=special).ids)
