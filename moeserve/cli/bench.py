@@ -85,6 +85,17 @@ def _cache_gb(args: argparse.Namespace, shape: BenchShape, default: float | None
     return (count + 0.5) * unit / 2**30  # half a unit over: the engine's floor division keeps `count`
 
 
+def _check_trace(path: Path) -> None:
+    """Read --route-trace once here, so a missing or malformed trace is one line before anything is built."""
+    from moeserve.bench.route_trace import trace_tokens
+    from moeserve.bench.traces import load_trace
+
+    if not path.exists():
+        raise ConfigError(f"--route-trace {path}: no such file or folder")
+    trace = load_trace(path)
+    trace_tokens(trace.header, trace.steps)
+
+
 def run(args: argparse.Namespace) -> int:
     from moeserve.bench import report, runner
     from moeserve.bench.shapes import DEFAULT_EXPERT_CACHE_GB, get_shape
@@ -95,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
     peers = _csv(args.peers, runner.PEERS, "peer")
     if args.tokens < 1 or args.repeats < 1:
         raise ConfigError("--tokens and --repeats must be at least 1")
+    if args.route_trace is not None:
+        _check_trace(args.route_trace)
     cache_dir = args.cache_dir or default_cache_dir()
     log.info("model: synthetic %s (%.2f GB bf16) in %s", shape.name, shape.total_params * 2 / 1e9, cache_dir)
     checkpoint = ensure_checkpoint(shape, cache_dir)
@@ -102,8 +115,6 @@ def run(args: argparse.Namespace) -> int:
         print(checkpoint)
         return 0
     cache_gb = _cache_gb(args, shape, DEFAULT_EXPERT_CACHE_GB[shape.name])
-    if args.route_trace is not None and not args.route_trace.exists():
-        raise ConfigError(f"--route-trace {args.route_trace}: no such file or folder")
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
                              args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
                              memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace)

@@ -194,3 +194,16 @@ def test_bench_with_a_route_trace_and_a_cache_fraction(tmp_path, capsys):
         assert 0 < row["expert_hit_rate"] < 1 and row["bytes_per_token_disk"] > 0
     assert summary["settings"]["route_trace"] == str(trace)
     assert "ROUTING FORCED BY THE TRACE" in capsys.readouterr().out
+
+
+def test_a_missing_or_malformed_route_trace_is_one_line_before_anything_is_built(tmp_path, capsys):
+    from moeserve.cli import main
+
+    cache = tmp_path / "cache"
+    assert main(["bench", "--shape", "tiny", "--cache-dir", str(cache), "--route-trace", str(tmp_path / "no")]) == 1
+    assert "--route-trace" in (err := capsys.readouterr().err) and "no such file or folder" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0, "layer": 1, "experts": [[1, 2]]}\n{"step": 0, "layer": 1, "experts": [[1, 2]]}\n')
+    assert main(["bench", "--shape", "tiny", "--cache-dir", str(cache), "--route-trace", str(bad)]) == 1
+    assert "layer 1 twice in step 0" in capsys.readouterr().err
+    assert not cache.exists()  # refused before the synthetic model was built
