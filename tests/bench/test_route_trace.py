@@ -121,6 +121,25 @@ def test_the_engine_routes_exactly_as_the_trace_says(tmp_path):
     assert sim.hits > 0 and sim.misses > 0
 
 
+@needs_demo
+def test_force_routing_none_gives_the_routers_back():
+    from moeserve import LLM
+    from moeserve.models.moe import ForcedRouting
+
+    llm = LLM(str(DEMO), skip_tokenizer_init=True, expert_cache_gb=12 * DEMO_UNIT_BYTES / 2**30)
+    try:
+        model = llm.engine.model
+        own = [block.routing for block in model.moe_blocks]
+        model.force_routing(lambda i, n: None)
+        model.force_routing(lambda i, n: None)  # twice: still wraps the routers' own routing, not itself
+        assert all(isinstance(b.routing, ForcedRouting) and b.routing.inner is r for b, r in zip(model.moe_blocks, own))
+        assert model.moe_blocks[0].why_not_stacked() == "routing forced by a trace (benchmark only)"
+        model.force_routing(None)
+        assert [block.routing for block in model.moe_blocks] == own
+    finally:
+        llm.engine.close()
+
+
 # ----------------------------------------------------------------------------------------------- serving refuses
 def test_no_setting_reaches_the_hook():
     from moeserve.config import EngineSettings, build_settings
