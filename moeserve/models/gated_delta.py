@@ -11,7 +11,9 @@ Per token (transformers' Qwen3NextGatedDeltaNet, operation for operation):
 Sequence memory (state/kinds.py RecurrentState): per sequence a slot holding the last conv_kernel - 1 conv inputs
 (compute dtype) and the state (fp32); a sequence starting at position 0 starts from zeros, whatever its slot held.
 Prompt tokens take the chunk form on a grid of CHUNK positions from 0 (the scheduler cuts prompts on that grid);
-tokens after the prompt (decode, or recomputed output after a preemption) take the recurrent step. Shapes: N tokens,
+tokens after the prompt (decode, or recomputed output after a preemption) take the recurrent step: with the C++
+kernels, a decode-only batch takes it in one `gated_delta_step_` call for every sequence (csrc/gated_delta.cpp, the
+same bits as the torch step), otherwise `gated_delta_rule.recurrent_step` per sequence and token. Shapes: N tokens,
 Hk / Hv key / value heads, dk / dv their dims, C = conv channels (q, k and v side by side).
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.gated_delta_rule import chunk_form, l2norm, recurrent_step
+from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
 from moeserve.models.layers import ForwardBatch, TokenMixer
 from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import LinearAttentionSpec
@@ -32,7 +34,7 @@ from moeserve.state.kv_cache import PagedKVCache
 class GatedDeltaNet(TokenMixer):
     def __init__(self, spec: LinearAttentionSpec, layer: int, in_proj: Linear, out_proj: Linear,
                  conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
-                 eps: float, invariant: bool = False) -> None:
+                 eps: float, invariant: bool = False, cpp: bool = False) -> None:
         """in_proj: rows [q (Hk*dk), k (Hk*dk), v (Hv*dv), z (Hv*dv), b (Hv), a (Hv)]; conv_weight [C, K] (fp32
         copy of the checkpoint's [C, 1, K]); a_log, dt_bias [Hv] and norm [dv] in the compute dtype."""
         self.spec, self.layer = spec, layer
@@ -42,6 +44,7 @@ class GatedDeltaNet(TokenMixer):
         s = spec
         self.split = [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads]
         self.invariant = invariant
+        self.cpp = cpp  # the moeserve C++ ops are loaded: decode-only batches take gated_delta_step_
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x).split_with_sizes(self.split, dim=-1)  # [N, C], [N, Hv*dv], [N, Hv] x2
@@ -50,15 +53,21 @@ class GatedDeltaNet(TokenMixer):
         mixed = torch.cat([self._conv(mixed[off : off + n], conv_states[slot], start == 0)
                            for off, n, start, slot in self._pieces(batch, slots)])
         gates = torch.cat([b, a], dim=-1)
-        qkv, beta, g = self._rowwise(self._activate, mixed, gates)
-        outs = []
-        for b_i, (off, n, start, slot) in enumerate(self._pieces(batch, slots)):
-            state = states[slot]
-            if start == 0:
-                state.zero_()
-            prompt = batch.prompt_lens[b_i] if batch.prompt_lens else (start + n if n > 1 else start)
-            outs.append(self._core(qkv[off : off + n], g[off : off + n], beta[off : off + n], state, start, prompt))
-        core = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, Hv, dv] fp32
+        qkv, beta, g, decay = self._rowwise(self._activate, mixed, gates)
+        prompts = batch.prompt_lens or [s + n if n > 1 else s for s, n in zip(batch.starts, batch.num_new)]
+        if self.cpp and batch.decode_only and all(s >= p for s, p in zip(batch.starts, prompts)):
+            q, k, v = self._heads(qkv)
+            core = torch.ops.moeserve.gated_delta_step_(q, k, v, decay, beta, states,
+                                                        torch.tensor(slots, dtype=torch.long))
+        else:
+            outs = []
+            for (off, n, start, slot), prompt in zip(self._pieces(batch, slots), prompts):
+                state = states[slot]
+                if start == 0:
+                    state.zero_()
+                rows = slice(off, off + n)
+                outs.append(self._core(qkv[rows], g[rows], decay[rows], beta[rows], state, start, prompt))
+            core = torch.cat(outs) if len(outs) > 1 else outs[0]  # [N, Hv, dv] fp32
         gated = self._rowwise(self._gated_norm, core.to(x.dtype).reshape(x.shape[0], -1), z)[0]
         return self.out_proj(gated)
 
@@ -107,29 +116,34 @@ class GatedDeltaNet(TokenMixer):
 
     def _activate(self, mixed: torch.Tensor, gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """silu of the conv outputs, and per value head beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
-        (fp32)."""
+        and the recurrent step's decay exp(g) (fp32)."""
         h = self.spec.num_v_heads
         b, a = gates[:, :h].to(self.dt_bias.dtype), gates[:, h:].to(self.dt_bias.dtype)
         beta = b.sigmoid().float()
         g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return F.silu(mixed.to(self.dt_bias.dtype)), beta, g
+        return F.silu(mixed.to(self.dt_bias.dtype)), beta, g, g.exp()
 
-    def _core(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor, start: int,
-              prompt_len: int) -> torch.Tensor:
-        """One sequence's tokens at positions [start, start + n): [n, Hv, dv] fp32."""
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv outputs [n, C] -> q, k [n, Hv, dk] (fp32, L2-normalised, key heads repeated) and v [n, Hv, dv]."""
         s = self.spec
         n = qkv.shape[0]
         q, k, v = qkv.float().split_with_sizes([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         rep = s.num_v_heads // s.num_k_heads
         q = l2norm(q.reshape(n, s.num_k_heads, s.k_head_dim)).repeat_interleave(rep, dim=1)
         k = l2norm(k.reshape(n, s.num_k_heads, s.k_head_dim)).repeat_interleave(rep, dim=1)
-        v = v.reshape(n, s.num_v_heads, s.v_head_dim)
+        return q, k, v.reshape(n, s.num_v_heads, s.v_head_dim)
+
+    def _core(self, qkv: torch.Tensor, g: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,  # noqa: PLR0913
+              state: torch.Tensor, start: int, prompt_len: int) -> torch.Tensor:
+        """One sequence's tokens at positions [start, start + n): [n, Hv, dv] fp32."""
+        n = qkv.shape[0]
+        q, k, v = self._heads(qkv)
         cut = max(0, min(n, prompt_len - start))  # tokens of the prompt: chunk form; the rest: one by one
         outs = []
         if cut:
             outs.append(chunk_form(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state))
         for t in range(cut, n):
-            outs.append(recurrent_step(q[t], k[t], v[t], g[t], beta[t], state).unsqueeze(0))
+            outs.append(recurrent_step(q[t], k[t], v[t], decay[t], beta[t], state).unsqueeze(0))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _gated_norm(self, core: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor]:
@@ -146,6 +160,13 @@ class GatedDeltaNet(TokenMixer):
     def linears(self) -> list[Linear]:
         return [self.in_proj, self.out_proj]
 
+    def describe(self) -> str:
+        """The start-up log's line: how prompt and decode tokens are computed, and why."""
+        step = ("C++ gated_delta_step_, one call per decode-only batch (the C++ kernels are on)" if self.cpp else
+                "the torch recurrent step per sequence (kernels=torch, not CPU, or the C++ kernels are unavailable)")
+        return (f"Gated DeltaNet: prompt tokens in chunks of {CHUNK} positions (torch, fp32), later tokens by {step}; "
+                "state slots per sequence in the sequence memory")
+
     def why_not_stacked(self) -> str | None:
         return "Gated DeltaNet linear attention (no decode-stack mode yet)"
 
@@ -153,7 +174,7 @@ class GatedDeltaNet(TokenMixer):
         raise NotImplementedError("why_not_stacked refuses Gated DeltaNet layers")
 
 
-def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool) -> GatedDeltaNet:
+def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool, cpp: bool) -> GatedDeltaNet:
     """Layer L's Gated DeltaNet from the checkpoint (`load`: a models.loader.WeightLoader). The input projections
     are stacked into one Linear with rows in the order GatedDeltaNet reads them: Qwen3-Next's, grouped per key
     head ([Hk, (q, k, v, z)] and [Hk, (b, a)]), are regrouped; Qwen3.5's are in that order already. Each output
@@ -174,7 +195,7 @@ def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool) 
     return GatedDeltaNet(
         la, L, in_proj, load.linear(n(names.linear_out), h, la.value_dim), conv,
         load.tensor(n(names.linear_a_log), (la.num_v_heads,)), load.tensor(n(names.linear_dt_bias), (la.num_v_heads,)),
-        load.tensor(n(names.linear_norm), (la.v_head_dim,)), spec.rms_norm_eps, invariant)
+        load.tensor(n(names.linear_norm), (la.v_head_dim,)), spec.rms_norm_eps, invariant, cpp)
 
 
 def _regroup_qkvz_ba(la: LinearAttentionSpec, qkvz: torch.Tensor, ba: torch.Tensor, h: int) -> list[torch.Tensor]:

@@ -81,13 +81,27 @@ def _one_chunk(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:  # noqa: 
     return out
 
 
-def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                    state: torch.Tensor) -> torch.Tensor:
-    """One token: q, k [Hv, dk] (L2-normalised), v [Hv, dv], g, beta [Hv], fp32; returns [Hv, dv] and updates
-    `state` [Hv, dk, dv] in place (transformers' `torch_recurrent_gated_delta_rule`, operation for operation)."""
+    """One token: q, k [Hv, dk] (L2-normalised), v [Hv, dv], decay = exp(g) and beta [Hv], fp32; returns [Hv, dv]
+    and updates `state` [Hv, dk, dv] in place. transformers' `torch_recurrent_gated_delta_rule` operation for
+    operation, except that the two sums over dk are taken in one fixed pairwise order (`sum_rows`; torch's own sum
+    over a middle dim has an order of its own), which the C++ op gated_delta_step_ takes too: the same bits."""
     q = q * q.shape[-1] ** -0.5
-    state.mul_(g.exp()[:, None, None])
-    read = (state * k.unsqueeze(-1)).sum(dim=-2)  # [Hv, dv]: S^T k
+    state.mul_(decay[:, None, None])
+    read = sum_rows(state * k.unsqueeze(-1))  # [Hv, dv]: S^T k
     delta = (v - read) * beta.unsqueeze(-1)
     state.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
-    return (state * q.unsqueeze(-1)).sum(dim=-2)
+    return sum_rows(state * q.unsqueeze(-1))
+
+
+def sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n, d] summed over n by halving: with m = ceil(n / 2), row i becomes x[i] + x[i + m] (rows with no
+    partner pass as they are), until one row is left. Each step is an element-wise fp32 add: one order, anywhere."""
+    n = x.shape[-2]
+    while n > 1:
+        m = (n + 1) // 2
+        pairs = x[..., : n - m, :] + x[..., m:n, :]
+        x = pairs if 2 * m == n else torch.cat([pairs, x[..., n - m : m, :]], dim=-2)
+        n = m
+    return x[..., 0, :]

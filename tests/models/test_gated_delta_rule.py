@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
+from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step, sum_rows
 
 
 def inputs(n: int, heads: int = 4, dk: int = 16, dv: int = 8, seed: int = 0):
@@ -44,8 +44,9 @@ def test_recurrent_step_equals_transformers_and_the_chunk_form() -> None:
     q, k, v, g, beta, state = inputs(9, seed=1)
     ref_out, ref_state = reference("recurrent", q, k, v, g, beta, state)
     ours_state = state.clone()
-    outs = [recurrent_step(l2norm(q[t]), l2norm(k[t]), v[t], g[t], beta[t], ours_state) for t in range(9)]
-    assert torch.equal(torch.stack(outs), ref_out) and torch.equal(ours_state, ref_state)  # the same operations
+    outs = [recurrent_step(l2norm(q[t]), l2norm(k[t]), v[t], g[t].exp(), beta[t], ours_state) for t in range(9)]
+    torch.testing.assert_close(torch.stack(outs), ref_out, rtol=1e-6, atol=1e-6)  # the sums in another order
+    torch.testing.assert_close(ours_state, ref_state, rtol=1e-6, atol=1e-6)
     chunk_state = state.clone()
     torch.testing.assert_close(chunk_form(l2norm(q), l2norm(k), v, g, beta, chunk_state), ref_out, rtol=1e-5,
                                atol=1e-5)
@@ -63,3 +64,12 @@ def test_chunks_carry_the_state() -> None:
     # the decay matters: without it the outputs differ (the test can fail)
     assert not torch.allclose(chunk_form(q, k, v, torch.zeros_like(g), beta, state.clone()), whole, atol=1e-3)
     assert F.mse_loss(whole, torch.zeros_like(whole)) > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 16, 128])
+def test_sum_rows_is_the_sum(n: int) -> None:
+    x = torch.randn(3, n, 5, generator=torch.Generator().manual_seed(n))
+    torch.testing.assert_close(sum_rows(x), x.sum(dim=-2), rtol=1e-5, atol=1e-5)
+    if n == 7:  # the pairing it promises: ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + x3)
+        a = [x[..., i, :] for i in range(7)]
+        assert torch.equal(sum_rows(x), ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + a[3]))

@@ -8,8 +8,8 @@
   and preempted (recomputed) finish with their solo tokens and logprobs; offloaded experts == resident.
 - Qwen3.5: the language model under model.language_model.* served, the vision tower and mtp.* never read (logged,
   out of the resident size); transformers' greedy tokens in fp32.
-- Qwen3-Next's real dimensions truncated to 4 layers (3 linear + 1 full) and 12 of its 512 experts (slow): bf16
-  greedy tokens against transformers until a near-tie, offloaded == resident.
+- Qwen3-Next's real dimensions truncated to 4 layers (3 linear + 1 full) and 12 of its 512 experts (slow): fp32
+  greedy tokens and log-probabilities within 1e-4 against transformers, bf16 offloaded == resident.
 """
 
 from __future__ import annotations
@@ -152,6 +152,9 @@ def test_offloaded_equals_resident_in_bf16(tiny_checkpoint) -> None:
     probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512)
     unit = probe.engine.model.store.unit_nbytes
     assert "Gated DeltaNet" in probe.engine.choices["decode step"]  # the fused step refuses it, logged
+    assert "3 layers" in probe.engine.choices["linear attention"]
+    if probe.engine.cpp_kernels:
+        assert "C++ gated_delta_step_" in probe.engine.choices["linear attention"]
     probe.engine.close()
     got, got_out = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
     assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
@@ -232,26 +235,15 @@ def write_qwen3_next_real_dims(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_real_dims_greedy_matches_transformers_and_offloads_exactly(tmp_path: Path) -> None:
-    """bf16: transformers' greedy tokens until a near-tie (the engines round bf16 GEMMs differently), log-
-    probabilities within 2 bf16 steps; offloaded experts (3 slots) give the resident run's logits bit for bit."""
+def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_path: Path) -> None:
+    """fp32: transformers' greedy tokens, log-probabilities within 1e-4 (measured: 1.2e-5 and 1.7e-5). bf16 (the
+    checkpoint's dtype, default settings): offloaded experts (3 slots) give the resident run's logits bit for bit.
+    (In bf16 this random model's top tokens lie within 0.03 of each other, so the two engines' bf16 roundings pick
+    different ones at the first step: fp32 is where the arithmetic is compared.)"""
     folder = write_qwen3_next_real_dims(tmp_path / "qwen3_next")
     prompts = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 8, [11, 5, 77]]
+    assert_matches_transformers(folder, hf_model(folder, torch.float32), prompts, max_model_len=512)
     resident, outs = sampled_logits(folder, prompts)
-    ref_model = hf_model(folder, torch.bfloat16)
-    for prompt, (tokens, logprobs) in zip(prompts, outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        same = 0
-        while same < STEPS and tokens[same] == ref_tokens[same]:
-            same += 1
-        if same < STEPS:
-            ref = ref_logps[same]
-            assert float(ref[ref_tokens[same]] - ref[tokens[same]]) < 0.5, f"diverged at step {same}"
-        assert same >= STEPS // 2, f"greedy paths part at step {same}"
-        for lp, ref in zip(logprobs[:same], ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 0.5
-    del ref_model
     probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512)
     unit = probe.engine.model.store.unit_nbytes
     probe.engine.close()
