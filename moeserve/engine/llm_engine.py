@@ -49,6 +49,7 @@ from moeserve.models.expert_plans import (
 from moeserve.models.gated_delta_rule import CHUNK
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
+from moeserve.models.mamba2 import CHUNK as MAMBA_CHUNK
 from moeserve.models.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
@@ -561,13 +562,19 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
 def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
     """The sequence-memory groups of a model: attention layers by window, linear-attention layers as one
     recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state)."""
-    la = spec.linear_attention
+    la, mamba = spec.linear_attention, spec.mamba
     latent = LatentKV(spec.mla.latent_width) if spec.mla is not None else None  # MLA: one latent row per token
+    windows, stateless = spec.attention.sliding_window, spec.mixerless_layers
+    if mamba is not None:  # Mamba-2: the conv's last inputs and the [heads, head_dim, state] SSM state
+        kind = RecurrentState(conv_shape=(mamba.conv_kernel - 1, mamba.conv_dim),
+                              state_shape=(mamba.num_heads, mamba.head_dim, mamba.state_size),
+                              prefill_chunk=MAMBA_CHUNK)
+        return kv_groups(windows, kind, mamba.layers, latent, stateless)
     if la is None:
-        return kv_groups(spec.attention.sliding_window, latent=latent)
+        return kv_groups(windows, latent=latent, stateless_layers=stateless)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK)
-    return kv_groups(spec.attention.sliding_window, kind, la.layers, latent)
+    return kv_groups(windows, kind, la.layers, latent, stateless)
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

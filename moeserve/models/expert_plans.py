@@ -38,10 +38,12 @@ from moeserve.models.unit_math import (
     Int8Kernel,
     InterleavedSwiGLU,
     Projection,
+    Relu2Math,
     Shard,
     SwiGLUMath,
     UnitMath,
     gpt_oss_expert_math,
+    relu2_expert,
     swiglu_expert,
 )
 
@@ -203,6 +205,35 @@ def swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
     return stored_format_plan(ckpt, scheme, spec, dtype, projections, _swiglu_math, "experts")
+
+
+# ------------------------------------------------------------------------------------ relu2 (Nemotron-H)
+def _relu2_math(
+    x: torch.Tensor, dense: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
+    return relu2_expert(x, dense)
+
+
+@register_planner("relu2")
+def relu2_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """Per-expert up/down Linears without a gate (Nemotron-H): unit = up [I, H] + down [H, I] in the compute dtype
+    if unquantized, else each projection's stored tensors (NVFP4, FP8...) in every tier."""
+    scheme = checkpoint_scheme(ckpt)
+    names, h, i = arch.names, spec.hidden_size, spec.moe.intermediate_size
+    projections = (
+        ProjectionSource("up", (i, h), (names.expert_up,), stacked=False),
+        ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
+    )
+    if scheme.is_quantized(names.expert_up.format(L=spec.moe_layer_ids[0], E=0)):
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, _relu2_math, "relu2 experts")
+    layout = UnitLayout.build([("up", dtype, (i, h)), ("down", dtype, (h, i))])
+    sources = {
+        (layer, e): tuple(FieldSources(p.name, (ckpt.ref(p.shard_prefixes[0].format(L=layer, E=e) + ".weight",
+                                                          p.shape),)) for p in projections)
+        for layer in spec.moe_layer_ids
+        for e in range(spec.moe.num_experts)
+    }
+    return ExpertPlan(layout, Relu2Math(), sources, f"relu2 experts in {str(dtype).removeprefix('torch.')}")
 
 
 # -------------------------------------------------------------------------------------------------- gpt-oss

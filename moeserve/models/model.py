@@ -17,10 +17,11 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.experts.store import ExpertStore, StoreOptions
+from moeserve.models.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
 from moeserve.models.decode_stack import choose_decode_step
 from moeserve.models.expert_kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.expert_plans import ExpertPlan
-from moeserve.models.gated_delta import GatedDeltaNet, build_gated_delta
+from moeserve.models.gated_delta import build_gated_delta
 from moeserve.models.layers import (
     MLP,
     NORM_OFFSETS,
@@ -35,6 +36,7 @@ from moeserve.models.layers import (
 )
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
+from moeserve.models.mamba2 import build_mamba
 from moeserve.models.mla import build_mla
 from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
@@ -150,7 +152,8 @@ def build_model(
                         store_options or StoreOptions(policy=cache_policy))
     kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant)
     choices.append(("expert kernel", kernel.describe()))
-    rotary = Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device)
+    rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
+              else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
     moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
@@ -162,9 +165,6 @@ def build_model(
                         f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch)
-    linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
-    if linear:
-        choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))
     final_norm = _norm(load, names.final_norm, spec)
     head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
@@ -236,13 +236,14 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
 
     attn = _token_mixer(load, arch, spec, L, rotary, opts)
     mlp: MLP
-    if spec.moe_layers[L]:
+    if L in spec.mlpless_layers:
+        mlp = NoMLP()
+    elif spec.moe_layers[L]:
         m = spec.moe
         shared = shared_gate = None
         if m.shared_intermediate_size:
-            si = m.shared_intermediate_size
-            shared = DenseMLP(load.linear(n(names.shared_gate), si, h), load.linear(n(names.shared_up), si, h),
-                              load.linear(n(names.shared_down), h, si), opts.batch_invariant)
+            shared = _dense_mlp(load, spec, (names.shared_gate, names.shared_up, names.shared_down), L,
+                                m.shared_intermediate_size, opts)
             if m.shared_gated:
                 shared_gate = load.linear(n(names.shared_expert_gate), 1, h, quantize=False)
         if m.router_fp32:  # kept in fp32 as transformers keeps it: the logits are computed in fp32
@@ -255,20 +256,38 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         routing = choose_routing(m, opts.cpp, opts.batch_invariant, bias)
         mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.batch_invariant)
     else:
-        di = spec.dense_intermediate_size
-        mlp = DenseMLP(load.linear(n(names.dense_gate), di, h), load.linear(n(names.dense_up), di, h),
-                       load.linear(n(names.dense_down), h, di), opts.batch_invariant)
+        mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
+                         spec.dense_intermediate_size, opts)
     norm = RMS_NORMS[spec.norm_style][0]
-    return DecoderLayer(attn, mlp, _norm(load, n(names.input_norm), spec), _norm(load, n(names.post_norm), spec),
-                        spec.rms_norm_eps, norm)
+    # a part the layer does not have (one-part blocks: Nemotron-H) adds zeros whatever its norm: ones, unread
+    input_norm = _norm(load, n(names.input_norm), spec) if L not in spec.mixerless_layers else None
+    post_norm = _norm(load, n(names.post_norm), spec) if L not in spec.mlpless_layers else None
+    ones = torch.ones(h, dtype=RMS_NORMS[spec.norm_style][1] or load.dtype, device=load.device)
+    return DecoderLayer(attn, mlp, ones if input_norm is None else input_norm,
+                        ones if post_norm is None else post_norm, spec.rms_norm_eps, norm)
+
+
+def _dense_mlp(load: WeightLoader, spec: ModelSpec, names: tuple[str, str, str], L: int, width: int,
+               opts: ModelOptions) -> DenseMLP:
+    """Layer L's dense (or shared-expert) MLP of `width`: SwiGLU from (gate, up, down), or relu2 from (up, down)."""
+    gate, up, down = (t.format(L=L) for t in names)
+    h = spec.hidden_size
+    if spec.mlp_kind == "relu2":
+        return Relu2MLP(load.linear(up, width, h), load.linear(down, h, width), opts.batch_invariant)
+    return DenseMLP(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
+                    opts.batch_invariant)
 
 
 def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
                  opts: ModelOptions) -> TokenMixer:
     """Layer L's token mixer: linear attention (spec.linear_attention), latent attention (spec.mla) or softmax
     attention with per-head keys and values."""
+    if L in spec.mixerless_layers:
+        return NoMixer()
+    if spec.mamba is not None and L in spec.mamba.layers:
+        return build_mamba(load, arch, spec, L, opts.batch_invariant)
     if not spec.attention_layers[L]:
-        return build_gated_delta(load, arch, spec, L, opts.batch_invariant, opts.cpp)
+        return build_gated_delta(load, arch, spec, L, opts.batch_invariant)
     if spec.mla is not None:
         return build_mla(load, arch, spec, L, rotary, opts.batch_invariant)
     return _build_attention(load, arch, spec, L, rotary, opts)

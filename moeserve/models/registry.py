@@ -70,6 +70,16 @@ class WeightNames:
     mla_kv_a: str = "model.layers.{L}.self_attn.kv_a_proj_with_mqa"
     mla_kv_a_norm: str = "model.layers.{L}.self_attn.kv_a_layernorm.weight"
     mla_kv_b: str = "model.layers.{L}.self_attn.kv_b_proj"
+    # Mamba-2 mixers (ModelSpec.mamba): in_proj (z, x/B/C, dt), the depthwise conv and its bias, A_log, D, dt_bias,
+    # the gated RMSNorm, out_proj
+    mamba_in: str = "backbone.layers.{L}.mixer.in_proj"
+    mamba_conv: str = "backbone.layers.{L}.mixer.conv1d.weight"
+    mamba_conv_bias: str = "backbone.layers.{L}.mixer.conv1d.bias"
+    mamba_a_log: str = "backbone.layers.{L}.mixer.A_log"
+    mamba_d: str = "backbone.layers.{L}.mixer.D"
+    mamba_dt_bias: str = "backbone.layers.{L}.mixer.dt_bias"
+    mamba_norm: str = "backbone.layers.{L}.mixer.norm.weight"
+    mamba_out: str = "backbone.layers.{L}.mixer.out_proj"
 
 
 class Architecture(ABC):

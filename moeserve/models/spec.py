@@ -21,7 +21,7 @@ QKNorm = Literal["none", "per_head", "full"]
 #                   best topk_group of n_group expert groups (a group's score: the sum of its top 2); the weights are
 #                   the unbiased scores of the chosen, optionally renormalised, times routed_scaling_factor - GLM-4.5
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups"]
-ExpertKind = Literal["swiglu", "gpt_oss"]
+ExpertKind = Literal["swiglu", "gpt_oss", "relu2"]  # relu2: up -> relu(x)^2 -> down, no gate (Nemotron-H)
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
 #   scale_in_fp32:   weight kept in fp32, normalise and scale in fp32, then cast (gpt-oss)
@@ -71,6 +71,32 @@ class LinearAttentionSpec:
     def conv_dim(self) -> int:
         """Channels of the convolution: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Mamba-2 mixers (Nemotron-H) in `layers`. Per sequence and layer: the last conv_kernel - 1 inputs of the
+    causal depthwise conv over x, B and C, and the SSM state [num_heads, head_dim, state_size] (fp32)."""
+
+    layers: tuple[int, ...]
+    num_heads: int
+    head_dim: int
+    n_groups: int  # B and C are shared by num_heads / n_groups heads; the gated RMSNorm normalises per group
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    eps: float  # the gated RMSNorm's
+    time_step_min: float  # the prefill scan clamps dt from below to it (transformers' time_step_limit)
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: x, B and C side by side."""
+        return self.inner + 2 * self.n_groups * self.state_size
 
 
 @dataclass(frozen=True)
@@ -158,11 +184,19 @@ class ModelSpec:
     skipped_layers: int = 0
     linear_attention: LinearAttentionSpec | None = None  # hybrid models: which layers are linear attention
     mla: MlaSpec | None = None  # multi-head latent attention in every attention layer (DeepSeek-V3, Kimi-K2)
+    mamba: MambaSpec | None = None  # Mamba-2 mixers (Nemotron-H)
+    # Hybrids of one-part blocks (Nemotron-H: each layer is ONE of mixer / MLP): layers with no token mixer and
+    # layers with no MLP. The missing part adds nothing to the residual stream and keeps no sequence memory.
+    mixerless_layers: tuple[int, ...] = ()
+    mlpless_layers: tuple[int, ...] = ()
+    mlp_kind: Literal["swiglu", "relu2"] = "swiglu"  # dense and shared-expert MLPs (relu2: up -> relu^2 -> down)
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
-        """Per layer: True = softmax attention over a KV cache, False = linear attention (recurrent state)."""
+        """Per layer: True = softmax attention over a KV cache, False = linear attention or Mamba (recurrent
+        state), or no token mixer at all (mixerless_layers)."""
         linear = set(self.linear_attention.layers if self.linear_attention else ())
+        linear |= set(self.mamba.layers if self.mamba else ()) | set(self.mixerless_layers)
         return tuple(i not in linear for i in range(self.num_layers))
 
     @property
@@ -207,6 +241,12 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "qk_nope_head_dim": (1, 2**13),
     "qk_rope_head_dim": (2, 2**13),
     "v_head_dim": (1, 2**13),
+    "mamba_num_heads": (1, 2**14),
+    "mamba_head_dim": (1, 2**13),
+    "n_groups": (1, 2**14),
+    "ssm_state_size": (1, 2**14),
+    "conv_kernel": (2, 64),
+    "moe_shared_expert_intermediate_size": (0, 2**20),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
@@ -224,6 +264,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "routed_scaling_factor": (0.0, math.inf),
     "mscale": (-1e-300, math.inf),  # yarn (DeepSeek): >= 0, 0 = not used (transformers' test is truthiness)
     "mscale_all_dim": (-1e-300, math.inf),
+    "layer_norm_epsilon": (0.0, 1.0),
+    "time_step_min": (-1e-300, math.inf),  # >= 0
 }
 ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
 

@@ -96,6 +96,18 @@ class InterleavedSwiGLU(UnitMath):
         return FusedUnits(interleaved=True)
 
 
+def relu2_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Unit fields: up [I, H], down [H, I]: down(relu(up x)^2), no gate (Nemotron-H)."""
+    return F.linear(torch.square(F.relu(F.linear(x, w[0]))), w[1])
+
+
+class Relu2Math(UnitMath):
+    """Non-gated relu2 experts in the compute dtype (Nemotron-H): up [I, H] and down [H, I]."""
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        return lambda x: relu2_expert(x, w)
+
+
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up) -> [T, I].
 

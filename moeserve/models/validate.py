@@ -74,7 +74,16 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
     def n(template: str) -> str:
         return template.format(L=L)
 
-    yield from ((n(names.input_norm), (h,), False), (n(names.post_norm), (h,), False))
+    if L not in spec.mixerless_layers:
+        yield n(names.input_norm), (h,), False
+    if L not in spec.mlpless_layers:
+        yield n(names.post_norm), (h,), False
+    if L in spec.mixerless_layers:
+        yield from _mlp_tensors(arch, spec, L)
+        return
+    if spec.mamba is not None and L in spec.mamba.layers:
+        yield from _mamba_tensors(arch, spec, L)
+        return
     if not spec.attention_layers[L]:
         yield from _linear_attention_tensors(arch, spec, L)
         yield from _mlp_tensors(arch, spec, L)
@@ -93,7 +102,22 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
         yield from _linear(n(prefix), rows, cols, bias)
     if a.sinks:
         yield n(names.sinks), (a.num_heads,), False
-    yield from _mlp_tensors(arch, spec, L)
+    if L not in spec.mlpless_layers:
+        yield from _mlp_tensors(arch, spec, L)
+
+
+def _mamba_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    """A Mamba-2 mixer (models/mamba2.py build_mamba); its block has no MLP."""
+    m, names, h = spec.mamba, arch.names, spec.hidden_size
+    assert m is not None
+    yield from _linear(names.mamba_in.format(L=L), m.inner + m.conv_dim + m.num_heads, h, m.proj_bias)
+    yield names.mamba_conv.format(L=L), (m.conv_dim, 1, m.conv_kernel), False
+    if m.conv_bias:
+        yield names.mamba_conv_bias.format(L=L), (m.conv_dim,), False
+    for template in (names.mamba_a_log, names.mamba_d, names.mamba_dt_bias):
+        yield template.format(L=L), (m.num_heads,), False
+    yield names.mamba_norm.format(L=L), (m.inner,), False
+    yield from _linear(names.mamba_out.format(L=L), h, m.inner, m.proj_bias)
 
 
 def linear_attention_parts(arch: Architecture, spec: ModelSpec, L: int) -> list[tuple[str, int]]:
@@ -138,9 +162,8 @@ def _mla_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
 def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
     names, h, m = arch.names, spec.hidden_size, spec.moe
     if not spec.moe_layers[L]:
-        di = spec.dense_intermediate_size
-        for prefix, rows, cols in ((names.dense_gate, di, h), (names.dense_up, di, h), (names.dense_down, h, di)):
-            yield from _linear(prefix.format(L=L), rows, cols, False)
+        yield from _dense_mlp_tensors(spec, (names.dense_gate, names.dense_up, names.dense_down), L,
+                                      spec.dense_intermediate_size)
         return
     if m.router_fp32:  # read as stored, in fp32 (never a quantized Linear)
         yield names.router.format(L=L) + ".weight", (m.num_experts, h), False
@@ -148,11 +171,20 @@ def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
         yield from _linear(names.router.format(L=L), m.num_experts, h, m.router_bias)
     if m.correction_bias:
         yield names.router_correction_bias.format(L=L), (m.num_experts,), False
-    si = m.shared_intermediate_size
-    if si:
-        shared = [(names.shared_gate, si, h), (names.shared_up, si, h), (names.shared_down, h, si)]
-        for prefix, rows, cols in shared + ([(names.shared_expert_gate, 1, h)] if m.shared_gated else []):
-            yield from _linear(prefix.format(L=L), rows, cols, False)
+    if m.shared_intermediate_size:
+        yield from _dense_mlp_tensors(spec, (names.shared_gate, names.shared_up, names.shared_down), L,
+                                      m.shared_intermediate_size)
+        if m.shared_gated:
+            yield from _linear(names.shared_expert_gate.format(L=L), 1, h, False)
+
+
+def _dense_mlp_tensors(spec: ModelSpec, names: tuple[str, str, str], L: int, width: int) -> Iterator[Expected]:
+    """A dense or shared-expert MLP (model._dense_mlp): SwiGLU's gate, up and down, or relu2's up and down."""
+    h, (gate, up, down) = spec.hidden_size, names
+    parts = [(up, width, h), (down, h, width)] if spec.mlp_kind == "relu2" else [(gate, width, h), (up, width, h),
+                                                                                  (down, h, width)]
+    for prefix, rows, cols in parts:
+        yield from _linear(prefix.format(L=L), rows, cols, False)
 
 
 def _linear(prefix: str, rows: int, cols: int, bias: bool) -> Iterator[Expected]:

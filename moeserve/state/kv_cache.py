@@ -33,13 +33,17 @@ class KVGroup:
 
 
 def kv_groups(windows: Sequence[int | None], recurrent: RecurrentState | None = None,
-              recurrent_layers: Sequence[int] = (), latent: LatentKV | None = None) -> list[KVGroup]:
+              recurrent_layers: Sequence[int] = (), latent: LatentKV | None = None,
+              stateless_layers: Sequence[int] = ()) -> list[KVGroup]:
     """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention, or the `latent`
-    kind when given), except the `recurrent_layers`, which keep the `recurrent` kind of state."""
+    kind when given), except the `recurrent_layers`, which keep the `recurrent` kind of state, and the
+    `stateless_layers` (no token mixer: Nemotron-H's MLP and MoE blocks), which keep nothing and are in no group."""
     kinds: dict[tuple[str, int], CacheKind] = {}
     members: dict[tuple[str, int], list[int]] = {}
-    linear = set(recurrent_layers)
+    linear, stateless = set(recurrent_layers), set(stateless_layers)
     for layer, window in enumerate(windows):
+        if layer in stateless:
+            continue
         kind: CacheKind = (latent or FullAttention()) if window is None else SlidingWindow(window)
         if layer in linear:
             assert recurrent is not None, "recurrent layers need their state kind"

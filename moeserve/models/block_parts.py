@@ -1,0 +1,74 @@
+"""Parts of one-part-block hybrids (Nemotron-H) as the shared DecoderLayer's parts:
+
+- `Relu2MLP`: down(relu(up(x))^2), no gate: Nemotron-H's dense MLP ('-' layers) and its shared expert.
+- `NoMixer` / `NoMLP`: the part a block does not have. Each returns zeros, so `h + part` is h exactly; a block
+  whose only part is the MLP runs as a DecoderLayer with NoMixer, and the other way round. NoMixer keeps no
+  sequence memory (its layer is in no KV group: ModelSpec.attention_layers is False for it).
+- `NoRotary`: attention without position rotation (Nemotron-H): its cos/sin tables are 1 and 0, so the C++ op that
+  rotates while it caches writes the keys unchanged (x * 1 + y * 0 = x), and the torch path skips the rotation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from moeserve.models.layers import MLP, DenseMLP, ForwardBatch, Rotary, TokenMixer
+from moeserve.models.linear import Linear
+from moeserve.state.kv_cache import PagedKVCache
+
+
+class Relu2MLP(DenseMLP):
+    """down(relu(up(x))^2) (transformers' ACT2FN["relu2"]); row blocks as DenseMLP when batch-invariant."""
+
+    def __init__(self, up: Linear, down: Linear, invariant: bool = False) -> None:  # noqa: D107 - no gate
+        self.up, self.down, self.invariant = up, down, invariant
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.square(F.relu(self.up(x))))
+
+    def linears(self) -> list[Linear]:
+        return [self.up, self.down]
+
+    def why_not_stacked(self) -> str | None:
+        return "a relu2 MLP (the decode stack runs SwiGLU MLPs)"
+
+
+class NoMixer(TokenMixer):
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def linears(self) -> list[Linear]:
+        return []
+
+    def why_not_stacked(self) -> str | None:
+        return "a block without a token mixer (Nemotron-H)"
+
+    def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
+        raise NotImplementedError("why_not_stacked refuses blocks without a token mixer")
+
+
+class NoMLP(MLP):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def linears(self) -> list[Linear]:
+        return []
+
+    def why_not_stacked(self) -> str | None:
+        return "a block without an MLP (Nemotron-H)"
+
+    def add_to_stack(self, stack: Any) -> None:
+        raise NotImplementedError("why_not_stacked refuses blocks without an MLP")
+
+
+class NoRotary(Rotary):
+    def __init__(self, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:  # noqa: D107
+        self.rotary_dim = head_dim
+        self.cos = torch.ones((max_len, head_dim), dtype=dtype, device=device)
+        self.sin = torch.zeros((max_len, head_dim), dtype=dtype, device=device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x
