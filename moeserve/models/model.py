@@ -21,7 +21,7 @@ from moeserve.models.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
 from moeserve.models.decode_stack import choose_decode_step
 from moeserve.models.expert_kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.expert_plans import ExpertPlan
-from moeserve.models.gated_delta import build_gated_delta
+from moeserve.models.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.layers import (
     MLP,
     NORM_OFFSETS,
@@ -165,6 +165,9 @@ def build_model(
                         f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch)
+    linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
+    if linear:
+        choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))
     final_norm = _norm(load, names.final_norm, spec)
     head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
@@ -287,7 +290,7 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     if spec.mamba is not None and L in spec.mamba.layers:
         return build_mamba(load, arch, spec, L, opts.batch_invariant)
     if not spec.attention_layers[L]:
-        return build_gated_delta(load, arch, spec, L, opts.batch_invariant)
+        return build_gated_delta(load, arch, spec, L, opts.batch_invariant, opts.cpp)
     if spec.mla is not None:
         return build_mla(load, arch, spec, L, rotary, opts.batch_invariant)
     return _build_attention(load, arch, spec, L, rotary, opts)
