@@ -19,7 +19,8 @@ Hk / Hv key / value heads, dk / dv their dims, C = conv channels (q, k and v sid
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,13 +31,18 @@ from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import LinearAttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
 
+if TYPE_CHECKING:
+    from moeserve.models.loader import WeightLoader
+    from moeserve.models.registry import Architecture
+    from moeserve.models.spec import ModelSpec
+
 
 class GatedDeltaNet(TokenMixer):
     def __init__(self, spec: LinearAttentionSpec, layer: int, in_proj: Linear, out_proj: Linear,
                  conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
                  eps: float, invariant: bool = False, cpp: bool = False) -> None:
-        """in_proj: rows [q (Hk*dk), k (Hk*dk), v (Hv*dv), z (Hv*dv), b (Hv), a (Hv)]; conv_weight [C, K] (fp32
-        copy of the checkpoint's [C, 1, K]); a_log, dt_bias [Hv] and norm [dv] in the compute dtype."""
+        """in_proj: rows [q (Hk*dk), k (Hk*dk), v (Hv*dv), z (Hv*dv), b (Hv), a (Hv)]; conv_weight [C, K] (a view of
+        the checkpoint's [C, 1, K]), a_log, dt_bias [Hv] and norm [dv], all in the compute dtype."""
         self.spec, self.layer = spec, layer
         self.in_proj, self.out_proj = in_proj, out_proj
         self.conv_weight = conv_weight
@@ -94,25 +100,23 @@ class GatedDeltaNet(TokenMixer):
         history.copy_(padded[-(k - 1):])
         return acc.to(x.dtype)
 
-    def _rowwise(self, fn: Any, *parts: torch.Tensor) -> list[torch.Tensor]:
-        """fn(*parts) for a row-wise fn; batch-invariant: in fixed row blocks (element-wise ops round a tensor's
-        vector tail otherwise, and which rows fall there must not depend on the batch)."""
+    def _rowwise(self, fn: Callable[..., tuple[torch.Tensor, ...]], *parts: torch.Tensor) -> list[torch.Tensor]:
+        """fn(*parts) for a row-wise fn of [N, ...] tensors of one dtype; batch-invariant: in fixed row blocks
+        (element-wise ops round a tensor's vector tail otherwise, and which rows fall there must not depend on the
+        batch). The blocks' outputs travel as fp32 (exact for bf16 and fp32) and return in their own dtypes."""
         if not self.invariant:
             return list(fn(*parts))
         widths = [p.shape[1] for p in parts]
-        both = torch.cat([p.float() if p.dtype != parts[0].dtype else p for p in parts], dim=-1)
-        outs: list[torch.Tensor] = []
+        layout: list[tuple[torch.Size, torch.dtype]] = []  # each output's row shape and dtype
 
         def block(t: torch.Tensor) -> torch.Tensor:
             pieces = fn(*torch.split(t, widths, dim=-1))
-            outs.append(pieces)
+            layout[:] = [(p.shape[1:], p.dtype) for p in pieces]
             return torch.cat([p.reshape(p.shape[0], -1).float() for p in pieces], dim=-1)
 
-        flat = in_row_blocks(block, both)
-        shapes = [p.shape[1:] for p in outs[0]]
-        dtypes = [p.dtype for p in outs[0]]
-        sizes = [int(torch.Size(sh).numel()) for sh in shapes]
-        return [t.reshape(-1, *sh).to(dt) for t, sh, dt in zip(flat.split(sizes, dim=-1), shapes, dtypes)]
+        flat = in_row_blocks(block, torch.cat(parts, dim=-1))
+        sizes = [shape.numel() for shape, _ in layout]
+        return [t.reshape(-1, *shape).to(dt) for t, (shape, dt) in zip(flat.split(sizes, dim=-1), layout)]
 
     def _activate(self, mixed: torch.Tensor, gates: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """silu of the conv outputs, and per value head beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
@@ -174,7 +178,8 @@ class GatedDeltaNet(TokenMixer):
         raise NotImplementedError("why_not_stacked refuses Gated DeltaNet layers")
 
 
-def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool, cpp: bool) -> GatedDeltaNet:
+def build_gated_delta(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, invariant: bool,
+                      cpp: bool) -> GatedDeltaNet:
     """Layer L's Gated DeltaNet from the checkpoint (`load`: a models.loader.WeightLoader). The input projections
     are stacked into one Linear with rows in the order GatedDeltaNet reads them: Qwen3-Next's, grouped per key
     head ([Hk, (q, k, v, z)] and [Hk, (b, a)]), are regrouped; Qwen3.5's are in that order already. Each output
@@ -182,6 +187,7 @@ def build_gated_delta(load: Any, arch: Any, spec: Any, L: int, invariant: bool, 
     from moeserve.models.validate import linear_attention_parts
 
     la, names, h = spec.linear_attention, arch.names, spec.hidden_size
+    assert la is not None
     weights = [load.linear_weight(prefix, rows, h) for prefix, rows in linear_attention_parts(arch, spec, L)]
     if la.projections == "qkvz_ba":
         weights = _regroup_qkvz_ba(la, weights[0], weights[1], h)
