@@ -76,3 +76,14 @@ def test_with_prefetch_every_needed_expert_is_still_counted_once(tmp_path):
     sim = simulate(calls_from_steps(read_trace(trace)), "lfru", 12)
     assert {layer: h + m for layer, (h, m) in sim.per_layer.items()} == \
         {layer: h + m for layer, (h, m) in engine.items()}
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "mixed"])
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_capacity_modes_replay_exactly(tmp_path, mode, policy):
+    """expert_cache_mode in the engine == --cache-mode in the simulator, per layer (12 slots: 3 per layer)."""
+    engine, _, trace, _ = run(tmp_path, "float32", 12, policy, expert_cache_mode=mode)
+    assert trace is not None
+    sim = simulate(calls_from_steps(read_trace(trace)), policy, 12, cache_mode=mode)
+    assert sim.per_layer == engine
+    assert sim.hits > 0 and sim.misses > 0
