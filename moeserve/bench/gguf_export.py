@@ -8,6 +8,7 @@ llama.cpp's own converter keeps them. The vocabulary is declared "no_vocab": the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moeserve.bench import pagecache
 from moeserve.bench.shapes import BenchShape
 from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
 
 GGUF_KINDS = ("bf16", "q8_0")
+log = logging.getLogger("moeserve.bench")
 
 
 def gguf_path(checkpoint_dir: Path, kind: str) -> Path:
@@ -26,13 +29,16 @@ def gguf_path(checkpoint_dir: Path, kind: str) -> Path:
 
 
 def ensure_gguf(checkpoint_dir: Path, shape: BenchShape, kind: str = "bf16") -> Path:
-    """The GGUF of the checkpoint in `checkpoint_dir`, writing it first if it is not there."""
+    """The GGUF of the checkpoint in `checkpoint_dir`, writing it first if it is not there. A GGUF just written is
+    dropped from the page cache (its pages would be charged to this process, and a peer mapping them in a memory
+    cgroup of its own would not be: bench/pagecache.py)."""
     out = gguf_path(checkpoint_dir, kind)
     if out.is_file():
         return out
     tmp = out.with_suffix(f".tmp{os.getpid()}")
     write_gguf(open_checkpoint(checkpoint_dir), shape, tmp, kind)
     os.rename(tmp, out)
+    log.info("GGUF export %s: %s", out.name, pagecache.drop([out]).describe())
     return out
 
 

@@ -181,7 +181,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
 
         kind = "q8_0" if peer.endswith("q8") else "bf16"
         path = ensure_gguf(cfg.checkpoint, cfg.shape, kind)
-        drop_inputs([path], peer)  # just written (or left by an earlier run): charged to this process, not the peer
+        drop_inputs([path], peer)  # read by an earlier run: its pages may be charged to this process, not the peer
         return Worker("llama.cpp", cgroup=_cgroup(cfg, peer), gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     raise ValueError(f"unknown peer {peer!r} (valid: {', '.join(PEERS)})")

@@ -69,3 +69,21 @@ def test_a_run_the_limit_did_not_bound_is_named():
     assert len(notes) == 1 and notes[0].startswith("NOT BOUNDED: decode-b1 llama.cpp: peak RSS 7.40 GiB, charged 0.18")
     assert report.unbounded_notes(_summary(4 * gib, int(3.5 * gib), int(3.4 * gib))) == []
     assert "no memory limit" in report.unbounded_notes(_summary(None, gib, None))[0]
+
+
+def test_the_gguf_export_drops_the_file_it_wrote(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from moeserve.bench import gguf_export
+    from moeserve.bench.shapes import SHAPES
+    from moeserve.bench.synth import ensure_checkpoint
+
+    folder = ensure_checkpoint(SHAPES["tiny"], tmp_path)
+    dropped: list = []
+    real = pagecache.drop
+    monkeypatch.setattr(pagecache, "drop", lambda paths: (dropped.append(list(paths)), real(dropped[-1]))[1])
+    out = gguf_export.ensure_gguf(folder, SHAPES["tiny"], "bf16")
+    assert dropped == [[out]]
+    if pagecache.resident_bytes(out) is not None:
+        assert pagecache.resident_bytes(out) == 0
+    gguf_export.ensure_gguf(folder, SHAPES["tiny"], "bf16")  # already there: nothing written, nothing dropped
+    assert dropped == [[out]]
