@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.query_blocks import query_blocks
 from moeserve.models.spec import AttentionSpec, RopeSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -143,45 +144,6 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
     if mscale is None:
         mscale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
     return inv_freq, float(mscale)
-
-
-QUERY_BLOCK = 16  # query positions per call of the batch-invariant torch attention (Attention._aligned_blocks)
-
-
-@dataclass(frozen=True)
-class QueryBlock:
-    """QUERY_BLOCK positions [first, first + size) of sequence `seq` of a batch, aligned to a multiple of `size`;
-    the step computes its positions [lo, hi), rows `rows` of the flattened batch."""
-
-    seq: int
-    first: int
-    size: int
-    lo: int
-    hi: int
-    rows: slice
-
-    def padded(self, x: torch.Tensor) -> torch.Tensor:
-        """This block's rows of x [N, ...] at their positions in a zero tensor [size, ...]."""
-        out = x.new_zeros(self.size, *x.shape[1:])
-        out[self.lo - self.first : self.hi - self.first] = x[self.rows]
-        return out
-
-    def own(self, out: torch.Tensor) -> torch.Tensor:
-        """The rows of a block's result [size, ...] that the step computes."""
-        return out[self.lo - self.first : self.hi - self.first]
-
-
-def query_blocks(batch: ForwardBatch, block_size: int) -> Iterator[QueryBlock]:
-    """The aligned query blocks of a batch-invariant attention, sequence by sequence, in the batch's row order (a
-    block's call shapes depend only on its positions: see Attention._aligned_blocks)."""
-    r = QUERY_BLOCK if block_size % QUERY_BLOCK == 0 else block_size
-    off = 0
-    for b, (start, num) in enumerate(zip(batch.starts, batch.num_new)):
-        end = start + num
-        for a in range(start - start % r, end, r):
-            lo, hi = max(a, start), min(a + r, end)
-            yield QueryBlock(b, a, r, lo, hi, slice(off + lo - start, off + hi - start))
-        off += num
 
 
 class TokenMixer(ABC):

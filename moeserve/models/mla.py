@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, query_blocks, rms_norm
+from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, rms_norm
 from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.query_blocks import query_blocks
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
 from moeserve.state.kv_cache import PagedKVCache
