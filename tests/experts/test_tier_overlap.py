@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from moeserve.errors import ExpertLoadError
+from moeserve.errors import ExpertLoadError, MoeserveError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.experts.tiers import HostTier, Loader, Tier
 from moeserve.experts.transfer import HostToDevice
@@ -160,3 +160,49 @@ def test_a_failed_read_gives_its_buffer_back_and_maps_nothing(host: int):
     finally:
         store.close()
         ops.close()
+
+
+# ------------------------------------------------------------------------- the store's tier plumbing and errors
+def test_the_store_describes_its_host_tier_and_counts_its_bytes():
+    ops = AsyncFakeOps(5)
+    store = make_store(PatternSource(5), ops, capacity=4, host=6)
+    try:
+        host = store.loader.host
+        assert host is not None and store.host_nbytes == host.nbytes >= 6 * UNIT_BYTES
+        line = store.describe()
+        assert "host tier 6 experts" in line and "pinned" in line and "2 pinned staging buffers" in line
+        assert "\n" not in line
+    finally:
+        store.close()
+        ops.close()
+
+
+def test_a_resident_store_lends_no_moving_units_and_an_offloaded_one_refuses_to():
+    ops = AsyncFakeOps(6)
+    resident = make_store(PatternSource(6), ops, capacity=len(LAYERS) * NUM_EXPERTS)
+    offloaded = make_store(PatternSource(6), ops, capacity=4)
+    try:
+        assert resident.resident and resident.staging_nbytes == resident.source.staging_nbytes
+        assert len(resident.resident_units(0)) == NUM_EXPERTS
+        with pytest.raises(MoeserveError, match="not resident"):
+            offloaded.resident_units(0)
+    finally:
+        resident.close()
+        offloaded.close()
+        ops.close()
+
+
+def test_an_unknown_prefetch_predictor_is_refused_in_one_line():
+    with pytest.raises(MoeserveError, match=r"unknown prefetch_predictor 'oracle' \(affinity, hint\)"):
+        ExpertStore(PatternSource(7), LAYERS, NUM_EXPERTS, 4, torch.device("cpu"),
+                    options=StoreOptions(prefetch=True, prefetch_predictor="oracle"))
+
+
+def test_close_stops_the_reference_scan():
+    ops = AsyncFakeOps(8)
+    store = make_store(PatternSource(8), ops, capacity=4)
+    scan = store.start_reference_scan(lambda: True)
+    assert scan is not None and store.start_reference_scan(lambda: True) is scan  # one scan per store
+    store.close()
+    ops.close()
+    assert scan._stop.is_set() and not scan._thread.is_alive()
