@@ -123,6 +123,12 @@ class LLMEngine:
         self.cpp_kernels = self._choose_kernels(s.kernels)
         self.max_num_batched_tokens = self._choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs)
         self.kv_groups = spec_kv_groups(spec)
+        step = max(g.kind.prefill_step for g in self.kv_groups)
+        if self.max_num_batched_tokens < step + s.max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} is too small for this model: its "
+                              f"recurrent layers compute prompts in chunks of {step} positions, so a step needs room "
+                              f"for one chunk beside max_num_seqs={s.max_num_seqs} decode tokens (set at least "
+                              f"{step + s.max_num_seqs})")
         self._block_bytes = group_block_bytes(self.kv_groups, s.block_size, spec.attention.num_kv_heads,
                                               spec.attention.head_dim, self.dtype)
         plan, budget, store_options, load_bytes, kv_bytes = self._plan_memory(ckpt, spec, s)
