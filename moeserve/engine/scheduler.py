@@ -78,7 +78,7 @@ class Scheduler:
             if budget == 0:
                 break
             n = self._chunk(seq, seq.num_cached, min(seq.length - seq.num_cached, budget))
-            if seq.status == Status.RUNNING and self._grow(seq, n):
+            if n > 0 and seq.status == Status.RUNNING and self._grow(seq, n):
                 out.append((seq, n))
                 budget -= n
         out = [(s, n) for s, n in out if s.status == Status.RUNNING]  # a later growth may preempt an earlier one
@@ -89,8 +89,8 @@ class Scheduler:
         return out
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
-        """`n` tokens from `start`, or fewer where the sequence memory wants the chunk to end (a recurrent layer's
-        chunk grid: SequenceMemory.prefill_end), so a prompt computed in chunks gives the bits of one pass."""
+        """`n` tokens from `start`, or fewer (0: none this step) where the sequence memory wants the chunk to end (a
+        recurrent layer's chunk grid: SequenceMemory.prefill_end), so a prompt in chunks gives the bits of one pass."""
         return self.memory.prefill_end(start, start + n, len(seq.prompt_token_ids)) - start
 
     def _grow(self, seq: Sequence, n: int) -> bool:
@@ -126,6 +126,9 @@ class Scheduler:
             tokens = seq.all_token_ids
             cached = self.memory.admit(seq.blocks, tokens)
             n = self._chunk(seq, cached, min(seq.length - cached, budget))
+            if n == 0:  # no chunk boundary within this step's budget: admitted at a later step
+                self.memory.free(seq.blocks)
+                break
             if not self.memory.grow(seq.blocks, cached + n):
                 self.memory.free(seq.blocks)
                 if not self.running:  # the pools are empty of sequences and still too small

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 class CacheKind(ABC):
     name: str = ""
     caches_prefixes: bool = True  # its full blocks can be registered and reused by other sequences
+    prefill_step: int = 1  # a prefill chunk computes a multiple of this many positions (or ends the prompt)
 
     @abstractmethod
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
@@ -115,6 +116,7 @@ class RecurrentState(CacheKind):
     def __init__(self, conv_shape: tuple[int, ...] = (), state_shape: tuple[int, ...] = (),
                  prefill_chunk: int = 1) -> None:
         self.conv_shape, self.state_shape, self.prefill_chunk = conv_shape, state_shape, prefill_chunk
+        self.prefill_step = prefill_chunk
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return 1 if num_tokens > 0 else 0
@@ -132,13 +134,12 @@ class RecurrentState(CacheKind):
         return table[0]
 
     def prefill_end(self, start: int, end: int, prompt_len: int) -> int:
-        """On the chunk grid or at (or past) the prompt's end; a chunk that would hold no whole grid step (a step's
-        budget under `prefill_chunk`) keeps its end: progress before exactness (chunked may then differ from
-        unchunked in the last bits)."""
+        """On the chunk grid or at (or past) the prompt's end; `start` (nothing this step) when the step's budget
+        reaches no grid point: the chunk waits for a step with room (the engine requires max_num_batched_tokens
+        >= prefill_step + max_num_seqs, so one comes), and a prompt in chunks gives the bits of one pass."""
         if end >= prompt_len or end % self.prefill_chunk == 0:
             return end
-        aligned = end - end % self.prefill_chunk
-        return aligned if aligned > start else end
+        return max(start, end - end % self.prefill_chunk)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -249,3 +249,11 @@ def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_pa
     probe.engine.close()
     offloaded, off_outs = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
     assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs == outs
+
+
+def test_a_step_too_small_for_a_prompt_chunk_is_refused(tiny_checkpoint) -> None:
+    from moeserve.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"chunks of 64 positions.*set at least 72") as err:
+        LLM(str(tiny_checkpoint("qwen3_next")), skip_tokenizer_init=True, max_num_batched_tokens=40)
+    assert "\n" not in str(err.value)

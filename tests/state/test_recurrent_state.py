@@ -20,7 +20,7 @@ def test_prefill_chunks_end_on_the_grid_or_at_the_prompt_end() -> None:
     assert KIND.prefill_end(64, 250, 300) == 192
     assert KIND.prefill_end(192, 300, 300) == 300  # the prompt's end
     assert KIND.prefill_end(300, 301, 300) == 301  # past the prompt (recomputed output): any cut
-    assert KIND.prefill_end(10, 40, 300) == 40  # no grid step inside: progress first
+    assert KIND.prefill_end(10, 40, 300) == 10  # no grid point inside: nothing this step
     assert FullAttention().prefill_end(0, 100, 300) == 100
 
 
@@ -54,3 +54,21 @@ def test_pools_size_one_slot_per_sequence() -> None:
     assert conv.shape == (5, 3, 96) and conv.dtype == torch.bfloat16
     assert state.shape == (5, 4, 16, 8) and state.dtype == torch.float32
     assert kv.layer(3)[0].shape == (sizes[1], 2, 16, 16)
+
+
+def test_a_step_without_room_for_a_grid_chunk_waits() -> None:
+    """Two long prompts in steps of 70 tokens: every chunk is a whole grid step or a prompt's end; a sequence whose
+    share of a step holds no grid point computes nothing that step (neither admitted nor cut off the grid)."""
+    memory = SequenceMemory([FullAttention(), KIND], [64, 4], 16)
+    sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=70, memory=memory)
+    seqs = [Sequence(str(i), 0, list(range(130)), SamplingParams(max_tokens=2), 512, set()) for i in range(2)]
+    sched.add(seqs)
+    ends: dict[str, list[int]] = {"0": [], "1": []}
+    while any(s.num_cached < 130 for s in seqs):
+        step = sched.schedule()
+        assert step and sum(n for _, n in step) <= 70
+        for seq, n in step:
+            ends[seq.request_id].append(seq.num_cached + n)
+        sched.computed(step)
+    assert all(e % 64 == 0 or e == 130 for v in ends.values() for e in v), ends
+    assert ends["0"][-1] == ends["1"][-1] == 130
