@@ -134,3 +134,51 @@ def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_pa
     prompts = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 8, [11, 5, 77]]
     assert_matches_transformers(folder, hf_model(folder, torch.float32), prompts, max_model_len=512)
     offloaded_equals_resident(folder, prompts)
+
+
+# ------------------------------------------------------------------------------------------- NVFP4 (ModelOpt)
+NEMOTRON_MODELOPT = {
+    "producer": {"name": "modelopt"},
+    "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                     "exclude_modules": ["lm_head", "*.mixer.gate"]},
+}  # fmt: skip
+
+
+def modelopt_float32(prefix: str, stored: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The stored NVFP4 bytes dequantized in float32 (formats/nvfp4.py, checked against torchao in
+    tests/models/test_quantized.py)."""
+    from moeserve.formats.nvfp4 import dequantize_nvfp4_modelopt, nvfp4_output_shape
+
+    codes, scales = stored[f"{prefix}.weight"], stored[f"{prefix}.weight_scale"]
+    out = torch.empty(nvfp4_output_shape(codes, scales), dtype=torch.float32)
+    dequantize_nvfp4_modelopt(codes, scales, stored[f"{prefix}.weight_scale_2"], out)
+    return out
+
+
+def test_nvfp4_modelopt_experts_quantized_in_every_tier(tmp_path: Path) -> None:
+    """Every *_proj Linear as ModelOpt NVFP4 (weight, weight_scale, weight_scale_2; the bytes of compressed-tensors'
+    own compressor): the relu2 experts stay NVFP4 in the store (a miss reads exactly one expert's stored bytes,
+    under 0.35x its bf16 size) and one expert slot gives the resident run's tokens and logprobs bit for bit (bf16);
+    in fp32, transformers' greedy tokens and logprobs within 1e-4 on the same bytes dequantized."""
+    from tests.models import checkpoints as C
+    from tests.models.test_quantized import greedy
+
+    src = write_nemotron_h(tmp_path / "bf16", torch.bfloat16, moe_shared_expert_intermediate_size=48)
+    folder = C.quantize_checkpoint(src, tmp_path / "nvfp4", C.nvfp4_modelopt_quantize, None,
+                                   {"hf_quant_config.json": NEMOTRON_MODELOPT})
+    reference = C.dequantized_reference(src, folder, tmp_path / "ref", modelopt_float32, torch.float32)
+    resident = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16")
+    assert "relu2 experts stored as nvfp4-modelopt in every tier" in resident.engine.choices["experts"]
+    ours = greedy(resident)
+    resident.engine.close()
+    offloaded = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", expert_cache_gb=1e-9)
+    store = offloaded.engine.model.store
+    before = offloaded.engine.checkpoint.reader.bytes_read
+    assert greedy(offloaded) == ours and not store.resident and store.capacity == 1
+    stored = sum(r.nbytes for n, r in offloaded.engine.checkpoint.tensors.items()
+                 if n.startswith("backbone.layers.1.mixer.experts.0."))
+    read = offloaded.engine.checkpoint.reader.bytes_read - before
+    assert store.stats.misses > 0 and read == store.stats.misses * stored
+    assert stored < 0.35 * 2 * 64 * 32 * 2  # up [32, 64] + down [64, 32] in bf16
+    offloaded.engine.close()
+    assert_matches_transformers(folder, hf_model(reference, torch.float32), long_prompts(5)[1:])
