@@ -27,7 +27,7 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.experts.store import ExpertStore
 from moeserve.experts.transfer import HostToDevice
 from tests.conftest import ARCHS, write_tiny_checkpoint
-from tests.experts.async_device import AsyncFakeOps
+from tests.experts.async_device import AsyncFakeOps, Timing
 from tests.logits_capture import generate_capturing_logits
 from tests.models import checkpoints as C
 
@@ -74,9 +74,10 @@ def three_tiers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], lis
     made: list[AsyncFakeOps] = []
     original = LLMEngine._store_options
 
-    def install(host_units: int, seed: int = 0) -> list[AsyncFakeOps]:
+    def install(host_units: int, seed: int = 0, copies: Timing = "late",
+                pin_limit_bytes: int | None = None) -> list[AsyncFakeOps]:
         def store_options(self: LLMEngine, s: Any, capacity: int, host_capacity: int) -> Any:
-            ops = AsyncFakeOps(seed, copies="late", kernels="host")
+            ops = AsyncFakeOps(seed, copies=copies, kernels="host", pin_limit_bytes=pin_limit_bytes)
             made.append(ops)
             return replace(original(self, s, capacity, host_capacity), host_capacity=host_units, ops=ops)
 
@@ -101,20 +102,29 @@ def logprob_tables(outs: list) -> list[list[dict[int, float]]]:
 
 
 def check_three_tiers_equal_resident(folder: Path, three_tiers: Callable[..., list[AsyncFakeOps]],
-                                     label: str, **settings: Any) -> None:
+                                     label: str, fake: dict[str, Any] | None = None, **settings: Any) -> None:
+    """`fake`: AsyncFakeOps options (copies timing, pin_limit_bytes); `settings`: engine settings of both runs
+    (the three-tier run may add its own through `offload`)."""
+    offload = settings.pop("offload", {})
     ref_logits, ref_outs, resident = run(folder, **settings)
     assert resident.resident and resident.copier is None
     assert ref_logits[0].dtype == torch.float32  # fp32 logits of a bf16 model (the engine's default dtype)
     total = resident.total_experts
-    made = three_tiers(total // 2)
-    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30, **settings)
+    made = three_tiers(total // 2, **(fake or {}))
+    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30, **offload,
+                              **settings)
     host = store.loader.host
     assert not store.resident and store.capacity == FAST_UNITS and store.copier is not None
     assert host is not None and host.capacity == total // 2
     assert host.evictions > 0, f"{label}: no host-tier eviction"
     assert store.stats.bytes_from_host > 0 and store.stats.misses > 0
     (ops,) = made
-    assert ops.async_copies > 0 and ops.errors == [] and ops.violations == []
+    assert ops.errors == [] and ops.violations == []
+    if (fake or {}).get("pin_limit_bytes") is None:
+        assert ops.async_copies > 0
+    else:  # the host tier's chunks were refused pinning: its copies are synchronous
+        assert ops.sync_copies > 0
+    assert (store.prefetcher is not None) == bool(offload.get("prefetch"))
     assert len(logits) == len(ref_logits)
     for step, (a, b) in enumerate(zip(logits, ref_logits)):
         assert torch.equal(a, b), f"{label}: logits differ at step {step}"
@@ -131,6 +141,23 @@ def test_every_architecture_through_three_tiers_equals_resident(folder_of, three
 def test_every_format_through_three_tiers_equals_resident(folder_of, three_tiers, fmt: str) -> None:
     settings = {"quantization": "int8"} if fmt.startswith("int8") else {}
     check_three_tiers_equal_resident(folder_of(fmt), three_tiers, fmt, **settings)
+
+
+# Beside the default (copies run late, everything pinned): copies after random delays, the caller's prefetch
+# guesses... and the engine's own (affinity) prefetch, and a host tier that pinning refused (its copies synchronous,
+# the staging buffers still pinned and asynchronous).
+VARIANTS = {
+    "random-copies": ({"copies": "random", "seed": 1}, {}),
+    "prefetch": ({}, {"offload": {"prefetch": True}}),
+    "pageable-host": ({"pin_limit_bytes": 2**16}, {}),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_three_tier_variants_equal_resident(folder_of, three_tiers, arch: str, variant: str) -> None:
+    fake, settings = VARIANTS[variant]
+    check_three_tiers_equal_resident(folder_of(arch), three_tiers, f"{arch} {variant}", fake, **settings)
 
 
 def before_use_without_wait(self: HostToDevice, slot: int) -> None:
