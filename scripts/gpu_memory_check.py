@@ -1,7 +1,7 @@
 """Peak GPU and host memory while loading and serving a model larger than the GPU budget (scripts/gpu_acceptance.sh).
 
 The bench's synthetic checkpoint of `--shape` (small: ~1.8 GB bf16) is loaded on CUDA with `memory_gb` below its
-size, so "larger than the GPU" holds on any GPU: the experts live in three tiers (GPU slots, a pinned host tier of
+size (`--memory-fraction` of it, or `--memory-gb`), so "larger than the GPU" holds on any GPU: the experts live in three tiers (GPU slots, a pinned host tier of
 `--host-cache-gb`, the disk). It then serves `--requests` greedy requests of `--tokens` tokens in one batch and asserts:
 
 - the store is offloaded, misses were read from the disk and hits served by the host tier;
@@ -35,7 +35,9 @@ def peak_rss_bytes() -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="small", help="bench shape (moeserve bench --help)")
-    p.add_argument("--memory-gb", type=float, default=1.0, help="the GPU budget (memory_gb); below the model's size")
+    p.add_argument("--memory-gb", type=float, default=None, help="the GPU budget (memory_gb); below the model's size")
+    p.add_argument("--memory-fraction", type=float, default=0.8,
+                   help="memory_gb as a fraction of the model's bytes on disk (when --memory-gb is not given)")
     p.add_argument("--host-cache-gb", type=float, default=0.25, help="the pinned host tier (host_cache_gb)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeserve import LLM, SamplingParams
     from moeserve.bench.shapes import get_shape
     from moeserve.bench.synth import ensure_checkpoint
+    from moeserve.errors import MoeserveError
 
     if not torch.cuda.is_available():
         print("memory check: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -57,12 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     shape = get_shape(args.shape)
     folder = ensure_checkpoint(shape)
     model_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    if args.memory_gb is None:
+        args.memory_gb = round(args.memory_fraction * model_bytes / GiB, 3)
     torch.cuda.init()
     torch.cuda.reset_peak_memory_stats()
     rss_before = rss_bytes()
     t0 = time.perf_counter()
-    llm = LLM(str(folder), skip_tokenizer_init=True, device="cuda", memory_gb=args.memory_gb,
-              host_cache_gb=args.host_cache_gb)
+    try:
+        llm = LLM(str(folder), skip_tokenizer_init=True, device="cuda", memory_gb=args.memory_gb,
+                  host_cache_gb=args.host_cache_gb)
+    except MoeserveError as err:  # e.g. a budget too small for the resident weights: one line, not a traceback
+        print(f"memory check: FAIL (the engine refused to start: {err})")
+        return 1
     load_s = time.perf_counter() - t0
     store = llm.engine.model.store
     prompts = [{"prompt_token_ids": [(7 * r + 3 * i) % shape.vocab_size for i in range(16)]}
