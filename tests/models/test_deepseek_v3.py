@@ -161,6 +161,7 @@ def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
     assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
 
 
+@pytest.mark.slow  # ~80 s on 2 busy cores: 4 solo runs and a preempting batch of 30 tokens each
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny) -> None:
     folder = tiny(dtype=torch.bfloat16)
     batch = prompts(7, (40, 33, 47, 12))
