@@ -24,10 +24,26 @@ from moeserve.memory.chunks import ChunkPlan, fmt_bytes
 log = logging.getLogger("moeserve")
 
 
+def _host_cache_release() -> Callable[[], None] | None:
+    """torch's call that frees its cached pinned blocks: `torch.accelerator.empty_host_cache` (2.13), the private
+    `torch._C._host_emptyCache` of some earlier builds, or None (torch 2.11 has neither: found on a GPU run)."""
+    found = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    return found if callable(found) else None
+
+
 def empty_host_cache() -> None:
-    """Give torch's cached free pinned blocks back to the OS (a no-op where no accelerator was initialised)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # pragma: no cover - needs a CUDA device
-        torch.accelerator.empty_host_cache()
+    """Give torch's cached free pinned blocks back to the OS (a no-op where no accelerator was initialised, and
+    where this torch build has no call for it: then they go back at exit, said once in the log)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    release = _host_cache_release()
+    if release is None:
+        if not getattr(empty_host_cache, "warned", False):
+            log.warning("torch %s cannot return cached pinned memory before exit (no empty_host_cache): "
+                        "a closed host tier's pinned bytes stay reserved by this process", torch.__version__)
+            empty_host_cache.warned = True  # type: ignore[attr-defined]
+        return
+    release()
 
 
 class ChunkedHostPool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeserve.memory.chunks import plan_chunks
-from moeserve.memory.pinned import ChunkedHostPool, empty_host_cache
+from moeserve.memory.pinned import ChunkedHostPool, _host_cache_release, empty_host_cache
 
 pytestmark = pytest.mark.gpu
 MiB = 2**20
@@ -24,6 +24,8 @@ def test_chunks_are_pinned_unrounded_and_released_on_close():
 
     device = torch.device("cuda")
     torch.cuda.init()
+    if _host_cache_release() is None:  # torch 2.11 (seen on an H200): nothing gives cached pinned blocks back
+        pytest.skip(f"torch {torch.__version__} has no call that empties its pinned-memory cache")
     empty_host_cache()
     ops = CudaOps(device)
     # the problem the chunks avoid: one 96 MiB request takes 128 MiB
