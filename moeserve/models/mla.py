@@ -25,6 +25,7 @@ import torch
 
 from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, rms_norm
 from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.loader import WeightLoader
 from moeserve.models.query_blocks import query_blocks
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
@@ -115,8 +116,9 @@ class MlaAttention(TokenMixer):
         raise NotImplementedError("the fused decode stack has no multi-head latent attention (why_not_stacked)")
 
 
-def build_mla(load: Any, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary, invariant: bool) -> MlaAttention:
-    """Layer L's latent attention from the checkpoint (`load`: a models/loader.py WeightLoader)."""
+def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
+              invariant: bool) -> MlaAttention:
+    """Layer L's latent attention from the checkpoint (the shapes models/validate.py checked)."""
     m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
     assert m is not None
 
