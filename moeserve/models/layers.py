@@ -275,8 +275,9 @@ class Attention(TokenMixer):
                         k_cache, v_cache, self.window or 0, kv.group_of(self.layer))
 
     def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """One op normalises (per head), rotates and caches; a second attends every token (batch-invariant)."""
-        per_head = self.spec.qk_norm == "per_head"
+        """One op normalises (per head, unless __call__ did: a zero-centred norm), rotates and caches; a second
+        attends every token (batch-invariant)."""
+        per_head = self.spec.qk_norm == "per_head" and self.qk_norm is rms_norm
         kc, vc = kv.layer(self.layer)
         g = kv.group_of(self.layer)
         q = torch.ops.moeserve.qk_norm_rope_cache(
