@@ -108,8 +108,9 @@ def test_all_pinned_and_nothing_to_pin():
     made: list[torch.Tensor] = []
     released: list[int] = []
     pool = ChunkedHostPool(plan_chunks(5, 1000), counting_pin(99, made), release=lambda: released.append(1))
-    assert pool.all_pinned and pool.nbytes == 8192  # 5 units of 1000 bytes: one 8 KiB chunk
-    assert pool.describe() == "0.0 MiB pinned in 1 chunks (1 x 0.0 MiB; 0.0 MiB slack)"
+    # 5 units of 1000 bytes: 4 KiB (4 units) + 1 KiB (1 unit), not one 8 KiB chunk with 3 KiB of slack
+    assert pool.all_pinned and pool.nbytes == 5120 and len(pool.chunks) == 2
+    assert pool.describe() == "0.0 MiB pinned in 2 chunks (1 x 0.0 MiB, 1 x 0.0 MiB; 0.0 MiB slack)"
     cpu = ChunkedHostPool(plan_chunks(5, 1000), None, release=lambda: released.append(2))
     assert cpu.pinned_bytes == 0 and "(no device to copy to)" in cpu.describe()
     cpu.close()
@@ -182,3 +183,15 @@ def test_the_store_closes_its_host_tier():
         assert host.pool.chunks == [] and host.pool.slots == []
     finally:
         ops.close()
+
+
+def test_leftover_units_do_not_round_up_to_a_chunk_twice_their_size():
+    # seen on an H200: 10 units of 60 MiB planned as one 1 GiB chunk (424 MiB of slack)
+    plan = plan_chunks(10, 60 * MiB)
+    assert plan.units == (8, 2) and plan.chunk_nbytes == (512 * MiB, 128 * MiB)
+    for unit in (60 * MiB, 7 * MiB + 3, 300 * MiB, 1000):
+        for capacity in range(1, 60):
+            plan = plan_chunks(capacity, unit)
+            # each chunk wastes at most an eighth of itself, or holds one unit, or is the full-chunk size
+            for n, size in zip(plan.units, plan.chunk_nbytes, strict=True):
+                assert size - n * unit <= size // 8 or n == 1 or size == plan.chunk_nbytes[0]
