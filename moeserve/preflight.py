@@ -17,9 +17,10 @@ from moeserve.config import EngineSettings, did_you_mean
 from moeserve.errors import ConfigError
 
 
-def check_engine_settings(s: EngineSettings) -> None:
+def check_engine_settings(s: EngineSettings, config_file_ok: bool = False) -> None:
     """Raise a one-line error for the first setting that cannot work; see the module docstring. The model folder
-    comes last: finding it imports torch (moeserve.checkpoint), seconds on a busy machine; the rest does not."""
+    comes last: finding it imports torch (moeserve.checkpoint), seconds on a busy machine; the rest does not.
+    `config_file_ok`: a model given as a JSON config file is accepted (sized without weights by `plan`)."""
     from moeserve.experts.policies import ONLINE_POLICY_NAMES
 
     if s.cache_policy not in ONLINE_POLICY_NAMES:
@@ -38,7 +39,8 @@ def check_engine_settings(s: EngineSettings) -> None:
         check_writable_file("record_trace", s.record_trace)
     if s.int8_cache_dir not in (None, "off"):
         check_writable_folder("int8_cache_dir", s.int8_cache_dir)
-    if s.model is not None:
+    if s.model is not None and not (config_file_ok and Path(s.model).expanduser().is_file()
+                                    and s.model.endswith(".json")):
         from moeserve.checkpoint.folder import resolve_model_path
 
         resolve_model_path(s.model)

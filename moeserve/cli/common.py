@@ -44,10 +44,11 @@ def sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-def engine_settings(args: argparse.Namespace) -> EngineSettings:
-    """The engine settings of the flags, env and defaults, checked before anything loads (moeserve/preflight.py)."""
+def engine_settings(args: argparse.Namespace, config_file_ok: bool = False) -> EngineSettings:
+    """The engine settings of the flags, env and defaults, checked before anything loads (moeserve/preflight.py).
+    `config_file_ok`: the model may be a config file (`plan`, which sizes a model from config.json alone)."""
     from moeserve.preflight import check_engine_settings
 
     settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model)
-    check_engine_settings(settings)
+    check_engine_settings(settings, config_file_ok)
     return settings

@@ -1,6 +1,7 @@
 """`moeserve inspect MODEL`: what a checkpoint holds, without loading any weights.
 
-Architecture, parameter counts, bytes of expert vs non-expert weights, bytes read per decoded token, and the
+Without weights (a config.json file, or a folder holding only config.json: models/config_only.py), the same
+report from config.json and the architecture spec. Architecture, parameter counts, bytes of expert vs non-expert weights, bytes read per decoded token, and the
 storage formats found (dtype of each tensor group, and the quantization scheme from config.json).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from moeserve.cli.common import add_model_argument
@@ -26,14 +28,17 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
     """The report as a dict (used by tests and --json). Reads config files and shard headers only."""
     import torch
 
-    from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.engine.llm_engine import demo_model_path
+    from moeserve.models.config_only import open_for_sizing
     from moeserve.models.expert_plans import expert_plan
     from moeserve.models.inventory import describe_formats, expert_tensor_names
-    from moeserve.models.validate import read_model
+    from moeserve.models.validate import is_skipped, read_model
 
-    ckpt = open_checkpoint(model or str(demo_model_path()))
-    arch, spec = read_model(ckpt)
+    opened = open_for_sizing(model or str(demo_model_path()))
+    arch, spec = read_model(opened)
+    # what the engine never loads (a vision tower, MTP layers) is counted apart from the served weights
+    unserved = {n: r for n, r in opened.tensors.items() if is_skipped(arch, spec, n)}
+    ckpt = replace(opened, tensors={n: r for n, r in opened.tensors.items() if n not in unserved})
     plan = expert_plan(ckpt, arch, spec, torch.bfloat16)  # the dtype only matters for unquantized units
     experts = expert_tensor_names(plan)
     expert_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name in experts)
@@ -54,6 +59,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
         "bytes_per_expert": report.expert_stored_bytes,
         "bytes_read_per_token": report.bytes_per_token,
         "quantization": report.scheme,
+        "not_served": {"tensors": len(unserved), "bytes": sum(r.nbytes for r in unserved.values())},
         "formats": [{"group": g.group, "format": g.format, "tensors": g.tensors, "bytes": g.stored_bytes}
                     for g in report.groups],
     }
@@ -83,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"other weights:    {r['bytes_non_expert'] / GiB:.3f} GiB stored (resident)")
     print(f"read per token:   {r['bytes_read_per_token'] / 2**20:.2f} MiB in stored format "
           "(non-expert weights + top-k experts per MoE layer)")
+    if r["not_served"]["tensors"]:
+        print(f"not served:       {r['not_served']['tensors']} tensors, {r['not_served']['bytes'] / GiB:.3f} GiB stored "
+              "(a vision tower, MTP layers: never loaded)")
     print(f"quantization:     {r['quantization']}")
     print("formats (tensor group: format, tensors, stored size):")
     for g in r["formats"]:

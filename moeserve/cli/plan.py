@@ -1,6 +1,6 @@
 """`moeserve plan MODEL [--memory-gb N] [engine settings]`: will it fit, how, and how fast can it go? Loads no weights.
 
-Reads config.json and the shard headers and sizes every tier (the engine setting memory_gb: --memory-gb,
+Reads config.json and the shard headers (or config.json alone: models/config_only.py) and sizes every tier (the engine setting memory_gb: --memory-gb,
 MOESERVE_MEMORY_GB; default free memory less headroom; host_cache_gb; unified_memory) with memory/sizing.py
 `size_tiers`, the function the engine calls at start-up, printing the same "name: value" lines the engine logs.
 The runtime part is RUNTIME_OVERHEAD_BYTES (plan is not the serving process, which measures its own RSS) plus one
@@ -33,14 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.engine.llm_engine import DTYPES, demo_model_path
     from moeserve.memory.topology import detect_topology
+    from moeserve.models.config_only import has_weights, open_for_sizing
     from moeserve.models.mla import kv_per_token_line
     from moeserve.models.validate import read_model
 
-    s = engine_settings(args)
-    ckpt = open_checkpoint(s.model or str(demo_model_path()))
+    s = engine_settings(args, config_file_ok=True)
+    ckpt = open_for_sizing(s.model or str(demo_model_path()))
     arch, spec = read_model(ckpt)
     device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
                           else "cpu")
@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     needs = _needs(spec, s, dtype_name, footprint)
     plan = make_plan(footprint, needs, topology, s)
     print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
+    if not has_weights(ckpt):
+        print("weights: none here; sized from config.json and the architecture spec (moeserve/models/config_only.py)")
     for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
     kv_line = kv_per_token_line(spec, DTYPES[dtype_name].itemsize)  # latent attention: what its cache saves
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
         ram = ram_copy_bandwidth()
-        disk = disk_read_bandwidth(expert_refs)
+        disk = disk_read_bandwidth(expert_refs if has_weights(ckpt) else [])  # no weights: no disk to probe
         fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
         disk_bw = disk.bytes_per_s if disk is not None else None
         h2d = None

@@ -52,6 +52,12 @@ class Format(ABC):
         """
 
     @abstractmethod
+    def stored_shapes(self, shape: tuple[int, ...], dense_code: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """The inverse of `dequantized_shape`: for a weight of dense ``shape``, each stored tensor's safetensors
+        dtype code and shape, keyed by role (sizes a checkpoint from config.json alone). ``dense_code`` is the
+        dtype code of unquantized tensors (e.g. "BF16")."""
+
+    @abstractmethod
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         """Write the dense weight into ``out`` (contiguous, shape `dequantized_shape`, any float dtype).
 

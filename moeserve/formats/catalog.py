@@ -16,8 +16,29 @@ from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format
 from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
 from moeserve.formats.int8 import dequantize_int8_per_channel
-from moeserve.formats.mxfp4 import dequantize_mxfp4, mxfp4_output_shape
-from moeserve.formats.nvfp4 import dequantize_nvfp4_ct, dequantize_nvfp4_modelopt, nvfp4_output_shape
+from moeserve.formats.mxfp4 import MXFP4_GROUP_SIZE, dequantize_mxfp4, mxfp4_output_shape
+from moeserve.formats.nvfp4 import (
+    NVFP4_GROUP_SIZE,
+    dequantize_nvfp4_ct,
+    dequantize_nvfp4_modelopt,
+    nvfp4_output_shape,
+)
+
+
+def _fp4_shapes(
+    roles: tuple[str, ...],
+    shape: tuple[int, ...],
+    group: tuple[str, int],
+    global_shape: tuple[int, ...] | None,
+) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Stored tensors of a packed 4-bit weight [..., out, in]: codes two per byte, one scale (`group`: its dtype
+    code and the elements it covers) per group along `in`, and an optional float32 global scale."""
+    *rows, cols = shape
+    code, size = group
+    out = {roles[0]: ("U8", (*rows, cols // 2)), roles[1]: (code, (*rows, cols // size))}
+    if global_shape is not None:
+        out[roles[2]] = ("F32", global_shape)
+    return out
 
 
 @dataclass(frozen=True)
@@ -29,6 +50,11 @@ class DenseFormat(Format):
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return tuple(tensors["weight"].shape)
+
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"weight": (dense_code, shape)}
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         out.copy_(tensors["weight"])
@@ -48,6 +74,12 @@ class GptOssMxfp4Format(Format):
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return mxfp4_output_shape(tensors["blocks"], tensors["scales"])
 
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        groups = (*shape[:-1], shape[-1] // MXFP4_GROUP_SIZE)  # one E8M0 scale per 32 values
+        return {"blocks": ("U8", (*groups, MXFP4_GROUP_SIZE // 2)), "scales": ("U8", groups)}
+
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_mxfp4(tensors["blocks"], tensors["scales"], out)
 
@@ -62,6 +94,11 @@ class CompressedTensorsMxfp4Format(Format):
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return mxfp4_output_shape(tensors["weight_packed"], tensors["weight_scale"])
 
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return _fp4_shapes(self.roles, shape, ("U8", MXFP4_GROUP_SIZE), None)
+
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_mxfp4(tensors["weight_packed"], tensors["weight_scale"], out)
 
@@ -75,6 +112,11 @@ class CompressedTensorsNvfp4Format(Format):
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return nvfp4_output_shape(tensors["weight_packed"], tensors["weight_scale"])
+
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return _fp4_shapes(self.roles, shape, ("F8_E4M3", NVFP4_GROUP_SIZE), (1,))
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_nvfp4_ct(
@@ -91,6 +133,11 @@ class ModelOptNvfp4Format(Format):
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return nvfp4_output_shape(tensors["weight"], tensors["weight_scale"])
+
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return _fp4_shapes(self.roles, shape, ("F8_E4M3", NVFP4_GROUP_SIZE), ())
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_nvfp4_modelopt(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], out)
@@ -115,6 +162,15 @@ class Fp8BlockFormat(Format):
             )
         return tuple(weight.shape)
 
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        rows, cols = shape
+        return {
+            "weight": ("F8_E4M3", shape),
+            "weight_scale_inv": ("F32", fp8_block_scale_shape((rows, cols), self.block_size)),
+        }
+
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_fp8_block(tensors["weight"], tensors["weight_scale_inv"], out, self.block_size)
 
@@ -128,6 +184,11 @@ class Int8PerChannelFormat(Format):
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return tuple(tensors["weight"].shape)
+
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"weight": ("I8", shape), "weight_scale": ("F32", shape[:1])}
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_int8_per_channel(tensors["weight"], tensors["weight_scale"], out)

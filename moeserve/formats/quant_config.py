@@ -81,9 +81,12 @@ class QuantScheme:
 
 
 def load_quant_scheme(model_dir: str | Path) -> QuantScheme:
-    """Read the quantization scheme of the model folder ``model_dir`` (see module docstring)."""
+    """Read the quantization scheme of the model folder ``model_dir`` (see module docstring), or of a config file
+    given by its path (a config without its weights: models/config_only.py)."""
     model_dir = Path(model_dir)
     where = model_dir / "config.json"
+    if model_dir.is_file():
+        where, model_dir = model_dir, model_dir.parent
     config = _read_json(where)
     quant_config = config.get("quantization_config")
     modelopt_file = model_dir / "hf_quant_config.json"

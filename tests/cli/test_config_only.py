@@ -1,0 +1,187 @@
+"""`moeserve plan` and `moeserve inspect` from config.json alone (models/config_only.py) print the very lines they
+print with the weights: every supported architecture, tiny checkpoints transformers writes, in bf16 and in each
+quantized format the tests can write. Compared exactly (no rounding allowed), after the tensor map built from the
+config is checked against the real safetensors headers, name by name (dtype and shape)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.checkpoint.folder import open_checkpoint
+from moeserve.checkpoint.safetensors_file import DTYPES
+from moeserve.formats.catalog import FORMATS, create_format
+from moeserve.cli import main
+from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint
+from moeserve.models.expert_plans import EXPERT_PLANNERS
+from moeserve.models.registry import get_architecture
+from moeserve.models.validate import is_skipped
+from tests.conftest import write_tiny_checkpoint
+from tests.models import checkpoints as C
+from tests.models.nemotron_h_checkpoints import TINY, TINY_PATTERN, randomize_mamba
+from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
+from tests.models.test_qwen3_next import write_tiny_qwen35
+
+NEMOTRON_MODELOPT = {"producer": {"name": "modelopt"}, "quantization": {
+    "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "*.mixer.gate"]}}
+
+
+def _tiny(arch: str) -> Callable[[Path], Path]:
+    return lambda folder: write_tiny_checkpoint(folder, arch, "bfloat16")
+
+
+def _quantized(quantize: C.Quantizer, config: dict | None, extra: dict | None = None,
+               **overrides: int) -> Callable[[Path], Path]:
+    def write(folder: Path) -> Path:
+        src = C.qwen3_base(folder.with_name(folder.name + "-bf16"), **overrides)
+        return C.quantize_checkpoint(src, folder, quantize, config, extra)
+
+    return write
+
+
+def _nemotron(folder: Path, **fields: int) -> Path:
+    """Nemotron-H in bf16 as transformers creates it with a dtype (its router and correction bias kept in float32,
+    as in the published checkpoints; tests.models' writer casts the whole model)."""
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    config = NemotronHConfig(**{"hybrid_override_pattern": TINY_PATTERN, **TINY, **fields})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    randomize_mamba(model, 0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def _nemotron_nvfp4(folder: Path) -> Path:
+    src = _nemotron(folder.with_name(folder.name + "-bf16"), moe_shared_expert_intermediate_size=48)
+    return C.quantize_checkpoint(src, folder, C.nvfp4_modelopt_quantize, None,
+                                 {"hf_quant_config.json": NEMOTRON_MODELOPT})
+
+
+# case -> writer of the full checkpoint. Every architecture in moeserve/models/archs/ (bf16), then every quantized
+# format the tests write (the gpt-oss MXFP4 layout; compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4, FP8 blocks).
+CASES: dict[str, Callable[[Path], Path]] = {
+    **{arch: _tiny(arch) for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next")},
+    "gpt_oss": lambda folder: C.write_gpt_oss(folder),
+    "deepseek_v3": lambda folder: write_deepseek(folder, torch.bfloat16),
+    "qwen3_5_moe": write_tiny_qwen35,  # vision tower and mtp.* tensors beside the language model
+    "nemotron_h": _nemotron,
+    "gpt_oss-mxfp4": lambda folder: C.write_gpt_oss_mxfp4(C.write_gpt_oss(folder.with_name("gpt_oss-src")), folder),
+    "qwen3_moe-nvfp4-ct": _quantized(C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG),
+    "qwen3_moe-nvfp4-modelopt": _quantized(C.nvfp4_modelopt_quantize, None,
+                                           {"hf_quant_config.json": C.MODELOPT_HF_QUANT_CONFIG}),
+    "qwen3_moe-fp8-block": _quantized(C.fp8_block_quantize, C.FP8_CONFIG, moe_intermediate_size=40,
+                                      intermediate_size=72),
+    "qwen3_moe-mxfp4-ct": _quantized(C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG),
+    "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
+}
+CONFIG_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")  # what a user downloads first
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path]]:
+    """(full checkpoint, folder holding only its config files) per case, built on first use."""
+    root = tmp_path_factory.mktemp("config_only")
+
+    @functools.cache
+    def make(case: str) -> tuple[Path, Path]:
+        full = CASES[case](root / case)
+        bare = root / f"{case}-config"
+        bare.mkdir()
+        for name in CONFIG_FILES:
+            if (full / name).is_file():
+                shutil.copy(full / name, bare / name)
+        return full, bare
+
+    return make
+
+
+def test_every_expert_kind_has_its_tensor_list() -> None:
+    assert set(EXPERT_TENSORS) == set(EXPERT_PLANNERS)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tensor_map_equals_the_checkpoint_headers(folders, case: str) -> None:
+    """Every tensor the model serves, with the dtype and shape transformers (or the quantizer) stored it in."""
+    full, bare = folders(case)
+    ckpt = open_checkpoint(full)
+    arch = get_architecture(ckpt.config, "config.json")
+    spec = arch.spec(ckpt.config, "config.json")
+    served = {n: (r.dtype_code, r.shape) for n, r in ckpt.tensors.items() if not is_skipped(arch, spec, n)}
+    sized = config_only_checkpoint(bare / "config.json").tensors
+    assert {n: (r.dtype_code, r.shape) for n, r in sized.items()} == served
+    assert all(sized[n].nbytes == ckpt.tensors[n].nbytes for n in served)
+
+
+def _lines(capsys: pytest.CaptureFixture, argv: list[str]) -> list[str]:
+    """The exit status and every printed line (stdout, then stderr: a refusal too) but those naming the path."""
+    capsys.readouterr()
+    rc = main(argv)
+    captured = capsys.readouterr()
+    out = [*captured.out.splitlines(), *captured.err.splitlines()]
+    return [f"exit {rc}", *(line for line in out if not line.startswith(("model:", "weights:")))]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_from_config_equals_plan_with_weights(folders, case: str, capsys: pytest.CaptureFixture) -> None:
+    full, bare = folders(case)
+    flags = ["--no-probe", "--device", "cpu", "--max-model-len", "256"]
+    # the 512 MiB stated runtime leaves a few MiB for the model: refused, experts offloaded, all resident
+    outcomes = set()
+    for budget in ("0.505", "0.5125", "0.513", "0.514", "0.516", "0.52", "4"):
+        got = _lines(capsys, ["plan", str(bare), "--memory-gb", budget, *flags])
+        assert got == _lines(capsys, ["plan", str(full), "--memory-gb", budget, *flags]), budget
+        outcomes.add(got[0] if got[0] != "exit 0" else next(x for x in got if x.startswith("placement:"))[:40])
+    assert got[0] == "exit 0" and any(line.startswith("experts:") for line in got)
+    assert len(outcomes) >= 2, outcomes  # at least a refusal or an offloaded plan beside the resident one
+    # a config file by its own path (any name) gives the same lines as its folder
+    named = bare.with_name(bare.name + ".json")
+    shutil.copy(bare / "config.json", named)
+    if not (bare / "hf_quant_config.json").is_file():
+        assert _lines(capsys, ["plan", str(named), "--memory-gb", "4", *flags]) == got
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_from_config_equals_inspect_with_weights(folders, case: str, capsys: pytest.CaptureFixture) -> None:
+    full, bare = folders(case)
+    got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
+    assert got[0] == "exit 0"
+    if case == "qwen3_5_moe":  # the full checkpoint also holds the vision tower and mtp.*, counted apart
+        unserved = [line for line in want if line.startswith("not served:")]
+        assert len(unserved) == 1 and "tensors" in unserved[0]
+        want.remove(unserved[0])
+    assert got == want
+    assert json.loads("".join(_lines(capsys, ["inspect", str(bare), "--json"])[1:]))["bytes_expert"] > 0
+
+
+def test_plan_says_it_sized_from_the_config(folders, capsys: pytest.CaptureFixture) -> None:
+    _, bare = folders("qwen3_moe")
+    capsys.readouterr()
+    assert main(["plan", str(bare), "--no-probe", "--device", "cpu", "--memory-gb", "4"]) == 0
+    assert "weights: none here; sized from config.json and the architecture spec" in capsys.readouterr().out
+
+
+def test_a_config_file_of_an_unknown_architecture_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 8}))
+    assert main(["plan", str(path), "--no-probe", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "LlamaForCausalLM" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_stored_shapes_invert_dequantized_shape(name: str) -> None:
+    """Format.stored_shapes is the inverse of dequantized_shape (the loader's check), for a 2-D and a stacked weight."""
+    fmt = create_format(name)
+    for shape in ((96, 64), (4, 96, 64)):
+        if len(shape) == 3 and name not in ("dense", "mxfp4-gpt-oss"):
+            continue  # only gpt-oss stacks experts in one quantized tensor
+        stored = fmt.stored_shapes(shape, "BF16")
+        assert tuple(stored) == fmt.roles
+        meta = {role: torch.empty(s, dtype=DTYPES[code][0], device="meta") for role, (code, s) in stored.items()}
+        assert fmt.dequantized_shape(meta) == shape
