@@ -16,8 +16,8 @@ import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.checkpoint.safetensors_file import DTYPES
-from moeserve.formats.catalog import FORMATS, create_format
 from moeserve.cli import main
+from moeserve.formats.catalog import FORMATS, create_format
 from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint
 from moeserve.models.expert_plans import EXPERT_PLANNERS
 from moeserve.models.registry import get_architecture
