@@ -73,16 +73,6 @@ async def _log_stats(stats: StatsLogger) -> None:
             log.info("%s", line)
 
 
-TOKENIZE_JSON_SLICE = 1 << 16  # token ids per slice of /tokenize's JSON
-
-
-def tokenize_json(ids: list[int], max_model_len: int) -> bytes:
-    """TokenizeResponse's JSON, built slice by slice so that the thread building it yields the GIL between slices
-    (one json.dumps of a 10 MB prompt's 2M ids held it, and so stopped the event loop, for over a second)."""
-    slices = [",".join(map(str, ids[i:i + TOKENIZE_JSON_SLICE])) for i in range(0, len(ids), TOKENIZE_JSON_SLICE)]
-    return f'{{"tokens":[{",".join(slices)}],"count":{len(ids)},"max_model_len":{max_model_len}}}'.encode()
-
-
 def _keyed_docs(app: FastAPI, auth: list[Any]) -> None:
     """/openapi.json, /docs and /redoc behind the API key (the schema lists every route and field: with a key set
     the server is not open to browse). The HTML pages load the schema from the browser without the key, so with a
@@ -171,7 +161,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         return await create_chat_completion(body, raw, state)
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         state.accept(body.model, body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
@@ -185,7 +175,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                 raise APIError(400, "this server runs without a tokenizer", param="prompt")
             ids = await state.off_loop(state.tokenizer.encode, body.prompt or "",
                                        add_special_tokens=body.add_special_tokens)
-        return Response(await state.off_loop(tokenize_json, ids, state.max_model_len), media_type="application/json")
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=state.max_model_len)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

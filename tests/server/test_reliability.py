@@ -312,11 +312,3 @@ def test_long_texts_encode_alike_through_the_gil_free_path(live_server: ThreadSe
     for special in (True, False):
         assert tokenizer.encode(text, special) == list(tokenizer._tok.encode(text, add_special_tokens=special).ids)
 
-
-def test_tokenize_json_is_the_response_model() -> None:
-    from moeserve.server.app import TOKENIZE_JSON_SLICE, tokenize_json
-    from moeserve.server.protocol import TokenizeResponse
-
-    for ids in ([], [5], list(range(2 * TOKENIZE_JSON_SLICE + 3))):
-        expected = TokenizeResponse(tokens=ids, count=len(ids), max_model_len=7).model_dump()
-        assert json.loads(tokenize_json(ids, 7)) == expected
