@@ -86,7 +86,7 @@ def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny: dict[str, Path]) -> N
     folder = tiny["bfloat16"]
     prompt = long_prompts(1)[0] + long_prompts(2)[2][:50]
     whole, whole_out = sampled_logits(folder, [prompt])
-    chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=70)
+    chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=80)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked)) and whole_out == chunked_out
 
 

@@ -106,24 +106,30 @@ def test_tiny_qwen3_next_matches_transformers(tiny_checkpoint, kernels: str) -> 
     assert_matches_transformers(folder, hf_model(folder, torch.float32), long_prompts(), kernels=kernels)
 
 
-def sampled_logits(folder: Path, prompts: list[list[int]], **settings) -> tuple[list[torch.Tensor], list]:
-    """Default settings (bf16 from the checkpoint): the logits of the steps after the prompts, and the outputs (with
-    the number of engine steps last)."""
+def every_step(folder: Path, prompts: list[list[int]], **settings) -> tuple[list[torch.Tensor], list]:
+    """Default settings (bf16 from the checkpoint): the logits of every engine step, and (tokens, logprobs) of
+    each prompt."""
     llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512, **settings)
     params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
     logits, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in prompts], params)
-    return logits[-(STEPS - 1):], [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] + [len(logits)]
+    return logits, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def sampled_logits(folder: Path, prompts: list[list[int]], **settings) -> tuple[list[torch.Tensor], list]:
+    """`every_step`'s logits of the steps after the prompts only, and the outputs."""
+    logits, outs = every_step(folder, prompts, **settings)
+    return logits[-(STEPS - 1):], outs
 
 
 def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny_checkpoint) -> None:
     """A 200-token prompt in one step and in chunks of 64 (the scheduler cuts on the chunk grid): the same bits."""
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
     prompt = long_prompts(1)[0] + long_prompts(2)[2][:50]
-    whole, whole_out = sampled_logits(folder, [prompt])
-    chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=80)
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked)) and whole_out[:-1] == chunked_out[:-1]
-    assert whole[0].dtype == torch.float32 and len(whole) == len(chunked) == STEPS - 1
-    assert (whole_out[-1], chunked_out[-1]) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
+    whole, whole_out = every_step(folder, [prompt])
+    chunked, chunked_out = every_step(folder, [prompt], max_num_batched_tokens=80)
+    assert (len(whole), len(chunked)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked[2:])) and whole_out == chunked_out
+    assert whole[0].dtype == torch.float32
 
 
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny_checkpoint) -> None:
@@ -159,7 +165,7 @@ def test_offloaded_equals_resident_in_bf16(tiny_checkpoint) -> None:
         assert "C++ gated_delta_step_" in probe.engine.choices["linear attention"]
     probe.engine.close()
     got, got_out = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out[:-1] == ref_out[:-1]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
 
 
 # ------------------------------------------------------------------------------------------------- Qwen3.5
@@ -250,7 +256,7 @@ def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_pa
     unit = probe.engine.model.store.unit_nbytes
     probe.engine.close()
     offloaded, off_outs = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs[:-1] == outs[:-1]
+    assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs == outs
 
 
 def test_a_step_too_small_for_a_prompt_chunk_is_refused(tiny_checkpoint) -> None:
