@@ -26,7 +26,13 @@ from moeserve.models.registry import get_architecture
 from moeserve.state.kv_cache import fixed_pool_bytes
 from tests.engine.test_parity_transformers import hf_model
 from tests.models.nemotron_h_checkpoints import NEMOTRON_3_NANO, write_nano_real_dims, write_nemotron_h
-from tests.models.test_qwen3_next import assert_matches_transformers, long_prompts, sampled_logits
+from tests.models.test_qwen3_next import (
+    STEPS,
+    assert_matches_transformers,
+    every_step,
+    long_prompts,
+    sampled_logits,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +91,10 @@ def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny: dict[str, Path]) -> N
     """A 200-token prompt in one step and in chunks (the scheduler cuts on the 64-position grid): the same bits."""
     folder = tiny["bfloat16"]
     prompt = long_prompts(1)[0] + long_prompts(2)[2][:50]
-    whole, whole_out = sampled_logits(folder, [prompt])
-    chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=80)
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked)) and whole_out == chunked_out
+    whole, whole_out = every_step(folder, [prompt])
+    chunked, chunked_out = every_step(folder, [prompt], max_num_batched_tokens=80)
+    assert (len(whole), len(chunked)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked[2:])) and whole_out == chunked_out
 
 
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny: dict[str, Path]) -> None:
