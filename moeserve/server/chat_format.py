@@ -237,6 +237,7 @@ def _arguments(text: str, as_text: bool) -> Any:
     return (text or "{}") if as_text else value
 
 
+_ENCODES_ARGUMENTS = re.compile(r"""arguments(?:'\]|"\])?\s*\|\s*tojson""")
 _TESTS_NULL_CONTENT = re.compile(r"(\['content'\]|\.content) is (not )?none")
 
 
@@ -253,7 +254,10 @@ class TemplateChat(ChatFormat):
         self.special_tags = self._special_tags()
         # a template that tells null content apart ("is none") gets it as null; others get ""
         self.null_content = self.template is not None and _TESTS_NULL_CONTENT.search(self.template) is not None
-        self.arguments_as_text = self.tool_parser is not None and self.tool_parser.template_arguments == "text"
+        # a format whose templates concatenate the arguments' text (DeepSeek-R1) gets text, unless this template
+        # encodes them itself (DeepSeek-V3.1: `arguments | tojson`, which would quote a text twice)
+        self.arguments_as_text = (self.tool_parser is not None and self.tool_parser.template_arguments == "text"
+                                  and not _ENCODES_ARGUMENTS.search(self.template or ""))
 
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:
