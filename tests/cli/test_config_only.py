@@ -26,7 +26,7 @@ from tests.conftest import write_tiny_checkpoint
 from tests.models import checkpoints as C
 from tests.models.nemotron_h_checkpoints import TINY, TINY_PATTERN, randomize_mamba
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
-from tests.models.test_qwen3_next import write_tiny_qwen35
+from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35
 
 NEMOTRON_MODELOPT = {"producer": {"name": "modelopt"}, "quantization": {
     "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "*.mixer.gate"]}}
@@ -43,6 +43,16 @@ def _quantized(quantize: C.Quantizer, config: dict | None, extra: dict | None = 
         return C.quantize_checkpoint(src, folder, quantize, config, extra)
 
     return write
+
+
+def _qwen35_bf16(folder: Path) -> Path:
+    """Qwen3.5 (vision tower included) as transformers creates it in bf16 (tests.models' writer keeps float32)."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5MoeConfig
+
+    config = Qwen3_5MoeConfig(text_config=TINY_QWEN35_TEXT, vision_config=dict(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
+    AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder
 
 
 def _nemotron(folder: Path, **fields: int) -> Path:
@@ -69,7 +79,8 @@ CASES: dict[str, Callable[[Path], Path]] = {
     **{arch: _tiny(arch) for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next")},
     "gpt_oss": lambda folder: C.write_gpt_oss(folder),
     "deepseek_v3": lambda folder: write_deepseek(folder, torch.bfloat16),
-    "qwen3_5_moe": write_tiny_qwen35,  # vision tower and mtp.* tensors beside the language model
+    "qwen3_5_moe": write_tiny_qwen35,  # float32, vision tower and mtp.* tensors beside the language model
+    "qwen3_5_moe-bf16": _qwen35_bf16,
     "nemotron_h": _nemotron,
     "gpt_oss-mxfp4": lambda folder: C.write_gpt_oss_mxfp4(C.write_gpt_oss(folder.with_name("gpt_oss-src")), folder),
     "qwen3_moe-nvfp4-ct": _quantized(C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG),
@@ -151,11 +162,12 @@ def test_inspect_from_config_equals_inspect_with_weights(folders, case: str, cap
     full, bare = folders(case)
     got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
     assert got[0] == "exit 0"
-    if case == "qwen3_5_moe":  # the full checkpoint also holds the vision tower and mtp.*, counted apart
+    if case.startswith("qwen3_5_moe"):  # the full checkpoint also holds the vision tower and mtp.*, counted apart
         unserved = [line for line in want if line.startswith("not served:")]
         assert len(unserved) == 1 and "tensors" in unserved[0]
         want.remove(unserved[0])
     assert got == want
+    assert _lines(capsys, ["inspect", str(bare / "config.json")]) == got  # the config file by its path
     assert json.loads("".join(_lines(capsys, ["inspect", str(bare), "--json"])[1:]))["bytes_expert"] > 0
 
 
