@@ -55,6 +55,19 @@ def _qwen35_bf16(folder: Path) -> Path:
     return folder
 
 
+def _deepseek_fp8(folder: Path) -> Path:
+    """DeepSeek-V3 as it ships: every attention and MLP Linear FP8 with block scales (kv_a_proj_with_mqa too, which
+    tests.models' quantize_checkpoint leaves bf16), router and lm_head bf16; widths leave partial edge blocks."""
+    from safetensors.torch import load_file
+
+    src = write_deepseek(folder.with_name("deepseek-src"), torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        is_proj = name.endswith(".weight") and "_proj" in name.rsplit(".", 2)[-2]
+        state |= C.fp8_block_quantize(name.removesuffix(".weight"), tensor) if is_proj else {name: tensor}
+    return C._write(src, folder, state, C.FP8_CONFIG)
+
+
 def _nemotron(folder: Path, **fields: int) -> Path:
     """Nemotron-H in bf16 as transformers creates it with a dtype (its router and correction bias kept in float32,
     as in the published checkpoints; tests.models' writer casts the whole model)."""
@@ -89,6 +102,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "qwen3_moe-fp8-block": _quantized(C.fp8_block_quantize, C.FP8_CONFIG, moe_intermediate_size=40,
                                       intermediate_size=72),
     "qwen3_moe-mxfp4-ct": _quantized(C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG),
+    "deepseek_v3-fp8-block": _deepseek_fp8,
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
 }
 CONFIG_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")  # what a user downloads first
@@ -114,6 +128,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[P
 
 def test_every_expert_kind_has_its_tensor_list() -> None:
     assert set(EXPERT_TENSORS) == set(EXPERT_PLANNERS)
+
+
+def test_every_registered_architecture_is_a_case(folders) -> None:
+    """A new architecture in moeserve/models/archs/ must be added to CASES."""
+    from moeserve.models.registry import _REGISTRY, _load_all
+
+    _load_all()
+    covered = {json.loads((folders(case)[1] / "config.json").read_text())["architectures"][0] for case in CASES}
+    assert covered == set(_REGISTRY)
 
 
 @pytest.mark.parametrize("case", CASES)
