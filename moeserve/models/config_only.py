@@ -32,6 +32,9 @@ from moeserve.models.validate import Expected, expected_tensors
 # Expert kind (ModelSpec.moe.expert_kind) -> the expert tensors its planner reads (models/expert_plans.py).
 ExpertTensors = Callable[[Architecture, ModelSpec, QuantScheme], Iterator[Expected]]
 EXPERT_TENSORS: dict[str, ExpertTensors] = {}
+# Experts (MoE layers x experts per layer) sized from a config alone; Kimi-K2 has 60 x 384 = 23040. Past it a
+# config of in-bounds fields would have the tensor map take gigabytes.
+MAX_EXPERT_UNITS = 2**20
 _DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -83,6 +86,10 @@ def config_only_checkpoint(path: Path) -> Checkpoint:
     where = str(path)
     arch = get_architecture(config, where)
     spec = arch.spec(config, where)
+    units = len(spec.moe_layer_ids) * spec.moe.num_experts
+    if units > MAX_EXPERT_UNITS:  # each field within its bound, but a map of billions of tensors (a size bomb)
+        raise CheckpointError(f"{path}: {len(spec.moe_layer_ids)} MoE layers x {spec.moe.num_experts} experts = "
+                              f"{units} experts, more than the {MAX_EXPERT_UNITS} a config alone is sized for")
     scheme = load_quant_scheme(path)
     dense_code = _DTYPE_CODES.get(str(spec.config_dtype), "BF16")
     empty = Checkpoint(path=path, config=config, generation_config={}, tensors={})

@@ -220,3 +220,15 @@ def test_stored_shapes_invert_dequantized_shape(name: str) -> None:
         assert tuple(stored) == fmt.roles
         meta = {role: torch.empty(s, dtype=DTYPES[code][0], device="meta") for role, (code, s) in stored.items()}
         assert fmt.dequantized_shape(meta) == shape
+
+
+def test_a_config_of_too_many_experts_is_refused_before_the_map_is_built(folders, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """Every field within its bound, yet 4096 x 65536 experts: one line, not a map of 800M tensors."""
+    config = json.loads((folders("qwen3_moe")[1] / "config.json").read_text())
+    path = tmp_path / "bomb.json"
+    path.write_text(json.dumps({**config, "num_hidden_layers": 4096, "num_experts": 2**16, "mlp_only_layers": []}))
+    capsys.readouterr()
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "4096 MoE layers x 65536 experts" in err and "\n" not in err
