@@ -56,6 +56,9 @@ def run(args: argparse.Namespace) -> int:
     kv_line = kv_per_token_line(spec, DTYPES[dtype_name].itemsize)  # latent attention: what its cache saves
     if kv_line is not None:
         print(f"KV per token: {kv_line}")
+    print(f"sequence state: {needs.kv_bytes_per_token} bytes/token in the full-attention (or latent) layers' cache; "
+          f"{needs.kv_fixed_bytes / MiB:.1f} MiB fixed for {s.max_num_seqs} sequences whatever their length "
+          "(sliding-window and recurrent layers)")
     acts = f"{needs.overhead_bytes / MiB:.1f} MiB for one step's activations and the rotary tables (from shapes)"
     if s.memory_gb is not None:
         print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up "

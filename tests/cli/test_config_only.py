@@ -172,6 +172,7 @@ def test_plan_from_config_equals_plan_with_weights(folders, case: str, capsys: p
         assert got == _lines(capsys, ["plan", str(full), "--memory-gb", budget, *flags]), budget
         outcomes.add(got[0] if got[0] != "exit 0" else next(x for x in got if x.startswith("placement:"))[:40])
     assert got[0] == "exit 0" and any(line.startswith("experts:") for line in got)
+    assert any(line.startswith("sequence state:") for line in got)
     assert len(outcomes) >= 2, outcomes  # at least a refusal or an offloaded plan beside the resident one
     # a config file by its own path (any name) gives the same lines as its folder
     named = bare.with_name(bare.name + ".json")
