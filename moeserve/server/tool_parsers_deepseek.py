@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.server.tool_parsers import (
+from moeserve.server.tool_parser_base import (
     TaggedToolParser,
     ToolParse,
     json_arguments_piece,

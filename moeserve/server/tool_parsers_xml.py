@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from moeserve.server.tool_parsers import CALL_OPEN, TaggedToolParser, ToolParse, parameters_schema
+from moeserve.server.tool_parser_base import CALL_OPEN, TaggedToolParser, ToolParse, parameters_schema
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:
