@@ -29,7 +29,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
     import torch
 
     from moeserve.engine.llm_engine import demo_model_path
-    from moeserve.models.config_only import open_for_sizing
+    from moeserve.models.config_only import expert_parameters, open_for_sizing
     from moeserve.models.expert_plans import expert_plan
     from moeserve.models.inventory import describe_formats, expert_tensor_names
     from moeserve.models.validate import is_skipped, read_model
@@ -52,7 +52,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
         "moe_layers": num_moe,
         "experts_per_layer": spec.moe.num_experts,
         "experts_per_token": spec.moe.top_k,
-        "params_expert": expert_param_count(spec),
+        "params_expert": expert_parameters(arch, spec),
         "params_non_expert": sum(r.numel for n, r in ckpt.tensors.items() if n not in experts),
         "bytes_expert": expert_bytes,
         "bytes_non_expert": other_bytes,
@@ -63,14 +63,6 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
         "formats": [{"group": g.group, "format": g.format, "tensors": g.tensors, "bytes": g.stored_bytes}
                     for g in report.groups],
     }
-
-
-def expert_param_count(spec: Any) -> int:
-    """Parameters in all experts, from the shapes the spec implies (packed 4-bit storage does not halve them):
-    gate, up and down projections, plus gpt-oss's two biases."""
-    h, i = spec.hidden_size, spec.moe.intermediate_size
-    per_expert = 3 * h * i + (2 * i + h if spec.moe.expert_kind == "gpt_oss" else 0)
-    return per_expert * spec.moe.num_experts * len(spec.moe_layer_ids)
 
 
 def run(args: argparse.Namespace) -> int:

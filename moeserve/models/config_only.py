@@ -79,6 +79,18 @@ def _gpt_oss(arch: Architecture, spec: ModelSpec, scheme: QuantScheme) -> Iterat
             yield prefix + "_bias", (e, out), False
 
 
+def expert_parameters(arch: Architecture, spec: ModelSpec) -> int:
+    """Parameters in all experts (weights and biases, as unquantized shapes: packed 4-bit storage does not halve
+    them), from the same per-kind tensor list the config-only checkpoint is built from (relu2: up + down only)."""
+    total = 0
+    for _name, shape, _linear in EXPERT_TENSORS[spec.moe.expert_kind](arch, spec, QuantScheme(method="none")):
+        count = 1
+        for dim in shape:
+            count *= dim
+        total += count
+    return total
+
+
 def config_only_checkpoint(path: Path) -> Checkpoint:
     """A Checkpoint of the config file `path` (config.json, or any JSON file holding one) with every tensor the
     model reads and no data; CheckpointError / UnsupportedModelError (one line, naming the file) as for a real one."""

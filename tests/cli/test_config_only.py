@@ -233,3 +233,20 @@ def test_a_config_of_too_many_experts_is_refused_before_the_map_is_built(folders
     assert main(["inspect", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "4096 MoE layers x 65536 experts" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("case", ["nemotron_h", "qwen3_moe", "gpt_oss"])
+def test_expert_parameters_equal_the_checkpoints_expert_tensors(folders, case: str) -> None:
+    # inspect's expert parameter count against the numel of the expert tensors transformers wrote (relu2 experts
+    # have no gate: a per-kind formula counted 3*h*i for them)
+    from moeserve.models.config_only import expert_parameters
+    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.inventory import expert_tensor_names
+
+    full, _config = folders(case)
+    ckpt = open_checkpoint(full)
+    arch = get_architecture(ckpt.config, str(full))
+    spec = arch.spec(ckpt.config, str(full))
+    names = expert_tensor_names(expert_plan(ckpt, arch, spec, torch.bfloat16))
+    assert names, case
+    assert expert_parameters(arch, spec) == sum(ckpt.tensors[n].numel for n in names)
