@@ -27,7 +27,7 @@ from moeserve.state.kv_cache import fixed_pool_bytes
 from tests.engine.test_parity_transformers import hf_greedy, hf_model
 from tests.logits_capture import generate_capturing_logits
 
-CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "reference" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "data" / "reference_configs"  # copies of shared/reference/configs
 STEPS = 6
 TINY = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
