@@ -161,7 +161,10 @@ def test_int8_spill_file_is_written_during_the_load_within_the_same_bound(synthe
     assert proc.returncode == 0, proc.stderr[-3000:]
     m = json.loads(proc.stdout.strip().splitlines()[-1])
     spill = list((tmp_path / "spill").glob("*/units.bin"))
-    assert len(spill) == 1 and spill[0].stat().st_size >= m["experts_total"]
+    no_room = [line for line in proc.stderr.splitlines() if "not written (" in line]
+    if not spill and no_room:  # the engine's own guard: under 1 GiB would be left on the disk (seen in a CI run)
+        pytest.skip(f"no disk space for the spill file on this machine: {no_room[0][-200:]}")
+    assert len(spill) == 1 and spill[0].stat().st_size >= m["experts_total"], proc.stderr[-2000:]
     # One 16-bit expert (3 x 1024 x 768 bf16 = 4.5 MiB) is read into a scratch unit and quantized through fp32
     # temporaries (4 bytes per weight, a few at a time): at most 6 x its fp32 size beyond what the engine keeps.
     dense_expert_fp32 = 3 * 1024 * 768 * 4
