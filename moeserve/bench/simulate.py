@@ -151,9 +151,11 @@ def simulate(
     policy_options: dict[str, Any] | None = None,
     online: OnlinePrefetch | None = None,
     cache_mode: str = DEFAULT_CACHE_MODE,
+    admission: bool = False,
 ) -> SimResult:
     """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``, its slots
-    shared among the layers as ``cache_mode`` says.
+    shared among the layers as ``cache_mode`` says. ``admission``: demand misses the policy does not `admit` are
+    served uncached (what a bypass in the store would give; the store has none).
 
     ``prefetch="online"`` needs ``online`` (the guesses' settings); "affinity" here means: prefetch
     ``call.predicted``, like "predicted".
@@ -183,7 +185,7 @@ def simulate(
             guesses.observe(call.layer, call.expert_ids)
         chunks = _chunks(call, cache)
         for chunk in chunks:
-            _demand(cache, call.layer, chunk)
+            _demand(cache, call.layer, chunk, admission)
             if len(chunks) == 1 and prefetch != "none":
                 upcoming: Sequence[Key] = call.predicted
                 if prefetch == "oracle":
@@ -201,10 +203,14 @@ def simulate(
                      per_layer={layer: (st.hits, st.misses) for layer, st in sorted(stats.layers.items())})
 
 
-def _demand(cache: SlotCache, layer: int, chunk: list[Key]) -> None:
-    """One chunk's demand loads, as `ExpertStore._acquire` makes them (its reads land at once here)."""
+def _demand(cache: SlotCache, layer: int, chunk: list[Key], admission: bool = False) -> None:
+    """One chunk's demand loads, as `ExpertStore._acquire` makes them (its reads land at once here).
+    `admission`: a miss the policy does not `admit` is served without being cached (a bypass the store lacks)."""
     cache.pin(chunk)
     for key in cache.begin_call(layer, chunk):
+        if admission and not cache.admits(key):
+            cache.bypass(key)
+            continue
         cache.take_miss_slot(key)
         cache.finish_read(key)
 

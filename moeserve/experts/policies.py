@@ -31,6 +31,7 @@ from typing import Any
 
 from moeserve.errors import ConfigError
 from moeserve.experts.policies_lfru import AdaptiveLFRUPolicy, LFRUPolicy, _LayerRecency
+from moeserve.experts.policies_reuse import ReusePolicy
 from moeserve.experts.policy_base import (
     EvictionPolicy,
     Key,
@@ -42,7 +43,7 @@ from moeserve.experts.policy_base import (
 
 __all__ = [
     "DEFAULT_POLICY", "ONLINE_POLICY_NAMES", "POLICY_NAMES", "AdaptiveLFRUPolicy", "BeladyPolicy", "DeferredHits",
-    "EvictionPolicy", "Key", "LFRUPolicy", "LFUPolicy", "LRUPolicy", "NoVictimError", "StaticPolicy", "_LayerRecency",
+    "EvictionPolicy", "Key", "LFRUPolicy", "LFUPolicy", "LRUPolicy", "NoVictimError", "ReusePolicy", "StaticPolicy", "_LayerRecency",
     "make_policy",
 ]
 
@@ -198,10 +199,10 @@ class BeladyPolicy(EvictionPolicy):
 
 
 _REGISTRY: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LFUPolicy, AdaptiveLFRUPolicy, StaticPolicy, BeladyPolicy)
+    cls.name: cls for cls in (LRUPolicy, LFUPolicy, AdaptiveLFRUPolicy, ReusePolicy, StaticPolicy, BeladyPolicy)
 }
 POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)
-ONLINE_POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "lfru", "static")  # usable by the engine
+ONLINE_POLICY_NAMES: tuple[str, ...] = ("lru", "lfu", "lfru", "reuse", "static")  # usable by the engine
 DEFAULT_POLICY = "lfru"
 
 

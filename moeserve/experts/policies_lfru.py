@@ -92,6 +92,16 @@ class LFRUPolicy(EvictionPolicy):
         if not self._remember:
             self._stats.pop(key, None)
 
+    def admit(self, key: Key, victim: Key) -> bool:
+        """Cache `key` only if, used now, its expected time to the next use is no longer than `victim`'s."""
+        log_s = self._log_score_now(key)
+        used = min(math.log1p(math.exp(log_s)) if log_s > -math.inf else 0.0, self._log_cap)  # s + 1
+        return self._time_to_use(key[0], used) <= self._time_to_use(victim[0], self._log_score_now(victim))
+
+    def on_bypass(self, key: Key) -> None:
+        self._update(key, add_use=True)
+        self._heaps[key[0]].remove(key)  # scored as used, not cached
+
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         best: tuple[float, int] | None = None
         victim: Key | None = None
@@ -270,6 +280,14 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
         for p in self._real:
             p.on_evict(key)
         self._cached -= 1
+
+    def admit(self, key: Key, victim: Key) -> bool:
+        return self._real[self.winner].admit(key, victim)
+
+    def on_bypass(self, key: Key) -> None:
+        for p in self._real:
+            p.on_bypass(key)
+        self._demand(key)
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         if self._capacity is None:

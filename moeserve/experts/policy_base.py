@@ -43,6 +43,15 @@ class EvictionPolicy(ABC):
     def on_evict(self, key: Key) -> None:
         """``key`` left the cache (normally the key `choose_victim` just returned)."""
 
+    def admit(self, key: Key, victim: Key) -> bool:
+        """Admission control: whether the demand miss `key` should be cached at the price of evicting `victim`
+        (False: serve it from the read buffer and keep `victim`). Default: always. Only the simulator asks
+        (`simulate(..., admission=True)`): the store has no bypass yet."""
+        return True
+
+    def on_bypass(self, key: Key) -> None:  # noqa: B027 - an optional hook, a no-op by default
+        """`key` was needed, missed and served without being cached (after `admit` said no): a use, no insert."""
+
     @abstractmethod
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         """A cached key not in ``pinned``, to evict next. Does not evict it (the caller calls `on_evict`).

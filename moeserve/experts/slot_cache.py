@@ -293,6 +293,28 @@ class SlotCache:
         self.stats.layer(key[0]).misses += 1
         return slot
 
+    def admits(self, key: Key) -> bool:
+        """Admission control (simulator only: the store has no bypass yet): whether the demand miss `key` should
+        take a slot (`take_miss_slot`) rather than be served uncached (`bypass`). True while a free slot is
+        allowed; else the policy's `admit(key, victim)` for the victim `take_miss_slot` would choose."""
+        assert self.policy is not None
+        layer = key[0]
+        if self._free and self.quota.may_grow(layer, self._held.get(layer, 0)):
+            return True
+        layers = self.quota.victim_layers(layer, self._held)
+        try:
+            victim = self.policy.choose_victim(self._pinned, layers)
+        except NoVictimError:
+            return True  # nothing to weigh against: take_miss_slot waits or fails as without admission
+        return self.policy.admit(key, victim)
+
+    def bypass(self, key: Key) -> None:
+        """The demand miss `key` read into a buffer, used and dropped: counted as a miss, told to the policy as a
+        use (`on_bypass`), never mapped."""
+        assert self.policy is not None
+        self.policy.on_bypass(key)
+        self.stats.layer(key[0]).misses += 1
+
     def protect(self, keys: Iterable[Key]) -> None:
         """Keep `keys` from prefetch victims until the next layer call begins (or `end_protection`)."""
         self._protected.update(keys)

@@ -203,7 +203,7 @@ def test_prefetch_oracle_and_accuracy():
 
 
 def test_make_policy_registry():
-    assert set(POLICY_NAMES) == {"lru", "lfu", "lfru", "static", "belady"}
+    assert set(POLICY_NAMES) == {"lru", "lfu", "lfru", "reuse", "static", "belady"}
     assert isinstance(make_policy("lfru"), AdaptiveLFRUPolicy)
     with pytest.raises(ConfigError, match="did you mean 'lfru'"):
         make_policy("lfruu")
