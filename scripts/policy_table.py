@@ -19,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from moeserve.bench.simulate import GridResult, OnlinePrefetch, SimResult, run_grid
+from moeserve.bench.simulate import GridResult, OnlinePrefetch, SimResult, run_grid, split_bypass
 from moeserve.cli.simulate import load_calls
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 
@@ -49,7 +49,7 @@ def target_rows(grid: GridResult, modes: list[str], caps: list[int]) -> list[str
         bound = grid.get("belady", c, "none", "shared")
         if bound is None or bound.hit_rate < 0.3:
             continue
-        online = [r for r in grid.results if r.capacity == c and r.policy in ONLINE_POLICY_NAMES]
+        online = [r for r in grid.results if r.capacity == c and split_bypass(r.policy)[0] in ONLINE_POLICY_NAMES]
         cheap = [r for r in online if r.reads <= READ_TARGET * bound.reads]
         best = max(cheap, key=lambda r: r.hit_rate, default=None)
         good = [r for r in online if r.hit_rate >= HIT_TARGET * bound.hit_rate]

@@ -33,14 +33,14 @@ from moeserve.experts.calls import (
     usage_counts,
 )
 from moeserve.experts.guess import OnlineGuesses
-from moeserve.experts.policies import Key, make_policy
+from moeserve.experts.policies import ONLINE_POLICY_NAMES, Key, make_policy
 from moeserve.experts.prefetch_auto import PrefetchCounts
 from moeserve.experts.quota import DEFAULT_CACHE_MODE, make_quota
 from moeserve.experts.slot_cache import SlotCache
 
 __all__ = [
-    "PREFETCH_MODES", "GridResult", "LayerCall", "OnlinePrefetch", "SimResult", "affinity_predictions",
-    "calls_from_steps", "layer_only", "per_expert_calls", "run_grid", "simulate", "static_reserve", "usage_counts",
+    "BYPASS_SUFFIX", "PREFETCH_MODES", "GridResult", "LayerCall", "OnlinePrefetch", "SimResult", "affinity_predictions",
+    "calls_from_steps", "layer_only", "per_expert_calls", "run_grid", "simulate", "split_bypass", "static_reserve", "usage_counts",
 ]
 
 # none: demand loading only. oracle: the next layer call's exact experts (an upper bound). predicted: the
@@ -52,6 +52,16 @@ __all__ = [
 # prefetch=auto).
 PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online", "auto")
 _ONLINE = ("online", "auto")
+# A policy name with this suffix (e.g. "lfru+bypass") in a grid: the policy with admission control, its refused
+# misses served uncached (`simulate(admission=True)`; the store has no bypass yet).
+BYPASS_SUFFIX = "+bypass"
+
+
+def split_bypass(name: str) -> tuple[str, bool]:
+    """A grid's policy name -> (the policy's registry name, admission control on)."""
+    if name.endswith(BYPASS_SUFFIX):
+        return name[: -len(BYPASS_SUFFIX)], True
+    return name, False
 
 
 @dataclass
@@ -326,13 +336,17 @@ def run_grid(
     if online is not None:  # the online predictor may learn from the fitted part too: it is the past
         online = replace(online, history=fit)
     results = []
-    for cache_mode, prefetch, policy, capacity in product(cache_modes, prefetches, policies, capacities):
+    for cache_mode, prefetch, name, capacity in product(cache_modes, prefetches, policies, capacities):
         calls = affinity if prefetch == "affinity" else evaluate
+        policy, admission = split_bypass(name)
+        if admission and policy not in ONLINE_POLICY_NAMES:
+            raise ConfigError(f"{name}: admission control ({BYPASS_SUFFIX}) is for the online policies, "
+                              f"{', '.join(ONLINE_POLICY_NAMES)}")
         options = dict((policy_options or {}).get(policy, {}))
         if policy == "static":
             options = {"counts": counts, "num_pinned": max(0, capacity - reserve), **options}
         mode = "predicted" if prefetch == "affinity" else prefetch
-        result = simulate(calls, policy, capacity, mode, options, online, cache_mode)
-        result.prefetch = prefetch
+        result = simulate(calls, policy, capacity, mode, options, online, cache_mode, admission)
+        result.prefetch, result.policy = prefetch, name
         results.append(result)
     return GridResult(results, fit_steps=len(fit), eval_steps=len(evaluate))

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 from pathlib import Path
 from typing import Any
 
 from moeserve.bench.simulate import (
+    BYPASS_SUFFIX,
     PREFETCH_MODES,
     GridResult,
     LayerCall,
     OnlinePrefetch,
     calls_from_steps,
     run_grid,
+    split_bypass,
 )
 from moeserve.bench.traces import INPUT_FORMATS, load_trace
 from moeserve.errors import ConfigError
@@ -34,7 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="trace file (record_trace, or JSON lines: docs/trace-format.md) or FLAME-MoE Layer_N/ folder")
     p.add_argument("--trace-format", choices=INPUT_FORMATS, default="auto",
                    help="format of TRACE (default: detected from its content)")
-    p.add_argument("--policy", default=",".join(POLICY_NAMES), help="comma-separated (default: all)")
+    p.add_argument("--policy", default=",".join(POLICY_NAMES),
+                   help=f"comma-separated (default: all); an online policy + '{BYPASS_SUFFIX}' (e.g. lfru{BYPASS_SUFFIX}) adds "
+                   "admission control: misses it does not admit are served uncached (a bypass the store lacks)")
     p.add_argument("--capacity", default="32,64,128,256", help="comma-separated cache sizes, in experts")
     p.add_argument("--prefetch", default="none", help=f"comma-separated: {', '.join(PREFETCH_MODES)}")
     p.add_argument("--cache-mode", default=DEFAULT_CACHE_MODE,
@@ -76,7 +81,9 @@ def _split(text: str, what: str, choices: tuple[str, ...]) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     for item in items:
         if item not in choices:
-            raise ConfigError(f"--{what} {item!r}: choose from {', '.join(choices)}")
+            close = difflib.get_close_matches(item, choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"--{what} {item!r}: choose from {', '.join(choices)}{hint}")
     if not items:
         raise ConfigError(f"--{what}: give at least one value")
     return items
@@ -100,7 +107,7 @@ def load_calls(path: str | Path, fmt: str = "auto") -> tuple[TraceHeader, list[l
 
 
 def run(args: argparse.Namespace) -> int:
-    policies = _split(args.policy, "policy", POLICY_NAMES)
+    policies = _split(args.policy, "policy", POLICY_NAMES + tuple(p + BYPASS_SUFFIX for p in ONLINE_POLICY_NAMES))
     prefetches = _split(args.prefetch, "prefetch", PREFETCH_MODES)
     cache_modes = _split(args.cache_mode, "cache-mode", CACHE_MODES)
     capacities = _capacities(args.capacity)
@@ -150,15 +157,15 @@ def format_table(
     lines = [f"cells: hit rate (reads per step, in {unit}; a step is one token at batch 1)"]
     for prefetch in prefetches:
         lines.append(f"\nprefetch={prefetch}")
-        lines.append(f"{'policy':<10}" + "".join(f"{c:>15}" for c in capacities))
+        lines.append(f"{'policy':<12}" + "".join(f"{c:>18}" for c in capacities))
         for policy in policies:
             cells = []
             for c in capacities:
                 r = grid.get(policy, c, prefetch, cache_mode)
                 reads = r.reads_per_step * (expert_mib or 1.0) if r else 0.0
                 cells.append(f"{r.hit_rate:.3f} ({reads:5.1f})" if r else "-")
-            lines.append(f"{policy:<10}" + "".join(f"{x:>15}" for x in cells))
-        if "belady" not in policies or not any(p in ONLINE_POLICY_NAMES for p in policies):
+            lines.append(f"{policy:<12}" + "".join(f"{x:>18}" for x in cells))
+        if "belady" not in policies or not any(split_bypass(p)[0] in ONLINE_POLICY_NAMES for p in policies):
             continue
         bounds = [("vs MIN", "none")] if "none" in prefetches else []
         if prefetch != "none":
@@ -167,11 +174,12 @@ def format_table(
             cells = []
             for c in capacities:
                 bound = grid.get("belady", c, bound_mode, cache_mode)
-                online = [grid.get(p, c, prefetch, cache_mode) for p in policies if p in ONLINE_POLICY_NAMES]
+                online = [grid.get(p, c, prefetch, cache_mode) for p in policies
+                          if split_bypass(p)[0] in ONLINE_POLICY_NAMES]
                 best = max((r for r in online if r), key=lambda r: r.hit_rate)
                 ratio = best.hit_rate / bound.hit_rate if bound and bound.hit_rate else float("nan")
                 cells.append(f"{best.policy} {ratio:.2f}")
-            lines.append(f"{label:<10}" + "".join(f"{x:>15}" for x in cells))
+            lines.append(f"{label:<12}" + "".join(f"{x:>18}" for x in cells))
     return "\n".join(lines)
 
 
