@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from moeserve.experts.store import ExpertStore
+from moeserve.models import linear
 from moeserve.models.expert_kernels import ExpertKernel, RoutedTokens
 from moeserve.models.layers import MLP, DenseMLP
 from moeserve.models.linear import Linear, in_row_blocks
@@ -135,6 +136,22 @@ class SigmoidGroups(TorchRouting):
         return weights * s.routed_scaling_factor, ids
 
 
+class CppSigmoidGroups(SigmoidGroups):
+    """noaux_tc as one C++ call (csrc/routing_noaux.cpp moe_route_noaux): the same ids, in the same order, and the
+    same fp32 weights as SigmoidGroups, bit for bit (ATen's sigmoid and sum on the same row blocks, torch.topk's own
+    algorithm, ties included), and the pairs grouped by a stable counting sort. No decode-stack mode."""
+
+    def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
+        s = self.spec
+        row_block = linear.ROW_BLOCK if self.invariant else 0  # read per call: set once at start-up for this CPU
+        token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_noaux(
+            logits, self.bias, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor, row_block)
+        return RoutedTokens.from_counts(x, ids, token_of, weight_of, counts.tolist())  # the one host sync per layer
+
+    def describe(self) -> str:
+        return f"C++ moe_route_noaux ({self.spec.routing})"
+
+
 class ForcedRouting(TorchRouting):
     """BENCHMARK ONLY (`moeserve bench --route-trace`): each token's experts come from `forced(n_tokens)` ([N, k]
     distinct ids per row, e.g. a recorded routing trace) instead of the router's top-k, so a synthetic model routes
@@ -185,7 +202,7 @@ def choose_routing(spec: MoeSpec, cpp: bool, invariant: bool, correction_bias: t
     asks which rule a model routes by."""
     if spec.routing == "sigmoid_groups":
         assert correction_bias is not None
-        return SigmoidGroups(spec, correction_bias, invariant)
+        return (CppSigmoidGroups if cpp else SigmoidGroups)(spec, correction_bias, invariant)
     rule: TorchRouting = SoftmaxTopk(spec) if spec.routing == "softmax_topk" else TopkSoftmax(spec)
     return CppRouting(spec, rule.stack_mode) if cpp and rule.stack_mode is not None else rule
 

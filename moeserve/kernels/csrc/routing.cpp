@@ -26,6 +26,7 @@
 #include <ATen/ATen.h>
 
 #include "ops.h"
+#include "routing_common.h"
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,23 +37,6 @@
 #include <vector>
 
 namespace moeserve_routing {
-
-using Pair = std::pair<float, int64_t>;
-
-// torch.topk(row, k, largest=True, sorted=True) of one row: the top k (value, index) pairs in q[0, k).
-static void topk_row(const float* row, int64_t e, int64_t k, std::vector<Pair>& q) {
-  q.resize(static_cast<size_t>(e));
-  for (int64_t j = 0; j < e; ++j) q[j] = {row[j], j};
-  const auto first = [](const Pair& a, const Pair& b) {
-    return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
-  };
-  if (k * 64 <= e) {
-    std::partial_sort(q.begin(), q.begin() + k, q.end(), first);
-  } else {
-    std::nth_element(q.begin(), q.begin() + k - 1, q.end(), first);
-    std::sort(q.begin(), q.begin() + k - 1, first);
-  }
-}
 
 // p[0, n) <- softmax(v[0, n)) in fp32: exp(v - max) / sum, the sum taken in order.
 static void softmax_row(const float* v, int64_t n, float* p) {
@@ -88,8 +72,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const
   const int64_t pairs = n * top_k;
   at::Tensor ids = at::empty({n, top_k}, at::kLong);
   at::Tensor counts = at::zeros({e}, at::kLong);
-  at::Tensor token_of = at::empty({pairs}, at::kLong);
-  at::Tensor weight_of = at::empty({pairs}, at::kFloat);
   int64_t* id = ids.data_ptr<int64_t>();
   std::vector<float> w(static_cast<size_t>(pairs)), row(static_cast<size_t>(e)), probs(static_cast<size_t>(e));
   std::vector<float> top(static_cast<size_t>(top_k));
@@ -103,7 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const
     float* wi = w.data() + i * top_k;
     if (mode == 0) {
       softmax_row(row.data(), e, probs.data());
-      topk_row(probs.data(), e, top_k, q);
+      topk_row(probs.data(), e, top_k, true, q);
       float sum = 0.0f;
       for (int64_t j = 0; j < top_k; ++j) sum += q[j].first;
       for (int64_t j = 0; j < top_k; ++j) {
@@ -111,27 +93,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const
         wi[j] = weights_in_fp32 ? v : as_dtype(v, dtype);
       }
     } else {
-      topk_row(row.data(), e, top_k, q);
+      topk_row(row.data(), e, top_k, true, q);
       for (int64_t j = 0; j < top_k; ++j) top[j] = q[j].first;
       softmax_row(top.data(), top_k, wi);
       for (int64_t j = 0; j < top_k; ++j) wi[j] = as_dtype(wi[j], dtype);
     }
     for (int64_t j = 0; j < top_k; ++j) id[i * top_k + j] = q[j].second;
   }
-  int64_t* cnt = counts.data_ptr<int64_t>();
-  for (int64_t p = 0; p < pairs; ++p) cnt[id[p]] += 1;
-  std::vector<int64_t> next(static_cast<size_t>(e));
-  for (int64_t x = 0, start = 0; x < e; ++x) {
-    next[x] = start;
-    start += cnt[x];
-  }
-  int64_t* tok = token_of.data_ptr<int64_t>();
-  float* wo = weight_of.data_ptr<float>();
-  for (int64_t p = 0; p < pairs; ++p) {  // ascending p: a stable counting sort by expert id
-    const int64_t at_ = next[id[p]]++;
-    tok[at_] = p / top_k;
-    wo[at_] = w[p];
-  }
+  auto [token_of, weight_of] = group_by_expert(id, w.data(), pairs, top_k, counts);
   return {token_of, weight_of, counts, ids};
 }
 
