@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from moeserve.models.archs.family import read_spec
 from moeserve.models.archs.glm4_moe import SHARED_EXPERTS_NAMES, noaux_tc_moe, require
 from moeserve.models.registry import Architecture, register
 from moeserve.models.spec import (
@@ -85,22 +86,14 @@ class DeepseekV3(Architecture):
         first_dense = c.int("first_k_dense_replace", default=3)
         rope_dim = c.int("qk_rope_head_dim")
         rope = deepseek_rope(c)
-        return ModelSpec(
-            architecture=self.name,
-            model_type=str(c.get("model_type", default="deepseek_v3")),
-            hidden_size=c.int("hidden_size"),
-            num_layers=num_layers,
-            vocab_size=c.int("vocab_size"),
-            rms_norm_eps=c.float("rms_norm_eps", default=1e-6),
-            max_position_embeddings=c.int("max_position_embeddings", default=4096),
-            tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+        return read_spec(
+            self.name, c, num_layers, model_type="deepseek_v3", max_positions=4096,
             dense_intermediate_size=c.int("intermediate_size"),
             moe_layers=tuple(i >= first_dense for i in range(num_layers)),
             # the rotary part of each head is what the shared Rotary tables are built for (head_dim = rope dims)
             attention=replace(base_attention(c, num_layers), head_dim=rope_dim),
             rope=rope,
             moe=noaux_tc_moe(c, groups=(8, 4), routed_scaling_factor=2.5),  # transformers' defaults
-            config_dtype=c.optional_str("dtype", "torch_dtype"),
             skipped_layers=c.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
             mla=read_mla(c, rope),
         )

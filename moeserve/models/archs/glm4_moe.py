@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.errors import UnsupportedModelError
+from moeserve.models.archs.family import read_spec
 from moeserve.models.registry import Architecture, WeightNames, register
 from moeserve.models.spec import ConfigReader, ModelSpec, MoeSpec, base_attention, read_rope
 
@@ -52,21 +53,13 @@ class Glm4Moe(Architecture):
         if "partial_rotary_factor" not in config and "partial_rotary_factor" not in (
                 config.get("rope_parameters") or {}):
             rope_config = {**config, "partial_rotary_factor": DEFAULT_PARTIAL_ROTARY_FACTOR}
-        return ModelSpec(
-            architecture=self.name,
-            model_type=str(c.get("model_type", default="glm4_moe")),
-            hidden_size=c.int("hidden_size"),
-            num_layers=num_layers,
-            vocab_size=c.int("vocab_size"),
-            rms_norm_eps=c.float("rms_norm_eps", default=1e-5),
-            max_position_embeddings=c.int("max_position_embeddings", default=131072),
-            tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+        return read_spec(
+            self.name, c, num_layers, model_type="glm4_moe", rms_norm_eps=1e-5, max_positions=131072,
             dense_intermediate_size=c.int("intermediate_size"),
             moe_layers=tuple(i >= first_dense for i in range(num_layers)),
             attention=base_attention(c, num_layers, qkv_bias=bias, o_bias=False, qk_norm=qk_norm),
             rope=read_rope(ConfigReader(rope_config, where)),
             moe=noaux_tc_moe(c, groups=(1, 1), routed_scaling_factor=1.0),
-            config_dtype=c.optional_str("dtype", "torch_dtype"),
             skipped_layers=c.int("num_nextn_predict_layers", default=0),
         )
 

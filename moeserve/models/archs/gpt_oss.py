@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.errors import CheckpointError
+from moeserve.models.archs.family import read_spec
 from moeserve.models.registry import Architecture, WeightNames, register
 from moeserve.models.spec import AttentionSpec, ConfigReader, ModelSpec, MoeSpec, read_rope
 
@@ -75,15 +76,8 @@ class GptOss(Architecture):
             sliding_window=sliding_windows(c, num_layers),
         )
         intermediate = c.int("intermediate_size")
-        return ModelSpec(
-            architecture=self.name,
-            model_type=str(c.get("model_type", default="gpt_oss")),
-            hidden_size=hidden,
-            num_layers=num_layers,
-            vocab_size=c.int("vocab_size"),
-            rms_norm_eps=c.float("rms_norm_eps", default=1e-5),
-            max_position_embeddings=c.int("max_position_embeddings", default=131072),
-            tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+        return read_spec(
+            self.name, c, num_layers, model_type="gpt_oss", rms_norm_eps=1e-5, max_positions=131072,
             dense_intermediate_size=intermediate,
             moe_layers=tuple(True for _ in range(num_layers)),
             attention=attention,
@@ -101,6 +95,5 @@ class GptOss(Architecture):
                 swiglu_limit=c.float("swiglu_limit", default=DEFAULT_SWIGLU_LIMIT),
                 swiglu_alpha=c.float("swiglu_alpha", default=DEFAULT_SWIGLU_ALPHA),
             ),
-            config_dtype=c.optional_str("dtype", "torch_dtype"),
             norm_style="scale_in_fp32",
         )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from moeserve.models.archs.family import read_spec, softmax_topk_moe
 from moeserve.models.registry import Architecture, WeightNames, register
-from moeserve.models.spec import ConfigReader, ModelSpec, MoeSpec, base_attention, read_rope
+from moeserve.models.spec import ConfigReader, ModelSpec, base_attention, read_rope
 
 
 @register
@@ -23,29 +24,12 @@ class Mixtral(Architecture):
         c = ConfigReader(config, where)
         num_layers = c.int("num_hidden_layers")
         num_experts = c.int("num_local_experts", "num_experts")
-        return ModelSpec(
-            architecture=self.name,
-            model_type=str(c.get("model_type", default="mixtral")),
-            hidden_size=c.int("hidden_size"),
-            num_layers=num_layers,
-            vocab_size=c.int("vocab_size"),
-            rms_norm_eps=c.float("rms_norm_eps", default=1e-5),
-            max_position_embeddings=c.int("max_position_embeddings", default=32768),
-            tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+        return read_spec(
+            self.name, c, num_layers, model_type="mixtral", rms_norm_eps=1e-5,
             dense_intermediate_size=c.int("intermediate_size"),
             moe_layers=tuple(True for _ in range(num_layers)),
             attention=base_attention(c, num_layers, use_window=True),
             rope=read_rope(c),
-            moe=MoeSpec(
-                num_experts=num_experts,
-                top_k=c.int("num_experts_per_tok"),
-                intermediate_size=c.int("intermediate_size"),
-                norm_topk_prob=True,
-                routing="softmax_topk",
-                router_bias=False,
-                weights_in_fp32=True,
-                expert_kind="swiglu",
-                shared_intermediate_size=0,
-            ),
-            config_dtype=c.optional_str("dtype", "torch_dtype"),
+            moe=softmax_topk_moe(c, num_experts, norm_topk_prob=True, intermediate_key="intermediate_size",
+                                 weights_in_fp32=True),
         )

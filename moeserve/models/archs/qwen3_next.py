@@ -19,12 +19,12 @@ from dataclasses import asdict
 from typing import Any, Literal
 
 from moeserve.errors import CheckpointError, UnsupportedModelError
+from moeserve.models.archs.family import read_spec, softmax_topk_moe
 from moeserve.models.registry import Architecture, WeightNames, register
 from moeserve.models.spec import (
     ConfigReader,
     LinearAttentionSpec,
     ModelSpec,
-    MoeSpec,
     base_attention,
     moe_layer_pattern,
     read_rope,
@@ -56,31 +56,16 @@ def hybrid_spec(name: str, c: ConfigReader, projections: Literal["qkvz_ba", "qkv
     types = layer_types(c, num_layers)
     bias = c.bool("attention_bias", default=False)
     qwen35 = projections == "qkv_z_b_a"  # every Qwen3.5 layer is MoE, its top-k always renormalised
-    return ModelSpec(
-        architecture=name,
-        model_type=str(c.get("model_type", default="")),
-        hidden_size=c.int("hidden_size"),
-        num_layers=num_layers,
-        vocab_size=c.int("vocab_size"),
-        rms_norm_eps=c.float("rms_norm_eps", default=1e-6),
-        max_position_embeddings=c.int("max_position_embeddings", default=32768),
-        tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+    return read_spec(
+        name, c, num_layers,
+        config_dtype=dtype,
         dense_intermediate_size=0 if qwen35 else c.int("intermediate_size"),
         moe_layers=(True,) * num_layers if qwen35 else moe_layer_pattern(c, num_layers, num_experts),
         attention=base_attention(c, num_layers, qkv_bias=bias, o_bias=bias, qk_norm="per_head", output_gate=True),
         rope=read_rope(c),
-        moe=MoeSpec(
-            num_experts=num_experts,
-            top_k=c.int("num_experts_per_tok"),
-            intermediate_size=c.int("moe_intermediate_size"),
-            norm_topk_prob=True if qwen35 else c.bool("norm_topk_prob", default=True),
-            routing="softmax_topk",
-            router_bias=False,
-            weights_in_fp32=False,
-            expert_kind="swiglu",
-            shared_intermediate_size=c.int("shared_expert_intermediate_size", default=0),
-        ),
-        config_dtype=dtype,
+        moe=softmax_topk_moe(c, num_experts,
+                             norm_topk_prob=True if qwen35 else c.bool("norm_topk_prob", default=True),
+                             shared_intermediate_size=c.int("shared_expert_intermediate_size", default=0)),
         norm_style="zero_centered",  # MTP layers live under mtp.* (Architecture.unserved), not past the last layer
         linear_attention=LinearAttentionSpec(
             layers=tuple(i for i, t in enumerate(types) if t == LINEAR),

@@ -6,15 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from moeserve.errors import UnsupportedModelError
+from moeserve.models.archs.family import read_spec, softmax_topk_moe
 from moeserve.models.registry import Architecture, register
-from moeserve.models.spec import (
-    ConfigReader,
-    ModelSpec,
-    MoeSpec,
-    base_attention,
-    moe_layer_pattern,
-    read_rope,
-)
+from moeserve.models.spec import ConfigReader, ModelSpec, base_attention, moe_layer_pattern, read_rope
 
 
 def _qwen_spec(name: str, config: dict[str, Any], where: str, *, qwen3: bool) -> ModelSpec:
@@ -29,31 +23,15 @@ def _qwen_spec(name: str, config: dict[str, Any], where: str, *, qwen3: bool) ->
                                    o_bias=c.bool("attention_bias", default=False), qk_norm="per_head")
     else:
         attention = base_attention(c, num_layers, qkv_bias=c.bool("qkv_bias", default=True))
-    return ModelSpec(
-        architecture=name,
-        model_type=str(c.get("model_type", default="")),
-        hidden_size=c.int("hidden_size"),
-        num_layers=num_layers,
-        vocab_size=c.int("vocab_size"),
-        rms_norm_eps=c.float("rms_norm_eps", default=1e-6),
-        max_position_embeddings=c.int("max_position_embeddings", default=32768),
-        tie_word_embeddings=c.bool("tie_word_embeddings", default=False),
+    return read_spec(
+        name, c, num_layers,
         dense_intermediate_size=c.int("intermediate_size"),
         moe_layers=moe_layer_pattern(c, num_layers, num_experts),
         attention=attention,
         rope=read_rope(c),
-        moe=MoeSpec(
-            num_experts=num_experts,
-            top_k=c.int("num_experts_per_tok"),
-            intermediate_size=c.int("moe_intermediate_size"),
-            norm_topk_prob=c.bool("norm_topk_prob", default=qwen3),
-            routing="softmax_topk",
-            router_bias=False,
-            weights_in_fp32=False,
-            expert_kind="swiglu",
-            shared_intermediate_size=0 if qwen3 else c.int("shared_expert_intermediate_size", default=0),
-        ),
-        config_dtype=c.optional_str("dtype", "torch_dtype"),
+        moe=softmax_topk_moe(c, num_experts, norm_topk_prob=c.bool("norm_topk_prob", default=qwen3),
+                             shared_intermediate_size=0 if qwen3 else c.int("shared_expert_intermediate_size",
+                                                                            default=0)),
     )
 
 
