@@ -28,9 +28,10 @@ from typing import Any
 
 import torch
 
+from moeserve.memory.chunks import STAGING_BUFFERS
+
 log = logging.getLogger("moeserve")
 
-STAGING_BUFFERS = 2  # a read into one overlaps the copy out of the other
 
 
 class DeviceOps(ABC):

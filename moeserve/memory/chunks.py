@@ -15,11 +15,19 @@ MiB = 2**20
 GiB = 2**30
 CHUNK_BYTES = 256 * MiB  # the smallest chunk for the whole-chunk part of a tier (a power of two)
 MAX_CHUNK_BYTES = 1 * GiB  # chunks are chosen among powers of two up to this (or one unit, if larger)
+# The copier's pinned read buffers (experts/transfer.py): a read into one overlaps the copy out of the other.
+STAGING_BUFFERS = 2
 
 
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def staging_pinned_bytes(unit_nbytes: int) -> int:
+    """Pinned host RAM the copier's staging buffers take: STAGING_BUFFERS units, each one pinned request that
+    torch's allocator rounds up to a power of two."""
+    return STAGING_BUFFERS * next_pow2(unit_nbytes)
 
 
 @dataclass(frozen=True)

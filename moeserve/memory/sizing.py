@@ -7,10 +7,11 @@ the same `MemoryNeeds` (from shapes) and the same `MemoryTopology` (memory/topol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from moeserve.memory.budget import HostBudget, choose_host_budget
+from moeserve.memory.chunks import staging_pinned_bytes
 from moeserve.memory.split import MemoryNeeds, MemorySplit, split_memory
 from moeserve.memory.topology import MemoryTopology
 
@@ -45,7 +46,11 @@ class TierSizes:
 
 
 def size_tiers(needs: MemoryNeeds, topology: MemoryTopology, s: TierSettings) -> TierSizes:
-    """Split the fast tier's budget and size the host tier. Raises ConfigError (one line) for what cannot fit."""
+    """Split the fast tier's budget and size the host tier. Raises ConfigError (one line) for what cannot fit.
+    The copier's pinned staging buffers (any CUDA device) are host RAM: on a discrete GPU the host budget leaves
+    them out of what it locks; on unified memory they come out of the one pool, as read buffers of the split."""
+    if topology.device_type == "cuda" and topology.unified:
+        needs = replace(needs, staging_bytes=needs.staging_bytes + staging_pinned_bytes(needs.unit_nbytes))
     split = split_memory(needs, memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
                          max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                          free_bytes=topology.fast_free_bytes)

@@ -12,6 +12,7 @@ with one rounding per add, so where the experts live never changes a bit of the 
 | torch             | any (the plan's UnitMath)              | per-expert torch loop (CUDA, kernels=torch, formats without a fused op) |
 | cpp-swiglu        | SwiGLU [out, in], bf16/fp32 or int8    | moe_swiglu_ / moe_swiglu_int8_ (decode-sized batches; the torch loop above 64 tokens unless batch-invariant) |
 | cpp-interleaved   | SwiGLU 4-row interleaved, bf16 or int8 | moe_swiglu_interleaved_ / moe_swiglu_int8_interleaved_ (any batch) |
+| batched           | any (UnitMath.bind_stacked)            | GPU: groups of GROUP experts x ENTRY_ROWS tokens per batched matmul |
 
 `choose_expert_kernel` is the only place that asks what the units are (UnitMath.fused_units). The MoE layer and the
 decode stack call the interface; `stack_units` tells the decode stack (csrc/decode_stack.cpp) which fields it reads.
@@ -35,6 +36,11 @@ Chunk = list[tuple[int, ExpertWeights]]  # (expert id, its unit's field views), 
 # which is built for decode: it reads each weight row once for all of an expert's tokens, but re-reads the tokens per
 # row. (The interleaved op is tiled for any batch.)
 FUSED_MAX_TOKENS = 64
+
+# The batched kernel's one call shape: GROUP entries (an expert's block of tokens each) of ENTRY_ROWS rows. Decode
+# (a token or a few per expert) fills a group with GROUP experts; a top-8 model's token is one call per layer.
+GROUP, ENTRY_ROWS = 8, 16
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,81 @@ class TorchExperts(ExpertKernel):
         return f"torch ({type(self.math).__name__} per expert{', in fixed row blocks' if self.invariant else ''})"
 
 
+class BatchedExperts(ExpertKernel):
+    """The GPU experts: a chunk's experts in batched calls of exactly GROUP entries x ENTRY_ROWS rows, each
+    entry one expert's block of tokens (its units stacked and dequantized once per call, `UnitMath.bind_stacked`,
+    then one batched matmul per projection), instead of one call per expert.
+
+    Where the experts live never changes a bit: resident (one chunk) and offloaded (chunks as the cache allows)
+    group the experts differently, so no call's shape may depend on the grouping. Every grouped call has the one
+    shape [GROUP, ENTRY_ROWS, H] (the last group padded by repeating a unit, its results dropped), so an expert's
+    block gets the same kernel whatever its neighbours (a batched matmul computes each batch entry alone); an
+    expert with more than ENTRY_ROWS tokens runs alone on its own rows (a shape set by that expert only), or,
+    batch-invariant, in ENTRY_ROWS blocks like the rest. Outputs are added in rounds, round r adding each token's
+    r-th expert of the chunk, so every token still gets its experts in ascending order, one rounding per add.
+    """
+
+    name = "batched"
+
+    def __init__(self, math: UnitMath, invariant: bool, why: str) -> None:
+        super().__init__(math)
+        self.invariant, self.why = invariant, why
+
+    def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
+        for chunk in chunks:
+            first, last = routed.spans[chunk[0][0]][0], routed.spans[chunk[-1][0]][1]
+            y = routed.x.new_empty(last - first, routed.x.shape[1])  # each pair's output, in pair order
+            entries: list[tuple[ExpertWeights, int, int]] = []  # (unit, first pair, end pair), <= ENTRY_ROWS
+            for e, w in chunk:
+                lo, hi = routed.spans[e]
+                if hi - lo > ENTRY_ROWS and not self.invariant:
+                    y[lo - first : hi - first] = self.math.bind(w)(routed.x[routed.token_of[lo:hi]])
+                else:
+                    entries += [(w, s, min(s + ENTRY_ROWS, hi)) for s in range(lo, hi, ENTRY_ROWS)]
+            for g in range(0, len(entries), GROUP):
+                self._run_group(entries[g : g + GROUP], routed, y, first)
+            add_in_expert_order(out, routed.token_of[first:last], y * routed.weight_of[first:last, None])
+
+    def _run_group(self, entries: list[tuple[ExpertWeights, int, int]], routed: RoutedTokens, y: torch.Tensor,
+                   first: int) -> None:
+        """One call of GROUP entries: y[pair - first] = that pair's expert output, for every pair of `entries`."""
+        units = [w for w, _, _ in entries]
+        units += [units[-1]] * (GROUP - len(units))  # the call's shape never changes: padding repeats a unit
+        pairs: list[int] = []  # the pair of each of the GROUP x ENTRY_ROWS rows (padding: the group's first)
+        rows: list[int] = []  # the rows holding real pairs
+        for g, (_, lo, hi) in enumerate(entries):
+            pairs += list(range(lo, hi)) + [entries[0][1]] * (ENTRY_ROWS - (hi - lo))
+            rows += range(g * ENTRY_ROWS, g * ENTRY_ROWS + hi - lo)
+        pairs += [entries[0][1]] * (GROUP * ENTRY_ROWS - len(pairs))
+        device = routed.x.device
+        x = routed.x[routed.token_of[torch.tensor(pairs, device=device)]].view(GROUP, ENTRY_ROWS, -1)
+        out = self.math.bind_stacked(units)(x).flatten(0, 1)  # [GROUP * ENTRY_ROWS, H]
+        real = torch.tensor(rows, device=device)
+        y[torch.tensor(pairs, device=device)[real] - first] = out[real]
+
+    def describe(self) -> str:
+        blocks = "every expert" if self.invariant else f"experts of <= {ENTRY_ROWS} tokens"
+        return (f"batched ({self.why}: {type(self.math).__name__} stacked, {blocks} in calls of {GROUP} x "
+                f"{ENTRY_ROWS} rows; experts added in ascending order)")
+
+
+def add_in_expert_order(out: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor) -> None:
+    """out[tokens[p]] += y[p] for the pairs p of consecutive experts (ascending, each expert's tokens ascending):
+    each token's adds in its experts' order, one rounding each, as the per-expert loop; in as many rounds as a
+    token has experts here (a round's tokens are distinct, so a gathered add is the one rounding)."""
+    y = y.to(out.dtype)
+    order = torch.sort(tokens, stable=True).indices  # each token's pairs together, still in expert order
+    by_token = tokens[order]
+    rank = torch.empty_like(tokens)
+    rank[order] = torch.arange(len(tokens), device=tokens.device) - torch.searchsorted(by_token, by_token)
+    rounds = torch.sort(rank, stable=True).indices
+    start = 0
+    for count in torch.bincount(rank).tolist():  # one device sync per chunk
+        sel = rounds[start : start + count]
+        out[tokens[sel]] += y[sel]
+        start += count
+
+
 class _FusedSwiGLU(ExpertKernel):
     """One C++ call per chunk: every expert's SwiGLU for its tokens, weighted, added into `out` in ascending
     expert order with the roundings of the torch loop (csrc/moe_experts.cpp)."""
@@ -172,9 +253,15 @@ class CppInterleavedSwiGLU(_FusedSwiGLU):
         return f"{self.name} (the fused C++ op on row-interleaved units, every batch)"
 
 
-def choose_expert_kernel(math: UnitMath, cpp: bool, dtype: torch.dtype, invariant: bool) -> ExpertKernel:
-    """The kernel for units computed by `math`: a fused C++ op where the units and the compute dtype allow it and
-    the C++ kernels are on (`cpp`), else the torch loop."""
+def choose_expert_kernel(math: UnitMath, cpp: bool, dtype: torch.dtype, invariant: bool,
+                         device: torch.device = CPU, batched: bool | None = None) -> ExpertKernel:
+    """The kernel for units computed by `math`: on a GPU (any device but the CPU) the batched torch kernel;
+    on the CPU a fused C++ op where the units and the compute dtype allow it and the C++ kernels are on (`cpp`),
+    else the torch loop. `batched`: True or False overrides the device's choice (tests run the batched kernel on
+    the CPU through the fake fast tier)."""
+    if batched if batched is not None else device.type != "cpu":
+        why = f"on {device.type}" if batched is None else "asked for"
+        return BatchedExperts(math, invariant, why)
     torch_loop = TorchExperts(math, invariant)
     units = math.fused_units()
     if not cpp or units is None:

@@ -244,10 +244,10 @@ def _gpt_oss_stored_math(
     dense: tuple[torch.Tensor, ...],
     biases: tuple[torch.Tensor | None, ...],
 ) -> torch.Tensor:
-    gate_up, down = dense  # [2I, H], [H, I] (output-major, as stored)
+    gate_up, down = dense  # [2I, H], [H, I] (output-major, as stored), or stacked [G, ...]
     gate_up_bias, down_bias = biases
     assert gate_up_bias is not None and down_bias is not None
-    return gpt_oss_expert_math(x, gate_up.t(), gate_up_bias, down.t(), down_bias, limit, alpha)
+    return gpt_oss_expert_math(x, gate_up.mT, gate_up_bias, down.mT, down_bias, limit, alpha)
 
 
 @register_planner("gpt_oss")

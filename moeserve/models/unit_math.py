@@ -3,7 +3,9 @@
 A unit (experts/unit.py) is one expert's bytes as a plan laid them out: SwiGLU matrices in the compute dtype, the
 same matrices row-interleaved, int8 codes with scales, or any quantized format's stored tensors. Its UnitMath is
 the reference computation on it, with torch: `bind(w)` does the per-unit work once (dequantization) and returns a
-row-wise function of the tokens x [T, H] -> [T, H]. `fused_units()` says whether moeserve's fused C++ expert ops
+row-wise function of the tokens x [T, H] -> [T, H]; `bind_stacked(units)` does the same for G experts at once
+(their fields stacked, dequantized as one batched op where the format allows) and returns a function of x [G, M, H]
+-> [G, M, H], expert g on x[g]: the batched expert kernel's form. `fused_units()` says whether moeserve's fused C++ expert ops
 can run these units directly, and where the fields they read are; the expert kernel factory
 (models/expert_kernels.py) reads it once, when the model is built. Nothing else asks a UnitMath what it is.
 """
@@ -57,16 +59,32 @@ class UnitMath(ABC):
     def __call__(self, x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
         return self.bind(w)(x)
 
+    def bind_stacked(self, units: Sequence[ExpertWeights]) -> RowFn:
+        """G units made ready at once; the function maps x [G, M, H] -> [G, M, H] (expert g on x[g]). Valid until
+        the next bind. Default: each field stacked [G, ...] (one op per field) and `bind`, whose math must then
+        broadcast over the leading G (the functions below do: `expert_linear`, `row_bias`)."""
+        return self.bind(tuple(torch.stack(field) for field in zip(*units)))
+
     def fused_units(self) -> FusedUnits | None:
         """Where a fused C++ expert op finds its fields in these units; None: no such op (the torch loop runs)."""
         return None
 
 
+def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T for one expert (x [T, in], W [out, in]: F.linear) or G stacked ones (x [G, M, in], W [G, out, in])."""
+    return F.linear(x, w) if w.dim() == 2 else torch.matmul(x, w.mT)
+
+
+def row_bias(bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A bias [out] (one expert) or [G, out] (stacked) shaped to add to rows x [T, out] or [G, M, out]."""
+    return bias if x.dim() == 2 else bias.unsqueeze(-2)
+
+
 def swiglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]."""
+    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I] (or both stacked over G experts)."""
     gate_up, down = w[0], w[1]
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = expert_linear(x, gate_up).chunk(2, dim=-1)
+    return expert_linear(F.silu(gate) * up, down)
 
 
 class SwiGLUMath(UnitMath):
@@ -92,13 +110,19 @@ class InterleavedSwiGLU(UnitMath):
         dense = (deinterleave_rows(w[0], 2 * i, h), deinterleave_rows(w[1], h, i))
         return lambda x: swiglu_expert(x, dense)
 
+    def bind_stacked(self, units: Sequence[ExpertWeights]) -> RowFn:
+        h, i = self.hidden, self.inter  # a reference form: de-interleaved per unit, then stacked
+        dense = (torch.stack([deinterleave_rows(w[0], 2 * i, h) for w in units]),
+                 torch.stack([deinterleave_rows(w[1], h, i) for w in units]))
+        return lambda x: swiglu_expert(x, dense)
+
     def fused_units(self) -> FusedUnits:
         return FusedUnits(interleaved=True)
 
 
 def relu2_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """Unit fields: up [I, H], down [H, I]: down(relu(up x)^2), no gate (Nemotron-H)."""
-    return F.linear(torch.square(F.relu(F.linear(x, w[0]))), w[1])
+    return expert_linear(torch.square(F.relu(expert_linear(x, w[0]))), w[1])
 
 
 class Relu2Math(UnitMath):
@@ -122,9 +146,10 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
 def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: torch.Tensor,
                         down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
     """One gpt-oss expert, operation by operation as transformers: x [T, H] @ gate_up_t [H, 2I] + bias,
-    clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views."""
-    gate_up = x @ gate_up_t + gate_up_bias
-    return clamped_swiglu(gate_up, limit, alpha) @ down_t + down_bias
+    clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views; or G experts stacked
+    (x [G, M, H], weights [G, ...], biases [G, out])."""
+    gate_up = x @ gate_up_t + row_bias(gate_up_bias, x)
+    return clamped_swiglu(gate_up, limit, alpha) @ down_t + row_bias(down_bias, x)
 
 
 class GptOssMath(UnitMath):
@@ -169,6 +194,7 @@ class DequantizingKernel(UnitMath):
     def __init__(self, projections: Sequence[Projection], dtype: torch.dtype, math: ExpertMath) -> None:
         self.projections, self.dtype, self.math = tuple(projections), dtype, math
         self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._stacked: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}  # (device, G) -> [G, out, in]
 
     def buffers(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         bufs = self._buffers.get(device)
@@ -191,6 +217,24 @@ class DequantizingKernel(UnitMath):
         biases = tuple(None if p.bias_field is None else w[p.bias_field] for p in self.projections)
         dense = self.dequantize(w)
         return lambda x: self.math(x, dense, biases)
+
+    def bind_stacked(self, units: Sequence[ExpertWeights]) -> RowFn:
+        """Each unit dequantized into its slice of reused stacked buffers [G, out, in] (the formats' decoders
+        take one weight each: several carry a per-tensor scale), then the math once on the stack."""
+        g, device = len(units), units[0][0].device
+        bufs = self._stacked.get((device, g))
+        if bufs is None:
+            with torch.inference_mode(False):
+                bufs = tuple(torch.empty((g, *p.shape), dtype=self.dtype, device=device) for p in self.projections)
+            self._stacked[(device, g)] = bufs
+        for proj, buf in zip(self.projections, bufs):
+            for shard in proj.shards:
+                for out, w in zip(buf, units):
+                    shard.fmt.dequantize({role: w[i] for role, i in shard.role_fields},
+                                         out[shard.rows[0] : shard.rows[1]])
+        biases = tuple(None if p.bias_field is None else torch.stack([w[p.bias_field] for w in units])
+                       for p in self.projections)
+        return lambda x: self.math(x, bufs, biases)
 
     @property
     def buffer_nbytes(self) -> int:
@@ -221,6 +265,22 @@ class Int8Kernel(UnitMath):
 
     def fused_units(self) -> FusedUnits | None:
         return self._fused
+
+    def bind_stacked(self, units: Sequence[ExpertWeights]) -> RowFn:
+        """Codes and scales stacked, dequantized in one op per matrix ([G, out, in] codes x [G, out, 1] float32
+        scales, cast once: the bits of `dequantize_int8_per_channel`), then the dense math on the stack."""
+        dense = []
+        for shape, (index, scale_index) in zip(self.shapes, self.targets):
+            if scale_index is None:
+                dense.append(torch.stack([w[index] for w in units]))
+                continue
+            codes = torch.stack([unpack_int8_rows(w[index], *shape) if self.interleaved else w[index]
+                                 for w in units])
+            scales = torch.stack([w[scale_index] for w in units])
+            weight = torch.empty(codes.shape, dtype=self.dtype, device=codes.device)
+            weight.copy_(codes)
+            dense.append(weight.mul_(scales[..., None]))
+        return self.dense.bind(tuple(dense))
 
     def bind(self, w: ExpertWeights) -> RowFn:
         bufs = self._buffers.get(w[0].device)

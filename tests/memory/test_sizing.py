@@ -67,6 +67,7 @@ def test_plan_prints_the_sizes_the_engine_logs(tiny_checkpoint, monkeypatch, cap
     host = engine[-1]
     assert "pinned where the driver allows" in host
     assert ("host_cache_gb=0.0001, set" if host_cache_gb else "auto: 40.00 GiB available less 4.00 GiB") in host
+    assert "copier staging 2 x " in host  # the pinned staging buffers: counted, and named in both
 
 
 def test_both_refuse_a_host_cache_beyond_ram_with_the_same_line(tiny_checkpoint, monkeypatch, caplog, capsys):
@@ -95,3 +96,23 @@ def test_gpu_activations_are_budgeted_from_the_shapes(tiny_checkpoint, monkeypat
         assert "derived: 2.00 GiB free less 1.00 GiB headroom" in budget  # the GPU's free memory, not RAM
         runtime[tokens] = float(re.search(r"runtime ([\d.]+) MiB", budget).group(1))  # type: ignore[union-attr]
     assert runtime[4096] > 4 * runtime[256]  # 16x the tokens: the per-token activations dominate
+
+
+def test_unified_memory_charges_the_staging_buffers_to_the_one_pool():
+    """On unified memory the copier's pinned staging buffers come out of the pool the split divides: its read
+    buffers grow by them (two units, each rounded up to a power of two); on the CPU no copier, nothing added."""
+    from moeserve.memory.sizing import size_tiers
+    from moeserve.memory.split import MemoryNeeds
+    from moeserve.memory.topology import MemoryTopology
+
+    unit = 3 * 2**20  # 3 MiB: each staging buffer pins 4 MiB
+    needs = MemoryNeeds(GiB, unit, 1000, 1024, 0, 16, 4096, 4 * unit, 64 * 2**20)
+    settings = SimpleNamespace(memory_gb=None, expert_cache_gb=None, kv_cache_gb=None, host_cache_gb=None,
+                               max_model_len=1024, max_num_seqs=4)
+    staging = {}
+    for device, unified in (("cuda", True), ("cpu", False)):
+        topo = MemoryTopology(device, unified, 32 * GiB, 32 * GiB, 64 * GiB, "fake")
+        sizes = size_tiers(needs, topo, settings)
+        staging[device] = sizes.split.staging_bytes
+        assert sizes.host.capacity == 0
+    assert staging["cpu"] == 4 * unit and staging["cuda"] == 4 * unit + 2 * 4 * 2**20
