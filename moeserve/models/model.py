@@ -150,7 +150,7 @@ def build_model(
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
-    kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant)
+    kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant, device)
     choices.append(("expert kernel", kernel.describe()))
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
