@@ -9,40 +9,60 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.bench.shapes import BenchShape
+from moeserve.bench.shape_base import Shape
 
 
 @dataclass(frozen=True)
 class StepBytes:
-    """Weight bytes one forward step reads, split by where they come from."""
+    """Bytes one forward step reads, split by where they come from."""
 
     dense_bytes: int  # non-expert weights every step reads (attention, router, norms, LM head, embedding rows)
     expert_bytes_fast: float  # expert bytes read from the fast tier (cache hits)
     expert_bytes_disk: float  # expert bytes read from disk (misses)
+    # sequence memory the step reads and writes: KV rows, latent rows, recurrent state (sequence_bytes_per_step)
+    sequence_bytes: float = 0.0
 
     @property
     def fast_bytes(self) -> float:
-        return self.dense_bytes + self.expert_bytes_fast
+        return self.dense_bytes + self.expert_bytes_fast + self.sequence_bytes
 
 
-def dense_bytes_per_step(shape: BenchShape, bytes_per_param: float, batch: int = 1) -> int:
-    """Non-expert bytes of one decode step: every layer's attention, router and norms, the final norm, the LM
-    head, and one embedding row per sequence."""
-    per_layer = shape.layer_dense_params * shape.num_layers
-    head = shape.vocab_size * shape.hidden_size + shape.hidden_size
-    return int((per_layer + head + batch * shape.hidden_size) * bytes_per_param)
+def dense_bytes_per_step(shape: Shape, bytes_per_param: float, batch: int = 1) -> int:
+    """Non-expert bytes of one decode step: every layer's non-expert tensors (attention or mixer, routers, norms,
+    shared experts, dense MLPs), the final norm, the LM head, and one embedding row per sequence."""
+    return int((shape.dense_layer_params + shape.head_params + batch * shape.hidden_size) * bytes_per_param)
 
 
-def dense_bytes_per_step_int8(shape: BenchShape, batch: int = 1) -> int:
-    """dense_bytes_per_step for moeserve with quantization="int8": the attention projections and the LM head as
-    int8 codes (1 byte per weight) plus a float32 scale per output row; routers, norms, the final norm and the
-    embedding rows in bf16 (moeserve keeps them so, see moeserve.models.model.build_model)."""
-    h, d = shape.hidden_size, shape.head_dim
-    attn_rows = (shape.num_heads + 2 * shape.num_kv_heads) * d + h  # q/k/v stacked, then o_proj
-    int8_layer = shape.attention_params + 4 * attn_rows
-    bf16_layer = 2 * (shape.layer_dense_params - shape.attention_params)  # router + norm vectors
-    head = shape.vocab_size * h + 4 * shape.vocab_size
-    return shape.num_layers * (int8_layer + bf16_layer) + head + 2 * h + 2 * batch * h
+def dense_bytes_per_step_int8(shape: Shape, batch: int = 1) -> int:
+    """dense_bytes_per_step for moeserve with quantization="int8" (the shape's own accounting: Shape.dense_bytes_int8)."""
+    return shape.dense_bytes_int8(batch)
+
+
+def sequence_bytes_per_step(shape: Shape, context: int, itemsize: int = 2) -> dict[str, int]:
+    """Bytes of sequence memory one decode step of one sequence reads and writes, by kind, for a sequence holding
+    `context` tokens before the step: the kinds and their sizes are moeserve's own (engine.llm_engine.spec_kv_groups,
+    state/kinds.py: KV and latent rows in the compute dtype, a recurrent layer's conv inputs in it and its state in
+    fp32). A token-indexed kind reads the rows still live after the step (the new token's included) and writes one
+    row; a recurrent kind reads its one state slot and writes it back."""
+    from moeserve.engine.llm_engine import spec_kv_groups
+
+    spec = shape.spec()
+    a = spec.attention
+    out: dict[str, int] = {}
+    after = context + 1  # tokens held once the step's token is cached
+    for group in spec_kv_groups(spec):
+        kind = group.kind
+        row = kind.block_bytes(len(group.layers), 1, a.num_kv_heads, a.head_dim, itemsize)
+        rows_read = kind.blocks_for(after, 1) - kind.first_live_block(after, 1)
+        out[kind.describe()] = out.get(kind.describe(), 0) + (rows_read + 1) * row
+    return out
+
+
+def kv_per_token(shape: Shape, itemsize: int = 2) -> str | None:
+    """moeserve's line on the latent cache's bytes per token vs the same model with full KV (None without MLA)."""
+    from moeserve.models.mla import kv_per_token_line
+
+    return kv_per_token_line(shape.spec(), itemsize)
 
 
 def expected_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
@@ -51,16 +71,18 @@ def expected_unique_experts(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def resident_step_bytes(shape: BenchShape, bytes_per_param: float, batch: int = 1,
-                        experts_per_layer: float | None = None) -> StepBytes:
+def resident_step_bytes(shape: Shape, bytes_per_param: float, batch: int = 1,
+                        experts_per_layer: float | None = None, context: int | None = None) -> StepBytes:
     """Bytes of one decode step of `batch` sequences with every expert resident.
 
-    experts_per_layer: distinct experts a layer reads in one step (measured); default the uniform expectation.
+    experts_per_layer: distinct experts a MoE layer reads in one step (measured); default the uniform expectation.
+    context: tokens each sequence holds before the step (its sequence memory counted); None: weights only.
     """
     if experts_per_layer is None:
         experts_per_layer = expected_unique_experts(shape.num_experts, shape.top_k, batch)
-    expert = experts_per_layer * shape.num_layers * shape.expert_params * bytes_per_param
-    return StepBytes(dense_bytes_per_step(shape, bytes_per_param, batch), expert, 0.0)
+    expert = experts_per_layer * shape.moe_layer_count * shape.expert_params * bytes_per_param
+    sequence = 0 if context is None else batch * sum(sequence_bytes_per_step(shape, context).values())
+    return StepBytes(dense_bytes_per_step(shape, bytes_per_param, batch), expert, 0.0, sequence)
 
 
 def tokens_per_second_ceiling(step: StepBytes, memory_bytes_per_s: float, disk_bytes_per_s: float | None = None,

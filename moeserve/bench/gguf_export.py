@@ -1,4 +1,5 @@
-"""Write a GGUF of a synthetic Qwen3-MoE benchmark checkpoint, for llama.cpp to run the same weights.
+"""Write a GGUF of a synthetic benchmark checkpoint, for llama.cpp to run the same weights (one writer per
+architecture, `GGUF_WRITERS`, keyed by config.json's model_type; Qwen3-MoE here).
 
 Streaming like the safetensors writer: tensor infos are declared first, then each tensor is read from the
 checkpoint, converted (experts of a layer stacked to [E, I, H] as llama.cpp expects) and written before the next.
@@ -12,13 +13,16 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
 
 from moeserve.bench import pagecache
+from moeserve.bench.shape_base import Shape
 from moeserve.bench.shapes import BenchShape
 from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
+from moeserve.errors import ConfigError
 
 GGUF_KINDS = ("bf16", "q8_0")
 log = logging.getLogger("moeserve.bench")
@@ -28,7 +32,7 @@ def gguf_path(checkpoint_dir: Path, kind: str) -> Path:
     return checkpoint_dir / f"model-{kind}.gguf"
 
 
-def ensure_gguf(checkpoint_dir: Path, shape: BenchShape, kind: str = "bf16") -> Path:
+def ensure_gguf(checkpoint_dir: Path, shape: Shape, kind: str = "bf16") -> Path:
     """The GGUF of the checkpoint in `checkpoint_dir`, writing it first if it is not there. A GGUF just written is
     dropped from the page cache (its pages would be charged to this process, and a peer mapping them in a memory
     cgroup of its own would not be: bench/pagecache.py)."""
@@ -101,12 +105,21 @@ def _encode(t: torch.Tensor, kind: str, keep_f32: bool) -> tuple[np.ndarray, obj
     return gguf.quants.quantize(t.float().numpy(), Q.Q8_0), Q.Q8_0
 
 
-def write_gguf(ckpt: Checkpoint, shape: BenchShape, out: Path, kind: str = "bf16") -> None:
-    """Write `ckpt` (a synthetic Qwen3-MoE of `shape`) as a GGUF at `out`, in `kind` (bf16 or q8_0)."""
-    import gguf
-
+def write_gguf(ckpt: Checkpoint, shape: Shape, out: Path, kind: str = "bf16") -> None:
+    """Write `ckpt` (the synthetic checkpoint of `shape`) as a GGUF at `out`, in `kind` (bf16 or q8_0); ConfigError
+    for an architecture without a writer here."""
     if kind not in GGUF_KINDS:
         raise ValueError(f"GGUF kind must be one of {GGUF_KINDS}")
+    model_type = shape.hf_config()["model_type"]
+    if model_type not in GGUF_WRITERS:
+        raise ConfigError(f"no GGUF export for {model_type} (shape '{shape.name}'; written: {', '.join(GGUF_WRITERS)})")
+    GGUF_WRITERS[model_type](ckpt, shape, out, kind)
+
+
+def _write_qwen3_moe(ckpt: Checkpoint, any_shape: Shape, out: Path, kind: str) -> None:
+    import gguf
+
+    shape = cast(BenchShape, any_shape)  # the writer of model_type qwen3_moe: only BenchShape has it
     w = gguf.GGUFWriter(out, "qwen3moe")
     w.add_block_count(shape.num_layers)
     w.add_context_length(shape.max_position_embeddings)
@@ -136,3 +149,6 @@ def write_gguf(ckpt: Checkpoint, shape: BenchShape, out: Path, kind: str = "bf16
         arr, _ = _encode(load(), kind, keep)
         w.write_tensor_data(arr)
     w.close()
+
+
+GGUF_WRITERS: dict[str, Callable[[Checkpoint, Shape, Path, str], None]] = {"qwen3_moe": _write_qwen3_moe}

@@ -46,11 +46,26 @@ def step_bytes_from_store(cfg: BenchConfig, bytes_per_param: tuple[float, float]
     return ceilings.StepBytes(dense, expert_bytes * (1 - miss_share), expert_bytes * miss_share)
 
 
+def decode_context(cfg: BenchConfig) -> int:
+    """Tokens a sequence holds before the middle timed decode step: the prompt, its first token and half the steps."""
+    return cfg.prompt_len + 1 + cfg.new_tokens // 2
+
+
+def sequence_memory(cfg: BenchConfig) -> dict[str, Any]:
+    """The sequence memory one decode step of one sequence reads and writes, by kind, at decode_context (counted in
+    every decode row's ceiling), and, for latent attention, the KV bytes per token beside full KV."""
+    context = decode_context(cfg)
+    return {"context_tokens": context, "bytes_per_step": ceilings.sequence_bytes_per_step(cfg.shape, context),
+            "kv_per_token": ceilings.kv_per_token(cfg.shape)}
+
+
 def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped],
               bandwidths: dict[str, float], machine: dict[str, Any],
               load_rss: dict[str, int]) -> dict[str, Any]:
     """The whole benchmark as one JSON-ready dict; rows are one per (case, engine)."""
     by_key = {(r.case, r.engine): r for r in results}
+    seq_memory = sequence_memory(cfg)
+    per_sequence = sum(seq_memory["bytes_per_step"].values())  # decode steps only: prefill is compute-bound
     rows = []
     for r in results:
         ours = by_key.get((r.case, "moeserve"))
@@ -69,7 +84,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps, dense)
         else:
             step = ceilings.resident_step_bytes(cfg.shape, bpp[1], tokens_per_step)
-            step = ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk)
+        sequence = 0 if r.case == "prefill" else tokens_per_step * per_sequence
+        step = ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk, sequence)
         disk_bw = bandwidths["disk_bytes_per_s"]
         best_ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"], disk_bw,
                                                           tokens_per_step)
@@ -101,6 +117,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "load_peak_rss_bytes": load_rss.get(r.engine),
             "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
             "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
+            "sequence_bytes_per_token": step.sequence_bytes / tokens_per_step,
             # measured by moeserve's store; unknown for peers (None)
             "bytes_per_token_disk": (mine.get("bytes_from_disk", mine.get("bytes_read", 0)) / tokens) if mine else None,
             "bytes_per_token_host": (mine.get("bytes_from_host", 0) / tokens) if mine else None,
@@ -109,7 +126,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
         })
     return {"shape": cfg.shape.name, "checkpoint": str(cfg.checkpoint), "machine": machine,
-            "bandwidths": bandwidths, "settings": _settings(cfg), "rows": rows,
+            "bandwidths": bandwidths, "settings": _settings(cfg), "rows": rows, "sequence_memory": seq_memory,
             "skipped": [{"engine": s.engine, "reason": s.reason} for s in skipped]}
 
 
@@ -139,6 +156,7 @@ def format_table(summary: dict[str, Any]) -> str:
                  f"; memory probed beside each round: {min(beside) / 1e9:.1f}-{max(beside) / 1e9:.1f} GB/s "
                  "('ceiling' and 'of ceil': medians of each run against its round's probe; 'of best': against the "
                  "best probe)" if beside else "")]
+    lines += sequence_lines(summary.get("sequence_memory"))
     limit = summary["settings"].get("memory_limit_bytes")
     if limit:
         lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
@@ -155,6 +173,19 @@ def format_table(summary: dict[str, Any]) -> str:
     for s in summary["skipped"]:
         lines.append(f"skipped {s['engine']}: {s['reason']}")
     return "\n".join(lines)
+
+
+def sequence_lines(seq: dict[str, Any] | None) -> list[str]:
+    """What a decode step reads and writes of one sequence's memory (in every decode ceiling), and MLA's KV per
+    token beside full KV."""
+    if not seq:
+        return []
+    parts = ", ".join(f"{kind} {nbytes / 1e6:.3f} MB" for kind, nbytes in seq["bytes_per_step"].items())
+    lines = [f"sequence memory read+written per decode step and sequence at {seq['context_tokens']} tokens of "
+             f"context (in 'ceiling'): {parts or 'none'}"]
+    if seq.get("kv_per_token"):
+        lines.append(f"KV per token: {seq['kv_per_token']}")
+    return lines
 
 
 def _format_row(row: dict[str, Any]) -> str:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from moeserve.bench import ceilings, memlimit, pagecache, probes
-from moeserve.bench.shapes import BenchShape
+from moeserve.bench.shape_base import Shape
 from moeserve.bench.worker import BenchWorkerError, Worker
+from moeserve.errors import MoeserveError
 
 log = logging.getLogger("moeserve.bench")
 
@@ -40,7 +41,7 @@ PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
 
 @dataclass(frozen=True)
 class BenchConfig:
-    shape: BenchShape
+    shape: Shape
     checkpoint: Path
     cases: tuple[str, ...] = ("decode-b1", "decode-b8", "prefill")
     peers: tuple[str, ...] = ("transformers",)
@@ -142,7 +143,7 @@ def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], sk
         try:
             drop_inputs([cfg.checkpoint], peer)  # the GGUF too: _start_peer drops it after writing it
             workers[peer] = _start_peer(peer, cfg, cache_dir)
-        except (ImportError, BenchWorkerError, OSError) as err:
+        except (ImportError, MoeserveError, OSError) as err:  # a GGUF of an architecture it cannot write: ConfigError
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             skipped.append(Skipped(peer, reason))
             log.warning("peer %s skipped: %s", peer, reason)

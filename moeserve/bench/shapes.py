@@ -1,7 +1,9 @@
-"""Named synthetic benchmark shapes: Qwen3-MoE configurations with random weights, sized for a purpose.
+"""Named synthetic benchmark shapes: models with random weights, sized for a purpose.
 
 A shape knows its Hugging Face config and every tensor name and shape of the checkpoint it implies, so the
-synthetic writer, the ceiling arithmetic and the peers all agree on one description of the model.
+synthetic writer, the ceiling arithmetic and the peers all agree on one description of the model
+(shape_base.Shape). Here: the Qwen3-MoE shapes (BenchShape) and the registry of all of them; the hybrid, MLA
+and Mamba-2 shapes are in arch_shapes.py.
 """
 
 from __future__ import annotations
@@ -9,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from moeserve.bench.arch_shapes import ARCH_SHAPES
+from moeserve.bench.shape_base import Shape
 from moeserve.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class BenchShape:
+class BenchShape(Shape):
     """A Qwen3-MoE shape (every layer sparse, untied head, per-head q/k norm)."""
 
     name: str
@@ -111,19 +115,29 @@ class BenchShape:
         """Per-layer parameters that every token reads: attention, router, norms."""
         return self.attention_params + self.num_experts * self.hidden_size + 2 * self.hidden_size + 2 * self.head_dim
 
-    @property
-    def total_params(self) -> int:
-        outer = 2 * self.vocab_size * self.hidden_size + self.hidden_size
-        return outer + self.num_layers * (self.layer_dense_params + self.num_experts * self.expert_params)
+    def dense_bytes_int8(self, batch: int = 1) -> int:
+        """The attention projections and the LM head as int8 codes (1 byte per weight) plus a float32 scale per
+        output row; routers, norms, the final norm and the embedding rows in bf16 (moeserve keeps them so, see
+        moeserve.models.model.build_model)."""
+        h, d = self.hidden_size, self.head_dim
+        attn_rows = (self.num_heads + 2 * self.num_kv_heads) * d + h  # q/k/v stacked, then o_proj
+        int8_layer = self.attention_params + 4 * attn_rows
+        bf16_layer = 2 * (self.layer_dense_params - self.attention_params)  # router + norm vectors
+        head = self.vocab_size * h + 4 * self.vocab_size
+        return self.num_layers * (int8_layer + bf16_layer) + head + 2 * h + 2 * batch * h
 
     @property
-    def total_experts(self) -> int:
-        return self.num_layers * self.num_experts
+    def moe_layer_count(self) -> int:
+        return self.num_layers  # every layer sparse
+
+    @property
+    def embedding_name(self) -> str:
+        return "model.embed_tokens.weight"
 
 
 # The shapes `moeserve bench --shape` accepts. "small" is the issue's reference model (~1.8 GB in bf16);
 # "large" has ~7 GB of experts, several times the expert cache the benchmark gives it by default.
-SHAPES: dict[str, BenchShape] = {
+_QWEN3_MOE: dict[str, Shape] = {
     s.name: s
     for s in (
         BenchShape("tiny", hidden_size=64, num_layers=2, num_experts=8, moe_intermediate_size=32, top_k=2,
@@ -140,14 +154,18 @@ SHAPES: dict[str, BenchShape] = {
                    purpose="'large' with routers correlated across layers (0.9): prefetch's case"),
     )
 }
+SHAPES: dict[str, Shape] = {**_QWEN3_MOE, **ARCH_SHAPES}
 
 # Expert cache the benchmark gives each shape unless --expert-cache-gb says otherwise (None = all resident).
-DEFAULT_EXPERT_CACHE_GB: dict[str, float | None] = {"tiny": None, "small": None, "large": 1.5, "large-affine": 1.5}
+DEFAULT_EXPERT_CACHE_GB: dict[str, float | None] = {"tiny": None, "small": None, "large": 1.5, "large-affine": 1.5} | {
+    name: None for name in ARCH_SHAPES}
 
 
-def get_shape(name: str) -> BenchShape:
+def get_shape(name: str) -> Shape:
     """The named shape, or ConfigError listing the valid names."""
     try:
         return SHAPES[name]
     except KeyError:
-        raise ConfigError(f"unknown benchmark shape '{name}' (valid: {', '.join(SHAPES)})") from None
+        from moeserve.config import did_you_mean
+
+        raise ConfigError(f"unknown benchmark shape '{name}'{did_you_mean(name, list(SHAPES))}") from None

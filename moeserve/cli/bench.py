@@ -8,7 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from moeserve.bench.shapes import BenchShape
+from moeserve.bench.shape_base import Shape
 from moeserve.errors import ConfigError
 
 log = logging.getLogger("moeserve.bench")
@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from moeserve.bench.shapes import SHAPES
 
     p = sub.add_parser("bench", help="benchmark decode and prefill against the hardware ceiling and peers",
-                       description="Build (once, cached) a synthetic Qwen3-MoE of a named shape, measure memory "
+                       description="Build (once, cached) a synthetic model of a named shape, measure memory "
                        "and disk bandwidth, and time moeserve and its peers alternately on the same prompts.")
     shapes = ", ".join(f"{s.name} ({s.purpose})" for s in SHAPES.values())
     p.add_argument("--shape", default="small", choices=list(SHAPES), help=f"model shape: {shapes}")
@@ -68,7 +68,7 @@ def _limit_bytes(gb: float | None) -> int | None:
     return int(gb * 2**30)
 
 
-def _cache_gb(args: argparse.Namespace, shape: BenchShape, default: float | None) -> float | None:
+def _cache_gb(args: argparse.Namespace, shape: Shape, default: float | None) -> float | None:
     """--expert-cache-gb, or --expert-cache-fraction of the shape's experts as GiB (whole units, logged), or the
     shape's default."""
     fraction = args.expert_cache_fraction

@@ -97,8 +97,10 @@ def test_gguf_holds_the_same_weights(tiny_dir, kind):
 
 
 def test_unknown_shape_is_a_config_error():
-    with pytest.raises(ConfigError, match="valid: tiny"):
+    with pytest.raises(ConfigError, match="unknown benchmark shape 'huge' .valid: .*small"):
         get_shape("huge")
+    with pytest.raises(ConfigError, match="did you mean 'hybrid'"):
+        get_shape("hybrd")
 
 
 def test_llama_cpp_on_the_gguf_agrees_with_moeserve(tiny_dir):
