@@ -70,7 +70,7 @@ class _Choice:
             if out and out[-1]["index"] == call.index:
                 out[-1]["function"]["arguments"] += call.arguments
             elif call.index not in self.ids:
-                self.ids[call.index] = f"call_{uuid.uuid4().hex[:24]}"
+                self.ids[call.index] = call.call_id or f"call_{uuid.uuid4().hex[:24]}"  # the format's own id first
                 out.append({"index": call.index, "id": self.ids[call.index], "type": "function",
                             "function": {"name": call.name or "", "arguments": call.arguments}})
             else:

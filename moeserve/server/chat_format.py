@@ -239,6 +239,7 @@ def _arguments(text: str, as_text: bool) -> Any:
 
 _ENCODES_ARGUMENTS = re.compile(r"""arguments(?:'\]|"\])?\s*\|\s*tojson""")
 _TESTS_NULL_CONTENT = re.compile(r"(\['content'\]|\.content) is (not )?none")
+_TAKES_TEXT_ARGUMENTS = re.compile(r"""arguments(?:'\]|"\])?\s+is\s+string""")
 
 
 class TemplateChat(ChatFormat):
@@ -254,10 +255,13 @@ class TemplateChat(ChatFormat):
         self.special_tags = self._special_tags()
         # a template that tells null content apart ("is none") gets it as null; others get ""
         self.null_content = self.template is not None and _TESTS_NULL_CONTENT.search(self.template) is not None
-        # a format whose templates concatenate the arguments' text (DeepSeek-R1) gets text, unless this template
-        # encodes them itself (DeepSeek-V3.1: `arguments | tojson`, which would quote a text twice)
+        # a format whose templates concatenate the arguments' text (DeepSeek-R1, Kimi-K2) gets text, unless this
+        # template only encodes them itself (DeepSeek-V3.1: `arguments | tojson`, which would quote a text twice);
+        # one that prints a text as it is (Kimi-K2: `arguments is string`) gets the text the model wrote
+        template = self.template or ""
         self.arguments_as_text = (self.tool_parser is not None and self.tool_parser.template_arguments == "text"
-                                  and not _ENCODES_ARGUMENTS.search(self.template or ""))
+                                  and (not _ENCODES_ARGUMENTS.search(template)
+                                       or _TAKES_TEXT_ARGUMENTS.search(template) is not None))
 
     def render(self, req: ChatCompletionRequest | list[ChatMessage], add_generation_prompt: bool = True
                ) -> ChatPrompt:

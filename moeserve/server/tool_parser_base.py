@@ -1,7 +1,7 @@
 """The tool-call parsers' interface and shared parts (`ToolParser`, `TaggedToolParser`, call grammars) and the
-Qwen3 JSON format; the registry that picks a format from a chat template is `tool_parsers.py`, the XML, GLM and
-DeepSeek formats are `tool_parsers_xml.py` and `tool_parsers_deepseek.py` (kept apart so no module imports back
-into the registry).
+Qwen3 JSON format; the registry that picks a format from a chat template is `tool_parsers.py`, the XML, GLM,
+DeepSeek and Kimi-K2 formats are `tool_parsers_xml.py`, `tool_parsers_deepseek.py` and `tool_parsers_kimi.py` (kept
+apart so no module imports back into the registry).
 
 Tool calls in a model's text output, one parser class per format behind `ToolParser`, picked from the chat
 template by `tool_parser_for` (callers never branch on the format).
@@ -34,11 +34,14 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 @dataclass
 class ToolCallDelta:
-    """What one tool call gained: `name` on its first delta, then pieces of its arguments (JSON text)."""
+    """What one tool call gained: `name` on its first delta, then pieces of its arguments (JSON text). `call_id`:
+    the call's id where the format has its own (Kimi-K2's `functions.NAME:IDX`, on the first delta), else None
+    (the server gives one)."""
 
     index: int
     name: str | None = None
     arguments: str = ""
+    call_id: str | None = None
 
 
 @dataclass
@@ -171,11 +174,12 @@ class TaggedToolParser(ToolParser):
         self._pending = ""
         return out
 
-    def _call(self, out: ToolParse, name: str | None = None, arguments: str = "") -> None:
+    def _call(self, out: ToolParse, name: str | None = None, arguments: str = "", call_id: str | None = None
+              ) -> None:
         if name is not None:
             self._name_sent = True
         if name is not None or arguments:
-            out.calls.append(ToolCallDelta(self._index, name, arguments))
+            out.calls.append(ToolCallDelta(self._index, name, arguments, call_id))
 
     def _as_content(self, out: ToolParse, complete: bool) -> None:
         """A block that is not a call: its text, tags included, is content."""
@@ -279,11 +283,53 @@ class Qwen3JsonToolParser(TaggedToolParser):
         return json_call_grammar(tools, function_name, head, "}\n" + CALL_CLOSE)
 
 
+class JsonArgumentsToolParser(TaggedToolParser):
+    """Calls whose body is a head (the function's name, and the call's id where the format writes one) then the
+    arguments as JSON text, which stream as the model writes them (DeepSeek-V3, Kimi-K2). Subclasses read the head
+    (`_head`) and may clean arguments that are not an object (`_raw_arguments`)."""
+
+    template_arguments = "text"  # their templates print an earlier call's arguments as text
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._args_start = 0  # where the arguments start in the body
+        self._args_sent = 0
+
+    @abstractmethod
+    def _head(self, at_close: bool) -> tuple[str, int, str | None] | None:
+        """(function name, where its arguments start in the body, the call's id or None) once the body says them
+        (`at_close`: the block has ended, nothing more will come), else None."""
+
+    @staticmethod
+    def _raw_arguments(text: str) -> str:
+        """Arguments that are not a JSON object, as the call's arguments."""
+        return text.strip()
+
+    def _advance(self, out: ToolParse, at_close: bool = False) -> None:
+        if not self._name_sent:
+            head = self._head(at_close)
+            if head is None or not head[0]:
+                return
+            self._call(out, name=head[0], call_id=head[2])
+            self._args_start, self._args_sent = head[1], 0
+        piece, self._args_sent = json_arguments_piece(self._body[self._args_start:], self._args_sent)
+        self._call(out, arguments=piece)
+
+    def _close(self, out: ToolParse, complete: bool) -> None:
+        self._advance(out, at_close=True)
+        if not self._name_sent:  # no head: not a call
+            self._as_content(out, complete)
+            return
+        if self._args_sent == 0:  # not an object (or none): the text as written
+            self._call(out, arguments=self._raw_arguments(self._body[self._args_start:]) or "{}")
+
+
 def json_call_grammar(tools: list[dict[str, Any]], function_name: str | None, head: Callable[[str], str],
-                      tail: str) -> str | None:
+                      tail: str, between: str = "") -> str | None:
     """A Lark grammar for the rest of one call whose arguments are JSON: one rule per function (only the named
-    one when `function_name` is given: the prefix already named it, else `head(name)` comes first), then the
-    arguments following the function's parameters schema, then `tail`."""
+    one when `function_name` is given: the prefix already named it, else `head(name)` comes first), then
+    `between` (Lark items, e.g. a call index the model writes), the arguments following the function's parameters
+    schema, then `tail`."""
     functions = [t["function"] for t in tools if isinstance(t.get("function"), dict)]
     if function_name is not None:
         functions = [f for f in functions if f.get("name") == function_name]
@@ -291,7 +337,7 @@ def json_call_grammar(tools: list[dict[str, Any]], function_name: str | None, he
     for i, f in enumerate(functions):
         start = "" if function_name is not None else json.dumps(head(f["name"]), ensure_ascii=False)
         schema = json.dumps(parameters_schema(f), ensure_ascii=False)
-        rules.append(f"call{i}: {start} %json {schema} " + json.dumps(tail, ensure_ascii=False))
+        rules.append(f"call{i}: {start} {between} %json {schema} " + json.dumps(tail, ensure_ascii=False))
     if not rules:
         return None
     return "start: " + " | ".join(f"call{i}" for i in range(len(rules))) + "\n" + "\n".join(rules)

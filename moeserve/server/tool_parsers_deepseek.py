@@ -17,67 +17,40 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.server.tool_parser_base import (
-    TaggedToolParser,
-    ToolParse,
-    json_arguments_piece,
-    json_call_grammar,
-)
+from moeserve.server.tool_parser_base import JsonArgumentsToolParser, json_call_grammar
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 FENCE_OPEN, FENCE_CLOSE = "```json\n", "\n```"
 
 
-class DeepSeekV3ToolParser(TaggedToolParser):
+class DeepSeekV3ToolParser(JsonArgumentsToolParser):
     name = "deepseek_v3"
     call_open, call_close = CALL_BEGIN, CALL_END
     layout_tags = (CALLS_BEGIN, CALLS_END)
     tags = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
     stop_after_call = CALL_END
-    template_arguments = "text"
 
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tools)
-        self._args_start = 0  # where the arguments start in the body
-        self._args_sent = 0
-
-    def _head(self, at_close: bool) -> tuple[str, int] | None:
-        """(function name, where its arguments start) once the body says both, else None."""
+    def _head(self, at_close: bool) -> tuple[str, int, str | None] | None:
         sep = self._body.find(TOOL_SEP)
         if sep < 0:
             return None
         before, after = self._body[:sep].strip(), sep + len(TOOL_SEP)
         if before and before != "function":  # V3.1: the name before the separator
-            return before, after
+            return before, after, None
         end = self._body.find("\n", after)  # V3: the type before it, the name on the rest of the line
         if end < 0:
-            return (self._body[after:].strip(), len(self._body)) if at_close else None
+            return (self._body[after:].strip(), len(self._body), None) if at_close else None
         start = end + 1
         if self._body.startswith(FENCE_OPEN, start):
             start += len(FENCE_OPEN)
         elif FENCE_OPEN.startswith(self._body[start:]) and not at_close:
             return None  # the fence may still be coming
-        return self._body[after:end].strip(), start
+        return self._body[after:end].strip(), start, None
 
-    def _advance(self, out: ToolParse, at_close: bool = False) -> None:
-        if not self._name_sent:
-            head = self._head(at_close)
-            if head is None or not head[0]:
-                return
-            self._call(out, name=head[0])
-            self._args_start, self._args_sent = head[1], 0
-        piece, self._args_sent = json_arguments_piece(self._body[self._args_start:], self._args_sent)
-        self._call(out, arguments=piece)
-
-    def _close(self, out: ToolParse, complete: bool) -> None:
-        self._advance(out, at_close=True)
-        if not self._name_sent:
-            self._as_content(out, complete)
-            return
-        if self._args_sent == 0:  # not an object (or none): the whole text, fence removed
-            rest = self._body[self._args_start:].strip().removesuffix("```").strip()
-            self._call(out, arguments=rest or "{}")
+    @staticmethod
+    def _raw_arguments(text: str) -> str:
+        return text.strip().removesuffix("```").strip()  # the fence removed
 
     @classmethod
     def matches(cls, template: str) -> bool:

@@ -1,9 +1,10 @@
 """The published chat templates of the issue-18 models, rendered by moeserve's chat format (server/chat_format.py)
 exactly as transformers' apply_chat_template renders them with a tokenizer carrying the template.
 
-Templates (tests/server/templates/published/, see its README.md): the files llama.cpp keeps of each model's
-published tokenizer_config.json chat template, taken from the llama-cpp-python 0.3.36 sdist on PyPI
-(vendor/llama.cpp/models/templates/). The conversation has every role: system, user, an assistant turn with two
+Templates (tests/server/templates/published/, see its README.md for each file's source and sha256): the files
+llama.cpp keeps of each model's published tokenizer_config.json chat template, taken from the llama-cpp-python 0.3.36
+sdist on PyPI (vendor/llama.cpp/models/templates/); Qwen3-Next's from xinference's model registry; Kimi-K2-Thinking's
+from an earlier llama.cpp commit (its later copies are modified). The conversation has every role: system, user, an assistant turn with two
 tool calls (and one with text), the tool results, a user follow-up; tools are offered. The reference passes call
 arguments as a mapping (transformers' convention, what each model card shows).
 """
@@ -34,21 +35,28 @@ TEMPLATES = {
     "Qwen3": ("Qwen-Qwen3-0.6B.jinja", "qwen3_moe", True),
     "Qwen3.5": ("Qwen3.5-4B.jinja", "qwen3_5_moe", True),
     "Nemotron-3-Nano": ("NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja", "nemotron_h", True),
+    "Qwen3-Next-Instruct": ("Qwen3-Next-Instruct.jinja", "qwen3_next", True),
+    "Qwen3-Next-Thinking": ("Qwen3-Next-Thinking.jinja", "qwen3_next", True),
+    "Kimi-K2-Thinking": ("moonshotai-Kimi-K2-Thinking.jinja", "kimi_k2", True),
 }
 CALLS = [("call_1", "get_weather", {"city": "Paris", "days": 2}), ("call_2", "get_time", {})]
+# Kimi's template writes each call's id back to the model (and a result's tool_call_id): the ids it was trained on
+KIMI_IDS = {"call_1": "functions.get_weather:0", "call_2": "functions.get_time:1"}
 
 
-def conversation(arguments_as: type, call_content: str | None = None) -> list[dict[str, Any]]:
+def conversation(arguments_as: type, call_content: str | None = None, ids: dict[str, str] | None = None
+                 ) -> list[dict[str, Any]]:
     """OpenAI messages; call arguments as JSON text (`str`, the API's form) or a mapping (`dict`, transformers');
-    the tool-call turn's content null (the API's form) or ``""``."""
-    calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a) if arguments_as is str
-                                                          else a}} for i, n, a in CALLS]
+    the tool-call turn's content null (the API's form) or ``""``; `ids` renames the call ids."""
+    ids = ids or {}
+    calls = [{"id": ids.get(i, i), "type": "function", "function": {
+        "name": n, "arguments": json.dumps(a) if arguments_as is str else a}} for i, n, a in CALLS]
     return [
         {"role": "system", "content": "You are a terse assistant."},
         {"role": "user", "content": "Weather in Paris, and the time?"},
         {"role": "assistant", "content": call_content, "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny", "high": 21}'},
-        {"role": "tool", "tool_call_id": "call_2", "content": "14:05"},
+        {"role": "tool", "tool_call_id": ids.get("call_1", "call_1"), "content": '{"sky": "sunny", "high": 21}'},
+        {"role": "tool", "tool_call_id": ids.get("call_2", "call_2"), "content": "14:05"},
         {"role": "assistant", "content": "Sunny, 21 C; it is 14:05."},
         {"role": "user", "content": "And tomorrow?"},
     ]
@@ -64,13 +72,37 @@ def test_rendering_equals_apply_chat_template(family: str, tmp_path: Path) -> No
     chat = chat_format_for(model_type, Tokenizer(folder), folder)
     # transformers drops a null content, which Qwen3's and R1's templates cannot render: "" in both requests there
     call_content = "" if family in ("Qwen3", "DeepSeek-R1 (tests/server/templates)") else None
-    prompt = chat.render(ChatCompletionRequest(messages=conversation(str, call_content), tools=tools))
+    ids = KIMI_IDS if family.startswith("Kimi") else None
+    prompt = chat.render(ChatCompletionRequest(messages=conversation(str, call_content, ids), tools=tools))
     reference = AutoTokenizer.from_pretrained(str(folder))
-    # the form each template's model card passes: R1's template concatenates the arguments' JSON text
-    messages = conversation(str if family.startswith("DeepSeek-R1") else dict, call_content)
+    # the form each template's model card passes: R1's template concatenates the arguments' JSON text, Kimi's
+    # model card sends the OpenAI client's messages back (arguments as text)
+    text_arguments = family.startswith(("DeepSeek-R1", "Kimi"))
+    messages = conversation(str if text_arguments else dict, call_content, ids)
     want = reference.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     assert all(text in want for text in ("terse", "get_weather", "Paris", "sunny", "14:05", "tomorrow"))
     if offered:
         assert "Weather of a city" in want  # the tool's description: the template showed the tools
     assert prompt.text == want
     assert prompt.token_ids == reference.encode(want, add_special_tokens=False)
+
+
+
+def test_kimi_history_holds_the_model_s_ids_and_text(tmp_path: Path) -> None:
+    """Kimi's template writes each call's id, each result's tool_call_id and a string's arguments back verbatim:
+    the prompt repeats the `functions.NAME:IDX` ids the server gave (KimiK2ToolParser) and the arguments as the
+    model wrote them, whatever their spacing; transformers, given the same messages, agrees."""
+    from transformers import AutoTokenizer
+
+    folder = _model_folder(tmp_path, (PUBLISHED / "moonshotai-Kimi-K2-Thinking.jinja").read_text())
+    chat = chat_format_for("kimi_k2", Tokenizer(folder), folder)
+    messages = conversation(str, None, KIMI_IDS)
+    compact = '{"city":"Paris","days":2}'
+    messages[2]["tool_calls"][0]["function"]["arguments"] = compact
+    prompt = chat.render(ChatCompletionRequest(messages=messages))
+    text = prompt.text or ""
+    assert f"functions.get_weather:0<|tool_call_argument_begin|>{compact}<|tool_call_end|>" in text
+    assert "## Return of functions.get_weather:0\n" in text and "## Return of functions.get_time:1\n" in text
+    want = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert text == want

@@ -25,6 +25,7 @@ from moeserve.server.reasoning import ThinkTagSplitter
 from moeserve.server.tool_parsers import (
     DeepSeekV3ToolParser,
     Glm45ToolParser,
+    KimiK2ToolParser,
     Qwen3JsonToolParser,
     Qwen3XmlToolParser,
     ToolParser,
@@ -110,7 +111,7 @@ TOOLS = [
         "additionalProperties": False}}},
 ]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-FORMATS = [Qwen3JsonToolParser, Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser]
+FORMATS = [Qwen3JsonToolParser, Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser, KimiK2ToolParser]
 
 
 @pytest.fixture(scope="module")
