@@ -142,7 +142,7 @@ def _settings(cfg: BenchConfig) -> dict[str, Any]:
             "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
             "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads,
             "prefetch": cfg.prefetch, "memory_limit_bytes": cfg.memory_limit_bytes,
-            "route_trace": None if cfg.route_trace is None else str(cfg.route_trace)}
+            "route_trace": None if cfg.route_trace is None else str(cfg.route_trace), "device": cfg.device}
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -161,6 +161,9 @@ def format_table(summary: dict[str, Any]) -> str:
     if limit:
         lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
                      "that much memory); 'charged': the most its cgroup held at once")
+    if summary["settings"].get("device", "cpu") != "cpu":
+        lines.append(f"moeserve on {summary['settings']['device']} (GPU slots <- RAM <- disk); the ceilings above are "
+                     "the CPU's memory and the disk's, not the GPU's")
     if summary["settings"].get("route_trace"):
         lines.append(f"ROUTING FORCED BY THE TRACE {summary['settings']['route_trace']} (benchmark only: moeserve's "
                      "experts follow it, through the per-op layer pass)")

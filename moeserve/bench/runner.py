@@ -59,6 +59,7 @@ class BenchConfig:
     memory_limit_bytes: int | None = None
     # BENCHMARK ONLY: moeserve's experts follow this routing trace (bench/route_trace.py); None: its routers
     route_trace: Path | None = None
+    device: str = "cpu"  # where moeserve computes ("cuda": GPU slots <- RAM <- disk); peers run on the CPU
 
 
 @dataclass
@@ -103,6 +104,8 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
                                 max_model_len=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)
     if cfg.route_trace is not None:
         ours["route_trace"] = str(cfg.route_trace)
+    if cfg.device != "cpu":
+        ours["device"] = cfg.device
     try:
         _start_all(cfg, cache_dir, workers, skipped, ours)
     except BaseException:
@@ -139,6 +142,10 @@ def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], sk
         if cfg.route_trace is not None:
             skipped.append(Skipped(peer, "routes by its own router: not comparable under --route-trace"))
             log.warning("peer %s skipped: it routes by its own router, not by --route-trace", peer)
+            continue
+        if cfg.device != "cpu":
+            skipped.append(Skipped(peer, f"runs on the CPU here: not comparable with --device {cfg.device}"))
+            log.warning("peer %s skipped: it runs on the CPU, moeserve on %s", peer, cfg.device)
             continue
         try:
             drop_inputs([cfg.checkpoint], peer)  # the GGUF too: _start_peer drops it after writing it

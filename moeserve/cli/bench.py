@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="moeserve's expert prefetch (default: the engine's default)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where moeserve computes (cuda: its experts in GPU slots, then RAM, then disk; peers that "
+                        "run on the CPU are skipped); default cpu")
     p.add_argument("--memory-limit-gb", type=float, default=None,
                    help="run each engine in a memory cgroup of this size, page cache included: a machine with that "
                         "much memory, so disk offload really reads the disk (needs a writable cgroup; default: none)")
@@ -85,6 +88,18 @@ def _cache_gb(args: argparse.Namespace, shape: Shape, default: float | None) -> 
     return (count + 0.5) * unit / 2**30  # half a unit over: the engine's floor division keeps `count`
 
 
+def _check_device(device: str) -> None:
+    """--device cuda needs a CUDA device: refused in one line before anything is built."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", built without CUDA")
+        raise ConfigError(f"--device cuda: no CUDA device available ({build}); run the bench on the CPU "
+                          "(--device cpu) or on a machine with a GPU")
+
+
 def _check_trace(path: Path) -> None:
     """Read --route-trace once here, so a missing or malformed trace is one line before anything is built."""
     from moeserve.bench.route_trace import trace_tokens
@@ -106,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     peers = _csv(args.peers, runner.PEERS, "peer")
     if args.tokens < 1 or args.repeats < 1:
         raise ConfigError("--tokens and --repeats must be at least 1")
+    _check_device(args.device)
     if args.route_trace is not None:
         _check_trace(args.route_trace)
     cache_dir = args.cache_dir or default_cache_dir()
@@ -117,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     cache_gb = _cache_gb(args, shape, DEFAULT_EXPERT_CACHE_GB[shape.name])
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
                              args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
-                             memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace)
+                             memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace,
+                             device=args.device)
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:
