@@ -9,7 +9,8 @@
 #                        the all-resident CUDA run bit for bit (tests/experts/test_three_tiers.py -k cuda)
 #   3. memory            peak GPU and host memory while loading and serving a model larger than the GPU budget
 #                        (scripts/gpu_memory_check.py: memory_gb below the model's size makes that true on any GPU)
-#   4. bench small/large `moeserve bench --peers none` on the small and large shapes (tokens/s per case)
+#   4. bench small/large `moeserve bench --device cuda --peers none` on the small and large shapes (tokens/s per
+#                        case, moeserve on the GPU: its experts in GPU slots <- pinned RAM <- disk)
 # Environment: PYTHON (default .venv/bin/python), OUT (logs and JSON; default a new temporary folder).
 # Without CUDA it says so in one line and exits 2, running nothing.
 set -u
@@ -58,10 +59,10 @@ SHAPES=(small large)
 [ "$QUICK" -eq 1 ] && SHAPES=(small)
 for shape in "${SHAPES[@]}"; do
   step "bench $shape" "$OUT/bench_$shape.log" "bench_detail '$OUT/bench_$shape.json'" -- \
-    "${MOESERVE[@]}" bench --shape "$shape" --peers none --json "$OUT/bench_$shape.json"
+    "${MOESERVE[@]}" bench --shape "$shape" --device cuda --peers none --json "$OUT/bench_$shape.json"
 done
 for shape in "${SHAPES[@]}"; do
-  echo; echo "moeserve bench --shape $shape (its own table):"
+  echo; echo "moeserve bench --shape $shape --device cuda (its own table):"
   tail -n 25 "$OUT/bench_$shape.log"
 done
 

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeserve.bench.shapes import get_shape
     from moeserve.bench.synth import ensure_checkpoint
     from moeserve.errors import MoeserveError
+    from moeserve.memory.chunks import staging_pinned_bytes
 
     if not torch.cuda.is_available():
         print("memory check: no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
@@ -82,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_s = time.perf_counter() - t0
     gpu_peak = torch.cuda.max_memory_reserved()
     host_growth = peak_rss_bytes() - rss_before
-    host_allowed = store.host_nbytes + store.staging_nbytes + 2 * store.unit_nbytes + int(args.host_slack_gb * GiB)
+    # the copier's pinned staging buffers as the host budget counts them (memory/chunks.staging_pinned_bytes)
+    host_allowed = (store.host_nbytes + store.staging_nbytes + staging_pinned_bytes(store.unit_nbytes)
+                    + int(args.host_slack_gb * GiB))
     stats = store.stats
     print(f"model {folder.name}: {model_bytes / GiB:.2f} GiB on disk; memory_gb={args.memory_gb:g}, "
           f"host_cache_gb={args.host_cache_gb:g}; {torch.cuda.get_device_name()}")
