@@ -1,10 +1,13 @@
 """The Kimi-K2 tool-call parser: fed whole and split at every character (the same fields either way, no piece of a
 tag ever shown as content), the call ids the model writes kept as the calls' ids (Kimi's template writes them back),
-a forced call's opening read back, and the published template picking the format."""
+a forced call's opening read back, the published template picking the format; and through the server (a scripted
+engine behind the published Kimi-K2-Thinking template): calls and their ids in responses and streams, the history
+sent back rendered as transformers renders it, a named call constrained from its opening tags."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,8 @@ from moeserve.server.tool_parsers_kimi import (
     SECTION_END,
     call_name,
 )
+from tests.server.conftest import ThreadServer
+from tests.server.test_chat_tools import ASK, TIME, ScriptedTextEngine, _serve, ask, hf_prompt, same
 from tests.server.test_tool_parsers import WEATHER, assert_no_tag_piece, run_tools, split_every_way
 
 PUBLISHED = Path(__file__).parent / "templates" / "published"
@@ -94,3 +99,52 @@ def test_the_published_template_picks_kimi_and_the_response_keeps_its_ids() -> N
                                       ToolCallDelta(1, "get_time", "{}")])
     assert deltas[0]["id"] == "functions.get_time:5"  # the format's own id
     assert deltas[1]["id"].startswith("call_")  # a format without ids: the server's
+
+
+# ------------------------------------------------------------------------------------------- through the server
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ThreadServer, ScriptedTextEngine]]:
+    yield from _serve(tmp_path_factory, (PUBLISHED / "moonshotai-Kimi-K2-Thinking.jinja").read_text())
+
+
+KIMI_CALLS = (f"<think>Need the weather.</think>Checking.{SECTION_BEGIN}{CALL_BEGIN}functions.get_weather:0"
+              f'{ARGUMENT_BEGIN}{{"city": "Paris", "days": 2}}{CALL_END}{CALL_BEGIN}functions.get_time:1'
+              f"{ARGUMENT_BEGIN}{{}}{CALL_END}{SECTION_END}")
+
+
+def test_kimi_calls_and_ids_through_the_server(kimi: tuple[ThreadServer, ScriptedTextEngine]) -> None:
+    server, engine = kimi
+    engine.script = KIMI_CALLS
+    full, streamed = (ask(server, stream, tools=[WEATHER, TIME], max_tokens=1000) for stream in (False, True))
+    assert same(full, streamed)
+    for out in (full, streamed):
+        assert out["tool_calls"] == [("functions.get_weather:0", "get_weather", '{"city": "Paris", "days": 2}'),
+                                     ("functions.get_time:1", "get_time", "{}")]
+        assert (out["reasoning"], out["content"], out["finish_reason"]) == ("Need the weather.", "Checking.",
+                                                                            "tool_calls")
+    # the client sends the calls back as the model card does (the response's message, then each result by id):
+    # the prompt is transformers' rendering, holding the model's own ids and arguments text
+    calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in full["tool_calls"]]
+    history = [*ASK, {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": '{"sky": "sunny"}'},
+               {"role": "tool", "tool_call_id": "functions.get_time:1", "content": "14:05"}]
+    engine.script = "Sunny."
+    assert ask(server, False, tools=[WEATHER, TIME], messages=history)["content"] == "Sunny."
+    assert engine.prompts[-1] == hf_prompt(Path(engine.checkpoint.path), history, tools=[WEATHER, TIME])
+    text = engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
+    assert f'{CALL_BEGIN}functions.get_weather:0{ARGUMENT_BEGIN}{{"city": "Paris", "days": 2}}{CALL_END}' in text
+    assert "## Return of functions.get_time:1\n14:05" in text
+
+
+def test_kimi_named_call_is_constrained_from_its_opening(kimi: tuple[ThreadServer, ScriptedTextEngine]) -> None:
+    """The template has <think> tags: the model may reason first, then the grammar holds it to the call, from the
+    section's opening tags and the function's id prefix on; the model writes the call's index."""
+    server, engine = kimi
+    engine.script = (f"<think>Rome.</think>{SECTION_BEGIN}{CALL_BEGIN}functions.get_weather:3{ARGUMENT_BEGIN}"
+                     f'{{"city": "Rome"}}{CALL_END}{SECTION_END}')
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = ask(server, True, tools=[WEATHER, TIME], tool_choice=named, max_tokens=1000)
+    assert out["tool_calls"] == [("functions.get_weather:3", "get_weather", '{"city": "Rome"}')]
+    assert out["reasoning"] == "Rome." and out["content"] is None
+    grammar = json.loads(engine.grammar_specs[-1].text())["grammars"][0]["lark_grammar"]
+    assert "think[lazy]" in grammar and json.dumps(KimiK2ToolParser.forced_prefix("get_weather")) in grammar
