@@ -59,6 +59,8 @@ class LFRUPolicy(EvictionPolicy):
         # Per key: (log score, visit count of its layer when that log score was exact).
         self._stats: dict[Key, tuple[float, int]] = {}
         self._heaps: dict[int, LazyHeap] = {}  # per layer; priority = log score + decay * visit
+        # Per layer: (its visits, n, (its lowest key, that key's `_spread`) or None), valid while all three hold.
+        self._top: dict[int, tuple[int, int, tuple[Key, float] | None]] = {}
 
     def begin_layer(self, layer: int) -> None:
         self._tick += 1
@@ -78,6 +80,7 @@ class LFRUPolicy(EvictionPolicy):
         self._stats[key] = (log_s, visit)
         # Within one layer every key ages at the same rate, so this priority orders them for good.
         self._heaps.setdefault(layer, LazyHeap()).push(key, log_s + self._decay * visit)
+        self._top.pop(layer, None)
 
     def on_hit(self, key: Key) -> None:
         self._update(key, add_use=True)
@@ -89,6 +92,7 @@ class LFRUPolicy(EvictionPolicy):
         heap = self._heaps.get(key[0])
         if heap is not None:
             heap.remove(key)
+            self._top.pop(key[0], None)
         if not self._remember:
             self._stats.pop(key, None)
 
@@ -101,25 +105,52 @@ class LFRUPolicy(EvictionPolicy):
     def on_bypass(self, key: Key) -> None:
         self._update(key, add_use=True)
         self._heaps[key[0]].remove(key)  # scored as used, not cached
+        self._top.pop(key[0], None)
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         best: tuple[float, int] | None = None
         victim: Key | None = None
-        for layer, heap in self._heaps.items():  # one candidate per layer: O(layers * log n)
+        n, tick, last_tick = len(self._visits), self._tick, self._last_tick
+        for layer, heap in self._heaps.items():  # one candidate per layer: O(layers) with the cache below
             if not len(heap) or (layers is not None and layer not in layers):
                 continue
-            found = heap.min_unpinned(pinned)
+            found = self._candidate(layer, heap, n)
+            if found is not None and found[0] in pinned:  # rare: a pinned key is the layer's lowest
+                lowest = heap.min_unpinned(pinned)
+                found = None if lowest is None else (lowest[1], self._spread(layer, lowest[0], n))
             if found is None:
                 continue
-            log_now = found[0] - self._decay * self._visits.get(layer, 0)
-            rank = ((-self._time_to_use(layer, log_now), 0) if self._cycle else
-                    (round(log_now, 9), -self._last_tick.get(layer, 0)))
+            if self._cycle:  # expected calls to the next use: d until the layer runs again, + n (1/p - 1)
+                rank = (-(max(1, n - (tick - last_tick.get(layer, 0))) + found[1]), 0.0)
+            else:
+                rank = (found[1], -last_tick.get(layer, 0))
             if best is None or rank < best:
-                best, victim = rank, found[1]
+                best, victim = rank, found[0]
         if victim is None:
             raise no_victim(self)
         return victim
 
+    def _spread(self, layer: int, priority: float, n: int) -> float:
+        """A heap entry's part of the victim rank that moves only with its layer's visits: n (1/p - 1) (cycle-aware)
+        or the rounded log score."""
+        log_now = priority - self._decay * self._visits.get(layer, 0)
+        if not self._cycle:
+            return round(log_now, 9)
+        if log_now == -math.inf:
+            return math.inf
+        return n * (1.0 / min(1.0, math.exp(log_now) * self._per_use) - 1.0)
+
+    def _candidate(self, layer: int, heap: LazyHeap, n: int) -> tuple[Key, float] | None:
+        """`layer`'s lowest key and its `_spread`, cached until the layer's heap changes, the layer runs or a new
+        layer appears (n): choose_victim then costs a few float operations per layer, not a heap walk and exp."""
+        cached = self._top.get(layer)
+        visits = self._visits.get(layer, 0)
+        if cached is not None and cached[0] == visits and cached[1] == n:
+            return cached[2]
+        lowest = heap.min_unpinned(())
+        found = None if lowest is None else (lowest[1], self._spread(layer, lowest[0], n))
+        self._top[layer] = (visits, n, found)
+        return found
 
     def _time_to_use(self, layer: int, log_score: float) -> float:
         """Expected layer calls until a key of `layer` with this log score is used: the cycle is n layers long."""

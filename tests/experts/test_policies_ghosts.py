@@ -1,11 +1,14 @@
-"""Adaptive LFRU's ghost caches on a hashed sample of the keys (their cost cut, their decision kept)."""
+"""The cuts in LFRU's bookkeeping: adaptive LFRU's ghost caches on a hashed sample of the keys, and the per-layer
+victim candidates cached between calls; each keeps the decisions."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from moeserve.bench.simulate import LayerCall, simulate
-from moeserve.experts.policies import AdaptiveLFRUPolicy
+from moeserve.experts.policies import AdaptiveLFRUPolicy, LFRUPolicy, NoVictimError
 
 
 def shifting_sets(rounds: int, per_round: int, seed: int, experts: int = 256) -> list[list[LayerCall]]:
@@ -57,3 +60,44 @@ def test_sampling_starts_at_the_first_eviction_and_scales_the_ghosts():
         assert all(p._in_sample(key) for key in g.keys)
     share = sum(p._in_sample((layer, e)) for layer in range(8) for e in range(64)) / 512
     assert 0.18 < share < 0.32  # about the rate, 1/4
+
+
+@pytest.mark.parametrize("cycle_aware", [True, False])
+def test_lfru_cached_candidates_give_the_scan_victim(cycle_aware: bool):
+    """choose_victim's per-layer candidate cache: the victim always has the rank a scan of every cached, unpinned key
+    finds best (random calls over four layers, misses evicting, some keys prefetched, per-layer restrictions)."""
+    rng = random.Random(11)
+    p = LFRUPolicy(cycle_aware=cycle_aware)
+    cached: set[tuple[int, int]] = set()
+
+    def rank(key: tuple[int, int]) -> tuple[float, float]:
+        log_now = p._log_score_now(key)
+        if cycle_aware:
+            return (-p._time_to_use(key[0], log_now), 0.0)
+        return (round(log_now, 9), -p._last_tick.get(key[0], 0))
+
+    for _ in range(300):
+        for layer in range(4):
+            keys = [(layer, e) for e in sorted(rng.sample(range(10), 3))]
+            p.begin_layer(layer)
+            for key in keys:
+                if key in cached:
+                    p.on_hit(key)
+            for key in keys:
+                if key in cached:
+                    continue
+                if len(cached) >= 14:
+                    allowed = None if rng.random() < 0.7 else {layer, rng.randrange(4)}
+                    options = [k for k in cached if k not in keys and (allowed is None or k[0] in allowed)]
+                    if not options:
+                        with pytest.raises(NoVictimError):
+                            p.choose_victim(set(keys), allowed)
+                        allowed = None
+                        options = [k for k in cached if k not in keys]
+                    victim = p.choose_victim(set(keys), allowed)
+                    assert victim in options
+                    assert rank(victim) == min(rank(k) for k in options)
+                    cached.remove(victim)
+                    p.on_evict(victim)
+                cached.add(key)
+                p.on_insert(key, prefetched=rng.random() < 0.1)
