@@ -108,7 +108,7 @@ class LFRUPolicy(EvictionPolicy):
         self._top.pop(key[0], None)
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
-        best: tuple[float, int] | None = None
+        best: tuple[float, float] | None = None
         victim: Key | None = None
         n, tick, last_tick = len(self._visits), self._tick, self._last_tick
         for layer, heap in self._heaps.items():  # one candidate per layer: O(layers) with the cache below
