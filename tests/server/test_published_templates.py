@@ -106,3 +106,21 @@ def test_kimi_history_holds_the_model_s_ids_and_text(tmp_path: Path) -> None:
     want = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
     assert text == want
+
+
+def test_kimi_hub_revision_tools_line(tmp_path: Path) -> None:
+    """The hub's current Kimi-K2-Thinking template (revision 6126819) differs from the copy here in one line: the tool
+    list is written with tojson(separators=(',', ':')) (no spaces). That line, put in the copy, renders as
+    transformers renders it."""
+    from transformers import AutoTokenizer
+
+    copy = (PUBLISHED / "moonshotai-Kimi-K2-Thinking.jinja").read_text()
+    assert copy.count("tools | tojson()") == 1
+    folder = _model_folder(tmp_path, copy.replace("tools | tojson()", "tools | tojson(separators=(',', ':'))"))
+    chat = chat_format_for("kimi_k2", Tokenizer(folder), folder)
+    messages = conversation(str, None, KIMI_IDS)
+    prompt = chat.render(ChatCompletionRequest(messages=messages, tools=[WEATHER, TIME]))
+    want = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(
+        messages, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)
+    assert '[{"type":"function","function":{"name":"get_weather"' in want
+    assert prompt.text == want
