@@ -40,6 +40,7 @@ from moeserve.memory.rss import fix_mmap_threshold
 from moeserve.memory.sizing import size_tiers
 from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes
 from moeserve.memory.topology import detect_topology
+from moeserve.models.expert_kernels import batched_workspace_bytes
 from moeserve.models.expert_plans import (
     can_interleave_experts,
     expert_plan,
@@ -561,8 +562,10 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                             dtype.itemsize, context=model_max, kv_width=kv_width)
     rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
     staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
+    workspace = batched_workspace_bytes(spec.hidden_size, m.intermediate_size or 0, dtype.itemsize, unit)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
-                       staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes)
+                       staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes,
+                       workspace)
 
 
 def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec

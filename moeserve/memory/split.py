@@ -58,6 +58,8 @@ class MemoryNeeds:
     staging_bytes: int  # the expert store's read/staging buffers
     overhead_bytes: int  # runtime growth: one step's activations and the rotary tables
     process_bytes: int = 0  # the process's RSS at start-up: charged against memory_gb (free memory excludes it)
+    # the GPU's batched expert kernel's stacked (dequantized) weights; charged as runtime on CUDA only (sizing.py)
+    expert_workspace_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,14 @@ def add_in_expert_order(out: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor
         start += count
 
 
+def batched_workspace_bytes(hidden: int, inter: int, itemsize: int, unit_nbytes: int) -> int:
+    """A bound on what BatchedExperts holds at once besides activations: its GROUP stacked units as stored (the
+    torch.stack of bf16 fields, or int8 codes), GROUP + 1 dequantized experts (the stacked buffers and the
+    per-expert one of an expert run alone), each at most 3 matrices [inter, hidden] + biases in the compute dtype."""
+    dense = (3 * hidden * inter + 3 * inter + hidden) * itemsize
+    return GROUP * unit_nbytes + (GROUP + 1) * dense
+
+
 class _FusedSwiGLU(ExpertKernel):
     """One C++ call per chunk: every expert's SwiGLU for its tokens, weighted, added into `out` in ascending
     expert order with the roundings of the torch loop (csrc/moe_experts.cpp)."""

@@ -116,3 +116,24 @@ def test_unified_memory_charges_the_staging_buffers_to_the_one_pool():
         staging[device] = sizes.split.staging_bytes
         assert sizes.host.capacity == 0
     assert staging["cpu"] == 4 * unit and staging["cuda"] == 4 * unit + 2 * 4 * 2**20
+
+
+def test_the_batched_expert_kernels_workspace_is_runtime_on_cuda_only():
+    """On CUDA the experts run in the batched kernel, whose stacked weights (MemoryNeeds.expert_workspace_bytes,
+    models/expert_kernels.batched_workspace_bytes) are charged as runtime; on the CPU they are not held."""
+    from moeserve.memory.sizing import size_tiers
+    from moeserve.memory.split import MemoryNeeds
+    from moeserve.memory.topology import MemoryTopology
+    from moeserve.models.expert_kernels import GROUP, batched_workspace_bytes
+
+    unit = 2**20
+    workspace = batched_workspace_bytes(1024, 512, 2, unit)
+    assert workspace == GROUP * unit + (GROUP + 1) * (3 * 1024 * 512 + 3 * 512 + 1024) * 2
+    needs = MemoryNeeds(GiB, unit, 1000, 1024, 0, 16, 4096, 4 * unit, 64 * 2**20, expert_workspace_bytes=workspace)
+    settings = SimpleNamespace(memory_gb=None, expert_cache_gb=None, kv_cache_gb=None, host_cache_gb=0.0,
+                               max_model_len=1024, max_num_seqs=4)
+    runtime = {}
+    for device in ("cuda", "cpu"):
+        topo = MemoryTopology(device, False, 32 * GiB, 32 * GiB, 64 * GiB, "fake")
+        runtime[device] = size_tiers(needs, topo, settings).split.overhead_bytes
+    assert runtime["cpu"] == 64 * 2**20 and runtime["cuda"] == 64 * 2**20 + workspace
