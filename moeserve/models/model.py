@@ -36,7 +36,7 @@ from moeserve.models.layers import (
 )
 from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.mamba2 import build_mamba
+from moeserve.models.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mla import build_mla
 from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
@@ -150,7 +150,7 @@ def build_model(
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
-    kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant, device)
+    kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant, device, top_k=spec.moe.top_k)
     choices.append(("expert kernel", kernel.describe()))
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
@@ -168,6 +168,9 @@ def build_model(
     linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
     if linear:
         choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))
+    mambas = [layer.attn for layer in layers if isinstance(layer.attn, Mamba2Mixer)]
+    if mambas:
+        choices.append(("mamba", f"{len(mambas)} layers; {mambas[0].describe()}"))
     final_norm = _norm(load, names.final_norm, spec)
     head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
@@ -288,7 +291,7 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     if L in spec.mixerless_layers:
         return NoMixer()
     if spec.mamba is not None and L in spec.mamba.layers:
-        return build_mamba(load, arch, spec, L, opts.batch_invariant)
+        return build_mamba(load, arch, spec, L, opts.batch_invariant, opts.cpp)
     if not spec.attention_layers[L]:
         return build_gated_delta(load, arch, spec, L, opts.batch_invariant, opts.cpp)
     if spec.mla is not None:

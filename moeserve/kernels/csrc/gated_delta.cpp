@@ -20,20 +20,13 @@
 #include <cmath>
 #include <vector>
 
+#include "halving_sum.h"
+
 #pragma GCC optimize("fp-contract=off")
 
 namespace moeserve_gated_delta {
 
-// rows [n, dv] summed into out [dv] as gated_delta_rule.sum_rows does (destroys rows)
-static void sum_rows(float* rows, int64_t n, int64_t dv, float* out) {
-  while (n > 1) {
-    const int64_t m = (n + 1) / 2;
-    for (int64_t i = 0; i < n - m; ++i)
-      for (int64_t j = 0; j < dv; ++j) rows[i * dv + j] = rows[i * dv + j] + rows[(i + m) * dv + j];
-    n = m;
-  }
-  for (int64_t j = 0; j < dv; ++j) out[j] = rows[j];
-}
+using moeserve_csrc::sum_rows_halving;  // gated_delta_rule.sum_rows's order
 
 static void step_head(const float* q, const float* k, const float* v, float decay, float beta, float scale,
                       float* S, float* out, int64_t dk, int64_t dv, std::vector<float>& work) {
@@ -41,7 +34,7 @@ static void step_head(const float* q, const float* k, const float* v, float deca
   for (int64_t i = 0; i < dk * dv; ++i) S[i] = S[i] * decay;
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) work[i * dv + j] = S[i * dv + j] * k[i];
-  sum_rows(work.data(), dk, dv, read.data());
+  sum_rows_halving(work.data(), dk, dv, read.data());
   for (int64_t j = 0; j < dv; ++j) read[j] = (v[j] - read[j]) * beta;  // delta
   for (int64_t i = 0; i < dk; ++i)
     for (int64_t j = 0; j < dv; ++j) {
@@ -52,7 +45,7 @@ static void step_head(const float* q, const float* k, const float* v, float deca
     const float qs = q[i] * scale;
     for (int64_t j = 0; j < dv; ++j) work[i * dv + j] = S[i * dv + j] * qs;
   }
-  sum_rows(work.data(), dk, dv, out);
+  sum_rows_halving(work.data(), dk, dv, out);
 }
 
 at::Tensor gated_delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& decay,
