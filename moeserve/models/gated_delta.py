@@ -13,7 +13,10 @@ Sequence memory (state/kinds.py RecurrentState): per sequence a slot holding the
 Prompt tokens take the chunk form on a grid of CHUNK positions from 0 (the scheduler cuts prompts on that grid);
 tokens after the prompt (decode, or recomputed output after a preemption) take the recurrent step: with the C++
 kernels, a decode-only batch takes it in one `gated_delta_step_` call for every sequence (csrc/gated_delta.cpp, the
-same bits as the torch step), otherwise `gated_delta_rule.recurrent_step` per sequence and token. Shapes: N tokens,
+same bits as the torch step), otherwise `gated_delta_rule.recurrent_step` per sequence and token. With the C++
+kernels the chunk form is `gated_delta_chunk_` (csrc/gated_delta_chunk.cpp: the same arithmetic in fixed-order
+sums, within fp32 rounding of the torch form, not its bits), else `gated_delta_rule.chunk_form`; chosen once with
+the kernels, so every prompt of a process takes the same one. Shapes: N tokens,
 Hk / Hv key / value heads, dk / dv their dims, C = conv channels (q, k and v side by side).
 """
 
@@ -37,6 +40,17 @@ if TYPE_CHECKING:
     from moeserve.models.spec import ModelSpec
 
 
+# (q, k, v, g, beta, state) -> outputs [n, Hv, dv]: gated_delta_rule.chunk_form's signature
+ChunkForm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                     torch.Tensor]
+
+
+def cpp_chunk_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> torch.Tensor:
+    """gated_delta_rule.chunk_form in one C++ call (csrc/gated_delta_chunk.cpp), heads in parallel."""
+    return torch.ops.moeserve.gated_delta_chunk_(q, k, v, g, beta, state)
+
+
 class GatedDeltaNet(TokenMixer):
     def __init__(self, spec: LinearAttentionSpec, layer: int, in_proj: Linear, out_proj: Linear,
                  conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
@@ -51,6 +65,7 @@ class GatedDeltaNet(TokenMixer):
         self.split = [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads]
         self.invariant = invariant
         self.cpp = cpp  # the moeserve C++ ops are loaded: decode-only batches take gated_delta_step_
+        self.chunk_form: ChunkForm = cpp_chunk_form if cpp else chunk_form  # prompt tokens
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x).split_with_sizes(self.split, dim=-1)  # [N, C], [N, Hv*dv], [N, Hv] x2
@@ -145,7 +160,7 @@ class GatedDeltaNet(TokenMixer):
         cut = max(0, min(n, prompt_len - start))  # tokens of the prompt: chunk form; the rest: one by one
         outs = []
         if cut:
-            outs.append(chunk_form(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state))
+            outs.append(self.chunk_form(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state))
         for t in range(cut, n):
             outs.append(recurrent_step(q[t], k[t], v[t], decay[t], beta[t], state).unsqueeze(0))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -166,9 +181,10 @@ class GatedDeltaNet(TokenMixer):
 
     def describe(self) -> str:
         """The start-up log's line: how prompt and decode tokens are computed, and why."""
+        how = "C++ gated_delta_chunk_" if self.cpp else "torch"
         step = ("C++ gated_delta_step_, one call per decode-only batch (the C++ kernels are on)" if self.cpp else
                 "the torch recurrent step per sequence (kernels=torch, not CPU, or the C++ kernels are unavailable)")
-        return (f"Gated DeltaNet: prompt tokens in chunks of {CHUNK} positions (torch, fp32), later tokens by {step}; "
+        return (f"Gated DeltaNet: prompt tokens in chunks of {CHUNK} positions ({how}, fp32), later tokens by {step}; "
                 "state slots per sequence in the sequence memory")
 
     def why_not_stacked(self) -> str | None:
