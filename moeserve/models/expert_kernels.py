@@ -12,7 +12,7 @@ with one rounding per add, so where the experts live never changes a bit of the 
 | torch             | any (the plan's UnitMath)              | per-expert torch loop (CUDA, kernels=torch, formats without a fused op) |
 | cpp-swiglu        | SwiGLU [out, in], bf16/fp32 or int8    | moe_swiglu_ / moe_swiglu_int8_ (decode-sized batches; the torch loop above 64 tokens unless batch-invariant) |
 | cpp-interleaved   | SwiGLU 4-row interleaved, bf16 or int8 | moe_swiglu_interleaved_ / moe_swiglu_int8_interleaved_ (any batch) |
-| batched           | any (UnitMath.bind_stacked)            | GPU: groups of GROUP experts x ENTRY_ROWS tokens per batched matmul |
+| batched           | any (UnitMath.bind_stacked)            | GPU: groups of min(top_k, GROUP) experts x ENTRY_ROWS tokens per batched matmul |
 
 `choose_expert_kernel` is the only place that asks what the units are (UnitMath.fused_units). The MoE layer and the
 decode stack call the interface; `stack_units` tells the decode stack (csrc/decode_stack.cpp) which fields it reads.
@@ -37,8 +37,9 @@ Chunk = list[tuple[int, ExpertWeights]]  # (expert id, its unit's field views), 
 # row. (The interleaved op is tiled for any batch.)
 FUSED_MAX_TOKENS = 64
 
-# The batched kernel's one call shape: GROUP entries (an expert's block of tokens each) of ENTRY_ROWS rows. Decode
-# (a token or a few per expert) fills a group with GROUP experts; a top-8 model's token is one call per layer.
+# The batched kernel's one call shape: `group` entries (an expert's block of tokens each) of ENTRY_ROWS rows, group =
+# the model's top_k up to GROUP: one token's experts at a layer are one call, with no padding entry whose weights
+# the call would read for nothing (decode on a GPU is bound by reading the weights).
 GROUP, ENTRY_ROWS = 8, 16
 CPU = torch.device("cpu")
 
@@ -123,13 +124,13 @@ class TorchExperts(ExpertKernel):
 
 
 class BatchedExperts(ExpertKernel):
-    """The GPU experts: a chunk's experts in batched calls of exactly GROUP entries x ENTRY_ROWS rows, each
+    """The GPU experts: a chunk's experts in batched calls of exactly `group` entries x ENTRY_ROWS rows, each
     entry one expert's block of tokens (its units stacked and dequantized once per call, `UnitMath.bind_stacked`,
     then one batched matmul per projection), instead of one call per expert.
 
     Where the experts live never changes a bit: resident (one chunk) and offloaded (chunks as the cache allows)
     group the experts differently, so no call's shape may depend on the grouping. Every grouped call has the one
-    shape [GROUP, ENTRY_ROWS, H] (the last group padded by repeating a unit, its results dropped), so an expert's
+    shape [group, ENTRY_ROWS, H] (the last group padded by repeating a unit, its results dropped), so an expert's
     block gets the same kernel whatever its neighbours (a batched matmul computes each batch entry alone); an
     expert with more than ENTRY_ROWS tokens runs alone on its own rows (a shape set by that expert only), or,
     batch-invariant, in ENTRY_ROWS blocks like the rest. Outputs are added in rounds, round r adding each token's
@@ -138,9 +139,9 @@ class BatchedExperts(ExpertKernel):
 
     name = "batched"
 
-    def __init__(self, math: UnitMath, invariant: bool, why: str) -> None:
+    def __init__(self, math: UnitMath, invariant: bool, why: str, group: int = GROUP) -> None:
         super().__init__(math)
-        self.invariant, self.why = invariant, why
+        self.invariant, self.why, self.group = invariant, why, group
 
     def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
         for chunk in chunks:
@@ -153,30 +154,32 @@ class BatchedExperts(ExpertKernel):
                     y[lo - first : hi - first] = self.math.bind(w)(routed.x[routed.token_of[lo:hi]])
                 else:
                     entries += [(w, s, min(s + ENTRY_ROWS, hi)) for s in range(lo, hi, ENTRY_ROWS)]
-            for g in range(0, len(entries), GROUP):
-                self._run_group(entries[g : g + GROUP], routed, y, first)
+            for g in range(0, len(entries), self.group):
+                self._run_group(entries[g : g + self.group], routed, y, first)
             add_in_expert_order(out, routed.token_of[first:last], y * routed.weight_of[first:last, None])
 
     def _run_group(self, entries: list[tuple[ExpertWeights, int, int]], routed: RoutedTokens, y: torch.Tensor,
                    first: int) -> None:
-        """One call of GROUP entries: y[pair - first] = that pair's expert output, for every pair of `entries`."""
+        """One call of `group` entries: y[pair - first] = that pair's expert output, for every pair of `entries`."""
         units = [w for w, _, _ in entries]
-        units += [units[-1]] * (GROUP - len(units))  # the call's shape never changes: padding repeats a unit
-        pairs: list[int] = []  # the pair of each of the GROUP x ENTRY_ROWS rows (padding: the group's first)
+        group = self.group
+        units += [units[-1]] * (group - len(units))  # the call's shape never changes: padding repeats a unit
+        pairs: list[int] = []  # the pair of each of the group x ENTRY_ROWS rows (padding: the group's first)
         rows: list[int] = []  # the rows holding real pairs
         for g, (_, lo, hi) in enumerate(entries):
             pairs += list(range(lo, hi)) + [entries[0][1]] * (ENTRY_ROWS - (hi - lo))
             rows += range(g * ENTRY_ROWS, g * ENTRY_ROWS + hi - lo)
-        pairs += [entries[0][1]] * (GROUP * ENTRY_ROWS - len(pairs))
+        pairs += [entries[0][1]] * (group * ENTRY_ROWS - len(pairs))
         device = routed.x.device
-        x = routed.x[routed.token_of[torch.tensor(pairs, device=device)]].view(GROUP, ENTRY_ROWS, -1)
-        out = self.math.bind_stacked(units)(x).flatten(0, 1)  # [GROUP * ENTRY_ROWS, H]
+        pair_index = torch.tensor(pairs, device=device)
+        x = routed.x[routed.token_of[pair_index]].view(group, ENTRY_ROWS, -1)
+        out = self.math.bind_stacked(units)(x).flatten(0, 1)  # [group * ENTRY_ROWS, H]
         real = torch.tensor(rows, device=device)
-        y[torch.tensor(pairs, device=device)[real] - first] = out[real]
+        y[pair_index[real] - first] = out[real]
 
     def describe(self) -> str:
         blocks = "every expert" if self.invariant else f"experts of <= {ENTRY_ROWS} tokens"
-        return (f"batched ({self.why}: {type(self.math).__name__} stacked, {blocks} in calls of {GROUP} x "
+        return (f"batched ({self.why}: {type(self.math).__name__} stacked, {blocks} in calls of {self.group} x "
                 f"{ENTRY_ROWS} rows; experts added in ascending order)")
 
 
@@ -262,14 +265,14 @@ class CppInterleavedSwiGLU(_FusedSwiGLU):
 
 
 def choose_expert_kernel(math: UnitMath, cpp: bool, dtype: torch.dtype, invariant: bool,
-                         device: torch.device = CPU, batched: bool | None = None) -> ExpertKernel:
+                         device: torch.device = CPU, batched: bool | None = None, top_k: int = GROUP) -> ExpertKernel:
     """The kernel for units computed by `math`: on a GPU (any device but the CPU) the batched torch kernel;
     on the CPU a fused C++ op where the units and the compute dtype allow it and the C++ kernels are on (`cpp`),
     else the torch loop. `batched`: True or False overrides the device's choice (tests run the batched kernel on
-    the CPU through the fake fast tier)."""
+    the CPU through the fake fast tier). `top_k`: experts per token, the batched kernel's group (at most GROUP)."""
     if batched if batched is not None else device.type != "cpu":
         why = f"on {device.type}" if batched is None else "asked for"
-        return BatchedExperts(math, invariant, why)
+        return BatchedExperts(math, invariant, why, max(1, min(top_k, GROUP)))
     torch_loop = TorchExperts(math, invariant)
     units = math.fused_units()
     if not cpp or units is None:

@@ -61,9 +61,11 @@ def run(kernel, routed: RoutedTokens, w: dict, chunk: int) -> torch.Tensor:  # t
     return out
 
 
+@pytest.mark.parametrize("group", [GROUP, K, 1])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_batched_equals_the_loop_in_float32_and_its_bits_never_depend_on_the_chunking(invariant: bool) -> None:
-    batched = BatchedExperts(SwiGLUMath(), invariant, "test")
+def test_batched_equals_the_loop_in_float32_and_its_bits_never_depend_on_the_chunking(invariant: bool,
+                                                                                      group: int) -> None:
+    batched = BatchedExperts(SwiGLUMath(), invariant, "test", group)
     for n in (1, 3, 40):  # decode-sized, and a prefill whose expert 0 has more than ENTRY_ROWS tokens
         routed = routing(n, seed=n, dtype=torch.float32)
         assert n < 40 or max(hi - lo for lo, hi in routed.spans.values()) > ENTRY_ROWS
@@ -104,6 +106,9 @@ def test_the_device_chooses_the_batched_kernel_and_the_log_says_why() -> None:
     math = SwiGLUMath()
     cuda = choose_expert_kernel(math, False, torch.bfloat16, False, torch.device("cuda"))
     assert isinstance(cuda, BatchedExperts) and cuda.describe().startswith("batched (on cuda: SwiGLUMath stacked")
+    assert cuda.group == GROUP and "in calls of 8 x 16 rows" in cuda.describe()
+    top2 = choose_expert_kernel(math, False, torch.bfloat16, False, torch.device("cuda"), top_k=2)
+    assert isinstance(top2, BatchedExperts) and top2.group == 2  # one token's experts: one call, no padding
     assert isinstance(choose_expert_kernel(math, False, torch.bfloat16, False), TorchExperts)  # CPU, no C++
     asked = choose_expert_kernel(math, True, torch.bfloat16, False, batched=True)
     assert isinstance(asked, BatchedExperts) and "asked for" in asked.describe()
