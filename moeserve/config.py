@@ -78,7 +78,7 @@ class EngineSettings(BaseModel):
         "one budget, no host tier; off = separate GPU and host budgets; auto = detected (is_integrated, known "
         "device names, device memory close to MemTotal), logged with its evidence"
     )
-    cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, static")
+    cache_policy: str = Field("lfru", description="expert eviction policy: lru, lfu, lfru, reuse, static")
     expert_cache_mode: Literal["shared", "per_layer", "mixed"] = Field(
         "shared", description="how the expert cache's slots are shared among MoE layers: shared = one pool, "
         "per_layer = an equal quota per layer, mixed = a floor of half the equal quota per layer, the rest shared"

@@ -122,3 +122,38 @@ def test_adaptive_lfru_admits_through_its_winner():
     assert not p.admit((0, 7), (0, 0))
     p.on_bypass((0, 7))  # a use without a slot: nothing to evict later
     assert p.choose_victim(set()) == (0, 0)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 6])
+def test_reuse_in_the_store_counts_what_the_simulator_counts(capacity):
+    """cache_policy=reuse in the engine's store (DeferredHits-wrapped, real slots): the simulator's hits and misses."""
+    pytest.importorskip("torch")
+    from tests.experts.test_store import make_store, use
+
+    rng = random.Random(capacity)
+    steps = [[LayerCall(layer, tuple(sorted(rng.sample(range(8), rng.randint(1, 4))))) for layer in (0, 1)]
+             for _ in range(30)]
+    expected = simulate(steps, "reuse", capacity)
+    store = make_store(capacity, "reuse")
+    for step in steps:
+        for call in step:
+            use(store, call.layer, list(call.expert_ids))
+    assert (store.stats.hits, store.stats.misses) == (expected.hits, expected.misses)
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "mixed"])
+def test_reuse_respects_the_capacity_modes(mode: str):
+    """Its victims come from the layers the quota allows: no layer ever holds more than its ceiling."""
+    from moeserve.experts.quota import make_quota
+    from tests.experts.test_quota import call
+
+    rng = random.Random(mode)
+    layers = (2, 3, 5)
+    quota = make_quota(mode, 9, layers)
+    cache = SlotCache(9, make_policy("reuse"), layers, quota=quota)
+    for _ in range(300):
+        layer = rng.choice(layers)
+        call(cache, layer, sorted(rng.sample(range(8), rng.randint(1, quota.chunk_limit(layer)))))
+        for other in layers:
+            assert cache.held(other) <= quota.ceilings.get(other, 9)
+    assert cache.stats.hits > 0
