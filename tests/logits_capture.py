@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 
-def generate_capturing_logits(llm: Any, prompts: list, params: Any) -> tuple[list[torch.Tensor], list]:
-    """(logits [num_seqs, vocab] of each engine step, the RequestOutputs); closes the engine afterwards."""
-    engine = llm.engine
+@contextmanager
+def capturing_logits(engine: Any) -> Iterator[list[torch.Tensor]]:
+    """While inside: a copy of the logits [num_seqs, vocab] of each engine step is appended to the list yielded."""
     logits: list[torch.Tensor] = []
     forward = engine.model.forward
 
@@ -20,7 +22,16 @@ def generate_capturing_logits(llm: Any, prompts: list, params: Any) -> tuple[lis
 
     engine.model.forward = capture
     try:
-        outs = llm.generate(prompts, params)
+        yield logits
     finally:
-        engine.close()
+        engine.model.forward = forward
+
+
+def generate_capturing_logits(llm: Any, prompts: list, params: Any) -> tuple[list[torch.Tensor], list]:
+    """(logits [num_seqs, vocab] of each engine step, the RequestOutputs); closes the engine afterwards."""
+    try:
+        with capturing_logits(llm.engine) as logits:
+            outs = llm.generate(prompts, params)
+    finally:
+        llm.engine.close()
     return logits, outs

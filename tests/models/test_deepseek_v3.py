@@ -8,13 +8,14 @@
 - bf16, default settings: chunked prefill equals one pass, a prefix-cache hit equals a cold run, sequences batched
   and preempted keep their solo numbers, offloaded experts equal resident ones, all bit for bit.
 - The latent cache holds kv_lora_rank + rope values per token and layer, logged beside the full-KV figure.
-- DeepSeek-V3's real dimensions truncated to 2 layers (one dense, one MoE; 16 of 256 experts) (slow).
+- DeepSeek-V3's real dimensions truncated to 2 layers (one dense, one MoE; 16 of 256 experts):
+  tests/models/test_real_dims_exactness.py.
+The comparisons run through the shared driver tests/models/exactness.py.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,9 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.registry import get_architecture
-from moeserve.state.kv_cache import fixed_pool_bytes
-from tests.engine.test_parity_transformers import hf_greedy, hf_model
+from tests.engine.test_parity_transformers import hf_model
 from tests.logits_capture import generate_capturing_logits
+from tests.models import exactness as X
 
 CONFIGS = Path(__file__).resolve().parents[1] / "data" / "reference_configs"  # copies of shared/reference/configs
 STEPS = 6
@@ -102,8 +103,7 @@ def test_unsupported_routing_is_refused_in_one_line() -> None:
 
 
 def prompts(seed: int = 0, lengths: tuple[int, ...] = (40, 5, 23)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(n)] for n in lengths]
+    return X.random_prompts(seed, lengths)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -111,35 +111,15 @@ def prompts(seed: int = 0, lengths: tuple[int, ...] = (40, 5, 23)) -> list[list[
 def test_tiny_matches_transformers(tiny, variant: str, kernels: str) -> None:
     """fp32, three prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4."""
     folder = tiny(variant)
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", kernels=kernels)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3))
-    llm.engine.close()
-    ref_model = hf_model(folder, torch.float32)
-    for prompt, out in zip(prompts(), outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        assert out.outputs[0].token_ids == ref_tokens, f"{variant}: prompt of {len(prompt)} tokens"
-        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (variant, len(prompt), token_id)
-
-
-def sampled_logits(folder: Path, batch: list[list[int]], **settings: Any) -> tuple[list[torch.Tensor], list]:
-    """Default settings (bf16 from the checkpoint): the logits of the steps after the prompts, and the outputs."""
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, **settings)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
-    logits, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in batch], params)
-    return logits[-(STEPS - 1):], [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    X.assert_matches_transformers(folder, hf_model(folder, torch.float32), prompts(), kernels=kernels)
 
 
 def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny) -> None:
+    """Chunks that end inside a query block (37) and on one (64)."""
     folder = tiny(dtype=torch.bfloat16)
-    prompt = prompts(1, (150,))[0]
-    whole, whole_out = sampled_logits(folder, [prompt])
-    for budget in (37, 64):  # chunks that end inside a query block and on one
-        chunked, chunked_out = sampled_logits(folder, [prompt], max_num_batched_tokens=budget)
-        assert all(torch.equal(a, b) for a, b in zip(whole, chunked)) and whole_out == chunked_out, budget
-    assert whole[0].dtype == torch.float32 and len(whole) == STEPS - 1
+    whole = X.run_together(folder, prompts(1, (150,)), max_model_len=256)
+    X.assert_chunked_equals_one_pass(folder, prompts(1, (150,))[0], (37, 64), whole, max_model_len=256)
+    assert whole.logits[0].dtype == torch.float32 and len(whole.logits) == STEPS
 
 
 def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
@@ -163,33 +143,15 @@ def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
 
 @pytest.mark.slow  # ~80 s on 2 busy cores: 4 solo runs and a preempting batch of 30 tokens each
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny) -> None:
-    folder = tiny(dtype=torch.bfloat16)
     batch = prompts(7, (40, 33, 47, 12))
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128)
-    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in batch]
-    e = llm.engine
-    e.close()
-    fixed, per_token = fixed_pool_bytes(e.kv_groups, e._block_bytes, 16, 8, e.max_num_batched_tokens, 128)
-    tight = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128,
-                kv_cache_gb=(fixed + 12 * 16 * per_token) / 2**30)
-    together = tight.generate([{"prompt_token_ids": p} for p in batch], params)
-    assert tight.engine.scheduler.stats.preemptions > 0, "the pool was meant to be too small for all four"
-    tight.engine.close()
-    for i, (a, b) in enumerate(zip(together, solo)):
-        assert a.outputs[0].token_ids == b.token_ids and a.outputs[0].logprobs == b.logprobs, f"request {i}"
+    X.assert_batched_and_preempted_equal_solo(tiny(dtype=torch.bfloat16), [(0, p) for p in batch], 12, 30, 128)
 
 
 def test_offloaded_equals_resident_in_bf16(tiny) -> None:
     folder = tiny(dtype=torch.bfloat16)
-    batch = prompts(3)
-    ref, ref_out = sampled_logits(folder, batch)
-    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
-    unit = probe.engine.model.store.unit_nbytes
-    assert "multi-head latent attention" in probe.engine.choices["decode step"]  # the fused step refuses it
-    probe.engine.close()
-    got, got_out = sampled_logits(folder, batch, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
+    resident = X.run_together(folder, prompts(3), max_model_len=256)
+    assert "multi-head latent attention" in resident.choices["decode step"]  # the fused step refuses it
+    X.assert_offloaded_equals_resident(folder, prompts(3), resident, max_model_len=256)
 
 
 def deepseek_header_only(folder: Path, config: dict[str, Any]) -> Path:
@@ -247,57 +209,6 @@ def test_latent_kv_per_token_is_logged_and_planned(tiny, tmp_path: Path, capsys:
             "71.1x less") in out, out
 
 
-# DeepSeek-V3's published dimensions (shared/reference/configs/DeepSeek-V3.json) with its yarn rope; cut to keep CI in
-# budget: 2 layers (first_k_dense_replace 1: one dense layer with the real 18432-wide MLP, one MoE layer), 16 of the
-# 256 routed experts (n_group 8 of 2 experts each, topk_group 4, top-8: the group rule still decides), vocabulary 4096
-REAL_DIMS = dict(
-    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128,
-    num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-    v_head_dim=128, n_routed_experts=16, n_group=8, topk_group=4, num_experts_per_tok=8, n_shared_experts=1,
-    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, num_hidden_layers=2,
-    vocab_size=4096, max_position_embeddings=4096, initializer_range=0.04,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0},
-)
-
-
-@pytest.mark.slow
-def test_real_dims_greedy_matches_transformers_and_offloads_exactly(tmp_path: Path) -> None:
-    """bf16: transformers' greedy tokens until a near-tie (the engines round bf16 differently: transformers expands
-    per-head keys, moeserve folds kv_b into the query), log-probabilities within 2 bf16 steps; offloaded experts
-    (3 slots) give the resident run's logits bit for bit."""
-    folder = tmp_path / "deepseek_v3"
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.models.checkpoints import randomize_zero_inits
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **REAL_DIMS), dtype=torch.bfloat16)
-    randomize_zero_inits(model)
-    model.save_pretrained(folder)
-    del model
-    batch = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 3, [11, 5, 77]]
-    budget = {"memory_gb": 14}  # the budget derived from free memory moves with whatever else the machine runs
-    resident, outs = sampled_logits(folder, batch, **budget)
-    ref_model = hf_model(folder, torch.bfloat16)
-    for prompt, (tokens, logprobs) in zip(batch, outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        same = 0
-        while same < STEPS and tokens[same] == ref_tokens[same]:
-            same += 1
-        if same < STEPS:
-            ref = ref_logps[same]
-            assert float(ref[ref_tokens[same]] - ref[tokens[same]]) < 0.5, f"diverged at step {same}"
-        assert same >= STEPS // 2, f"greedy paths part at step {same}"
-        for lp, ref in zip(logprobs[:same], ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 0.5
-    del ref_model
-    unit = 3 * 7168 * 2048 * 2  # one expert's gate, up and down in bf16
-    offloaded, off_outs = sampled_logits(folder, batch, expert_cache_gb=3 * unit / 2**30 * 1.001, **budget)
-    assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs == outs
-
-
 @pytest.fixture(scope="module")
 def fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the tiny model with every *_proj Linear in FP8 with 32x32 blocks as DeepSeek-V3 ships them: weight float8_e4m3fn,
@@ -319,18 +230,8 @@ def test_fp8_block_checkpoint_matches_transformers_on_its_dequantization(fp8: tu
     for kind in ("self_attn.kv_b_proj", "self_attn.q_a_proj", "mlp.experts.3.down_proj", "mlp.shared_experts.up_proj"):
         weight = names[f"model.layers.1.{kind}.weight"]
         assert weight.dtype_code == "F8_E4M3" and f"model.layers.1.{kind}.weight_scale_inv" in names
-    llm = LLM(str(quantized), skip_tokenizer_init=True, dtype="float32")
-    assert "fp8" in llm.engine.choices["experts"].lower()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()],
-                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3))
-    llm.engine.close()
-    ref_model = hf_model(reference, torch.float32)
-    for prompt, out in zip(prompts(), outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        assert out.outputs[0].token_ids == ref_tokens, len(prompt)
-        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (len(prompt), token_id)
+    choices = X.assert_matches_transformers(quantized, hf_model(reference, torch.float32), prompts())
+    assert "fp8" in choices["experts"].lower()
 
 
 def test_fp8_experts_stay_fp8_offloaded_and_equal_resident(fp8: tuple[Path, Path]) -> None:
@@ -339,19 +240,18 @@ def test_fp8_experts_stay_fp8_offloaded_and_equal_resident(fp8: tuple[Path, Path
     from moeserve.checkpoint.folder import open_checkpoint
 
     quantized, _ = fp8
-    ref, ref_out = sampled_logits(quantized, prompts(4))
+    ref = X.run_together(quantized, prompts(4), max_model_len=256)
     llm = LLM(str(quantized), skip_tokenizer_init=True, max_model_len=256, expert_cache_gb=1e-9)
     store, reader = llm.engine.model.store, llm.engine.checkpoint.reader
     assert not store.resident and store.capacity == 1
     before = reader.bytes_read
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
-    got, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in prompts(4)], params)
+    got, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in prompts(4)], X.greedy())
     stored = sum(r.nbytes for n, r in open_checkpoint(quantized).tensors.items()
                  if n.startswith("model.layers.1.mlp.experts.0."))
     assert stored < 3 * 64 * 40 * 2 / 1.8  # FP8 codes and scales, not bf16
     assert store.stats.misses > 0 and reader.bytes_read - before == store.stats.misses * stored
-    assert all(torch.equal(a, b) for a, b in zip(got[-(STEPS - 1):], ref))
-    assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs] == ref_out
+    X.assert_same_run(X.Run(got, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]), ref,
+                      "one expert slot, FP8 units")
 
 
 def test_mtp_layers_are_skipped_at_load(tiny, tmp_path: Path) -> None:

@@ -8,31 +8,25 @@
   together; the C++ kernels and torch alike.
 - bf16, default settings: a prompt prefilled in chunks gives the logits of one pass bit for bit; sequences batched
   and preempted (recomputed) finish with their solo tokens and logprobs; offloaded experts (3 slots) == resident.
-- Nemotron-3-Nano's real dimensions truncated to 6 layers, pattern MEM*E- (slow): fp32 against transformers,
-  bf16 offloaded == resident.
+- Nemotron-3-Nano's real dimensions (6 layers, MEM*E-): tests/models/test_real_dims_exactness.py.
+The comparisons run through the shared driver tests/models/exactness.py.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from moeserve import LLM, SamplingParams
+from moeserve import LLM
 from moeserve.errors import CheckpointError
 from moeserve.models.registry import get_architecture
-from moeserve.state.kv_cache import fixed_pool_bytes
 from tests.engine.test_parity_transformers import hf_model
-from tests.models.nemotron_h_checkpoints import NEMOTRON_3_NANO, write_nano_real_dims, write_nemotron_h
-from tests.models.test_qwen3_next import (
-    STEPS,
-    assert_matches_transformers,
-    every_step,
-    long_prompts,
-    sampled_logits,
-)
+from tests.models import exactness as X
+from tests.models.exactness import STEPS, assert_matches_transformers
+from tests.models.nemotron_h_checkpoints import NEMOTRON_3_NANO, write_nemotron_h
+from tests.models.test_qwen3_next import long_prompts
 
 
 @pytest.fixture(scope="module")
@@ -91,56 +85,21 @@ def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny: dict[str, Path]) -> N
     """A 200-token prompt in one step and in chunks (the scheduler cuts on the 64-position grid): the same bits."""
     folder = tiny["bfloat16"]
     prompt = long_prompts(1)[0] + long_prompts(2)[2][:50]
-    whole, whole_out = every_step(folder, [prompt])
-    chunked, chunked_out = every_step(folder, [prompt], max_num_batched_tokens=80)
-    assert (len(whole), len(chunked)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked[2:])) and whole_out == chunked_out
+    whole = X.run_together(folder, [prompt])
+    chunked = X.assert_chunked_equals_one_pass(folder, prompt, (80,), whole)[80]
+    assert (len(whole.logits), len(chunked.logits)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
 
 
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny: dict[str, Path]) -> None:
     """Four sequences in an attention pool of 12 blocks: preempted and recomputed (output tokens by the
     selective-state update again); each ends with the tokens and logprobs it gets alone (bf16)."""
-    folder = tiny["bfloat16"]
-    rng = random.Random(7)
-    prompts = [[rng.randrange(300) for _ in range(40)] for _ in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128)
-    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]
-    e = llm.engine
-    e.close()
-    fixed, per_token = fixed_pool_bytes(e.kv_groups, e._block_bytes, 16, 8, e.max_num_batched_tokens, 128)
-    tight = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128,
-                kv_cache_gb=(fixed + 12 * 16 * per_token) / 2**30)
-    together = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert tight.engine.scheduler.stats.preemptions > 0, "the pool was meant to be too small for all four"
-    tight.engine.close()
-    for i, (a, b) in enumerate(zip(together, solo)):
-        assert a.outputs[0].token_ids == b.token_ids and a.outputs[0].logprobs == b.logprobs, f"request {i}"
-
-
-def offloaded_equals_resident(folder: Path, prompts: list[list[int]]) -> None:
-    """bf16, default settings: 3 expert slots give the resident run's logits and outputs bit for bit."""
-    ref, ref_out = sampled_logits(folder, prompts)
-    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512)
-    unit = probe.engine.model.store.unit_nbytes
-    probe.engine.close()
-    got, got_out = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
+    prompts = X.random_prompts(7, (40,) * 4)
+    X.assert_batched_and_preempted_equal_solo(tiny["bfloat16"], [(0, p) for p in prompts], 12, 30, 128)
 
 
 def test_offloaded_equals_resident_in_bf16(tiny: dict[str, Path]) -> None:
-    offloaded_equals_resident(tiny["bfloat16"], long_prompts(3))
-
-
-@pytest.mark.slow
-def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_path: Path) -> None:
-    """Nemotron-3-Nano's dimensions (hidden 2688, 64 Mamba heads x 64, state 128, 8 groups, 32/2 attention heads
-    x 128, relu2 experts 1856 wide, shared expert 3712), layers MEM*E-, 8 of its 128 experts (top-6 kept).
-    fp32: transformers' greedy tokens, log-probabilities within 1e-4; bf16: offloaded == resident."""
-    folder = write_nano_real_dims(tmp_path / "nano", experts=8)
-    prompts = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 8, [11, 5, 77]]
-    assert_matches_transformers(folder, hf_model(folder, torch.float32), prompts, max_model_len=512)
-    offloaded_equals_resident(folder, prompts)
+    """bf16, default settings: 3 expert slots give the resident run's logits and outputs bit for bit."""
+    X.assert_offloaded_equals_resident(tiny["bfloat16"], long_prompts(3))
 
 
 # ------------------------------------------------------------------------------------------- NVFP4 (ModelOpt)

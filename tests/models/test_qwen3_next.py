@@ -8,27 +8,25 @@
   and preempted (recomputed) finish with their solo tokens and logprobs; offloaded experts == resident.
 - Qwen3.5: the language model under model.language_model.* served, the vision tower and mtp.* never read (logged,
   out of the resident size); transformers' greedy tokens in fp32.
-- Qwen3-Next's real dimensions truncated to 4 layers (3 linear + 1 full) and 12 of its 512 experts (slow): fp32
-  greedy tokens and log-probabilities within 1e-4 against transformers, bf16 offloaded == resident.
+- Real dimensions (Qwen3-Next-80B and Qwen3.5-35B truncated to 4 layers): tests/models/test_real_dims_exactness.py.
+The comparisons run through the shared driver tests/models/exactness.py.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moeserve import LLM, SamplingParams
+from moeserve import LLM
 from moeserve.models.registry import get_architecture
-from moeserve.state.kv_cache import fixed_pool_bytes
-from tests.engine.test_parity_transformers import hf_greedy, hf_model
-from tests.logits_capture import generate_capturing_logits
+from tests.engine.test_parity_transformers import hf_model
+from tests.models import exactness as X
+from tests.models.exactness import STEPS, assert_matches_transformers
 
-STEPS = 6
 # the published Qwen/Qwen3-Next-80B-A3B-Instruct config.json (shared/reference/configs), the fields read
 QWEN3_NEXT_80B = {
     "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
@@ -82,22 +80,7 @@ def test_layer_types_must_name_each_layer() -> None:
 
 
 def long_prompts(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(300) for _ in range(n)] for n in (150, 5, 70)]
-
-
-def assert_matches_transformers(folder: Path, ref_model, prompts: list[list[int]], **settings) -> None:  # noqa: ANN001
-    """fp32, prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4."""
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", **settings)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=3))
-    llm.engine.close()
-    for prompt, out in zip(prompts, outs):
-        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, STEPS)
-        assert out.outputs[0].token_ids == ref_tokens, f"prompt of {len(prompt)} tokens"
-        for lp, ref in zip(out.outputs[0].logprobs, ref_logps):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (len(prompt), token_id)
+    return X.random_prompts(seed, (150, 5, 70))
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -106,66 +89,35 @@ def test_tiny_qwen3_next_matches_transformers(tiny_checkpoint, kernels: str) -> 
     assert_matches_transformers(folder, hf_model(folder, torch.float32), long_prompts(), kernels=kernels)
 
 
-def every_step(folder: Path, prompts: list[list[int]], **settings) -> tuple[list[torch.Tensor], list]:
-    """Default settings (bf16 from the checkpoint): the logits of every engine step, and (tokens, logprobs) of
-    each prompt."""
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512, **settings)
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
-    logits, outs = generate_capturing_logits(llm, [{"prompt_token_ids": p} for p in prompts], params)
-    return logits, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-
-def sampled_logits(folder: Path, prompts: list[list[int]], **settings) -> tuple[list[torch.Tensor], list]:
-    """`every_step`'s logits of the steps after the prompts only, and the outputs."""
-    logits, outs = every_step(folder, prompts, **settings)
-    return logits[-(STEPS - 1):], outs
-
-
 def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny_checkpoint) -> None:
     """A 200-token prompt in one step and in chunks of 64 (the scheduler cuts on the chunk grid): the same bits."""
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
     prompt = long_prompts(1)[0] + long_prompts(2)[2][:50]
-    whole, whole_out = every_step(folder, [prompt])
-    chunked, chunked_out = every_step(folder, [prompt], max_num_batched_tokens=80)
-    assert (len(whole), len(chunked)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked[2:])) and whole_out == chunked_out
-    assert whole[0].dtype == torch.float32
+    whole = X.run_together(folder, [prompt])
+    chunked = X.assert_chunked_equals_one_pass(folder, prompt, (80,), whole)[80]
+    assert (len(whole.logits), len(chunked.logits)) == (STEPS, STEPS + 2)  # 200 tokens: 64 + 64 + 72 (the end)
+    assert whole.logits[0].dtype == torch.float32
 
 
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny_checkpoint) -> None:
     """Four sequences in a full-attention pool of 12 blocks: preempted and recomputed (output tokens by the
     recurrent step again) again and again; each ends with the tokens and logprobs it gets alone (bf16)."""
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
-    rng = random.Random(7)
-    prompts = [[rng.randrange(300) for _ in range(40)] for _ in range(4)]
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128)
-    assert "prefix caching off (recurrent state layers" in llm.engine.choices["KV cache"]
-    solo = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]
-    e = llm.engine
-    e.close()
-    fixed, per_token = fixed_pool_bytes(e.kv_groups, e._block_bytes, 16, 8, e.max_num_batched_tokens, 128)
-    tight = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128, kv_cache_gb=(fixed + 12 * 16 * per_token) / 2**30)
-    together = tight.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert tight.engine.scheduler.stats.preemptions > 0, "the pool was meant to be too small for all four"
-    tight.engine.close()
-    for i, (a, b) in enumerate(zip(together, solo)):
-        assert a.outputs[0].token_ids == b.token_ids and a.outputs[0].logprobs == b.logprobs, f"request {i}"
+    prompts = X.random_prompts(7, (40,) * 4)
+    solo = X.run_alone(folder, prompts, 30, max_model_len=128)
+    assert "prefix caching off (recurrent state layers" in solo.choices["KV cache"]
+    X.assert_batched_and_preempted_equal_solo(folder, [(0, p) for p in prompts], 12, 30, 128, solo)
 
 
 def test_offloaded_equals_resident_in_bf16(tiny_checkpoint) -> None:
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
     prompts = long_prompts(3)
-    ref, ref_out = sampled_logits(folder, prompts)
-    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512)
-    unit = probe.engine.model.store.unit_nbytes
-    assert "Gated DeltaNet" in probe.engine.choices["decode step"]  # the fused step refuses it, logged
-    assert "3 layers" in probe.engine.choices["linear attention"]
-    if probe.engine.cpp_kernels:
-        assert "C++ gated_delta_step_" in probe.engine.choices["linear attention"]
-    probe.engine.close()
-    got, got_out = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and got_out == ref_out
+    resident = X.run_together(folder, prompts)
+    assert "Gated DeltaNet" in resident.choices["decode step"]  # the fused step refuses it, logged
+    assert "3 layers" in resident.choices["linear attention"]
+    if resident.choices["kernels"].startswith("cpp"):
+        assert "C++ gated_delta_step_" in resident.choices["linear attention"]
+    X.assert_offloaded_equals_resident(folder, prompts, resident)
 
 
 # ------------------------------------------------------------------------------------------------- Qwen3.5
@@ -220,43 +172,6 @@ def test_qwen35_serves_the_language_model_only(tmp_path: Path) -> None:
                    and ".mlp.experts." not in n)
     assert e.model.resident_bytes == language  # fp32 as stored: every non-expert language tensor, nothing else
     e.close()
-
-
-# ------------------------------------------------------------------------------------------- real dimensions
-def write_qwen3_next_real_dims(folder: Path) -> Path:
-    """Qwen3-Next-80B-A3B's dimensions, 4 layers (3 Gated DeltaNet + 1 gated full attention), 12 of its 512
-    experts (top-10 kept), a 4096-token vocabulary; random init, bf16, saved by transformers."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.models.checkpoints import randomize_zero_inits
-
-    fields = {k: v for k, v in QWEN3_NEXT_80B.items() if k not in ("architectures", "model_type", "torch_dtype",
-                                                                     "rope_scaling")}
-    config = AutoConfig.for_model("qwen3_next", **{**fields, "num_hidden_layers": 4, "num_experts": 12,
-                                                   "vocab_size": 4096, "max_position_embeddings": 4096,
-                                                   "initializer_range": 0.04})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    randomize_zero_inits(model)
-    model.save_pretrained(folder)
-    return folder
-
-
-@pytest.mark.slow
-def test_real_dims_match_transformers_in_fp32_and_offload_exactly_in_bf16(tmp_path: Path) -> None:
-    """fp32: transformers' greedy tokens, log-probabilities within 1e-4 (measured: 1.2e-5 and 1.7e-5). bf16 (the
-    checkpoint's dtype, default settings): offloaded experts (3 slots) give the resident run's logits bit for bit.
-    (In bf16 this random model's top tokens lie within 0.03 of each other, so the two engines' bf16 roundings pick
-    different ones at the first step: fp32 is where the arithmetic is compared.)"""
-    folder = write_qwen3_next_real_dims(tmp_path / "qwen3_next")
-    prompts = [[3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12] * 8, [11, 5, 77]]
-    assert_matches_transformers(folder, hf_model(folder, torch.float32), prompts, max_model_len=512)
-    resident, outs = sampled_logits(folder, prompts)
-    probe = LLM(str(folder), skip_tokenizer_init=True, max_model_len=512)
-    unit = probe.engine.model.store.unit_nbytes
-    probe.engine.close()
-    offloaded, off_outs = sampled_logits(folder, prompts, expert_cache_gb=3 * unit / 2**30 * 1.001)
-    assert all(torch.equal(a, b) for a, b in zip(offloaded, resident)) and off_outs == outs
 
 
 def test_a_step_too_small_for_a_prompt_chunk_is_refused(tiny_checkpoint) -> None:
