@@ -92,7 +92,7 @@ class Prefetcher:
             self._thread.start()
         self._cond.notify_all()
 
-    def wait_idle(self, timeout_s: float = 10.0) -> bool:
+    def wait_idle(self, timeout_s: float = 600.0) -> bool:
         """Block until no request is pending or running (benchmarks, tests). False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._request is None and not self._busy, timeout_s)

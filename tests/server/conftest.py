@@ -57,13 +57,13 @@ class ThreadServer:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_GUARD_S
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("test server did not start")
             time.sleep(0.01)
         if wait_ready:
-            wait_healthy(self.url)
+            wait_healthy(self.url, alive=self.thread.is_alive)
 
     def client(self, **kwargs: Any) -> Any:
         import openai
@@ -77,10 +77,17 @@ class ThreadServer:
         self.sock.close()
 
 
-def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen[str] | None = None) -> None:
-    """Until /health answers 200; raises at the deadline, or at once when `proc` (the server's process) exits."""
+HANG_GUARD_S = 1800.0  # not a speed limit: readiness is the signal, this only ends a server that hangs
+
+
+def wait_healthy(url: str, timeout: float = HANG_GUARD_S, proc: subprocess.Popen[str] | None = None,
+                 alive: Callable[[], bool] | None = None) -> None:
+    """Until /health answers 200; raises at once when `proc` (the server's process) exits or `alive()` turns
+    false (a thread server whose thread died), and at the hang guard otherwise: a slow load only waits longer."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise RuntimeError(f"the server at {url} stopped before it was healthy")
         if proc is not None and proc.poll() is not None:
             output = proc.stdout.read()[-3000:] if proc.stdout is not None else ""
             raise RuntimeError(f"the server exited with {proc.returncode} before it was healthy:\n{output}")
