@@ -7,7 +7,7 @@ Two figures: the whole mixer call (in_proj, conv, the gates, the chunk form, the
 the chunk form is the same code in both, with the C++ kernels on as under kernels=auto) and the chunk form alone on
 the layer's real input shapes. Random weights; the sequence starts from a zero state each call.
 
-    .venv/bin/python scripts/bench_gated_delta.py [--rounds 5] [--tokens 512]
+    .venv/bin/python scripts/bench_gated_delta.py [--rounds 5] [--tokens 512] [--threads N]
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     status = kernels.load()
     if not status.available:
         sys.exit(f"bench_gated_delta: the C++ kernels are not available: {status.reason}")
