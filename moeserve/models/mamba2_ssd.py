@@ -152,14 +152,13 @@ class CppMamba2(Mamba2Kernels):
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
              pieces: list[Piece]) -> torch.Tensor:
-        slots, counts, fresh = (torch.tensor(col, dtype=torch.long) for col in
-                                ([p[3] for p in pieces], [p[1] for p in pieces], [p[2] == 0 for p in pieces]))
-        return torch.ops.moeserve.mamba2_conv_(x, weight, bias, history, slots, counts, fresh)
+        meta = torch.tensor([(slot, n, start == 0) for _, n, start, slot in pieces], dtype=torch.long)  # one tensor
+        return torch.ops.moeserve.mamba2_conv_(x, weight, bias, history, meta[:, 0], meta[:, 1], meta[:, 2])
 
     def step(self, xbc: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, d: torch.Tensor, states: torch.Tensor,
              rows: list[int], slots: list[int], spec: MambaSpec) -> torch.Tensor:
-        return torch.ops.moeserve.mamba2_step_(xbc, dt, decay, d, states, torch.tensor(rows, dtype=torch.long),
-                                               torch.tensor(slots, dtype=torch.long), spec.n_groups)
+        meta = torch.tensor([rows, slots], dtype=torch.long)
+        return torch.ops.moeserve.mamba2_step_(xbc, dt, decay, d, states, meta[0], meta[1], spec.n_groups)
 
     def describe(self) -> str:
         return ("later tokens by C++ mamba2_step_ (the selective-state update of every such token of a batch in one "

@@ -132,13 +132,16 @@ template <>
 inline float rnd<float>(float v) { return v; }
 
 struct StepWork {
-  std::vector<float> dtb, prod, y;
+  std::vector<float> dtb, prod;
 };
 
-// One token of one head: x [P], b / c [S] (its group's), state [P, S] updated in place, out [P].
+// One token of one head: x [P], b / c [S] (its group's), state [P, S] updated in place, out [P]. One pass over
+// the state, row p by row p: update it, then y[p] = its products with C summed by halving in place (the order
+// of halving_sum.h, taken along the row).
 template <typename T>
 static void step_head(const T* x, const T* b, const T* c, float dt, float decay, float d, float* state, T* out,
                       int64_t P, int64_t S, StepWork& w) {
+  float* prod = w.prod.data();
   for (int64_t s = 0; s < S; ++s) w.dtb[s] = rnd<T>(dt * load(b, s));
   for (int64_t p = 0; p < P; ++p) {
     const float xp = load(x, p);
@@ -148,11 +151,11 @@ static void step_head(const T* x, const T* b, const T* c, float dt, float decay,
       const float decayed = row[s] * decay;
       row[s] = decayed + dbx;
     }
+    for (int64_t s = 0; s < S; ++s) prod[s] = rnd<T>(row[s]) * load(c, s);
+    float y;
+    sum_rows_halving(prod, S, 1, &y);
+    out[p] = from_f<T>(rnd<T>(y) + rnd<T>(xp * d));
   }
-  for (int64_t p = 0; p < P; ++p)
-    for (int64_t s = 0; s < S; ++s) w.prod[s * P + p] = rnd<T>(state[p * S + s]) * load(c, s);
-  sum_rows_halving(w.prod.data(), S, P, w.y.data());  // ssd_sum_last's order
-  for (int64_t p = 0; p < P; ++p) out[p] = from_f<T>(rnd<T>(w.y[p]) + rnd<T>(load(x, p) * d));
 }
 
 template <typename T>
@@ -165,7 +168,7 @@ static void run_step(const at::Tensor& xbc, const at::Tensor& dt, const at::Tens
   float* st = states.data_ptr<float>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, H, 1, [&](int64_t lo, int64_t hi) {
-    StepWork w{std::vector<float>(S), std::vector<float>(S * P), std::vector<float>(P)};
+    StepWork w{std::vector<float>(S), std::vector<float>(S)};
     for (int64_t h = lo; h < hi; ++h) {
       const int64_t g = h / (H / G);
       for (int64_t i = 0; i < M; ++i) {  // in order: a slot's later token sees its earlier one's state

@@ -1,0 +1,144 @@
+"""Decode-step time of one Mamba-2 mixer at Nemotron-3-Nano-30B-A3B's dimensions (tests/data/reference_configs:
+64 heads of 64, 8 groups, state 128, conv 4 x 6144 channels, hidden 2688), batch 1, bf16: its kernels on torch
+(TorchMamba2) vs on the C++ ops (CppMamba2), alternated round by round; printed, no assertion.
+
+Two figures per kernel: the whole mixer call (in_proj and out_proj are the same C++ GEMVs in both: the C++ kernels
+are on, as under kernels=cpp) and the part the kernels choice changes (conv, SiLU, softplus, decay, the
+selective-state update). Random weights; the state and conv history advance every call, as in decoding.
+
+    .venv/bin/python scripts/bench_mamba2_step.py [--rounds 7] [--calls 50] [--batch 1] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moeserve import kernels  # noqa: E402
+from moeserve.models.layers import ForwardBatch  # noqa: E402
+from moeserve.models.linear import Linear, choose_row_block  # noqa: E402
+from moeserve.models.mamba2 import Mamba2Mixer  # noqa: E402
+from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
+from moeserve.models.registry import get_architecture  # noqa: E402
+from moeserve.models.spec import ModelSpec  # noqa: E402
+
+CONFIG = ROOT / "tests" / "data" / "reference_configs" / "Nemotron-3-Nano-30B-A3B.json"
+
+
+class RecurrentSlots:
+    """What Mamba2Mixer reads of the sequence memory: one group, `slots` conv histories and states."""
+
+    def __init__(self, spec: ModelSpec, slots: int, dtype: torch.dtype) -> None:
+        m = spec.mamba
+        assert m is not None
+        self.conv = torch.randn(slots, m.conv_kernel - 1, m.conv_dim).to(dtype)
+        self.states = torch.randn(slots, m.num_heads, m.head_dim, m.state_size) * 0.1
+
+    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.states
+
+    def group_of(self, layer: int) -> int:
+        return 0
+
+
+def build(spec: ModelSpec, dtype: torch.dtype, mamba: Mamba2Kernels, gen: torch.Generator) -> Mamba2Mixer:
+    m, h = spec.mamba, spec.hidden_size
+    assert m is not None
+
+    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    in_proj = Linear(rand(m.inner + m.conv_dim + m.num_heads, h), None, cpp=True, invariant=True)
+    out_proj = Linear(rand(h, m.inner), None, cpp=True, invariant=True)
+    conv = (rand(m.conv_dim, m.conv_kernel, scale=0.3), rand(m.conv_dim, scale=0.1))
+    a_log = torch.log(torch.rand(m.num_heads, generator=gen) * 15 + 1).to(dtype)
+    return Mamba2Mixer(m, 0, in_proj, out_proj, conv, a_log, (1 + rand(m.num_heads, scale=0.2)).to(dtype),
+                       (-3 + rand(m.num_heads, scale=0.5)).to(dtype), (1 + rand(m.inner, scale=0.2)).to(dtype),
+                       True, mamba)
+
+
+def decode_batch(batch: int, start: int) -> ForwardBatch:
+    """`batch` sequences (slots 0..batch-1) each adding one token after a prompt of `start` tokens."""
+    table = [[b] for b in range(batch)]
+    return ForwardBatch(torch.zeros(batch, dtype=torch.long), torch.full((batch,), start), [start] * batch,
+                        [1] * batch, [torch.zeros(batch, dtype=torch.long)], [torch.tensor(table)], [table],
+                        prompt_lens=[start] * batch)
+
+
+def kernels_part(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, kv: RecurrentSlots,
+                 batch: int) -> Callable[[], torch.Tensor]:
+    """The part of a decode call that the kernels choice changes, as Mamba2Mixer.__call__ runs it."""
+    pieces = [(b, 1, 100, b) for b in range(batch)]
+    rows, slots = list(range(batch)), list(range(batch))
+
+    def run() -> torch.Tensor:
+        conv = mixer.kernels.conv(xbc, mixer.conv_weight, mixer.conv_bias, kv.conv, pieces)
+        x = mixer._rows(F.silu, conv)
+        t = mixer._rows(lambda v: F.softplus(v + mixer.dt_bias), dt)
+        decay = mixer._rows(lambda v: torch.exp(v.float() * mixer.a), t)
+        return mixer.kernels.step(x, t, decay, mixer.d, kv.states, rows, slots, mixer.spec)
+
+    return run
+
+
+def per_call_ms(fn: Callable[[], object], calls: int) -> float:
+    fn()
+    begin = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - begin) / calls * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    status = kernels.load()
+    if not status.available:
+        sys.exit(f"bench_mamba2_step: the C++ kernels are not available: {status.reason}")
+    choose_row_block()
+    config = json.loads(CONFIG.read_text())
+    spec = get_architecture(config, str(CONFIG)).spec(config, str(CONFIG))
+    dtype, gen = torch.bfloat16, torch.Generator().manual_seed(0)
+    mixers = {name: build(spec, dtype, kind(), torch.Generator().manual_seed(0))
+              for name, kind in (("torch", TorchMamba2), ("cpp", CppMamba2))}
+    kv = RecurrentSlots(spec, args.batch, dtype)
+    x = (torch.randn(args.batch, spec.hidden_size, generator=gen)).to(dtype)
+    m = spec.mamba
+    assert m is not None
+    xbc = torch.randn(args.batch, m.conv_dim, generator=gen).to(dtype)
+    dt = torch.randn(args.batch, m.num_heads, generator=gen).to(dtype)
+    batch = decode_batch(args.batch, 100)
+    times: dict[tuple[str, str], list[float]] = {}
+    print(f"Nemotron-3-Nano Mamba-2 mixer, batch {args.batch}, bf16, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds x {args.calls} calls, alternated")
+    for _ in range(args.rounds):
+        for name, mixer in mixers.items():
+            times.setdefault(("mixer", name), []).append(per_call_ms(lambda mx=mixer: mx(x, batch, kv), args.calls))
+            part = kernels_part(mixer, xbc, dt, kv, args.batch)
+            times.setdefault(("kernels", name), []).append(per_call_ms(part, args.calls))
+    for what in ("mixer", "kernels"):
+        t, c = times[(what, "torch")], times[(what, "cpp")]
+        ratios = [a / b for a, b in zip(t, c)]
+        print(f"{what:8s} torch {statistics.median(t):7.3f} ms  cpp {statistics.median(c):7.3f} ms  "
+              f"torch/cpp {statistics.median(ratios):5.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
