@@ -13,7 +13,6 @@ the layer's real input shapes. Random weights; the sequence starts from a zero s
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,15 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeserve import kernels  # noqa: E402
 from moeserve.models.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form  # noqa: E402
 from moeserve.models.gated_delta_rule import chunk_form, l2norm  # noqa: E402
 from moeserve.models.layers import ForwardBatch  # noqa: E402
-from moeserve.models.linear import Linear, choose_row_block  # noqa: E402
-from moeserve.models.registry import get_architecture  # noqa: E402
+from moeserve.models.linear import Linear  # noqa: E402
 from moeserve.models.spec import LinearAttentionSpec  # noqa: E402
+from scripts.kernel_bench_setup import add_threads_flag, prepare  # noqa: E402
 
-CONFIG = ROOT / "tests" / "data" / "reference_configs" / "Qwen3-Next-80B-A3B.json"
 FORMS: dict[str, ChunkForm] = {"torch": chunk_form, "cpp": cpp_chunk_form}
 
 
@@ -82,16 +79,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    add_threads_flag(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    status = kernels.load()
-    if not status.available:
-        sys.exit(f"bench_gated_delta: the C++ kernels are not available: {status.reason}")
-    choose_row_block()
-    config = json.loads(CONFIG.read_text())
-    spec = get_architecture(config, str(CONFIG)).spec(config, str(CONFIG))
+    spec = prepare(args, "bench_gated_delta", "Qwen3-Next-80B-A3B.json")
     la = spec.linear_attention
     assert la is not None
     gen = torch.Generator().manual_seed(0)

@@ -12,7 +12,6 @@ selective-state update). Random weights; the state and conv history advance ever
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,15 +24,12 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeserve import kernels  # noqa: E402
 from moeserve.models.layers import ForwardBatch  # noqa: E402
-from moeserve.models.linear import Linear, choose_row_block  # noqa: E402
+from moeserve.models.linear import Linear  # noqa: E402
 from moeserve.models.mamba2 import Mamba2Mixer  # noqa: E402
 from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
-from moeserve.models.registry import get_architecture  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
-
-CONFIG = ROOT / "tests" / "data" / "reference_configs" / "Nemotron-3-Nano-30B-A3B.json"
+from scripts.kernel_bench_setup import add_threads_flag, prepare  # noqa: E402
 
 
 class RecurrentSlots:
@@ -105,16 +101,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    add_threads_flag(ap)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    status = kernels.load()
-    if not status.available:
-        sys.exit(f"bench_mamba2_step: the C++ kernels are not available: {status.reason}")
-    choose_row_block()
-    config = json.loads(CONFIG.read_text())
-    spec = get_architecture(config, str(CONFIG)).spec(config, str(CONFIG))
+    spec = prepare(args, "bench_mamba2_step", "Nemotron-3-Nano-30B-A3B.json")
     dtype, gen = torch.bfloat16, torch.Generator().manual_seed(0)
     mixers = {name: build(spec, dtype, kind(), torch.Generator().manual_seed(0))
               for name, kind in (("torch", TorchMamba2), ("cpp", CppMamba2))}

@@ -1,0 +1,36 @@
+"""Shared start of the one-layer kernel benchmarks (scripts/bench_mamba2_step.py, bench_gated_delta.py): the
+--threads flag, the C++ kernels loaded (or exit naming why not), the row block chosen, and the ModelSpec of a
+published config in tests/data/reference_configs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from moeserve import kernels
+from moeserve.models.linear import choose_row_block
+from moeserve.models.registry import get_architecture
+from moeserve.models.spec import ModelSpec
+
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference_configs"
+
+
+def add_threads_flag(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+
+
+def prepare(args: argparse.Namespace, script: str, config_name: str) -> ModelSpec:
+    """Threads set, kernels loaded, row block chosen; the spec of CONFIGS / config_name."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    status = kernels.load()
+    if not status.available:
+        sys.exit(f"{script}: the C++ kernels are not available: {status.reason}")
+    choose_row_block()
+    path = CONFIGS / config_name
+    config = json.loads(path.read_text())
+    return get_architecture(config, str(path)).spec(config, str(path))
