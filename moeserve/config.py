@@ -83,6 +83,11 @@ class EngineSettings(BaseModel):
         "shared", description="how the expert cache's slots are shared among MoE layers: shared = one pool, "
         "per_layer = an equal quota per layer, mixed = a floor of half the equal quota per layer, the rest shared"
     )
+    expert_admission: Literal["always", "policy"] = Field(
+        "always", description="whether an expert cache miss is always cached: always = every miss takes a slot "
+        "(evicting a victim); policy = a miss the eviction policy judges less worth keeping than its victim is "
+        "read into a one-unit bypass buffer, used and dropped, the victim kept (docs/policies.md)"
+    )
     # Off by default: on the bench models (near-uniform routing) no guess pays for its read. auto measures whether
     # it pays on this run's routing (experts/prefetch_auto.py, docs/policies.md). It never changes the output.
     prefetch: bool | Literal["auto"] = Field(

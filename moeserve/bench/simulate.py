@@ -53,7 +53,7 @@ __all__ = [
 PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online", "auto")
 _ONLINE = ("online", "auto")
 # A policy name with this suffix (e.g. "lfru+bypass") in a grid: the policy with admission control, its refused
-# misses served uncached (`simulate(admission=True)`; the store has no bypass yet).
+# misses served uncached (`simulate(admission=True)`; the store's expert_admission=policy).
 BYPASS_SUFFIX = "+bypass"
 
 
@@ -77,6 +77,7 @@ class SimResult:
     steps: int = 0  # forward steps (tokens at batch 1) replayed
     auto: str | None = None  # prefetch=auto: its last decision and reason, and how often it switched
     per_layer: dict[int, tuple[int, int]] = field(default_factory=dict)  # layer -> (hits, misses)
+    bypassed: int = 0  # admission=True: misses served uncached (in `misses`)
 
     @property
     def accesses(self) -> int:
@@ -165,7 +166,7 @@ def simulate(
 ) -> SimResult:
     """Replay ``steps`` through a fresh, empty cache of ``capacity`` experts managed by ``policy``, its slots
     shared among the layers as ``cache_mode`` says. ``admission``: demand misses the policy does not `admit` are
-    served uncached (what a bypass in the store would give; the store has none).
+    served uncached (the store's expert_admission=policy: a bypass buffer).
 
     ``prefetch="online"`` needs ``online`` (the guesses' settings); "affinity" here means: prefetch
     ``call.predicted``, like "predicted".
@@ -208,14 +209,14 @@ def simulate(
     auto = guesses.auto if guesses is not None else None
     return SimResult(policy=policy, capacity=capacity, prefetch=prefetch, cache_mode=cache_mode,
                      auto=f"{auto.reason} ({auto.switches} switches)" if auto is not None else None,
-                     hits=stats.hits, misses=stats.misses,
+                     hits=stats.hits, misses=stats.misses, bypassed=stats.bypassed,
                      prefetched=stats.prefetched, prefetch_used=stats.prefetch_used, steps=len(steps),
                      per_layer={layer: (st.hits, st.misses) for layer, st in sorted(stats.layers.items())})
 
 
 def _demand(cache: SlotCache, layer: int, chunk: list[Key], admission: bool = False) -> None:
     """One chunk's demand loads, as `ExpertStore._acquire` makes them (its reads land at once here).
-    `admission`: a miss the policy does not `admit` is served without being cached (a bypass the store lacks)."""
+    `admission`: a miss the policy does not `admit` is served without being cached (the store's bypass)."""
     cache.pin(chunk)
     for key in cache.begin_call(layer, chunk):
         if admission and not cache.admits(key):

@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="format of TRACE (default: detected from its content)")
     p.add_argument("--policy", default=",".join(POLICY_NAMES),
                    help=f"comma-separated (default: all); an online policy + '{BYPASS_SUFFIX}' (e.g. lfru{BYPASS_SUFFIX}) adds "
-                   "admission control: misses it does not admit are served uncached (a bypass the store lacks)")
+                   "admission control: misses it does not admit are served uncached (the engine's expert_admission=policy)")
     p.add_argument("--capacity", default="32,64,128,256", help="comma-separated cache sizes, in experts")
     p.add_argument("--prefetch", default="none", help=f"comma-separated: {', '.join(PREFETCH_MODES)}")
     p.add_argument("--cache-mode", default=DEFAULT_CACHE_MODE,

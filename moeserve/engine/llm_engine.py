@@ -32,7 +32,7 @@ from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, Reque
 from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
-from moeserve.experts.store import StoreOptions
+from moeserve.experts.store import BYPASS_BUFFERS, StoreOptions
 from moeserve.experts.trace import FailSafeWriter, TraceHeader
 from moeserve.experts.trace_jsonl import open_trace_writer
 from moeserve.memory.budget import ExpertBudget
@@ -336,7 +336,7 @@ class LLMEngine:
             options = static_policy_options(s.cache_trace, capacity)
         return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
                             prefetch=s.prefetch is not False, prefetch_auto=s.prefetch == "auto",
-                            cache_mode=s.expert_cache_mode)
+                            cache_mode=s.expert_cache_mode, admission=s.expert_admission)
 
     def _open_trace(self, path: str | None, fmt: str, model_path: str) -> FailSafeWriter | None:
         """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""
@@ -561,7 +561,8 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                             (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
                             dtype.itemsize, context=model_max, kv_width=kv_width)
     rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
-    staging = 4 * unit  # the store's read buffers (checked against the store's own figure once built)
+    # the store's read buffers (checked against the store's own figure once built), + admission=policy's bypass buffer
+    staging = (4 + (BYPASS_BUFFERS if s.expert_admission == "policy" else 0)) * unit
     workspace = batched_workspace_bytes(spec.hidden_size, m.intermediate_size or 0, dtype.itemsize, unit)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
                        staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes,

@@ -257,6 +257,14 @@ class DeferredHits(EvictionPolicy):
         self.flush()
         return self.inner.choose_victim(pinned, layers)
 
+    def admit(self, key: Key, victim: Key) -> bool:
+        self.flush()
+        return self.inner.admit(key, victim)
+
+    def on_bypass(self, key: Key) -> None:
+        self.flush()
+        self.inner.on_bypass(key)
+
 
 def make_policy(name: str, **options: Any) -> EvictionPolicy:
     """Build a policy by name. ``static`` needs ``counts`` and ``num_pinned``; ``belady`` needs ``future``."""

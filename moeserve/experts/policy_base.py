@@ -45,8 +45,8 @@ class EvictionPolicy(ABC):
 
     def admit(self, key: Key, victim: Key) -> bool:
         """Admission control: whether the demand miss `key` should be cached at the price of evicting `victim`
-        (False: serve it from the read buffer and keep `victim`). Default: always. Only the simulator asks
-        (`simulate(..., admission=True)`): the store has no bypass yet."""
+        (False: serve it from the read buffer and keep `victim`). Default: always. Asked by the store with
+        expert_admission=policy and by `simulate(..., admission=True)` (SlotCache.admits)."""
         return True
 
     def on_bypass(self, key: Key) -> None:  # noqa: B027 - an optional hook, a no-op by default

@@ -47,6 +47,7 @@ class LayerStats:
     prefetch_used: int = 0  # prefetched units that were needed before being evicted
     # Demand misses on units a prefetch evicted, at the next call of their layer: what prefetch cost in hits.
     prefetch_harm: int = 0
+    bypassed: int = 0  # misses served from a bypass buffer, not cached (admission control; counted in misses)
 
     @property
     def bytes_read(self) -> int:
@@ -81,6 +82,7 @@ class StoreStats:
     prefetched = property(lambda self: self._total("prefetched"))
     prefetch_used = property(lambda self: self._total("prefetch_used"))
     prefetch_harm = property(lambda self: self._total("prefetch_harm"))
+    bypassed = property(lambda self: self._total("bypassed"))
 
     @property
     def hit_rate(self) -> float:
@@ -294,9 +296,10 @@ class SlotCache:
         return slot
 
     def admits(self, key: Key) -> bool:
-        """Admission control (simulator only: the store has no bypass yet): whether the demand miss `key` should
-        take a slot (`take_miss_slot`) rather than be served uncached (`bypass`). True while a free slot is
-        allowed; else the policy's `admit(key, victim)` for the victim `take_miss_slot` would choose."""
+        """Admission control (the store's expert_admission=policy, the simulator's admission=True): whether the
+        demand miss `key` should take a slot (`take_miss_slot`) rather than be served uncached (`bypass`). True
+        while a free slot is allowed; else the policy's `admit(key, victim)` for the victim `take_miss_slot` would
+        choose."""
         assert self.policy is not None
         layer = key[0]
         if self._free and self.quota.may_grow(layer, self._held.get(layer, 0)):
@@ -313,7 +316,9 @@ class SlotCache:
         use (`on_bypass`), never mapped."""
         assert self.policy is not None
         self.policy.on_bypass(key)
-        self.stats.layer(key[0]).misses += 1
+        st = self.stats.layer(key[0])
+        st.misses += 1
+        st.bypassed += 1
 
     def protect(self, keys: Iterable[Key]) -> None:
         """Keep `keys` from prefetch victims until the next layer call begins (or `end_protection`)."""

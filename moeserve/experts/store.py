@@ -35,7 +35,7 @@ import torch
 
 from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
-from moeserve.errors import MoeserveError
+from moeserve.errors import ExpertLoadError, MoeserveError
 from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
 from moeserve.experts.prefetch import Prefetcher
@@ -76,6 +76,16 @@ class StoreOptions:
     cache_mode: str = "shared"  # how the slots are shared among layers: shared, per_layer, mixed (experts/quota.py)
     # prefetch=auto: the affinity guesses are read only while they pay (experts/prefetch_auto.py)
     prefetch_auto: bool = False
+    # Admission control: "always" = every demand miss takes a slot (evicting a victim); "policy" = a miss the
+    # policy does not `admit` against its victim is read into a bypass buffer, lent for that call and dropped,
+    # and the victim stays (SlotCache.admits / bypass: the simulator's `admission=True`).
+    admission: str = "always"
+
+
+ADMISSION_MODES = ("always", "policy")
+# Bypass buffers (admission=policy): a refused miss is read on the compute thread into one of them just before
+# it is lent, as its own run, and the buffer is free again when the caller asks for the next run: one suffices.
+BYPASS_BUFFERS = 1
 
 
 class ExpertStore:
@@ -93,6 +103,8 @@ class ExpertStore:
         options: StoreOptions | None = None,
     ) -> None:
         opts = options or StoreOptions(policy=policy)
+        if opts.admission not in ADMISSION_MODES:
+            raise MoeserveError(f"unknown expert admission {opts.admission!r} ({', '.join(ADMISSION_MODES)})")
         self.source = source
         self.layout = source.layout
         self.layers = list(layers)
@@ -101,6 +113,8 @@ class ExpertStore:
         self.capacity = max(1, min(capacity, self.total_experts))
         self.device = device
         self.resident = self.capacity >= self.total_experts
+        self.admission = opts.admission == "policy" and not self.resident
+        self.bypass_buffers = BYPASS_BUFFERS if self.admission else 0
         self._cond = threading.Condition()  # guards the cache, the prefetcher's requests and the time counters
         self._make_slots()
         evict: EvictionPolicy | None = None
@@ -132,15 +146,17 @@ class ExpertStore:
 
     def _make_slots(self) -> None:
         """The pool, one [unit_nbytes] uint8 row per slot, its views (built once: nothing per call) and the
-        slot table. On CPU every decode step streams the pool: 2 MiB pages where the kernel allows."""
+        slot table. On CPU every decode step streams the pool: 2 MiB pages where the kernel allows. The rows after
+        the `capacity` slots are the bypass buffers (admission=policy): lent like slots, never mapped."""
         nbytes = self.layout.nbytes
+        rows = self.capacity + self.bypass_buffers
         self.huge_pages = False
         if self.device.type == "cpu":
-            flat, self.huge_pages = huge_page_bytes(self.capacity * nbytes)
-            self._pool = flat.view(self.capacity, nbytes)
+            flat, self.huge_pages = huge_page_bytes(rows * nbytes)
+            self._pool = flat.view(rows, nbytes)
         else:
-            self._pool = torch.empty(self.capacity, nbytes, dtype=torch.uint8, device=self.device)
-        self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(self.capacity)]
+            self._pool = torch.empty(rows, nbytes, dtype=torch.uint8, device=self.device)
+        self._slot_views: list[ExpertWeights] = [self.layout.views(self._pool[s]) for s in range(rows)]
         # The cache's map as a table for C++ (the DecodeStack runs layers whose experts are all cached without
         # asking, see report_cached_calls): slot_table[i, e] = the slot of expert e of self.layers[i], -1 if not
         # ready. Written through the numpy view (~100 ns a write) by `_map`, which the cache calls on every change.
@@ -150,7 +166,8 @@ class ExpertStore:
 
     def _make_tiers(self, opts: StoreOptions) -> None:
         ops = opts.ops if opts.ops is not None else (CudaOps(self.device) if self.device.type == "cuda" else None)
-        self.copier = HostToDevice(ops, self.capacity, self.layout.nbytes) if ops is not None else None
+        slots = self.capacity + self.bypass_buffers
+        self.copier = HostToDevice(ops, slots, self.layout.nbytes) if ops is not None else None
         host = None
         if opts.host_capacity > 0 and not self.resident:
             host = HostTier(min(opts.host_capacity, self.total_experts), self.layout.nbytes, self.copier)
@@ -214,6 +231,10 @@ class ExpertStore:
                    "chance in the next layer, read only while such guesses not in the cache were used as often)"
                    if self.guesses is not None else "on (the caller's guesses)")
         parts.append(f"policy {self.policy.name}, cache mode {self.cache.quota.describe()}, prefetch {how}")
+        parts.append(f"admission policy (a miss the policy does not admit against its victim is read into one of "
+                     f"{self.bypass_buffers} bypass buffer ({self.layout.nbytes / 2**20:.1f} MiB, in the read "
+                     "buffers), used once and dropped; the victim stays)" if self.admission else
+                     "admission always (every miss is cached, evicting a victim)")
         if self.source_note:
             parts.append(self.source_note)
         parts.append(f"misses read by {self.io_threads} I/O threads + the compute thread, overlapped with "
@@ -266,11 +287,12 @@ class ExpertStore:
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
+            bypassed: set[Key] = set()  # misses the policy did not admit: read into a bypass buffer when lent
             try:
-                pending = self._acquire(layer, keys)
+                pending = self._acquire(layer, keys, bypassed)
                 if len(chunks) == 1 and self.prefetcher is not None:
                     self.prefetcher.after_acquire(layer, keys, prefetch)
-                yield from self._lend_as_landed(chunk, keys, pending)
+                yield from self._lend_as_landed(chunk, keys, pending, bypassed)
             finally:
                 self._misses.settle(pending)  # the caller stopped early or a read failed: let the others land
                 with self._cond:
@@ -286,7 +308,7 @@ class ExpertStore:
 
     def slot_units(self) -> list[ExpertWeights]:
         """The views of every slot of the fast tier, by slot (fixed for the store's life; see `slot_table`)."""
-        return list(self._slot_views)
+        return self._slot_views[: self.capacity]
 
     def report_cached_calls(self, log: Sequence[int] = (), hits_per_layer: Sequence[int] = ()) -> None:
         """Layer calls a caller ran on units it found ready without asking `experts` (the C++ decode stack).
@@ -355,7 +377,8 @@ class ExpertStore:
         per_thread = self.source.per_thread_staging_nbytes
         if self._direct_reads():
             per_thread += self.source.stored_nbytes + 2 * DIRECT_ALIGN
-        return self.source.staging_nbytes + threads * per_thread + scan
+        bypass = self.bypass_buffers * self.layout.nbytes  # admission=policy: rows of the pool beside the slots
+        return self.source.staging_nbytes + threads * per_thread + scan + bypass
 
     def _direct_reads(self) -> bool:
         return bool(getattr(getattr(self.source.checkpoint, "reader", None), "direct", False))
@@ -384,16 +407,22 @@ class ExpertStore:
             if self.copier is not None:
                 self.copier.after_use(slots)
 
-    def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, Read]) -> Iterator[Chunk]:
+    def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, Read],
+                        bypassed: set[Key]) -> Iterator[Chunk]:
         """Yield the chunk in ascending runs of experts that are in, so the caller computes them while the misses
         after them are still being read; the order of experts never changes. Takes the reads it waits for out of
-        `pending`."""
+        `pending`. A `bypassed` key is read into the bypass buffer here and lent alone."""
         i = 0
         while i < len(keys):
+            if keys[i] in bypassed:
+                buffer = self._read_bypass(keys[i])
+                yield from self._lend(chunk[i : i + 1], [buffer])
+                i += 1
+                continue
             if keys[i] in pending:
                 self._misses.wait(pending.pop(keys[i]))
             j = i + 1
-            while j < len(keys) and (keys[j] not in pending or pending[keys[j]].landed):
+            while j < len(keys) and keys[j] not in bypassed and (keys[j] not in pending or pending[keys[j]].landed):
                 if keys[j] in pending:
                     self._misses.wait(pending.pop(keys[j]))  # done: re-raises its error, if any
                 j += 1
@@ -402,11 +431,12 @@ class ExpertStore:
             yield from self._lend(chunk[i:j], slots)
             i = j
 
-    def _acquire(self, layer: int, keys: list[Key]) -> dict[Key, Read]:
+    def _acquire(self, layer: int, keys: list[Key], bypassed: set[Key]) -> dict[Key, Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
 
         Every miss gets its slot (and its `on_insert`) here, in ascending order as the simulator does; its
-        bytes land later, on an I/O thread or the compute thread (experts/reads.py).
+        bytes land later, on an I/O thread or the compute thread (experts/reads.py). With admission=policy a miss
+        the policy refuses gets no slot: it is added to `bypassed` (counted, `on_bypass`) and read when lent.
         """
         cache = self.cache
         slots: dict[Key, int] = {}
@@ -421,6 +451,10 @@ class ExpertStore:
                 self.stats.wait_seconds += time.perf_counter() - t0
             try:
                 for key in cache.begin_call(layer, keys):
+                    if self.admission and not cache.admits(key):
+                        cache.bypass(key)
+                        bypassed.add(key)
+                        continue
                     slot = cache.take_miss_slot(key)
                     while slot is None:  # every ready unit is pinned: prefetches in flight free slots when done
                         self._cond.wait()
@@ -432,6 +466,29 @@ class ExpertStore:
                 self._cond.notify_all()
                 raise
         return self._misses.start(keys, slots) if slots else {}
+
+    def _read_bypass(self, key: Key) -> int:
+        """(Compute thread, no lock held.) Read the refused miss `key` into the bypass buffer; its row of the pool.
+        The bytes are counted as a miss's; nothing is mapped. A failure raises ExpertLoadError."""
+        buffer = self.capacity  # the one bypass buffer: the previous use was released before this run was asked
+        t0 = time.perf_counter()
+        try:
+            nbytes, from_host = self._fill(key, buffer)
+        except Exception as err:
+            with self._cond:
+                self.stats.load_errors += 1
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
+        with self._cond:
+            seconds = time.perf_counter() - t0
+            self.stats.read_seconds += seconds
+            self.stats.wait_seconds += seconds
+            st = self.stats.layer(key[0])
+            if from_host:
+                st.bytes_from_host += nbytes
+            else:
+                st.bytes_from_disk += nbytes
+        return buffer
 
     def _fill(self, key: Key, slot: int) -> tuple[int, bool]:
         """Read `key`'s unit into `slot` (taken for it, no lock held): (bytes read, served by the host tier)."""
