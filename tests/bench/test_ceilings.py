@@ -104,7 +104,10 @@ def test_each_run_is_set_against_the_bandwidth_probed_beside_it():
     summary = summarize(cfg, [CaseResult("moeserve", "decode-b1", runs)], [],
                         {"memory_bytes_per_s": 4e9, "disk_bytes_per_s": 1e9}, {}, {})
     (row,) = summary["rows"]
-    step_bytes = 84864 + 4 * 6144 * 2  # dense (see above) + 4 bf16 experts = 134016
+    # dense (see above) + 4 bf16 experts = 134016, + the KV the step reads and writes: the prompt (32), its first
+    # token and half the 32 timed steps = 49 tokens before the middle step, 50 rows read, 1 written, in 2 layers
+    # of 2 kv heads x 16 dims, K and V in bf16: 2 x 51 x 128 = 13056
+    step_bytes = 84864 + 4 * 6144 * 2 + 2 * 51 * 2 * 2 * 16 * 2
     c1, c4 = 1e9 / step_bytes, 4e9 / step_bytes  # ceilings at 1 and 4 GB/s
     assert row["ceiling_tokens_per_s"] == pytest.approx((c1 + c4) / 2)  # median of two = their mean
     assert row["fraction_of_ceiling"] == pytest.approx((10 / c1 + 20 / c4) / 2)
