@@ -97,6 +97,37 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     return make
 
 
+@pytest.fixture(scope="session")
+def checkpoint_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], Path]], Path]:
+    """`get(key, build)`: the folder `build(empty_folder)` returned the first time `key` was asked for in this
+    session; later calls (from any module) get the same folder. Tests must not write into it (copy_checkpoint)."""
+    cache: dict[str, Path] = {}
+
+    def get(key: str, build: Callable[[Path], Path]) -> Path:
+        if key not in cache:
+            cache[key] = build(tmp_path_factory.mktemp(key.replace(".", "_").replace("/", "_")))
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_dims_checkpoint(checkpoint_once: Callable[[str, Callable[[Path], Path]], Path]) -> Callable[[str], Path]:
+    """`name`'s checkpoint at real dimensions (tests/real_dims.py, seed 0, 2 layers), written once per session:
+    the engine, batch-invariance and offload suites read the same folders. `NAME-mxfp4` is NAME's checkpoint with
+    its experts in MXFP4 (gpt-oss's published layout, tests/models/checkpoints.py)."""
+    from tests.models.checkpoints import write_gpt_oss_mxfp4
+    from tests.real_dims import write_real_dims
+
+    def get(name: str) -> Path:
+        if name.endswith("-mxfp4"):
+            bf16 = get(name.removesuffix("-mxfp4"))
+            return checkpoint_once(f"real_dims-{name}", lambda folder: write_gpt_oss_mxfp4(bf16, folder))
+        return checkpoint_once(f"real_dims-{name}", lambda folder: write_real_dims(folder, name))
+
+    return get
+
+
 @pytest.fixture
 def copy_checkpoint(tmp_path: Path) -> Callable[[Path], Path]:
     """A private copy of a checkpoint folder that a test may corrupt."""

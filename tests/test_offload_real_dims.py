@@ -18,8 +18,7 @@ import torch
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from tests.logits_capture import generate_capturing_logits
-from tests.models.checkpoints import write_gpt_oss_mxfp4
-from tests.real_dims import REAL_DIMS, write_real_dims
+from tests.real_dims import REAL_DIMS
 
 pytestmark = pytest.mark.slow
 
@@ -36,16 +35,9 @@ PATHS: dict[str, dict] = {
 OFFLOADS = [(1, "lru", False), (3, "lfru", True), ("half", "lfu", False)]
 
 
-@pytest.fixture(scope="module")
-def real_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = write_real_dims(tmp_path_factory.mktemp(name.replace(".", "_")), name)
-        return cache[name]
-
-    return get
+@pytest.fixture
+def real_checkpoint(real_dims_checkpoint):
+    return real_dims_checkpoint  # written once per session, shared with the other real-dims suites (conftest.py)
 
 
 def run(folder: Path, **settings):
@@ -81,7 +73,6 @@ def test_offloaded_equals_resident_int8_real_dims(real_checkpoint) -> None:
     check_offloads(real_checkpoint("Qwen3-30B-A3B"), "Qwen3-30B-A3B int8", quantization="int8")
 
 
-def test_offloaded_equals_resident_mxfp4_real_dims(real_checkpoint, tmp_path: Path) -> None:
+def test_offloaded_equals_resident_mxfp4_real_dims(real_checkpoint) -> None:
     """gpt-oss experts stored in MXFP4 (the real checkpoints' format): units stay MXFP4 in every tier."""
-    mxfp4 = write_gpt_oss_mxfp4(real_checkpoint("gpt-oss-20b"), tmp_path / "mxfp4")
-    check_offloads(mxfp4, "gpt-oss-20b MXFP4")
+    check_offloads(real_checkpoint("gpt-oss-20b-mxfp4"), "gpt-oss-20b MXFP4")

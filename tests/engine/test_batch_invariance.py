@@ -8,14 +8,12 @@ Real dimensions (tests/real_dims.py), bf16, default thread count and kernels: ev
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from tests.models.checkpoints import write_gpt_oss_mxfp4
-from tests.real_dims import VOCAB, write_real_dims
+from tests.real_dims import VOCAB
 
 pytestmark = pytest.mark.slow
 
@@ -26,19 +24,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True, logprobs=3, seed=7)
 
 
-@pytest.fixture(scope="module")
-def real_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            base = name.removesuffix("-mxfp4")
-            folder = write_real_dims(tmp_path_factory.mktemp(base.replace(".", "_")), base)
-            cache[name] = (write_gpt_oss_mxfp4(folder, tmp_path_factory.mktemp("mxfp4")) if name.endswith("-mxfp4")
-                           else folder)
-        return cache[name]
-
-    return get
+@pytest.fixture
+def real_checkpoint(real_dims_checkpoint):
+    return real_dims_checkpoint  # written once per session, shared with the other real-dims suites (conftest.py)
 
 
 def run_schedule(engine, arrivals: list[tuple[int, list[int], SamplingParams]]) -> dict[str, tuple]:

@@ -10,7 +10,6 @@ dimensions: every kernel takes several blocks) and fp32, the logits of every sam
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.state.kv_cache import fixed_pool_bytes
-from tests.real_dims import VOCAB, write_real_dims
+from tests.real_dims import VOCAB
 
 pytestmark = pytest.mark.slow
 
@@ -27,16 +26,9 @@ MAX_TOKENS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 
 
-@pytest.fixture(scope="module")
-def real_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    cache: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = write_real_dims(tmp_path_factory.mktemp(name.replace(".", "_")), name)
-        return cache[name]
-
-    return get
+@pytest.fixture
+def real_checkpoint(real_dims_checkpoint):
+    return real_dims_checkpoint  # written once per session, shared with the other real-dims suites (conftest.py)
 
 
 def sampled_logits(llm: LLM, prompt: list[int]) -> tuple[list[torch.Tensor], list]:
@@ -64,21 +56,31 @@ def assert_same(got: list[torch.Tensor], ref: list[torch.Tensor], what: str) -> 
         assert a.dtype == b.dtype and torch.equal(a, b), f"{what}: logits differ at step {step}"
 
 
+@pytest.fixture(scope="module")
+def unit_nbytes() -> dict[tuple[str, str], int]:
+    """(model, dtype) -> bytes of one expert unit, noted by the resident run (collected just before the offloaded
+    one): the offloaded run sizes its cache from it instead of loading a resident engine only to ask."""
+    return {}
+
+
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("name", MODELS)
-def test_block_size_chunking_prefix_hits_and_preemption_change_no_logit(real_checkpoint, name: str, dtype: str,
-                                                                          offloaded: bool) -> None:
+def test_block_size_chunking_prefix_hits_and_preemption_change_no_logit(real_checkpoint, unit_nbytes, name: str,
+                                                                          dtype: str, offloaded: bool) -> None:
     folder = real_checkpoint(name)
     rng = random.Random(f"{name}-{dtype}")
     prompt = [rng.randrange(VOCAB) for _ in range(75)]
     settings = {"skip_tokenizer_init": True, "max_model_len": 128, "dtype": dtype}
-    probe = LLM(str(folder), **settings)
-    store = probe.engine.model.store
+    if offloaded and (name, dtype) not in unit_nbytes:  # run alone (-k): ask a resident engine
+        resident = LLM(str(folder), **settings)
+        unit_nbytes[name, dtype] = resident.engine.model.store.unit_nbytes
+        resident.engine.close()
     if offloaded:
-        settings["expert_cache_gb"] = 3 * store.unit_nbytes / 2**30 * 1.001
-        probe.engine.close()
-        probe = LLM(str(folder), **settings)
+        settings["expert_cache_gb"] = 3 * unit_nbytes[name, dtype] / 2**30 * 1.001
+    probe = LLM(str(folder), **settings)
+    unit_nbytes[name, dtype] = probe.engine.model.store.unit_nbytes
+    if offloaded:
         assert not probe.engine.model.store.resident
     engine = probe.engine
     try:
