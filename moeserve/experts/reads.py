@@ -91,6 +91,11 @@ class MissReader:
             except ExpertLoadError:
                 pass
 
+    def submit(self, fn: Callable[[Key, int], None], key: Key, slot: int) -> Future[None]:
+        """Run `fn(key, slot)` on an I/O thread (there must be some): e.g. a bypass read (experts/bypass.py)."""
+        assert self._io is not None
+        return self._io.submit(fn, key, slot)
+
     def close(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=True)

@@ -36,6 +36,7 @@ import torch
 from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import ExpertLoadError, MoeserveError
+from moeserve.experts.bypass import BypassReads
 from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
 from moeserve.experts.prefetch import Prefetcher
@@ -83,9 +84,9 @@ class StoreOptions:
 
 
 ADMISSION_MODES = ("always", "policy")
-# Bypass buffers (admission=policy): a refused miss is read on the compute thread into one of them just before
-# it is lent, as its own run, and the buffer is free again when the caller asks for the next run: one suffices.
-BYPASS_BUFFERS = 1
+# Bypass buffers (admission=policy; experts/bypass.py): the first three refused misses of a chunk are read ahead
+# by the I/O threads, any later one by the compute thread in the fourth. Without I/O threads: one buffer.
+BYPASS_BUFFERS = 4
 
 
 class ExpertStore:
@@ -114,7 +115,7 @@ class ExpertStore:
         self.device = device
         self.resident = self.capacity >= self.total_experts
         self.admission = opts.admission == "policy" and not self.resident
-        self.bypass_buffers = BYPASS_BUFFERS if self.admission else 0
+        self.bypass_buffers = (BYPASS_BUFFERS if opts.io_threads > 0 else 1) if self.admission else 0
         self._cond = threading.Condition()  # guards the cache, the prefetcher's requests and the time counters
         self._make_slots()
         evict: EvictionPolicy | None = None
@@ -232,7 +233,7 @@ class ExpertStore:
                    if self.guesses is not None else "on (the caller's guesses)")
         parts.append(f"policy {self.policy.name}, cache mode {self.cache.quota.describe()}, prefetch {how}")
         parts.append(f"admission policy (a miss the policy does not admit against its victim is read into one of "
-                     f"{self.bypass_buffers} bypass buffer ({self.layout.nbytes / 2**20:.1f} MiB, in the read "
+                     f"{self.bypass_buffers} bypass buffers ({self.layout.nbytes / 2**20:.1f} MiB each, in the read "
                      "buffers), used once and dropped; the victim stays)" if self.admission else
                      "admission always (every miss is cached, evicting a victim)")
         if self.source_note:
@@ -287,7 +288,9 @@ class ExpertStore:
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
-            bypassed: set[Key] = set()  # misses the policy did not admit: read into a bypass buffer when lent
+            # misses the policy did not admit: read into bypass buffers, lent alone
+            bypassed = BypassReads(self._read_bypass, self.capacity, self.bypass_buffers,
+                                   self._misses.submit if self.io_threads else None)
             try:
                 pending = self._acquire(layer, keys, bypassed)
                 if len(chunks) == 1 and self.prefetcher is not None:
@@ -295,6 +298,7 @@ class ExpertStore:
                 yield from self._lend_as_landed(chunk, keys, pending, bypassed)
             finally:
                 self._misses.settle(pending)  # the caller stopped early or a read failed: let the others land
+                bypassed.settle()
                 with self._cond:
                     self.cache.release(keys)
 
@@ -408,14 +412,17 @@ class ExpertStore:
                 self.copier.after_use(slots)
 
     def _lend_as_landed(self, chunk: list[int], keys: list[Key], pending: dict[Key, Read],
-                        bypassed: set[Key]) -> Iterator[Chunk]:
+                        bypassed: BypassReads) -> Iterator[Chunk]:
         """Yield the chunk in ascending runs of experts that are in, so the caller computes them while the misses
         after them are still being read; the order of experts never changes. Takes the reads it waits for out of
-        `pending`. A `bypassed` key is read into the bypass buffer here and lent alone."""
+        `pending`. A `bypassed` key is lent alone from its bypass buffer."""
         i = 0
         while i < len(keys):
             if keys[i] in bypassed:
-                buffer = self._read_bypass(keys[i])
+                t0 = time.perf_counter()
+                buffer = bypassed.take(keys[i])
+                with self._cond:
+                    self.stats.wait_seconds += time.perf_counter() - t0
                 yield from self._lend(chunk[i : i + 1], [buffer])
                 i += 1
                 continue
@@ -431,15 +438,16 @@ class ExpertStore:
             yield from self._lend(chunk[i:j], slots)
             i = j
 
-    def _acquire(self, layer: int, keys: list[Key], bypassed: set[Key]) -> dict[Key, Read]:
+    def _acquire(self, layer: int, keys: list[Key], bypassed: BypassReads) -> dict[Key, Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.
 
         Every miss gets its slot (and its `on_insert`) here, in ascending order as the simulator does; its
         bytes land later, on an I/O thread or the compute thread (experts/reads.py). With admission=policy a miss
-        the policy refuses gets no slot: it is added to `bypassed` (counted, `on_bypass`) and read when lent.
+        the policy refuses gets no slot: it is counted (`on_bypass`) and its read into a bypass buffer started.
         """
         cache = self.cache
         slots: dict[Key, int] = {}
+        refused: list[Key] = []
         with self._cond:
             if self.prefetcher is not None:
                 self.prefetcher.cancel()  # any pending guess is for this layer or older: demand loads take over
@@ -453,7 +461,7 @@ class ExpertStore:
                 for key in cache.begin_call(layer, keys):
                     if self.admission and not cache.admits(key):
                         cache.bypass(key)
-                        bypassed.add(key)
+                        refused.append(key)
                         continue
                     slot = cache.take_miss_slot(key)
                     while slot is None:  # every ready unit is pinned: prefetches in flight free slots when done
@@ -465,12 +473,13 @@ class ExpertStore:
                     cache.abandon_read(key)
                 self._cond.notify_all()
                 raise
-        return self._misses.start(keys, slots) if slots else {}
+        pending = self._misses.start(keys, slots) if slots else {}
+        bypassed.start(refused)  # after the misses: the I/O threads read those first
+        return pending
 
-    def _read_bypass(self, key: Key) -> int:
-        """(Compute thread, no lock held.) Read the refused miss `key` into the bypass buffer; its row of the pool.
-        The bytes are counted as a miss's; nothing is mapped. A failure raises ExpertLoadError."""
-        buffer = self.capacity  # the one bypass buffer: the previous use was released before this run was asked
+    def _read_bypass(self, key: Key, buffer: int) -> None:
+        """(Any reading thread, no lock held.) Read the refused miss `key` into the pool row `buffer` (a bypass
+        buffer). The bytes are counted as a miss's; nothing is mapped. A failure raises ExpertLoadError."""
         t0 = time.perf_counter()
         try:
             nbytes, from_host = self._fill(key, buffer)
@@ -480,15 +489,12 @@ class ExpertStore:
             detail = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
         with self._cond:
-            seconds = time.perf_counter() - t0
-            self.stats.read_seconds += seconds
-            self.stats.wait_seconds += seconds
+            self.stats.read_seconds += time.perf_counter() - t0
             st = self.stats.layer(key[0])
             if from_host:
                 st.bytes_from_host += nbytes
             else:
                 st.bytes_from_disk += nbytes
-        return buffer
 
     def _fill(self, key: Key, slot: int) -> tuple[int, bool]:
         """Read `key`'s unit into `slot` (taken for it, no lock held): (bytes read, served by the host tier)."""
