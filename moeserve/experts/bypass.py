@@ -8,24 +8,29 @@ turn comes, into the last buffer (free again once the caller asks for the run af
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
 from moeserve.errors import ExpertLoadError
-from moeserve.experts.slot_cache import Key
+from moeserve.experts.slot_cache import Key, StoreStats
 
-# read(key, buffer): fill the pool row `buffer` with `key`'s unit and count its bytes; raises ExpertLoadError
-ReadInto = Callable[[Key, int], None]
-# submit(read, key, buffer): queue it on an I/O thread (None: no I/O threads)
-Submit = Callable[[ReadInto, Key, int], Future[None]]
+# fill(key, slot): read `key`'s unit into the pool row `slot` (no lock held); (bytes read, served by the host tier)
+Fill = Callable[[Key, int], tuple[int, bool]]
+# submit(read, key, buffer): queue it on an I/O thread
+Submit = Callable[[Callable[[Key, int], None], Key, int], "Future[None]"]
 
 
 class BypassReads:
     """One chunk's refused misses: which buffer each is read into and its read in flight."""
 
-    def __init__(self, read: ReadInto, first_buffer: int, buffers: int, submit: Submit | None) -> None:
-        self._read = read
-        self._first = first_buffer
+    def __init__(self, fill: Fill, cond: threading.Condition, stats: StoreStats, buffers: range,
+                 submit: Submit | None) -> None:
+        """`buffers`: the pool rows of the bypass buffers; `cond` guards `stats`; `submit` None: no I/O threads."""
+        self._fill = fill
+        self._cond = cond
+        self._stats = stats
         self._buffers = buffers
         self._submit = submit
         self._reads: dict[Key, tuple[int, Future[None] | None]] = {}  # key -> (its buffer, its read ahead or None)
@@ -35,14 +40,13 @@ class BypassReads:
 
     def start(self, keys: list[Key]) -> None:
         """The chunk's refused misses, in the order they will be lent: read the first ones ahead."""
-        ahead = self._buffers - 1 if self._submit is not None else 0
-        last = self._first + self._buffers - 1
+        ahead = len(self._buffers) - 1 if self._submit is not None else 0
         for n, key in enumerate(keys):
             if n < ahead:
                 assert self._submit is not None
-                self._reads[key] = (self._first + n, self._submit(self._read, key, self._first + n))
+                self._reads[key] = (self._buffers[n], self._submit(self._read, key, self._buffers[n]))
             else:
-                self._reads[key] = (last, None)
+                self._reads[key] = (self._buffers[-1], None)
 
     def take(self, key: Key) -> int:
         """Block until `key`'s unit is in its buffer (reading it here if it was not read ahead); the buffer."""
@@ -63,3 +67,22 @@ class BypassReads:
                 except ExpertLoadError:
                     pass
         self._reads.clear()
+
+    def _read(self, key: Key, buffer: int) -> None:
+        """(Any reading thread, no lock held.) `key`'s unit into `buffer`, its bytes counted as a miss's (the miss
+        itself was counted by `SlotCache.bypass`); nothing is mapped. A failure raises ExpertLoadError."""
+        t0 = time.perf_counter()
+        try:
+            nbytes, from_host = self._fill(key, buffer)
+        except Exception as err:
+            with self._cond:
+                self._stats.load_errors += 1
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
+        with self._cond:
+            self._stats.read_seconds += time.perf_counter() - t0
+            st = self._stats.layer(key[0])
+            if from_host:
+                st.bytes_from_host += nbytes
+            else:
+                st.bytes_from_disk += nbytes

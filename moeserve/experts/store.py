@@ -35,7 +35,7 @@ import torch
 
 from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
-from moeserve.errors import ExpertLoadError, MoeserveError
+from moeserve.errors import MoeserveError
 from moeserve.experts.bypass import BypassReads
 from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
@@ -289,7 +289,7 @@ class ExpertStore:
             keys = [(layer, e) for e in chunk]
             pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
             # misses the policy did not admit: read into bypass buffers, lent alone
-            bypassed = BypassReads(self._read_bypass, self.capacity, self.bypass_buffers,
+            bypassed = BypassReads(self._fill, self._cond, self.stats, range(self.capacity, self._pool.shape[0]),
                                    self._misses.submit if self.io_threads else None)
             try:
                 pending = self._acquire(layer, keys, bypassed)
@@ -476,25 +476,6 @@ class ExpertStore:
         pending = self._misses.start(keys, slots) if slots else {}
         bypassed.start(refused)  # after the misses: the I/O threads read those first
         return pending
-
-    def _read_bypass(self, key: Key, buffer: int) -> None:
-        """(Any reading thread, no lock held.) Read the refused miss `key` into the pool row `buffer` (a bypass
-        buffer). The bytes are counted as a miss's; nothing is mapped. A failure raises ExpertLoadError."""
-        t0 = time.perf_counter()
-        try:
-            nbytes, from_host = self._fill(key, buffer)
-        except Exception as err:
-            with self._cond:
-                self.stats.load_errors += 1
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ExpertLoadError(f"loading expert {key[1]} of layer {key[0]} failed: {detail}") from err
-        with self._cond:
-            self.stats.read_seconds += time.perf_counter() - t0
-            st = self.stats.layer(key[0])
-            if from_host:
-                st.bytes_from_host += nbytes
-            else:
-                st.bytes_from_disk += nbytes
 
     def _fill(self, key: Key, slot: int) -> tuple[int, bool]:
         """Read `key`'s unit into `slot` (taken for it, no lock held): (bytes read, served by the host tier)."""

@@ -188,3 +188,44 @@ def test_fused_decode_step_counts_bypasses_as_the_simulator(tmp_path) -> None:
     sim = simulate(calls_from_steps(read_trace(trace)), "lfru", 12, admission=True)
     assert sim.per_layer == traced == fused
     assert sim.bypassed > 0
+
+
+def test_bypass_reads_ahead_into_their_own_buffers_then_in_turn_into_the_last() -> None:
+    """experts/bypass.py: the first len(buffers) - 1 refused misses go to the I/O threads, each in its own buffer;
+    the rest are read by the caller, at its turn, into the last buffer; bytes counted per tier."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moeserve.experts.bypass import BypassReads
+    from moeserve.experts.slot_cache import StoreStats
+
+    filled: list[tuple[Key, int, str]] = []
+
+    def fill(key: Key, slot: int) -> tuple[int, bool]:
+        filled.append((key, slot, threading.current_thread().name))
+        return 100, key[1] % 2 == 1
+
+    stats = StoreStats()
+    with ThreadPoolExecutor(2, thread_name_prefix="io") as pool:
+        reads = BypassReads(fill, threading.Condition(), stats, range(10, 14), pool.submit)
+        keys = [(0, e) for e in range(6)]
+        reads.start(keys)
+        assert [reads.take(k) for k in keys] == [10, 11, 12, 13, 13, 13]
+        reads.settle()
+    by_key = {key: (slot, thread) for key, slot, thread in filled}
+    assert all(by_key[(0, e)][1].startswith("io") for e in range(3))
+    assert all(not by_key[(0, e)][1].startswith("io") for e in range(3, 6))
+    assert stats.layer(0).bytes_from_disk == 300 and stats.layer(0).bytes_from_host == 300
+    alone = BypassReads(fill, threading.Condition(), StoreStats(), range(5, 6), None)  # no I/O threads
+    alone.start([(1, 0), (1, 1)])
+    assert [alone.take((1, 0)), alone.take((1, 1))] == [5, 5]
+
+
+def test_bypass_buffers_are_counted_in_the_read_buffers(folder_of) -> None:
+    folder = folder_of("qwen3_moe")
+    unit = run(folder)[2].unit_nbytes
+    always = run(folder, expert_cache_gb=FAST_UNITS * unit / 2**30)[2]
+    policy = run(folder, expert_cache_gb=FAST_UNITS * unit / 2**30, expert_admission="policy")[2]
+    assert policy.bypass_buffers == 4 and policy.io_threads > 0
+    assert policy.staging_nbytes - always.staging_nbytes == 4 * unit
+    assert "4 bypass buffers" in policy.describe()
