@@ -229,3 +229,19 @@ def test_bypass_buffers_are_counted_in_the_read_buffers(folder_of) -> None:
     assert policy.bypass_buffers == 4 and policy.io_threads > 0
     assert policy.staging_nbytes - always.staging_nbytes == 4 * unit
     assert "4 bypass buffers" in policy.describe()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_cuda_bypass_equals_resident(folder_of, arch: str) -> None:
+    """On a real GPU: the bypass buffers are device rows filled through the pinned copier (not run in this session:
+    no GPU was lent; scripts/gpu_acceptance.sh runs `pytest -m gpu`)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    folder = folder_of(arch)
+    ref = run(folder, device="cuda")
+    got = run(folder, device="cuda", expert_cache_gb=FAST_UNITS * ref[2].unit_nbytes / 2**30,
+              expert_admission="policy")
+    assert got[2].copier is not None and got[2].stats.bypassed > 0
+    ref = ([t.cpu() for t in ref[0]], ref[1], ref[2])
+    check_equal(ref, ([t.cpu() for t in got[0]], got[1], got[2]), f"{arch} on CUDA")
