@@ -12,8 +12,11 @@ resident run of every prompt alone (the reference of the three exactness checks)
   the others' decode tokens) == each alone at the default budget;
 - the same prompts one by one with 3 expert slots == all experts resident;
 all compared bit for bit: every step's fp32 logits `torch.equal`, greedy tokens and their logprobs `==`.
-And transformers as the reference: fp32 tokens equal and logprobs within 1e-4 (measured: see each model's line
-below); bf16 tokens until a near-tie for DeepSeek-V3 and GLM-4.5-Air (their fp32 reference would not fit CI's time).
+And transformers as the reference: fp32 tokens equal and logprobs within 1e-4; bf16 tokens until a near-tie for
+DeepSeek-V3 and GLM-4.5-Air (their fp32 reference would not fit CI's time).
+
+Cost on the 2-core CI-class machine (CPU seconds of one pytest process, the machine shared, 2026-11-26): Qwen3-Next
++ Qwen3.5 together 349 s user + 37 s system, Nemotron-H 239 s + 31 s (build, the alone run and the four tests).
 """
 
 from __future__ import annotations
