@@ -15,8 +15,9 @@ all compared bit for bit: every step's fp32 logits `torch.equal`, greedy tokens 
 And transformers as the reference: fp32 tokens equal and logprobs within 1e-4; bf16 tokens until a near-tie for
 DeepSeek-V3 and GLM-4.5-Air (their fp32 reference would not fit CI's time).
 
-Cost on the 2-core CI-class machine (CPU seconds of one pytest process, the machine shared, 2026-11-26): Qwen3-Next
-+ Qwen3.5 together 349 s user + 37 s system, Nemotron-H 239 s + 31 s (build, the alone run and the four tests).
+Cost on the 2-core CI-class machine (CPU seconds of one pytest process, the machine shared, 2026-11-26; build, the
+alone run and the four tests): Qwen3-Next + Qwen3.5 together 349 s user + 37 s system, Nemotron-H 239 + 31,
+GLM-4.5-Air 118 + 27 (4.5 min wall), DeepSeek-V3 280 + 71 (8.5 min wall; peak RSS 12.6 GiB: to bring down).
 """
 
 from __future__ import annotations
