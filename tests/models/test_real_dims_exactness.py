@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import torch
 
+from moeserve.memory.rss import current_rss_bytes
 from tests.models import exactness as X
 from tests.models.real_dims_checkpoints import BUILDERS, VOCAB
 
@@ -55,7 +56,7 @@ class Case:
     prompts: list[list[int]]  # ... on these prompts (decoded together)
     steps: int  # ... for this many tokens
     max_model_len: int  # ... in an engine of this context
-    settings: dict[str, Any]  # beside the defaults; memory_gb fixes the split whatever else the machine runs
+    settings: dict[str, Any]  # beside the defaults; memory_gb: what the engine needs on top of the process (budget())
 
 
 # transformers' comparisons as they were in tests/models/test_<arch>.py before they moved here
@@ -67,6 +68,14 @@ CASES = {
     "DeepSeek-V3": Case("bf16", [TEN * 3, [11, 5, 77]], STEPS, 256, settings={"memory_gb": 14}),
     "GLM-4.5-Air": Case("bf16", [TEN, [11, 5, 77]], 8, 64, settings={"memory_gb": 6}),
 }
+
+
+def budget(case: Case) -> dict[str, Any]:
+    """The case's settings, its memory_gb counted on top of this process's RSS now: the split charges the process's
+    measured RSS to the budget, and the RSS of a pytest process that ran hundreds of tests before this module is not
+    the RSS of one that ran this module alone (a fixed memory_gb failed there). A fixed need keeps the split the
+    same whatever else the machine runs."""
+    return {**case.settings, "memory_gb": case.settings["memory_gb"] + current_rss_bytes() / 2**30}
 
 
 @dataclass
@@ -93,7 +102,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def alone(model: Model) -> X.Run:
     """Resident, every prompt alone: the long prompt, then each of ARRIVALS'."""
     prompts = [LONG_PROMPT] + [p for _, p in ARRIVALS]
-    return X.run_alone(model.folder, prompts, BATCH_STEPS, max_model_len=MAX_LEN, **model.case.settings)
+    return X.run_alone(model.folder, prompts, BATCH_STEPS, max_model_len=MAX_LEN, **budget(model.case))
 
 
 @pytest.mark.parametrize("model", EXACT, indirect=True)
@@ -101,21 +110,21 @@ def test_chunked_prefill_equals_one_pass(model: Model, alone: X.Run) -> None:
     one_pass = alone.request(0)
     assert len(one_pass.logits) == BATCH_STEPS  # one step for the whole prompt
     X.assert_chunked_equals_one_pass(model.folder, LONG_PROMPT, (72, 150), one_pass, BATCH_STEPS,
-                                     max_model_len=MAX_LEN, **model.case.settings)
+                                     max_model_len=MAX_LEN, **budget(model.case))
 
 
 @pytest.mark.parametrize("model", EXACT, indirect=True)
 def test_batched_joining_and_preempted_equal_alone(model: Model, alone: X.Run) -> None:
     solo = X.Run(alone.logits, alone.outs[1:], alone.unit_nbytes, alone.choices, alone.pools)
     X.assert_batched_and_preempted_equal_solo(model.folder, ARRIVALS, KV_BLOCKS, BATCH_STEPS, MAX_LEN,
-                                              solo, BATCH_STEP_TOKENS, **model.case.settings)
+                                              solo, BATCH_STEP_TOKENS, **budget(model.case))
 
 
 @pytest.mark.parametrize("model", EXACT, indirect=True)
 def test_offloaded_equals_resident(model: Model, alone: X.Run) -> None:
     prompts = [LONG_PROMPT] + [p for _, p in ARRIVALS]
     X.assert_offloaded_equals_resident(model.folder, prompts, alone, 3, BATCH_STEPS, one_by_one=True,
-                                       max_model_len=MAX_LEN, **model.case.settings)
+                                       max_model_len=MAX_LEN, **budget(model.case))
 
 
 @pytest.mark.parametrize("model", list(CASES), indirect=True)
@@ -125,7 +134,7 @@ def test_matches_transformers(model: Model) -> None:
         X.assert_matches_transformers(model.folder, reference_model(model, torch.float32), c.prompts, c.steps,
                                       max_model_len=c.max_model_len)
         return
-    run = X.run_together(model.folder, c.prompts, c.steps, max_model_len=c.max_model_len, **c.settings)
+    run = X.run_together(model.folder, c.prompts, c.steps, max_model_len=c.max_model_len, **budget(c))
     X.assert_near_transformers_bf16(run.outs, reference_model(model, torch.bfloat16), c.prompts, c.steps)
 
 
