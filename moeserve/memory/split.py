@@ -8,7 +8,8 @@ Rules, in order:
    what is free now is allowed; its line says so (the OS may swap).
 2. The fixed parts come first: resident weights (everything but the experts), the expert store's read buffers,
    and the runtime: one step's activations (`activation_bytes`) and the rotary tables, plus, with memory_gb only,
-   the process's RSS measured at start-up (interpreter, torch, tokenizer). Without memory_gb that RSS is already
+   the process's RSS measured at start-up (interpreter, torch, tokenizer) and what it grows by later
+   (`process_growth_bytes`: 2%, at least 8 MiB). Without memory_gb that RSS is already
    outside free memory and is not charged twice. room = B - fixed.
 3. room must hold one expert and the KV of one sequence of max_model_len tokens (when set), else of
    min(the model's context, MIN_CONTEXT) tokens; otherwise ConfigError, one line naming each part and what to
@@ -103,7 +104,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
         budget_why = f"{fmt_bytes(budget)} ({of}, set" + (
             f"; warning: only {fmt_bytes(free_bytes)} is free now, the OS may swap)" if budget > free_bytes else ")")
         raise_budget = "raise memory_gb"
-        runtime = n.overhead_bytes + n.process_bytes
+        runtime = n.overhead_bytes + n.process_bytes + process_growth_bytes(n.process_bytes)
     else:
         headroom = max(HEADROOM_MIN_BYTES, int(free_bytes * HEADROOM_FRACTION))
         budget = max(0, free_bytes - headroom)
@@ -203,6 +204,17 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
 
 
 # ------------------------------------------------------------------------------------------------ runtime
+PROCESS_GROWTH_MIN_BYTES = 8 * 2**20
+PROCESS_GROWTH_FRACTION = 0.02
+
+
+def process_growth_bytes(process_bytes: int) -> int:
+    """What the process's own pages grow by after its RSS was measured at start-up (code pages of the kernels first
+    run later, thread stacks, allocator slack): 2% of that RSS, at least 8 MiB; charged with it against memory_gb
+    (a run at memory_gb=0.9 peaked 0.25 MiB above it without this allowance). Nothing when no RSS is charged."""
+    return max(PROCESS_GROWTH_MIN_BYTES, int(process_bytes * PROCESS_GROWTH_FRACTION)) if process_bytes > 0 else 0
+
+
 def process_rss_bytes() -> int:
     """Resident set size of this process now."""
     return int(psutil.Process().memory_info().rss)
