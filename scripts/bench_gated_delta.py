@@ -13,7 +13,6 @@ the layer's real input shapes. Random weights; the sequence starts from a zero s
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from moeserve.models.gated_delta_rule import chunk_form, l2norm  # noqa: E402
 from moeserve.models.layers import ForwardBatch  # noqa: E402
 from moeserve.models.linear import Linear  # noqa: E402
 from moeserve.models.spec import LinearAttentionSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, prepare  # noqa: E402
+from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 
 FORMS: dict[str, ChunkForm] = {"torch": chunk_form, "cpp": cpp_chunk_form}
 
@@ -106,11 +105,7 @@ def main() -> None:
             times.setdefault(("layer", name), []).append(seconds(lambda: mixer(x, batch, slot)))
             state = torch.zeros(h, la.k_head_dim, la.v_head_dim)
             times.setdefault(("chunk form", name), []).append(seconds(lambda f=form, s=state: f(q, k, v, g, beta, s)))
-    for what in ("layer", "chunk form"):
-        t, c = times[(what, "torch")], times[(what, "cpp")]
-        ratios = [a / b for a, b in zip(t, c)]
-        print(f"{what:10s} torch {statistics.median(t) * 1e3:9.1f} ms  cpp {statistics.median(c) * 1e3:8.1f} ms  "
-              f"torch/cpp {statistics.median(ratios):6.1f}x (rounds {min(ratios):.1f}-{max(ratios):.1f})")
+    print_ratios(times, ("layer", "chunk form"), scale=1e3)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ selective-state update). Random weights; the state and conv history advance ever
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from moeserve.models.linear import Linear  # noqa: E402
 from moeserve.models.mamba2 import Mamba2Mixer  # noqa: E402
 from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, prepare  # noqa: E402
+from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 
 
 class RecurrentSlots:
@@ -122,11 +121,7 @@ def main() -> None:
             times.setdefault(("mixer", name), []).append(per_call_ms(lambda mx=mixer: mx(x, batch, kv), args.calls))
             part = kernels_part(mixer, xbc, dt, kv, args.batch)
             times.setdefault(("kernels", name), []).append(per_call_ms(part, args.calls))
-    for what in ("mixer", "kernels"):
-        t, c = times[(what, "torch")], times[(what, "cpp")]
-        ratios = [a / b for a, b in zip(t, c)]
-        print(f"{what:8s} torch {statistics.median(t):7.3f} ms  cpp {statistics.median(c):7.3f} ms  "
-              f"torch/cpp {statistics.median(ratios):5.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
+    print_ratios(times, ("mixer", "kernels"))
 
 
 if __name__ == "__main__":

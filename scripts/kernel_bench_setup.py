@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -34,3 +35,14 @@ def prepare(args: argparse.Namespace, script: str, config_name: str) -> ModelSpe
     path = CONFIGS / config_name
     config = json.loads(path.read_text())
     return get_architecture(config, str(path)).spec(config, str(path))
+
+
+def print_ratios(times: dict[tuple[str, str], list[float]], parts: tuple[str, ...], unit: str = "ms",
+                 scale: float = 1.0) -> None:
+    """One line per part: the median torch and C++ times (x scale, in `unit`) and the median torch/C++ ratio of the
+    alternated rounds with its range."""
+    for what in parts:
+        t, c = times[(what, "torch")], times[(what, "cpp")]
+        ratios = [a / b for a, b in zip(t, c, strict=True)]
+        print(f"{what:10s} torch {statistics.median(t) * scale:9.3f} {unit}  cpp {statistics.median(c) * scale:9.3f} "
+              f"{unit}  torch/cpp {statistics.median(ratios):5.2f}x (rounds {min(ratios):.2f}-{max(ratios):.2f})")
