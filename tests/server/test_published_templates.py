@@ -4,7 +4,8 @@ exactly as transformers' apply_chat_template renders them with a tokenizer carry
 Templates (tests/server/templates/published/, see its README.md for each file's source and sha256): the files
 llama.cpp keeps of each model's published tokenizer_config.json chat template, taken from the llama-cpp-python 0.3.36
 sdist on PyPI (vendor/llama.cpp/models/templates/); Qwen3-Next's from xinference's model registry; Kimi-K2-Thinking's
-from an earlier llama.cpp commit (its later copies are modified). The conversation has every role: system, user, an assistant turn with two
+from an earlier llama.cpp commit (its later copies are modified); Kimi-K2-Instruct's from two unpatched third-party
+copies (see the README). The conversation has every role: system, user, an assistant turn with two
 tool calls (and one with text), the tool results, a user follow-up; tools are offered. The reference passes call
 arguments as a mapping (transformers' convention, what each model card shows).
 """
@@ -38,6 +39,8 @@ TEMPLATES = {
     "Qwen3-Next-Instruct": ("Qwen3-Next-Instruct.jinja", "qwen3_next", True),
     "Qwen3-Next-Thinking": ("Qwen3-Next-Thinking.jinja", "qwen3_next", True),
     "Kimi-K2-Thinking": ("moonshotai-Kimi-K2-Thinking.jinja", "kimi_k2", True),
+    "Kimi-K2-Instruct-0905": ("moonshotai-Kimi-K2-Instruct-0905.jinja", "kimi_k2", True),
+    "Kimi-K2-Instruct": ("moonshotai-Kimi-K2-Instruct.jinja", "kimi_k2", True),
 }
 CALLS = [("call_1", "get_weather", {"city": "Paris", "days": 2}), ("call_2", "get_time", {})]
 # Kimi's template writes each call's id back to the model (and a result's tool_call_id): the ids it was trained on
@@ -124,3 +127,11 @@ def test_kimi_hub_revision_tools_line(tmp_path: Path) -> None:
         messages, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)
     assert '[{"type":"function","function":{"name":"get_weather"' in want
     assert prompt.text == want
+
+
+@pytest.mark.parametrize("family", [f for f in TEMPLATES if f.startswith("Kimi")])
+def test_kimi_templates_pick_the_kimi_tool_parser(family: str) -> None:
+    """Each published Kimi-K2 template (Thinking, Instruct, Instruct-0905) is recognised as Kimi's call format."""
+    from moeserve.server.tool_parsers import KimiK2ToolParser, tool_parser_for
+
+    assert tool_parser_for((PUBLISHED / TEMPLATES[family][0]).read_text()) is KimiK2ToolParser
