@@ -1,10 +1,12 @@
 """Write a GGUF of a synthetic benchmark checkpoint, for llama.cpp to run the same weights (one writer per
-architecture, `GGUF_WRITERS`, keyed by config.json's model_type; Qwen3-MoE here).
+architecture, `GGUF_WRITERS`, keyed by config.json's model_type: Qwen3-MoE here, Qwen3-Next, DeepSeek-V3 and
+Nemotron-H in bench/gguf_arch.py).
 
-Streaming like the safetensors writer: tensor infos are declared first, then each tensor is read from the
-checkpoint, converted (experts of a layer stacked to [E, I, H] as llama.cpp expects) and written before the next.
-Weights stay BF16 ("bf16") or are quantized to llama.cpp's Q8_0 ("q8_0"); norms and the router stay F32, as
-llama.cpp's own converter keeps them. The vocabulary is declared "no_vocab": the benchmark feeds token ids.
+Streaming like the safetensors writer (bench/gguf_file.py): tensor infos are declared first, then each tensor is
+read from the checkpoint, converted (experts of a layer stacked to [E, I, H] as llama.cpp expects) and written
+before the next. Weights stay BF16 ("bf16") or are quantized to llama.cpp's Q8_0 ("q8_0"); norms and the router
+stay F32, as llama.cpp's own converter keeps them. The vocabulary is declared "no_vocab": the benchmark feeds
+token ids.
 """
 
 from __future__ import annotations
@@ -15,16 +17,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import cast
 
-import numpy as np
 import torch
 
-from moeserve.bench import pagecache
+from moeserve.bench import gguf_arch, gguf_file, pagecache
+from moeserve.bench.gguf_file import GGUF_KINDS, Entry
 from moeserve.bench.shape_base import Shape
 from moeserve.bench.shapes import BenchShape
 from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
 from moeserve.errors import ConfigError
 
-GGUF_KINDS = ("bf16", "q8_0")
+__all__ = ["GGUF_KINDS", "GGUF_WRITERS", "ensure_gguf", "gguf_path", "write_gguf"]
 log = logging.getLogger("moeserve.bench")
 
 
@@ -46,63 +48,33 @@ def ensure_gguf(checkpoint_dir: Path, shape: Shape, kind: str = "bf16") -> Path:
     return out
 
 
-Loader = tuple[tuple[int, ...], Callable[[], torch.Tensor]]  # (HF-orientation shape, reads the tensor)
+def _tensors(ckpt: Checkpoint, shape: BenchShape) -> Iterator[Entry]:
+    """(GGUF name, HF-orientation shape, loader, keep-in-F32) in file order."""
 
-
-def _tensors(ckpt: Checkpoint, shape: BenchShape) -> Iterator[tuple[str, Loader, bool]]:
-    """(GGUF name, (shape, loader) in HF orientation, keep-in-F32) in file order."""
-
-    def read(name: str) -> Loader:
+    def read(gguf_name: str, name: str, keep: bool = False) -> Entry:
         ref = ckpt.ref(name)
-        return ref.shape, lambda: ckpt.reader.read(ref)
+        return gguf_name, ref.shape, lambda: ckpt.reader.read(ref), keep
 
-    def stacked(L: int, proj: str) -> Loader:
+    def stacked(gguf_name: str, L: int, proj: str) -> Entry:  # a layer's experts, stacked to [E, out, in]
         refs = [ckpt.ref(f"model.layers.{L}.mlp.experts.{e}.{proj}.weight") for e in range(shape.num_experts)]
-        return (len(refs), *refs[0].shape), lambda: torch.stack([ckpt.reader.read(r) for r in refs])
+        return gguf_name, (len(refs), *refs[0].shape), lambda: torch.stack([ckpt.reader.read(r) for r in refs]), False
 
-    yield "token_embd.weight", read("model.embed_tokens.weight"), False
+    yield read("token_embd.weight", "model.embed_tokens.weight")
     for L in range(shape.num_layers):
         p, b = f"model.layers.{L}.", f"blk.{L}."
-        yield b + "attn_norm.weight", read(p + "input_layernorm.weight"), True
-        yield b + "attn_q.weight", read(p + "self_attn.q_proj.weight"), False
-        yield b + "attn_k.weight", read(p + "self_attn.k_proj.weight"), False
-        yield b + "attn_v.weight", read(p + "self_attn.v_proj.weight"), False
-        yield b + "attn_output.weight", read(p + "self_attn.o_proj.weight"), False
-        yield b + "attn_q_norm.weight", read(p + "self_attn.q_norm.weight"), True
-        yield b + "attn_k_norm.weight", read(p + "self_attn.k_norm.weight"), True
-        yield b + "ffn_norm.weight", read(p + "post_attention_layernorm.weight"), True
-        yield b + "ffn_gate_inp.weight", read(p + "mlp.gate.weight"), True
-        yield b + "ffn_gate_exps.weight", stacked(L, "gate_proj"), False
-        yield b + "ffn_up_exps.weight", stacked(L, "up_proj"), False
-        yield b + "ffn_down_exps.weight", stacked(L, "down_proj"), False
-    yield "output_norm.weight", read("model.norm.weight"), True
-    yield "output.weight", read("lm_head.weight"), False
-
-
-def _info(hf_shape: tuple[int, ...], kind: str, keep_f32: bool) -> tuple[tuple[int, ...], type, int, object]:
-    """(numpy shape, numpy dtype, nbytes, GGML type or None) of a tensor as `_encode` will write it."""
-    import gguf
-
-    Q = gguf.GGMLQuantizationType
-    numel = int(np.prod(hf_shape))
-    if keep_f32 or len(hf_shape) == 1:
-        return hf_shape, np.float32, 4 * numel, None
-    if kind == "bf16":
-        return hf_shape, np.uint16, 2 * numel, Q.BF16
-    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[Q.Q8_0]
-    byte_shape = (*hf_shape[:-1], hf_shape[-1] // block_elems * block_bytes)
-    return byte_shape, np.uint8, int(np.prod(byte_shape)), Q.Q8_0
-
-
-def _encode(t: torch.Tensor, kind: str, keep_f32: bool) -> tuple[np.ndarray, object]:
-    import gguf
-
-    Q = gguf.GGMLQuantizationType
-    if keep_f32 or t.dim() == 1:
-        return t.float().numpy(), None
-    if kind == "bf16":
-        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), Q.BF16
-    return gguf.quants.quantize(t.float().numpy(), Q.Q8_0), Q.Q8_0
+        yield read(b + "attn_norm.weight", p + "input_layernorm.weight", True)
+        yield read(b + "attn_q.weight", p + "self_attn.q_proj.weight")
+        yield read(b + "attn_k.weight", p + "self_attn.k_proj.weight")
+        yield read(b + "attn_v.weight", p + "self_attn.v_proj.weight")
+        yield read(b + "attn_output.weight", p + "self_attn.o_proj.weight")
+        yield read(b + "attn_q_norm.weight", p + "self_attn.q_norm.weight", True)
+        yield read(b + "attn_k_norm.weight", p + "self_attn.k_norm.weight", True)
+        yield read(b + "ffn_norm.weight", p + "post_attention_layernorm.weight", True)
+        yield read(b + "ffn_gate_inp.weight", p + "mlp.gate.weight", True)
+        for proj in ("gate", "up", "down"):
+            yield stacked(f"{b}ffn_{proj}_exps.weight", L, f"{proj}_proj")
+    yield read("output_norm.weight", "model.norm.weight", True)
+    yield read("output.weight", "lm_head.weight")
 
 
 def write_gguf(ckpt: Checkpoint, shape: Shape, out: Path, kind: str = "bf16") -> None:
@@ -136,19 +108,9 @@ def _write_qwen3_moe(ckpt: Checkpoint, any_shape: Shape, out: Path, kind: str) -
     w.add_expert_feed_forward_length(shape.moe_intermediate_size)
     w.add_vocab_size(shape.vocab_size)
     w.add_tokenizer_model("no_vocab")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if kind == "bf16" else gguf.LlamaFileType.MOSTLY_Q8_0)
-    entries = list(_tensors(ckpt, shape))
-    # Tensor infos (shapes, byte sizes) go first in the file; they follow from the shapes alone.
-    for name, (hf_shape, _), keep in entries:
-        np_shape, np_dtype, nbytes, raw = _info(hf_shape, kind, keep)
-        w.add_tensor_info(name, np_shape, np.dtype(np_dtype), nbytes, raw_dtype=raw)  # type: ignore[arg-type]
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for _, (_, load), keep in entries:
-        arr, _ = _encode(load(), kind, keep)
-        w.write_tensor_data(arr)
-    w.close()
+    w.add_file_type(gguf_file.file_type(kind))
+    gguf_file.write_entries(w, _tensors(ckpt, shape), kind)
 
 
-GGUF_WRITERS: dict[str, Callable[[Checkpoint, Shape, Path, str], None]] = {"qwen3_moe": _write_qwen3_moe}
+GGUF_WRITERS: dict[str, Callable[[Checkpoint, Shape, Path, str], None]] = {
+    "qwen3_moe": _write_qwen3_moe, **gguf_arch.GGUF_ARCH_WRITERS}

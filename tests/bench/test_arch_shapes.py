@@ -136,13 +136,3 @@ def test_bench_prints_sequence_memory(name: str, tmp_path, capsys) -> None:
     printed = capsys.readouterr().out
     assert "sequence memory read+written per decode step" in printed and "decode-b1" in printed
     assert ("KV per token:" in printed) == (name == "mla-tiny")
-
-
-def test_gguf_export_names_the_architectures_it_cannot_write(tmp_path) -> None:
-    """The llama.cpp peer of a shape without a GGUF writer here is skipped with this line (runner._start_all)."""
-    pytest.importorskip("gguf")
-    from moeserve.bench.gguf_export import write_gguf
-    from moeserve.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="no GGUF export for qwen3_next .shape 'hybrid-tiny'; written: qwen3_moe"):
-        write_gguf(None, SHAPES["hybrid-tiny"], tmp_path / "x.gguf")  # type: ignore[arg-type]
