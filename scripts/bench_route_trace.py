@@ -1,5 +1,5 @@
 """Offloaded speed under real locality (issue 19): `moeserve bench --route-trace` at several expert-cache sizes,
-moeserve's default against its variants (LRU, prefetch on, prefetch auto where the build has it), alternated in
+moeserve's default against its variants (LRU, prefetch on, prefetch auto, admission control), alternated in
 each run, then one table of every run.
 
     .venv/bin/python scripts/bench_route_trace.py --shape small --trace /work/shared/traces/flame-moe-290m \\
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from moeserve.cli import main as moeserve_main
 
-VARIANTS = "moeserve-prefetch,moeserve-lru,moeserve-prefetch-auto"
+VARIANTS = "moeserve-prefetch,moeserve-lru,moeserve-prefetch-auto,moeserve-admission"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,8 +56,9 @@ def _mb(row: dict, key: str) -> str:
 
 
 def table(runs: list[tuple[float, str, dict]]) -> str:
-    header = (f"{'cache':>6} {'routing':<9} {'case':<10} {'engine':<24} {'tok/s':>7} {'of ceil':>7} {'vs dflt':>7} "
-              f"{'hit rate':>8} {'MB/tok disk':>11} {'MB/tok host':>11} {'pf/tok':>6} {'charged':>9}")
+    header = (f"{'cache':>6} {'routing':<9} {'case':<10} {'engine':<24} {'tok/s':>7} {'runs':>11} {'of ceil':>7} "
+              f"{'vs dflt':>7} {'paired':>7} {'hit rate':>8} {'MB/tok disk':>11} {'MB/tok host':>11} {'pf/tok':>6} "
+              f"{'byp/tok':>7} {'charged':>9}")
     lines = [header, "-" * len(header)]
     for fraction, routing, summary in runs:
         rows = summary["rows"]
@@ -66,11 +67,20 @@ def table(runs: list[tuple[float, str, dict]]) -> str:
             vs = row["tokens_per_s"] / default["tokens_per_s"] if default["tokens_per_s"] else float("nan")
             hit = "-" if row["expert_hit_rate"] is None else f"{row['expert_hit_rate']:.1%}"
             pf = "-" if row.get("prefetched_per_token") is None else f"{row['prefetched_per_token']:.1f}"
+            byp = "-" if row.get("bypassed_per_token") is None else f"{row['bypassed_per_token']:.1f}"
             charged = "-" if not row.get("memory_peak_bytes") else f"{row['memory_peak_bytes'] / 2**20:.0f}Mi"
+            # the median of (this run / the default's run of the same round): the machine's drift cancels per pair
+            paired = "-" if not row.get("moeserve_speedup") else f"{1 / row['moeserve_speedup']:.2f}x"
+            runs_tps = row["runs_tokens_per_s"]
+            spread = f"{min(runs_tps):.2f}-{max(runs_tps):.2f}"
             lines.append(f"{fraction:>6.0%} {routing:<9} {row['case']:<10} {row['engine']:<24} "
-                         f"{row['tokens_per_s']:>7.2f} {row['fraction_of_ceiling']:>7.0%} {vs:>6.2f}x {hit:>8} "
-                         f"{_mb(row, 'bytes_per_token_disk'):>11} {_mb(row, 'bytes_per_token_host'):>11} {pf:>6} {charged:>9}")
+                         f"{row['tokens_per_s']:>7.2f} {spread:>11} {row['fraction_of_ceiling']:>7.0%} {vs:>6.2f}x "
+                         f"{paired:>7} {hit:>8} {_mb(row, 'bytes_per_token_disk'):>11} "
+                         f"{_mb(row, 'bytes_per_token_host'):>11} {pf:>6} {byp:>7} {charged:>9}")
         lines += [f"{'':>6} skipped {s['engine']}: {s['reason']}" for s in summary["skipped"]]
+        loads = [x for row in rows for x in row.get("runs_load_average", []) if x is not None]
+        if loads:
+            lines.append(f"{'':>6} load average (1 min) after each timed run: {min(loads):.1f}-{max(loads):.1f}")
     return "\n".join(lines)
 
 

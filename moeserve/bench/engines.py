@@ -70,7 +70,8 @@ class MoeserveEngine(BenchEngine):
         st = self.engine.model.store.stats
         return {"hits": st.hits, "misses": st.misses, "bytes_read": st.bytes_read,
                 "bytes_from_disk": st.bytes_from_disk, "bytes_from_host": st.bytes_from_host,
-                "prefetched": st.prefetched, "prefetch_used": st.prefetch_used}
+                "prefetched": st.prefetched, "prefetch_used": st.prefetch_used,
+                "bypassed": st.bypassed}
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Timing:
         eng = self.engine

@@ -18,7 +18,8 @@ BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0),
     "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0), "moeserve-lru": (2.0, 2.0),
-    "moeserve-prefetch": (2.0, 2.0), "moeserve-prefetch-auto": (2.0, 2.0)}
+    "moeserve-prefetch": (2.0, 2.0), "moeserve-prefetch-auto": (2.0, 2.0),
+    "moeserve-admission": (2.0, 2.0)}
 
 
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],
@@ -106,6 +107,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
         rows.append({
             "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
             "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
+            "runs_load_average": [run.get("load_average") for run in r.runs],
             "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": fraction,
             # against the better memory probe of before and after the whole run (another moment than the runs)
             "best_probe_ceiling_tokens_per_s": best_ceiling,
@@ -122,6 +124,8 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
             "bytes_per_token_disk": (mine.get("bytes_from_disk", mine.get("bytes_read", 0)) / tokens) if mine else None,
             "bytes_per_token_host": (mine.get("bytes_from_host", 0) / tokens) if mine else None,
             "prefetched_per_token": (mine.get("prefetched", 0) / tokens) if mine else None,
+            # misses read into a bypass buffer, not cached (expert_admission=policy; counted in the misses)
+            "bypassed_per_token": (mine.get("bypassed", 0) / tokens) if mine else None,
             # how many times faster moeserve is than this engine, paired run by run
             "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
         })

@@ -29,12 +29,13 @@ log = logging.getLogger("moeserve.bench")
 
 CASES = ("decode-b1", "decode-b8", "prefill")
 # moeserve against itself with one setting changed (the gain of prefetch, the C++ kernels, the interleaved layout,
-# the fused decode step; the cost of batch invariance)
+# the fused decode step, admission control; the cost of batch invariance)
 SELF_PEERS: dict[str, dict[str, Any]] = {
     "moeserve-no-prefetch": {"prefetch": False}, "moeserve-torch-kernels": {"kernels": "torch"},
     "moeserve-plain-experts": {"expert_layout": "plain"}, "moeserve-per-op": {"decode_step": "per_op"},
     "moeserve-batch-variant": {"batch_invariant": False}, "moeserve-lru": {"cache_policy": "lru"},
     "moeserve-prefetch": {"prefetch": True}, "moeserve-prefetch-auto": {"prefetch": "auto"},
+    "moeserve-admission": {"expert_admission": "policy"},
 }
 PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
 
@@ -226,6 +227,7 @@ def run_cases(cfg: BenchConfig, workers: dict[str, Worker],
                     continue
                 if rep >= 0:
                     run["memory_bytes_per_s"] = bandwidth
+                    run["load_average"] = os.getloadavg()[0]  # 1-minute, after the run: how shared the machine was
                     results[(name, case)].runs.append(run)
                     log.info("%s %s run %d/%d: %.2f tokens/s", case, name, rep + 1, cfg.repeats,
                              run["tokens"] / max(run["seconds"], 1e-12))
