@@ -18,7 +18,9 @@ names another compiler. The library is cached in ``$XDG_CACHE_HOME/moeserve/kern
 ``~/.cache``); the key hashes the sources, torch version, compiler version, flags and the CPU's feature flags, so a
 different machine or a changed source rebuilds. Each .cpp is compiled (in parallel) to an object cached under
 ``obj/`` by its own key, so editing one file recompiles only that one. Objects and library go to temporary files
-renamed into place (atomic), so two processes that build at once both end up loading complete files.
+renamed into place (atomic), and a build holds an exclusive ``flock`` on ``<cache>/build.lock``: a process that
+finds no library while another builds it waits, then loads that build instead of compiling the same sources again
+(tests spawning engine processes before the first build finished each compiled everything).
 
 Code for AVX512-BF16 is guarded by ``#ifdef __AVX512BF16__`` (or a target attribute plus a runtime check), with
 AVX-512F / AVX2 / scalar fallbacks: -march=native on a CPU without them simply compiles the fallback.
@@ -26,6 +28,7 @@ AVX-512F / AVX2 / scalar fallbacks: -march=native on a CPU without them simply c
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -34,8 +37,9 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,7 +133,19 @@ def _build(cxx: str) -> tuple[Path, str]:
     """(library path, how it was obtained). Raises RuntimeError with a one-line reason.
 
     Each .cpp is compiled to an object cached by its own key (its text, the headers, torch, compiler, flags, CPU),
-    in parallel; the library, keyed by all of them, links the objects. Editing one file recompiles that file."""
+    in parallel; the library, keyed by all of them, links the objects. Editing one file recompiles that file. One
+    process builds at a time (_build_lock); one that waited finds the library the other built."""
+    lib, cpp_files, objs = _build_plan(cxx)
+    if lib.exists():
+        return lib, f"cached {lib}"
+    with _build_lock(cache_root()) as waited_s:
+        if lib.exists():
+            return lib, f"cached {lib} (built by another process while this one waited {waited_s:.1f} s)"
+        return lib, _compile_and_link(cxx, lib, cpp_files, objs)
+
+
+def _build_plan(cxx: str) -> tuple[Path, list[Path], list[Path]]:
+    """(library path, .cpp files, their object paths): the cache keys of this compiler, torch and CPU."""
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
     cpp_files = sorted(CSRC.glob("*.cpp"))
@@ -152,10 +168,31 @@ def _build(cxx: str) -> tuple[Path, str]:
         keys.append(h.hexdigest()[:20])
     root = cache_root()
     lib = root / hashlib.sha256("".join(keys).encode()).hexdigest()[:20] / LIB_NAME
-    if lib.exists():
-        return lib, f"cached {lib}"
+    return lib, cpp_files, [root / "obj" / f"{f.stem}-{key}.o" for f, key in zip(cpp_files, keys)]
+
+
+@contextmanager
+def _build_lock(root: Path) -> Iterator[float]:
+    """Holds an exclusive flock on root/build.lock (released when the process ends, however it ends); yields the
+    seconds it waited for another process's build."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "build.lock", "a") as lock_file:
+        t0 = time.monotonic()
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("kernels: another process is building the C++ kernels (lock %s): waiting for it, then loading "
+                     "its build", lock_file.name)
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - t0
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _compile_and_link(cxx: str, lib: Path, cpp_files: list[Path], objs: list[Path]) -> str:
+    """Compiles the sources whose object is not cached (in parallel), links `lib`; returns how it went."""
     t0 = time.monotonic()
-    objs = [root / "obj" / f"{f.stem}-{key}.o" for f, key in zip(cpp_files, keys)]
     todo = [(f, o) for f, o in zip(cpp_files, objs) if not o.exists()]
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     # announced before it starts: a first build takes minutes on a small machine, and nothing else is printed then
@@ -173,8 +210,8 @@ def _build(cxx: str) -> tuple[Path, str]:
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(compile_one, todo))
     _atomic_build(lib, lambda tmp: _run(_link_command(cxx, objs, tmp), lib.with_suffix(".log")))
-    return lib, (f"built {lib} in {time.monotonic() - t0:.1f} s ({len(todo)} of {len(cpp_files)} "
-                 "sources compiled, the rest cached)")
+    return (f"built {lib} in {time.monotonic() - t0:.1f} s ({len(todo)} of {len(cpp_files)} "
+            "sources compiled, the rest cached)")
 
 
 # Seconds one source takes to compile with -O3 on one core of a small, busy machine: the fresh-clone run of issue 20
