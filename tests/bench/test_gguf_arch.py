@@ -17,6 +17,7 @@ from moeserve.bench.shapes import SHAPES
 
 gguf = pytest.importorskip("gguf")
 
+TOLERANCE = 0.01  # of the step's largest logit: bf16 rounding of llama.cpp's activations
 TINY = {"hybrid-tiny": "qwen3next", "mla-tiny": "deepseek2", "mamba-hybrid-tiny": "nemotron_h_moe"}
 
 
@@ -189,3 +190,53 @@ def test_unsupported_layouts_are_one_line_errors(tmp_path) -> None:
     other = shape("other", {**SHAPES["hybrid-tiny"].hf_config(), "model_type": "glm4_moe"})
     with pytest.raises(ConfigError, match="no GGUF export for glm4_moe .shape 'other'; written: qwen3_moe, qwen3_next"):
         write_gguf(None, other, tmp_path / "y.gguf")  # type: ignore[arg-type]
+
+
+def _llama_greedy(llm, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """llama.cpp's greedy tokens after `prompt` and the logits each was picked from ([steps, vocab])."""
+    vocab = llm.n_vocab()
+    llm.reset()
+    tokens, rows = list(prompt), []
+    llm.eval(prompt)
+    for _ in range(steps):
+        logits = torch.from_numpy(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).copy())
+        rows.append(logits)
+        tokens.append(int(logits.argmax()))
+        llm.eval(tokens[-1:])
+    return tokens[len(prompt):], torch.stack(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY)
+def test_llama_cpp_on_the_gguf_agrees_with_transformers_and_moeserve(written, name: str) -> None:
+    """llama.cpp (optional: llama-cpp-python) on the bf16 GGUF vs transformers in fp32 on the checkpoint, the same
+    bf16 weights: every step's logits within bf16 rounding (llama.cpp rounds activations to bf16 before each bf16
+    matmul), and llama.cpp's greedy token is transformers' argmax wherever the two best logits are further apart
+    than that tolerance; moeserve (fp32) decodes llama.cpp's tokens."""
+    pytest.importorskip("llama_cpp")
+    transformers = pytest.importorskip("transformers")
+    from moeserve.bench.engines import LlamaCppEngine, MoeserveEngine
+    from moeserve.bench.gguf_export import gguf_path
+
+    folder = written[name][0]
+    prompt, steps = [5, 17, 42, 99, 7, 8, 9, 10], 6
+    llama = LlamaCppEngine(str(gguf_path(folder, "bf16")), threads=1, n_ctx=64)
+    theirs, llama_logits = _llama_greedy(llama.llm, prompt, steps)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.inference_mode():
+        full = ref(torch.tensor([prompt + theirs])).logits[0, len(prompt) - 1:-1].float()  # [steps, vocab]
+    scale = full.abs().amax(dim=-1, keepdim=True)
+    err = ((llama_logits - full).abs() / scale).amax(dim=-1)  # measured: 0.002-0.005 on the three tiny shapes
+    assert (err < TOLERANCE).all(), f"relative logit error per step {err.tolist()}"
+    top2 = full.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * TOLERANCE * scale[:, 0]
+    assert clear.sum() >= 2, "fewer than 2 steps with a clear greedy choice: pick another prompt"
+    best = full.argmax(dim=-1).tolist()
+    assert [t for t, c in zip(theirs, clear) if c] == [b for b, c in zip(best, clear) if c]
+    # moeserve in fp32 is transformers within 1e-4 (tests/models): its greedy tokens are transformers' argmax, which
+    # is the next token of llama.cpp's sequence until llama.cpp first picks another (a near-tie).
+    same = next((i for i, (t, b) in enumerate(zip(theirs, best)) if t != b), steps)
+    ours = MoeserveEngine(str(folder), dtype="float32", threads=1, max_model_len=64)
+    got = ours.decode([prompt], steps - 1).token_ids[0]
+    ours.close()
+    assert got[:same + 1] == best[:same + 1]
