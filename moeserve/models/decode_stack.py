@@ -1,10 +1,11 @@
 """The fused decode steps: every decoder layer of a decode-only batch in one C++ call (csrc/decode_stack.cpp).
 
-A `torch.classes.moeserve.DecodeStack` holds each layer's resident weights, its KV cache views and (resident store)
-the expert units; each layer part adds itself (`add_to_stack`) and says why it cannot (`why_not_stacked`). The
-stack calls the same C++ functions as the per-op pass (passes.CppLayers with Attention's C++ path and the expert
-kernel's fused op) in the same order, so its logits are the same bits; what it saves is the Python and the
-dispatcher between the ~10 ops of each layer.
+A `torch.classes.moeserve.DecodeStack` holds each layer as a token mixer part and an FFN part (csrc/decode_stack.h:
+one small C++ interface each; attention, Gated DeltaNet, dense MLP and MoE are classes behind them). Each Python
+layer part adds its own kind (`add_to_stack`) and says why it cannot (`why_not_stacked`). The stack calls the same
+C++ functions and ATen ops as the per-op pass (passes.CppLayers with the mixers' C++ paths and the expert kernel's
+fused op) in the same order and on the same shapes (the batch-invariant row blocks included), so its logits are the
+same bits; what it saves is the Python and the dispatcher between the ~10-30 ops of each layer.
 
 Two LayerPass implementations, chosen once by `choose_decode_step`:
 - `FusedResident`: every expert unit is held by the stack; the store is told the hits after the step.
@@ -12,10 +13,13 @@ Two LayerPass implementations, chosen once by `choose_decode_step`:
   units (loading misses, pinning what is in use), then goes on; a layer whose experts are all cached runs inside
   the stack, which logs the call for the store (when the store allows it: ExpertStore.calls_may_skip).
 
-It applies to: the C++ kernels on, bf16 compute on CPU, layer parts that can be stacked (see `why_not_stacked`:
-no shared expert, a routing rule with a C++ mode (Routing.stack_mode), no attention sinks, qkv clipping or
-full-width q/k norm, dense Linears in the C++ GEMV layouts,
-experts whose kernel the stack can run), unless prefetch follows the caller's hints (computed by the per-op pass).
+It applies to: the C++ kernels on, bf16 compute on CPU, layer parts that can be stacked (see `why_not_stacked`):
+attention (also gated, with a zero-centred per-head q/k norm; not with sinks, qkv clipping or a full-width q/k
+norm), Gated DeltaNet (its recurrent step: a batch with a prompt token runs per op, `TokenMixer.stack_takes`),
+dense SwiGLU MLPs, MoE blocks with a routing rule the stack has (softmax top-k, top-k softmax, noaux_tc) and
+experts whose kernel it can run, with or without a shared expert (plain or sigmoid-gated); dense Linears in the
+C++ GEMV layouts (an fp32 router as a plain matrix). Not multi-head latent attention or Mamba-2 mixers. Unless
+prefetch follows the caller's hints (computed by the per-op pass).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moeserve.errors import ConfigError
+from moeserve.models import linear
 from moeserve.models.expert_kernels import FUSED_MAX_TOKENS
-from moeserve.models.layers import Attention, ForwardBatch
+from moeserve.models.layers import ForwardBatch, scales_in_fp32
 from moeserve.models.passes import LayerPass
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -58,9 +63,10 @@ class _Fused(LayerPass):
         self._stack: Any = None
         self._kv: PagedKVCache | None = None
         self._hits = torch.zeros(len(model.store.layers), dtype=torch.int64)
+        self._mixers = list({type(layer.attn): layer.attn for layer in model.layers}.values())  # one of each kind
 
     def accepts(self, batch: ForwardBatch) -> bool:
-        return batch.decode_only
+        return batch.decode_only and all(mixer.stack_takes(batch) for mixer in self._mixers)
 
     def stack(self, kv: PagedKVCache) -> Any:
         if self._stack is None or self._kv is not kv:
@@ -69,14 +75,10 @@ class _Fused(LayerPass):
 
     def _build(self, kv: PagedKVCache) -> Any:
         model = self.model
-        spec, a = model.spec, model.spec.attention
-        attn0 = model.layers[0].attn
-        assert isinstance(attn0, Attention)  # why_not_fused: every layer's mixer is a stackable Attention
-        stack = torch.classes.moeserve.DecodeStack(
-            spec.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, spec.moe.top_k,
-            model.moe_blocks[0].routing.stack_mode, spec.moe.norm_topk_prob, spec.moe.weights_in_fp32,
-            spec.rms_norm_eps, spec.norm_style == "scale_in_fp32", attn0.scale, attn0.rotary.cos, attn0.rotary.sin,
-            model.final_norm)
+        spec = model.spec
+        row_block = linear.ROW_BLOCK if model.options.batch_invariant else 0  # the per-op path's torch row blocks
+        stack = torch.classes.moeserve.DecodeStack(spec.hidden_size, spec.rms_norm_eps,
+                                                   scales_in_fp32(spec.norm_style), row_block, model.final_norm)
         for layer in model.layers:
             layer.add_to_stack(stack, kv)
         return stack

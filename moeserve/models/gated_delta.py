@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
-from moeserve.models.layers import ForwardBatch, TokenMixer
+from moeserve.models.layers import ForwardBatch, TokenMixer, not_in_gemv_layout
 from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import LinearAttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
@@ -76,7 +76,7 @@ class GatedDeltaNet(TokenMixer):
         gates = torch.cat([b, a], dim=-1)
         qkv, beta, g, decay = self._rowwise(self._activate, mixed, gates)
         prompts = batch.prompt_lens or [s + n if n > 1 else s for s, n in zip(batch.starts, batch.num_new)]
-        if self.cpp and batch.decode_only and all(s >= p for s, p in zip(batch.starts, prompts)):
+        if self.cpp and batch.decode_only and self.stack_takes(batch):
             q, k, v = self._heads(qkv)
             core = torch.ops.moeserve.gated_delta_step_(q, k, v, decay, beta, states,
                                                         torch.tensor(slots, dtype=torch.long))
@@ -188,10 +188,23 @@ class GatedDeltaNet(TokenMixer):
                 "state slots per sequence in the sequence memory")
 
     def why_not_stacked(self) -> str | None:
-        return "Gated DeltaNet linear attention (no decode-stack mode yet)"
+        if self.in_proj.bias is not None or self.out_proj.bias is not None:
+            return "a Gated DeltaNet projection with a bias"
+        return not_in_gemv_layout(self.linears())
+
+    def stack_takes(self, batch: ForwardBatch) -> bool:
+        """Every token of the decode-only `batch` is past its prompt (the recurrent step: prompt tokens take the
+        chunk form, which the stack does not run)."""
+        prompts = batch.prompt_lens or batch.starts
+        return all(s >= p for s, p in zip(batch.starts, prompts))
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        raise NotImplementedError("why_not_stacked refuses Gated DeltaNet layers")
+        """__call__'s decode path (csrc/decode_stack_mixers.cpp GatedDeltaMixer): the same ops in the same order."""
+        s = self.spec
+        conv_states, states = kv.recurrent(self.layer)
+        stack.add_gated_delta(input_norm, post_norm, *self.in_proj.gemv_tensors(), *self.out_proj.gemv_tensors(),
+                              self.conv_weight, self.a_log, self.dt_bias, self.norm, conv_states, states,
+                              [s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim, kv.group_of(self.layer)])
 
 
 def build_gated_delta(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, invariant: bool,

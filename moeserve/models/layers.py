@@ -167,6 +167,10 @@ class TokenMixer(ABC):
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
         """Give this part (with its layer's norms) to a torch.classes.moeserve.DecodeStack."""
 
+    def stack_takes(self, batch: ForwardBatch) -> bool:
+        """Whether the stack computes this part's tokens of the decode-only `batch` as the per-op path would."""
+        return True
+
 
 class Attention(TokenMixer):
     """Grouped-query attention over the paged KV cache; optional q/k norm, biases, sinks, sliding window.
@@ -263,16 +267,19 @@ class Attention(TokenMixer):
         s = self.spec
         if s.sinks or s.clip_qkv is not None or s.qk_norm == "full":
             return "attention sinks, qkv clipping or a full-width q/k norm"
-        if s.output_gate or self.qk_norm is not rms_norm:
-            return "a gated attention output or a zero-centred q/k norm (Qwen3-Next)"
-        return _not_gemv(self.linears())
+        return not_in_gemv_layout(self.linears())
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        per_head = self.spec.qk_norm == "per_head"
+        """As __call__'s C++ path: a per-head norm the C++ op does not do (zero-centred) runs as torch ops in the
+        stack too; an output gate is the fourth part of the qkv Linear."""
+        s = self.spec
+        per_head = s.qk_norm == "per_head"
         k_cache, v_cache = kv.layer(self.layer)
-        stack.add_layer(input_norm, post_norm, *self.qkv.gemv_tensors(), self.qkv.bias, *self.o.gemv_tensors(),
-                        self.o.bias, self.q_norm if per_head else None, self.k_norm if per_head else None,
-                        k_cache, v_cache, self.window or 0, kv.group_of(self.layer))
+        sizes = [s.num_heads, s.num_kv_heads, s.head_dim, self.window or 0, kv.group_of(self.layer),
+                 int(s.output_gate), int(per_head and self.qk_norm is not rms_norm)]
+        stack.add_attention(input_norm, post_norm, *self.qkv.gemv_tensors(), self.qkv.bias, *self.o.gemv_tensors(),
+                            self.o.bias, self.q_norm if per_head else None, self.k_norm if per_head else None,
+                            self.rotary.cos, self.rotary.sin, k_cache, v_cache, sizes, self.scale)
 
     def _cpp_attention(self, q, k, v, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """One op normalises (per head, unless __call__ did: a zero-centred norm), rotates and caches; a second
@@ -436,13 +443,13 @@ class DenseMLP(MLP):
     def why_not_stacked(self) -> str | None:
         if any(lin.bias is not None for lin in self.linears()):
             return "a dense MLP with biases"
-        return _not_gemv(self.linears())
+        return not_in_gemv_layout(self.linears())
 
     def add_to_stack(self, stack: Any) -> None:
         stack.add_dense_mlp(*(t for lin in self.linears() for t in lin.gemv_tensors()))
 
 
-def _not_gemv(linears: list[Linear]) -> str | None:
+def not_in_gemv_layout(linears: list[Linear]) -> str | None:
     for lin in linears:
         if not lin.in_gemv_layout:
             return f"a dense Linear in the {lin.layout!r} layout (the C++ GEMV layouts are needed)"

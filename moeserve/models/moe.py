@@ -19,7 +19,7 @@ import torch
 from moeserve.experts.store import ExpertStore
 from moeserve.models import linear
 from moeserve.models.expert_kernels import ExpertKernel, RoutedTokens
-from moeserve.models.layers import MLP, DenseMLP
+from moeserve.models.layers import MLP, DenseMLP, not_in_gemv_layout
 from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.spec import MoeSpec
 
@@ -50,6 +50,12 @@ class Routing(ABC):
     def why_not_stacked(self) -> str | None:
         """None when the fused decode stack can run this routing, else why not (one line)."""
         return None if self.stack_mode is not None else f"{self.spec.routing} routing (no decode-stack mode)"
+
+    def add_to_stack(self, stack: Any, router: Linear) -> None:
+        """Give the next MoE layer of a DecodeStack this rule, with its router (csrc/decode_stack_ffn.cpp)."""
+        s = self.spec
+        stack.route_by_pairs(*router.gemv_tensors(), router.bias, s.top_k, self.stack_mode, s.norm_topk_prob,
+                             s.weights_in_fp32)
 
 
 class TorchRouting(Routing):
@@ -139,7 +145,8 @@ class SigmoidGroups(TorchRouting):
 class CppSigmoidGroups(SigmoidGroups):
     """noaux_tc as one C++ call (csrc/routing_noaux.cpp moe_route_noaux): the same ids, in the same order, and the
     same fp32 weights as SigmoidGroups, bit for bit (ATen's sigmoid and sum on the same row blocks, torch.topk's own
-    algorithm, ties included), and the pairs grouped by a stable counting sort. No decode-stack mode."""
+    algorithm, ties included), and the pairs grouped by a stable counting sort. The decode stack calls the same op
+    (DecodeStack.route_by_noaux)."""
 
     def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
         s = self.spec
@@ -150,6 +157,14 @@ class CppSigmoidGroups(SigmoidGroups):
 
     def describe(self) -> str:
         return f"C++ moe_route_noaux ({self.spec.routing})"
+
+    def why_not_stacked(self) -> str | None:
+        return None
+
+    def add_to_stack(self, stack: Any, router: Linear) -> None:
+        s = self.spec
+        stack.route_by_noaux(router.gemv_tensors()[0], router.bias, self.bias, s.top_k, s.n_group, s.topk_group,
+                             s.norm_topk_prob, s.routed_scaling_factor)
 
 
 class ForcedRouting(TorchRouting):
@@ -262,26 +277,34 @@ class MoEBlock(MLP):
     def why_not_stacked(self) -> str | None:
         """None when the decode stack can run this layer, else why not (one line)."""
         units = self.experts.stack_units
-        if self.shared is not None:
-            return "a shared expert"
         why_routing = self.routing.why_not_stacked()
         if why_routing is not None:
             return why_routing
         if units is None or (self.store.resident and not units.interleaved):
             return ("experts are not row-interleaved units (expert_layout=plain, or a kernel without the fused op)"
                     if self.store.resident else "experts in a layout without a fused C++ op")
-        if self.router.layout != "interleaved":
+        if not (self.router.layout == "interleaved" or (self.router.layout == "plain" and
+                                                        self.router.gemv_tensors()[0].dtype == torch.float32)):
             return f"a router in the {self.router.layout!r} layout"
+        if self.shared_gate is not None and self.shared_gate.bias is not None:
+            return "a shared expert gate with a bias"
+        if self.shared is not None:
+            return self.shared.why_not_stacked() or not_in_gemv_layout([] if self.shared_gate is None
+                                                                       else [self.shared_gate])
         return None
 
     def add_to_stack(self, stack: Any) -> None:
-        """This layer's router and, from a resident store, its units (held by the stack for the process's life);
-        offloaded, the caller feeds the units at each step (decode_stack.FusedOffloaded)."""
+        """This layer's routing (with its router), shared expert and, from a resident store, its units (held by the
+        stack for the process's life); offloaded, the caller feeds the units at each step
+        (decode_stack.FusedOffloaded)."""
         units = self.experts.stack_units
         assert units is not None
+        self.routing.add_to_stack(stack, self.router)
+        if self.shared is not None:
+            gate = (None, None) if self.shared_gate is None else self.shared_gate.gemv_tensors()
+            stack.add_shared_expert(*(t for lin in self.shared.linears() for t in lin.gemv_tensors()), *gate)
         if not self.store.resident:
-            stack.add_moe_external(self.router.gemv_tensors()[0], self.router.bias, not units.interleaved)
+            stack.add_moe_external(not units.interleaved)
             return
         held = self.store.resident_units(self.layer)
-        stack.add_moe(self.router.gemv_tensors()[0], self.router.bias,
-                      *([] if f is None else [u[f] for u in held] for f in units.fields))
+        stack.add_moe(*([] if f is None else [u[f] for u in held] for f in units.fields))

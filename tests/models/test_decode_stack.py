@@ -134,9 +134,9 @@ def test_fused_refused_where_it_cannot_apply(interleaved_ok, tiny_checkpoint, se
     llm.engine.close()
 
 
-def test_shared_expert_and_full_qk_norm_run_per_op(interleaved_ok, tiny_checkpoint):
-    for arch, why in (("qwen2_moe", "shared expert"), ("olmoe", "full-width q/k norm")):
-        llm = LLM(str(tiny_checkpoint(arch)), skip_tokenizer_init=True, dtype="bfloat16")
-        assert llm.engine.model.decode_step is None
-        assert why in dict(llm.engine.model.choices)["decode step"]
-        llm.engine.close()
+def test_full_qk_norm_runs_per_op(interleaved_ok, tiny_checkpoint):
+    """(Shared experts, noaux_tc routing and the other new kinds: tests/models/test_decode_stack_kinds.py.)"""
+    llm = LLM(str(tiny_checkpoint("olmoe")), skip_tokenizer_init=True, dtype="bfloat16")
+    assert llm.engine.model.decode_step is None
+    assert "full-width q/k norm" in dict(llm.engine.model.choices)["decode step"]
+    llm.engine.close()

@@ -1,36 +1,30 @@
 // DecodeStack: a whole decode step through every decoder layer in ONE call from Python.
 //
-// The per-op path (MoeModel._layers_cpp, Attention, MoEBlock) issues ~10 op calls and ~100 lines of Python per
+// The per-op path (passes.CppLayers, the token mixers, MoEBlock) issues ~10 op calls and ~100 lines of Python per
 // layer; at batch 1 on the small bench model that is ~12% of the step (scripts/decode_breakdown.py). This class
-// holds each layer's resident weights, KV cache and expert units once, and `step` calls the very same C++
-// functions (ops.h) in the very same order with the same arguments, so its output is bit-identical to the per-op
-// path; only the Python between them is gone.
+// holds each layer's parts once (decode_stack.h: a token mixer part and an FFN part per layer, each a class of its
+// own), and `step` runs them with the residual adds and norms of CppLayers in between:
 //
-// It covers what the fast path needs and nothing else (moeserve/models/decode_stack.py decides eligibility and
-// falls back to the per-op path otherwise): decode-only batches (one new token per sequence), attention without
-// sinks or qkv clipping, per-head or no q/k norm, MoE layers without a shared expert (dense SwiGLU MLP layers
-// too), experts held here from a resident store as row-interleaved bf16 or int8 units (or fed by the caller from
-// an offloaded store: see below), dense Linears in the "interleaved" (bf16) or "int8" layout. Per layer:
+//   x = rms_norm(h, layer 0's input norm)
+//   per layer:  o = mixer.forward(x)                 x = add_rms_norm_(h, o, post_norm)       (h += o)
+//               m = ffn(x)                           x = add_rms_norm_(h, m, next input norm, or the final norm)
 //
-//   qkv = linear(x)                  q|k|v split          q = qk_norm_rope_cache(...)   (writes k, v to the cache)
-//   a   = decode_attention(q)        o = linear(a)        x = add_rms_norm_(h, o, post_norm)       (h += o)
-//   logits = linear_router(x)        pairs = moe_route_pairs(logits)
-//   m = 0; moe_swiglu[_int8]_interleaved_(m, x, units of the experts with tokens, ascending)
-//                                    (a dense layer: m = down(silu(gate(x)) * up(x)), as DenseMLP)
-//   x = add_rms_norm_(h, m, next layer's input norm, or the final norm after the last layer)  (h += m)
+// Each part calls the same functions as the per-op path in the same order, so the output is bit-identical to it;
+// only the Python between them is gone. moeserve/models/decode_stack.py decides eligibility (each Python layer
+// part says why it cannot be stacked) and falls back to the per-op path otherwise.
 //
-// `hits[j]` is increased by the number of experts the j-th MoE layer used (the store's hit count: one per needed expert per
-// layer call), so the store's statistics stay true.
+// `hits[j]` is increased by the number of experts the j-th MoE layer used (the store's hit count: one per needed
+// expert per layer call) for layers holding their units, so the store's statistics stay true.
 //
 // Offloaded experts (the store moves units between tiers, so no unit can be held here): a MoE layer added with
 // `add_moe_external` has its router only, and a step becomes a conversation with the caller, who asks the store:
 //
-//   ids = begin(h, positions, slot_mappings, block_tables, hits)   runs up to the first such layer's routing; its needed experts
-//   while ids.numel():                           (ascending, int64), or an empty tensor once every layer ran
+//   ids = begin(h, positions, slot_mappings, block_tables, hits)   runs up to the first such layer's routing; its
+//   while ids.numel():                           needed experts (ascending, int64), or an empty tensor at the end
 //       layer = MoE layer number waiting_moe_index()
 //       for chunk in store.experts(layer, ids):  units as the store yields them, ascending, several calls
 //           feed(chunk ids, units...)            the expert op on them, added into the layer's output in order
-//       ids = resume()                           the residual add, then on to the next such layer
+//       ids = resume()                           the shared expert (if any), the residual add, then on
 //   x = result()
 //
 // The op adds expert after expert whatever the chunking (csrc/moe_experts.cpp), so this too gives the per-op
@@ -43,149 +37,172 @@
 // (`take_cached_log`: moe index, count, expert ids, ... in order) to the store, which counts the hits and tells its
 // policy before its next call, as if each layer had asked it. Only for a store in which nothing else evicts while
 // the step runs (no prefetch thread); a miss's reads have all landed when its layer call ends.
+//
+// Building: add a mixer (add_attention / add_gated_delta), then its FFN (add_dense_mlp, or a routing rule
+// (route_by_pairs / route_by_noaux), optionally add_shared_expert, then add_moe / add_moe_external), per layer.
 
-#include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <array>
-#include <chrono>
-#include <optional>
-#include <string>
-#include <vector>
 
-#include "ops.h"
+#include "decode_stack.h"
 
 namespace moeserve_stack {
 
-// A dense Linear in one of the two C++ GEMV layouts: bf16 rows interleaved, or int8 codes + float32 row scales.
-struct PackedLinear {
-  at::Tensor weight;                 // flat packed weight (bf16) or codes (int8), numel out * in
-  std::optional<at::Tensor> scale;   // [out] float32 for int8
-  std::optional<at::Tensor> bias;    // [out] bf16
-  int64_t out = 0;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (scale.has_value()) return moeserve_dense_int8::linear_interleaved_int8(x, weight, *scale, out, bias, false);
-    return moeserve_dense::linear_interleaved(x, weight, out, bias);
+at::Tensor in_row_blocks(const std::function<at::Tensor(const at::Tensor&)>& fn, const at::Tensor& x,
+                         int64_t row_block) {
+  if (row_block <= 0) return fn(x);
+  const int64_t n = x.size(0), pad = (row_block - n % row_block) % row_block;
+  at::Tensor padded = x;
+  if (pad) {
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape[0] = pad;
+    padded = at::cat({x, x.new_zeros(shape)});
   }
-};
+  std::vector<at::Tensor> outs;
+  for (int64_t i = 0; i < n + pad; i += row_block) outs.push_back(fn(padded.slice(0, i, i + row_block)));
+  at::Tensor out = outs.size() == 1 ? outs[0] : at::cat(outs);
+  return pad ? out.slice(0, 0, n) : out;
+}
+
+at::Tensor StackLinear::operator()(const at::Tensor& x) const {
+  if (scale.has_value()) return moeserve_dense_int8::linear_interleaved_int8(x, weight, *scale, out, bias, false);
+  if (weight.dim() == 1) return moeserve_dense::linear_interleaved(x, weight, out, bias);
+  return in_row_blocks([&](const at::Tensor& rows) { return at::linear(rows, weight, bias); }, x, row_block);
+}
+
+StackLinear stack_linear(const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                         const std::optional<at::Tensor>& bias, int64_t in_features, int64_t row_block,
+                         const char* what) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && in_features > 0 &&
+                  weight.numel() % in_features == 0,
+              "DecodeStack: ", what, " must be a contiguous CPU weight of out x ", in_features, " elements");
+  TORCH_CHECK(scale.has_value() == (weight.scalar_type() == at::kChar),
+              "DecodeStack: ", what, " is int8 codes with a scale or bf16 / fp32 without one");
+  TORCH_CHECK(weight.dim() == 1 || (weight.dim() == 2 && weight.scalar_type() == at::kFloat && !scale),
+              "DecodeStack: ", what, " is packed (flat) or a plain float32 [out, in] matrix");
+  return StackLinear{weight, scale, bias, weight.numel() / in_features, weight.dim() == 2 ? row_block : 0};
+}
+
+const std::vector<int64_t>& FfnPart::needed() const {
+  TORCH_CHECK(false, "DecodeStack: this layer's FFN takes no fed experts");
+}
+void FfnPart::feed(const at::Tensor&, at::Tensor&, const std::vector<int64_t>&, const Units&) {
+  TORCH_CHECK(false, "DecodeStack: this layer's FFN takes no fed experts");
+}
+void FfnPart::finish(const at::Tensor&, at::Tensor&) {}
 
 struct Layer {
   at::Tensor input_norm, post_norm;
-  PackedLinear qkv, o;
-  std::optional<at::Tensor> q_norm, k_norm;
-  at::Tensor k_cache, v_cache;  // [blocks, kv_heads, block_size, d] of the layer's KV group
-  int64_t window = 0;           // sliding window, 0 = none
-  int64_t group = 0;            // its KV group: which slot mapping and block tables of a step it reads
-  // The MLP: a MoE block (router + units per expert; scales empty for bf16 units) or a dense SwiGLU MLP.
-  bool moe = false;
-  bool external = false;  // a MoE layer whose units the caller feeds at each step (add_moe_external)
-  PackedLinear router, gate, up, down;
-  std::vector<at::Tensor> gate_up_units, gate_up_scales, down_units, down_scales;
+  std::unique_ptr<TokenMixerPart> mixer;
+  std::unique_ptr<FfnPart> ffn;
 };
-
-PackedLinear packed(const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                    const std::optional<at::Tensor>& bias, int64_t in_features, const char* what) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && in_features > 0 &&
-                  weight.numel() % in_features == 0,
-              "DecodeStack: ", what, " must be a contiguous packed CPU weight of out x ", in_features, " elements");
-  TORCH_CHECK(scale.has_value() == (weight.scalar_type() == at::kChar),
-              "DecodeStack: ", what, " is int8 codes with a scale or bf16 without one");
-  return PackedLinear{weight, scale, bias, weight.numel() / in_features};
-}
-
-// Phases of a step that `profile` times separately (scripts/decode_breakdown.py prints them).
-enum Phase { kQkv, kAttention, kOProj, kNorms, kRouter, kRouting, kExperts, kDenseMlp, kPhases };
-constexpr std::array<const char*, kPhases> kPhaseNames = {
-    "qkv GEMV", "q/k norm + rope + KV write + attention", "o_proj GEMV", "residual adds + RMSNorms",
-    "router GEMV", "routing (softmax, top-k, grouping)", "experts (fused op)", "dense MLP GEMVs"};
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t top_k,
-              int64_t routing_mode, bool norm_topk_prob, bool weights_in_fp32, double eps, bool fp32_scale,
-              double attn_scale, at::Tensor cos, at::Tensor sin, at::Tensor final_norm)
-      : hidden_(hidden), heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), top_k_(top_k),
-        routing_mode_(routing_mode), norm_topk_prob_(norm_topk_prob), weights_in_fp32_(weights_in_fp32), eps_(eps),
-        fp32_scale_(fp32_scale), attn_scale_(attn_scale), cos_(std::move(cos)), sin_(std::move(sin)),
-        final_norm_(std::move(final_norm)) {
-    TORCH_CHECK(routing_mode == 0 || routing_mode == 1, "DecodeStack: routing mode 0 or 1 (see moe_route_pairs)");
+  // hidden size, the norm rule (eps, fp32_scale), row_block (linear.ROW_BLOCK when batch-invariant, else 0), and
+  // the final norm applied after the last layer.
+  DecodeStack(int64_t hidden, double eps, bool fp32_scale, int64_t row_block, at::Tensor final_norm)
+      : final_norm_(std::move(final_norm)) {
+    cfg_.hidden = hidden;
+    cfg_.eps = eps;
+    cfg_.fp32_scale = fp32_scale;
+    cfg_.row_block = row_block;
+    cfg_.timer = std::make_shared<Timer>();
+    TORCH_CHECK(hidden > 0 && row_block >= 0, "DecodeStack: hidden > 0 and row_block >= 0");
   }
 
-  // A layer's norms and attention; then add_moe or add_dense_mlp gives it its MLP.
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_scale,
-                 std::optional<at::Tensor> qkv_bias, at::Tensor o, std::optional<at::Tensor> o_scale,
-                 std::optional<at::Tensor> o_bias, std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
-                 at::Tensor k_cache, at::Tensor v_cache, int64_t window, int64_t group) {
-    TORCH_CHECK(layers_.empty() || layers_.back().moe || layers_.back().down.out > 0,
-                "DecodeStack: the previous layer has no MLP yet");
-    Layer l;
-    l.input_norm = std::move(input_norm);
-    l.post_norm = std::move(post_norm);
-    l.qkv = packed(qkv, qkv_scale, qkv_bias, hidden_, "qkv");
-    l.o = packed(o, o_scale, o_bias, heads_ * head_dim_, "o_proj");
-    TORCH_CHECK(l.qkv.out == (heads_ + 2 * kv_heads_) * head_dim_ && l.o.out == hidden_,
-                "DecodeStack: qkv / o_proj sizes do not match the attention shape");
-    l.q_norm = std::move(q_norm);
-    l.k_norm = std::move(k_norm);
-    l.k_cache = std::move(k_cache);
-    l.v_cache = std::move(v_cache);
-    l.window = window;
-    TORCH_CHECK(group >= 0, "DecodeStack: negative KV group");
-    l.group = group;
-    groups_ = std::max(groups_, group + 1);
-    layers_.push_back(std::move(l));
+  // A new layer's norms and attention (Attention's C++ path; see AttentionShape in decode_stack.h).
+  void add_attention(at::Tensor input_norm, at::Tensor post_norm, at::Tensor qkv, std::optional<at::Tensor> qkv_scale,
+                     std::optional<at::Tensor> qkv_bias, at::Tensor o, std::optional<at::Tensor> o_scale,
+                     std::optional<at::Tensor> o_bias, std::optional<at::Tensor> q_norm,
+                     std::optional<at::Tensor> k_norm, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                     at::Tensor v_cache, std::vector<int64_t> sizes, double scale) {
+    TORCH_CHECK(sizes.size() == 7, "DecodeStack.add_attention: sizes (heads, kv_heads, head_dim, window, group, "
+                "output gate 0/1, torch q/k norm 0/1)");
+    const AttentionShape shape{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], scale, sizes[5] != 0, sizes[6] != 0};
+    const int64_t q_size = shape.heads * shape.head_dim;
+    add_mixer(std::move(input_norm), std::move(post_norm),
+              make_attention(cfg_, shape, linear(qkv, qkv_scale, qkv_bias, cfg_.hidden, "qkv"),
+                             linear(o, o_scale, o_bias, q_size, "o_proj"), std::move(q_norm), std::move(k_norm),
+                             std::move(cos), std::move(sin), std::move(k_cache), std::move(v_cache)));
   }
 
-  // The last layer's MLP is a MoE block: its router and every expert's unit (int8 units come with row scales).
-  void add_moe(at::Tensor router, std::optional<at::Tensor> router_bias, std::vector<at::Tensor> gate_up,
-               std::vector<at::Tensor> gate_up_scale, std::vector<at::Tensor> down,
-               std::vector<at::Tensor> down_scale) {
-    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
-                "DecodeStack: add_moe needs a layer without an MLP");
-    Layer& l = layers_.back();
-    l.router = packed(router, std::nullopt, router_bias, hidden_, "router");
-    const bool int8 = !gate_up_scale.empty();
-    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == l.router.out && down.size() == gate_up.size() &&
-                    (!int8 || (gate_up_scale.size() == gate_up.size() && down_scale.size() == gate_up.size())),
-                "DecodeStack: one gate_up and down unit (and scales for int8) per expert of the router");
-    TORCH_CHECK(moe_layers_ == 0 || int8 == int8_units_, "DecodeStack: all layers bf16 units or all int8");
-    int8_units_ = int8;
-    l.gate_up_units = std::move(gate_up);
-    l.gate_up_scales = std::move(gate_up_scale);
-    l.down_units = std::move(down);
-    l.down_scales = std::move(down_scale);
-    l.moe = true;
-    ++moe_layers_;
+  // A new layer's norms and Gated DeltaNet mixer (its decode step; sizes: k heads, v heads, k dim, v dim, group).
+  void add_gated_delta(at::Tensor input_norm, at::Tensor post_norm, at::Tensor in_proj,
+                       std::optional<at::Tensor> in_scale, at::Tensor out_proj, std::optional<at::Tensor> out_scale,
+                       at::Tensor conv_weight, at::Tensor a_log, at::Tensor dt_bias, at::Tensor norm,
+                       at::Tensor conv_states, at::Tensor states, std::vector<int64_t> sizes) {
+    TORCH_CHECK(sizes.size() == 5, "DecodeStack.add_gated_delta: sizes (k heads, v heads, k dim, v dim, group)");
+    const GatedDeltaShape shape{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4]};
+    add_mixer(std::move(input_norm), std::move(post_norm),
+              make_gated_delta(cfg_, shape, linear(in_proj, in_scale, std::nullopt, cfg_.hidden, "in_proj"),
+                               linear(out_proj, out_scale, std::nullopt, shape.num_v_heads * shape.v_head_dim,
+                                      "out_proj"),
+                               std::move(conv_weight), std::move(a_log), std::move(dt_bias), std::move(norm),
+                               std::move(conv_states), std::move(states)));
   }
 
-  // The last layer's MLP is a MoE block whose experts the caller feeds at each step (begin / feed / resume):
-  // units in the row-interleaved layout (moe_swiglu[_int8]_interleaved_) or, with `plain`, as [out, in] matrices
-  // (moe_swiglu_ / moe_swiglu_int8_); bf16 or int8 as fed (int8 comes with scales).
-  void add_moe_external(at::Tensor router, std::optional<at::Tensor> router_bias, bool plain) {
-    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
-                "DecodeStack: add_moe_external needs a layer without an MLP");
-    TORCH_CHECK(external_layers_ == 0 || plain == plain_units_, "DecodeStack: fed units all plain or all interleaved");
-    Layer& l = layers_.back();
-    l.router = packed(router, std::nullopt, router_bias, hidden_, "router");
-    l.moe = l.external = true;
-    plain_units_ = plain;
-    ++moe_layers_;
-    ++external_layers_;
-  }
-
-  // The last layer's MLP is dense: down(silu(gate(x)) * up(x)).
+  // The last layer's FFN is dense: down(silu(gate(x)) * up(x)).
   void add_dense_mlp(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
                      std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale) {
-    TORCH_CHECK(!layers_.empty() && !layers_.back().moe && layers_.back().down.out == 0,
-                "DecodeStack: add_dense_mlp needs a layer without an MLP");
-    Layer& l = layers_.back();
-    l.gate = packed(gate, gate_scale, std::nullopt, hidden_, "dense gate");
-    l.up = packed(up, up_scale, std::nullopt, hidden_, "dense up");
-    l.down = packed(down, down_scale, std::nullopt, l.gate.out, "dense down");
-    TORCH_CHECK(l.up.out == l.gate.out && l.down.out == hidden_, "DecodeStack: dense MLP sizes do not match");
+    StackLinear g = linear(gate, gate_scale, std::nullopt, cfg_.hidden, "dense gate");
+    StackLinear u = linear(up, up_scale, std::nullopt, cfg_.hidden, "dense up");
+    StackLinear d = linear(down, down_scale, std::nullopt, g.out, "dense down");
+    TORCH_CHECK(u.out == g.out && d.out == cfg_.hidden, "DecodeStack: dense MLP sizes do not match");
+    set_ffn(make_dense_mlp(cfg_, std::move(g), std::move(u), std::move(d)));
+  }
+
+  // The next MoE layer routes by moe_route_pairs `mode` (softmax then top-k, or top-k then softmax).
+  void route_by_pairs(at::Tensor router, std::optional<at::Tensor> router_scale, std::optional<at::Tensor> router_bias,
+                      int64_t top_k, int64_t mode, bool norm_topk_prob, bool weights_in_fp32) {
+    routing_ = make_pairs_routing(cfg_, linear(router, router_scale, router_bias, cfg_.hidden, "router"), top_k, mode,
+                                  norm_topk_prob, weights_in_fp32);
+  }
+
+  // The next MoE layer routes by noaux_tc (moe_route_noaux) with its correction bias [E] fp32.
+  void route_by_noaux(at::Tensor router, std::optional<at::Tensor> router_bias, at::Tensor correction_bias,
+                      int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+                      double routed_scaling_factor) {
+    routing_ = make_noaux_routing(cfg_, linear(router, std::nullopt, router_bias, cfg_.hidden, "router"),
+                                  std::move(correction_bias), top_k, n_group, topk_group, norm_topk_prob,
+                                  routed_scaling_factor);
+  }
+
+  // The next MoE layer has a shared expert (a dense SwiGLU MLP; with `gate` given, times sigmoid(gate(x))).
+  void add_shared_expert(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
+                         std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale,
+                         std::optional<at::Tensor> sigmoid_gate, std::optional<at::Tensor> sigmoid_gate_scale) {
+    SharedExpert s{linear(gate, gate_scale, std::nullopt, cfg_.hidden, "shared gate"),
+                   linear(up, up_scale, std::nullopt, cfg_.hidden, "shared up"), {}, std::nullopt};
+    s.down = linear(down, down_scale, std::nullopt, s.gate.out, "shared down");
+    if (sigmoid_gate.has_value())
+      s.gate_linear = linear(*sigmoid_gate, sigmoid_gate_scale, std::nullopt, cfg_.hidden, "shared expert gate");
+    shared_ = std::move(s);
+  }
+
+  // The last layer's FFN is a MoE block holding every expert's unit (int8 units come with row scales).
+  void add_moe(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_scale, std::vector<at::Tensor> down,
+               std::vector<at::Tensor> down_scale) {
+    auto routing = take_routing();
+    TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == routing->experts() && down.size() == gate_up.size() &&
+                    (gate_up_scale.empty() ||
+                     (gate_up_scale.size() == gate_up.size() && down_scale.size() == gate_up.size())),
+                "DecodeStack: one gate_up and down unit (and scales for int8) per expert of the router");
+    set_ffn(make_held_moe(cfg_, std::move(routing), take_shared(),
+                          Units{std::move(gate_up), std::move(gate_up_scale), std::move(down), std::move(down_scale)}));
+    ++moe_layers_;
+  }
+
+  // The last layer's FFN is a MoE block whose experts the caller feeds at each step (begin / feed / resume): units
+  // in the row-interleaved layout or, with `plain`, as [out, in] matrices; bf16 or int8 as fed.
+  void add_moe_external(bool plain) {
+    auto routing = take_routing();
+    experts_ = routing->experts();
+    set_ffn(make_fed_moe(cfg_, std::move(routing), take_shared(), plain, cached_));
+    ++moe_layers_;
+    ++external_layers_;
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -199,25 +216,22 @@ class DecodeStack : public torch::CustomClassHolder {
                     (gate_up_scale.empty() || gate_up_scale.size() == gate_up.size()),
                 "DecodeStack: one gate_up and down unit (and scales for int8) per slot");
     TORCH_CHECK(slot_of.scalar_type() == at::kInt && slot_of.is_contiguous() && slot_of.dim() == 2 &&
-                    slot_of.size(0) == moe_layers_ && slot_of.size(1) == layers_.back().router.out,
+                    slot_of.size(0) == moe_layers_ && slot_of.size(1) == experts_,
                 "DecodeStack: slot_of must be int32 [MoE layers, experts]");
-    slot_gate_up_ = std::move(gate_up);
-    slot_gate_up_scale_ = std::move(gate_up_scale);
-    slot_down_ = std::move(down);
-    slot_down_scale_ = std::move(down_scale);
-    slot_of_ = std::move(slot_of);
+    cached_->slots = Units{std::move(gate_up), std::move(gate_up_scale), std::move(down), std::move(down_scale)};
+    cached_->slot_of = std::move(slot_of);
   }
 
   // The MoE index (0-based, among MoE layers) of the fed layer waiting for its experts.
   int64_t waiting_moe_index() const {
     TORCH_CHECK(waiting_, "DecodeStack.waiting_moe_index: no layer is waiting for experts");
-    return moe_index_ - 1;
+    return step_.moe_index - 1;
   }
 
   // The fed layers that ran on cached units since the last call, in order: (moe index, count, expert ids...) each.
   at::Tensor take_cached_log() {
-    at::Tensor log = at::tensor(cached_log_, at::kLong);
-    cached_log_.clear();
+    at::Tensor log = at::tensor(step_.cached_log, at::kLong);
+    step_.cached_log.clear();
     return log;
   }
 
@@ -236,24 +250,20 @@ class DecodeStack : public torch::CustomClassHolder {
   // experts that layer needs (int64, ascending), or an empty tensor when the step ran to its end (then `result`).
   at::Tensor begin(at::Tensor h, const at::Tensor& positions, std::vector<at::Tensor> slot_mappings,
                    std::vector<at::Tensor> block_tables, at::Tensor hits) {
-    TORCH_CHECK(!layers_.empty(), "DecodeStack: no layers");
-    TORCH_CHECK(h.dim() == 2 && h.size(1) == hidden_ && h.is_contiguous(), "DecodeStack: h must be contiguous [N, H]");
-    TORCH_CHECK(layers_.back().moe || layers_.back().down.out > 0, "DecodeStack: the last layer has no MLP");
+    TORCH_CHECK(!layers_.empty() && layers_.back().ffn, "DecodeStack: no layers, or the last one has no FFN");
+    TORCH_CHECK(h.dim() == 2 && h.size(1) == cfg_.hidden && h.is_contiguous(),
+                "DecodeStack: h must be contiguous [N, H]");
     TORCH_CHECK(hits.scalar_type() == at::kLong && hits.is_contiguous() && hits.numel() == moe_layers_,
                 "DecodeStack: hits must be int64 [MoE layers]");
     TORCH_CHECK(static_cast<int64_t>(slot_mappings.size()) == groups_ &&
                     static_cast<int64_t>(block_tables.size()) == groups_,
                 "DecodeStack: one slot mapping and one block table tensor per KV group");
     h_ = std::move(h);
-    positions_ = positions;
-    slot_mappings_ = std::move(slot_mappings);
-    block_tables_ = std::move(block_tables);
     hits_ = std::move(hits);
+    step_ = Step{positions, std::move(slot_mappings), std::move(block_tables), hits_.data_ptr<int64_t>(), 0, {}};
     layer_ = 0;
-    moe_index_ = 0;
     waiting_ = false;
-    cached_log_.clear();  // (a step that failed midway leaves nothing for this one to report)
-    x_ = timed(kNorms, [&] { return moeserve_norm::rms_norm(h_, layers_[0].input_norm, eps_, fp32_scale_); });
+    x_ = timed(kNorms, [&] { return moeserve_norm::rms_norm(h_, layers_[0].input_norm, cfg_.eps, cfg_.fp32_scale); });
     return advance();
   }
 
@@ -262,24 +272,15 @@ class DecodeStack : public torch::CustomClassHolder {
   void feed(std::vector<int64_t> ids, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_scale,
             std::vector<at::Tensor> down, std::vector<at::Tensor> down_scale) {
     TORCH_CHECK(waiting_, "DecodeStack.feed: no layer is waiting for experts");
-    const size_t k = ids.size();
-    TORCH_CHECK(gate_up.size() == k && down.size() == k && gate_up_scale.size() == down_scale.size() &&
-                    (gate_up_scale.empty() || gate_up_scale.size() == k),
-                "DecodeStack.feed: one gate_up and down unit (and scales for int8) per expert id");
-    TORCH_CHECK(fed_ + k <= needed_ids_.size(), "DecodeStack.feed: more experts than the layer needs");
-    for (size_t j = 0; j < k; ++j)
-      TORCH_CHECK(ids[j] == needed_ids_[fed_ + j], "DecodeStack.feed: expert ", ids[j], " fed where expert ",
-                  needed_ids_[fed_ + j], " comes next");
-    const std::vector<int64_t> bounds(spans_.begin() + 2 * fed_, spans_.begin() + 2 * (fed_ + k));
-    run_experts(m_, x_, gate_up, gate_up_scale, down, down_scale, bounds, plain_units_);
-    fed_ += k;
+    layers_[layer_].ffn->feed(x_, m_, ids,
+                              Units{std::move(gate_up), std::move(gate_up_scale), std::move(down),
+                                    std::move(down_scale)});
   }
 
-  // After every needed expert was fed: the waiting layer's residual add, then on to the next fed layer (as begin).
+  // After every needed expert was fed: the waiting layer's shared expert and residual add, then on (as begin).
   at::Tensor resume() {
     TORCH_CHECK(waiting_, "DecodeStack.resume: no layer is waiting for experts");
-    TORCH_CHECK(fed_ == needed_ids_.size(), "DecodeStack.resume: ", needed_ids_.size() - fed_,
-                " of the layer's experts were not fed");
+    layers_[layer_].ffn->finish(x_, m_);
     return advance();
   }
 
@@ -289,200 +290,109 @@ class DecodeStack : public torch::CustomClassHolder {
     return x_;
   }
 
-  // Profiling: with it on, each step adds the wall-clock seconds of each phase (a clock read around each call,
-  // ~20 ns, so it barely changes what it measures). Returns (phase names, seconds) since it was last turned on.
+  // Profiling: with it on, each step adds the wall-clock seconds of each phase. Returns (phase names, seconds) since
+  // it was last turned on.
   void set_profiling(bool on) {
-    profiling_ = on;
-    if (on) seconds_.fill(0.0);
+    cfg_.timer->on = on;
+    if (on) cfg_.timer->seconds.fill(0.0);
   }
   std::tuple<std::vector<std::string>, std::vector<double>> profile() const {
     return {std::vector<std::string>(kPhaseNames.begin(), kPhaseNames.end()),
-            std::vector<double>(seconds_.begin(), seconds_.end())};
+            std::vector<double>(cfg_.timer->seconds.begin(), cfg_.timer->seconds.end())};
   }
 
  private:
+  StackLinear linear(const at::Tensor& w, const std::optional<at::Tensor>& scale,
+                     const std::optional<at::Tensor>& bias, int64_t in_features, const char* what) const {
+    return stack_linear(w, scale, bias, in_features, cfg_.row_block, what);
+  }
+
+  void add_mixer(at::Tensor input_norm, at::Tensor post_norm, std::unique_ptr<TokenMixerPart> mixer) {
+    TORCH_CHECK(layers_.empty() || layers_.back().ffn, "DecodeStack: the previous layer has no FFN yet");
+    groups_ = std::max(groups_, mixer->kv_group() + 1);
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(mixer), nullptr});
+  }
+
+  void set_ffn(std::unique_ptr<FfnPart> ffn) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().ffn, "DecodeStack: an FFN needs a layer without one");
+    layers_.back().ffn = std::move(ffn);
+  }
+
+  std::unique_ptr<RoutingRule> take_routing() {
+    TORCH_CHECK(routing_, "DecodeStack: a MoE layer needs its routing first (route_by_pairs / route_by_noaux)");
+    return std::move(routing_);
+  }
+
+  std::optional<SharedExpert> take_shared() {
+    std::optional<SharedExpert> s = std::move(shared_);
+    shared_.reset();
+    return s;
+  }
+
   // Runs layers from layer_ on (first finishing the one waiting for fed experts) until a fed layer has routed
   // (returns its needed experts) or the last layer is done (returns an empty tensor).
   at::Tensor advance() {
-    const int64_t n = h_.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
-    int64_t* hit = hits_.data_ptr<int64_t>();
     for (; layer_ < layers_.size(); ++layer_) {
       Layer& l = layers_[layer_];
-      at::Tensor m;
-      if (waiting_) {  // the fed layer's output is complete
-        waiting_ = false;
-        m = std::move(m_);
+      if (waiting_) {
+        waiting_ = false;  // the fed layer's output is complete
       } else {
-        // Attention (Attention.__call__ + _cpp_attention).
-        const at::Tensor qkv_out = timed(kQkv, [&] { return l.qkv(x_); });
-        const at::Tensor a = timed(kAttention, [&] {
-          const std::vector<at::Tensor> qkv = qkv_out.split_with_sizes({q_size, kv_size, kv_size}, -1);
-          const at::Tensor q = moeserve_attention::qk_norm_rope_cache(qkv[0], qkv[1], qkv[2], l.q_norm, l.k_norm,
-                                                                      cos_, sin_, positions_,
-                                                                      slot_mappings_[l.group], l.k_cache, l.v_cache,
-                                                                      eps_);
-          return moeserve_attention::decode_attention(q, l.k_cache, l.v_cache, block_tables_[l.group], std::nullopt,
-                                                      positions_, l.window, attn_scale_);
-        });
-        const at::Tensor o = timed(kOProj, [&] { return l.o(a.reshape({n, q_size})); });
-        x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, o, l.post_norm, eps_, fp32_scale_); });
-        if (l.moe && l.external) {
-          ++moe_index_;  // its hits and misses are the store's
-          route(l, x_);
-          m = at::zeros_like(x_);
-          if (!run_cached(m)) {  // an expert to read: the caller asks the store (feed / resume)
-            m_ = std::move(m);
-            fed_ = 0;
-            waiting_ = true;
-            return at::tensor(needed_ids_, at::kLong);
-          }
-        } else {
-          m = l.moe ? experts(l, x_, hit[moe_index_++])
-                    : timed(kDenseMlp, [&] { return l.down(at::silu(l.gate(x_)) * l.up(x_)); });
+        const at::Tensor o = l.mixer->forward(step_, x_);
+        x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, o, l.post_norm, cfg_.eps, cfg_.fp32_scale); });
+        if (!l.ffn->start(step_, x_, m_)) {  // an expert to read: the caller asks the store (feed / resume)
+          waiting_ = true;
+          return at::tensor(l.ffn->needed(), at::kLong);
         }
       }
       const at::Tensor& next_norm = layer_ + 1 < layers_.size() ? layers_[layer_ + 1].input_norm : final_norm_;
-      x_ = timed(kNorms, [&] { return moeserve_norm::add_rms_norm_(h_, m, next_norm, eps_, fp32_scale_); });
+      x_ = timed(kNorms,
+                 [&] { return moeserve_norm::add_rms_norm_(h_, m_, next_norm, cfg_.eps, cfg_.fp32_scale); });
     }
     return at::empty({0}, at::kLong);
   }
 
-  // A layer's router and routing: keeps its (token, weight) pairs grouped by expert, the experts with tokens
-  // (ascending) and each one's span of the pairs.
-  void route(const Layer& l, const at::Tensor& x) {
-    const at::Tensor logits = timed(kRouter, [&] { return l.router(x); });
-    auto [token_of, weight_of, counts, ids] = timed(kRouting, [&] {
-      return moeserve_routing::moe_route_pairs(logits, top_k_, routing_mode_, norm_topk_prob_, weights_in_fp32_);
-    });
-    token_of_ = std::move(token_of);
-    weight_of_ = std::move(weight_of);
-    const int64_t* cnt = counts.data_ptr<int64_t>();
-    needed_ids_.clear();
-    spans_.clear();
-    for (int64_t e = 0, start = 0; e < counts.numel(); ++e) {
-      if (cnt[e] == 0) continue;
-      needed_ids_.push_back(e);
-      spans_.push_back(start);
-      spans_.push_back(start + cnt[e]);
-      start += cnt[e];
-    }
-  }
-
-  // The expert op on `bounds`' experts of the routed pairs, added into m (int8 units come with scales).
-  void run_experts(at::Tensor& m, const at::Tensor& x, const std::vector<at::Tensor>& gate_up,
-                   const std::vector<at::Tensor>& gate_up_scale, const std::vector<at::Tensor>& down,
-                   const std::vector<at::Tensor>& down_scale, const std::vector<int64_t>& bounds, bool plain) const {
-    timed(kExperts, [&] {
-      const bool int8 = !gate_up_scale.empty();
-      if (plain && int8)
-        moeserve_moe::moe_swiglu_int8_(m, x, gate_up, gate_up_scale, down, down_scale, token_of_, weight_of_, bounds);
-      else if (plain)
-        moeserve_moe::moe_swiglu_(m, x, gate_up, down, token_of_, weight_of_, bounds);
-      else if (int8)
-        moeserve_moe::moe_swiglu_int8_interleaved_(m, x, gate_up, gate_up_scale, down, down_scale, token_of_,
-                                                   weight_of_, bounds);
-      else
-        moeserve_moe::moe_swiglu_interleaved_(m, x, gate_up, down, token_of_, weight_of_, bounds);
-      return 0;
-    });
-  }
-
-  // A routed fed layer (moe_index_ - 1) whose needed experts are all in the store's slots: the op on their units
-  // into m, and the call logged for the store. False (nothing done) when one is not cached or no slots were set.
-  bool run_cached(at::Tensor& m) {
-    if (!slot_of_.defined()) return false;
-    const int32_t* slot = slot_of_.data_ptr<int32_t>() + (moe_index_ - 1) * slot_of_.size(1);
-    for (const int64_t e : needed_ids_)
-      if (slot[e] < 0) return false;
-    std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
-    for (const int64_t e : needed_ids_) {
-      gate_up.push_back(slot_gate_up_[slot[e]]);
-      down.push_back(slot_down_[slot[e]]);
-      if (!slot_gate_up_scale_.empty()) {
-        gate_up_scale.push_back(slot_gate_up_scale_[slot[e]]);
-        down_scale.push_back(slot_down_scale_[slot[e]]);
-      }
-    }
-    run_experts(m, x_, gate_up, gate_up_scale, down, down_scale, spans_, plain_units_);
-    cached_log_.push_back(moe_index_ - 1);
-    cached_log_.push_back(static_cast<int64_t>(needed_ids_.size()));
-    cached_log_.insert(cached_log_.end(), needed_ids_.begin(), needed_ids_.end());
-    return true;
-  }
-
-  // MoEBlock.pairs + _fused_interleaved on a resident store: the experts with tokens, ascending, in one op call;
-  // `hits` += how many.
-  at::Tensor experts(const Layer& l, const at::Tensor& x, int64_t& hits) {
-    route(l, x);
-    std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
-    for (const int64_t e : needed_ids_) {
-      gate_up.push_back(l.gate_up_units[e]);
-      down.push_back(l.down_units[e]);
-      if (int8_units_) {
-        gate_up_scale.push_back(l.gate_up_scales[e]);
-        down_scale.push_back(l.down_scales[e]);
-      }
-    }
-    hits += static_cast<int64_t>(needed_ids_.size());
-    at::Tensor m = at::zeros_like(x);
-    run_experts(m, x, gate_up, gate_up_scale, down, down_scale, spans_, false);
-    return m;
-  }
-
   template <class F>
   auto timed(Phase phase, F&& f) const -> decltype(f()) {
-    if (!profiling_) return f();
-    const auto t0 = std::chrono::steady_clock::now();
-    auto result = f();
-    seconds_[phase] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return result;
+    return (*cfg_.timer)(phase, std::forward<F>(f));
   }
 
-  int64_t hidden_, heads_, kv_heads_, head_dim_, top_k_, routing_mode_;
-  bool norm_topk_prob_, weights_in_fp32_;
-  double eps_;
-  bool fp32_scale_;
-  double attn_scale_;
-  at::Tensor cos_, sin_, final_norm_;
+  StackConfig cfg_;
+  at::Tensor final_norm_;
   std::vector<Layer> layers_;
-  int64_t moe_layers_ = 0, external_layers_ = 0;
-  bool int8_units_ = false, plain_units_ = false;
-  // The step in progress (begin .. result): its tensors, the next layer to run, and the fed layer's state.
-  at::Tensor h_, positions_, hits_, x_, m_, token_of_, weight_of_;
-  std::vector<at::Tensor> slot_mappings_, block_tables_;  // per KV group
-  int64_t groups_ = 0;
+  int64_t moe_layers_ = 0, external_layers_ = 0, experts_ = 0, groups_ = 0;
+  std::unique_ptr<RoutingRule> routing_;      // the next MoE layer's (route_by_*)
+  std::optional<SharedExpert> shared_;        // the next MoE layer's (add_shared_expert)
+  std::shared_ptr<CachedUnits> cached_ = std::make_shared<CachedUnits>();
+  // The step in progress (begin .. result): its tensors, the next layer to run, a fed layer's partial output.
+  Step step_;
+  at::Tensor h_, hits_, x_, m_;
   size_t layer_ = 0;
-  int64_t moe_index_ = 0;
   bool waiting_ = false;
-  std::vector<int64_t> needed_ids_, spans_;
-  size_t fed_ = 0;
-  // The store's fast tier (set_cached_units): each slot's unit fields, its slot table, and the calls run on them.
-  std::vector<at::Tensor> slot_gate_up_, slot_gate_up_scale_, slot_down_, slot_down_scale_;
-  at::Tensor slot_of_;
-  std::vector<int64_t> cached_log_;
-  bool profiling_ = false;
-  mutable std::array<double, kPhases> seconds_{};
 };
 
 }  // namespace moeserve_stack
 
 TORCH_LIBRARY_FRAGMENT(moeserve, m) {
-  m.class_<moeserve_stack::DecodeStack>("DecodeStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, double, bool, double,
-                       at::Tensor, at::Tensor, at::Tensor>())
-      .def("add_layer", &moeserve_stack::DecodeStack::add_layer)
-      .def("add_moe", &moeserve_stack::DecodeStack::add_moe)
-      .def("add_dense_mlp", &moeserve_stack::DecodeStack::add_dense_mlp)
-      .def("num_layers", &moeserve_stack::DecodeStack::num_layers)
-      .def("add_moe_external", &moeserve_stack::DecodeStack::add_moe_external)
-      .def("step", &moeserve_stack::DecodeStack::step)
-      .def("begin", &moeserve_stack::DecodeStack::begin)
-      .def("feed", &moeserve_stack::DecodeStack::feed)
-      .def("resume", &moeserve_stack::DecodeStack::resume)
-      .def("result", &moeserve_stack::DecodeStack::result)
-      .def("set_cached_units", &moeserve_stack::DecodeStack::set_cached_units)
-      .def("waiting_moe_index", &moeserve_stack::DecodeStack::waiting_moe_index)
-      .def("take_cached_log", &moeserve_stack::DecodeStack::take_cached_log)
-      .def("set_profiling", &moeserve_stack::DecodeStack::set_profiling)
-      .def("profile", &moeserve_stack::DecodeStack::profile);
+  using moeserve_stack::DecodeStack;
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<int64_t, double, bool, int64_t, at::Tensor>())
+      .def("add_attention", &DecodeStack::add_attention)
+      .def("add_gated_delta", &DecodeStack::add_gated_delta)
+      .def("add_dense_mlp", &DecodeStack::add_dense_mlp)
+      .def("route_by_pairs", &DecodeStack::route_by_pairs)
+      .def("route_by_noaux", &DecodeStack::route_by_noaux)
+      .def("add_shared_expert", &DecodeStack::add_shared_expert)
+      .def("add_moe", &DecodeStack::add_moe)
+      .def("add_moe_external", &DecodeStack::add_moe_external)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("step", &DecodeStack::step)
+      .def("begin", &DecodeStack::begin)
+      .def("feed", &DecodeStack::feed)
+      .def("resume", &DecodeStack::resume)
+      .def("result", &DecodeStack::result)
+      .def("set_cached_units", &DecodeStack::set_cached_units)
+      .def("waiting_moe_index", &DecodeStack::waiting_moe_index)
+      .def("take_cached_log", &DecodeStack::take_cached_log)
+      .def("set_profiling", &DecodeStack::set_profiling)
+      .def("profile", &DecodeStack::profile);
 }

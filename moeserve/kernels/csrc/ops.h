@@ -37,7 +37,15 @@ namespace moeserve_routing {  // routing.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const at::Tensor& logits, int64_t top_k,
                                                                       int64_t mode, bool norm_topk_prob,
                                                                       bool weights_in_fp32);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_noaux(  // routing_noaux.cpp
+    const at::Tensor& logits_in, const at::Tensor& bias_in, int64_t top_k, int64_t n_group, int64_t topk_group,
+    bool norm_topk_prob, double routed_scaling_factor, int64_t row_block);
 }  // namespace moeserve_routing
+
+namespace moeserve_gated_delta {  // gated_delta.cpp
+at::Tensor gated_delta_step_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& decay,
+                             const at::Tensor& beta, at::Tensor& states, const at::Tensor& slots);
+}  // namespace moeserve_gated_delta
 
 namespace moeserve_moe {  // moe_experts.cpp
 bool interleaved_supported();
