@@ -50,7 +50,7 @@ from moeserve.models.expert_plans import (
 from moeserve.models.gated_delta_rule import CHUNK
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers import ForwardBatch
-from moeserve.models.mamba2 import CHUNK as MAMBA_CHUNK
+from moeserve.models.mamba2_ssd import CHUNK as MAMBA_CHUNK
 from moeserve.models.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model

@@ -7,13 +7,14 @@ transformers' NemotronHMamba2Mixer (torch path):
     y = SSD(x, dt, A = -exp(A_log), B, C) + D x   # state [heads, head_dim, state] per sequence (fp32)
     out = out_proj(gated_rms_norm(y, z))       # y * silu(z), RMS-normed per group of inner / n_groups channels
 
-Prompt tokens take the chunked scan (`ssd_chunk`) on a grid of CHUNK positions from 0, each chunk zero-padded to
-CHUNK tokens (a zero dt adds nothing to the state and decays nothing); the state is carried from chunk to chunk
-in order, so a prompt prefilled in grid-aligned pieces (state/kinds.py RecurrentState.prefill_end) gives the same
-bits as one pass. Tokens after the prompt (decode, or output recomputed after a preemption) take the
-selective-state update (`ssd_step`), in the dtypes transformers' step uses. Which form a token takes depends on
-its position only. The conv and the selective-state update run through `kernels` (models/mamba2_ssd.py: torch, or
-the C++ ops mamba2_conv_ / mamba2_step_ for the whole batch in one call each): the same bits either way. Shapes: N tokens, H heads, P head_dim, G groups, S state size, C conv channels.
+Prompt tokens take the SSD chunk scan on a grid of CHUNK positions from 0 (mamba2_ssd: `scan_torch` or C++
+mamba2_scan_); the state is carried from chunk to chunk in order, so a prompt prefilled in grid-aligned pieces
+(state/kinds.py RecurrentState.prefill_end) gives the same bits as one pass. Tokens after the prompt (decode, or
+output recomputed after a preemption) take the selective-state update (`ssd_step`), in the dtypes transformers'
+step uses. Which form a token takes depends on its position only. The conv, the scan and the selective-state
+update run through `kernels` (models/mamba2_ssd.py: torch, or the C++ ops mamba2_conv_ / mamba2_scan_ /
+mamba2_step_ for the whole batch in one call each), chosen once per process. Shapes: N tokens, H heads, P
+head_dim, G groups, S state size, C conv channels.
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import torch.nn.functional as F
 
 from moeserve.models.layers import ForwardBatch, TokenMixer
 from moeserve.models.linear import Linear, in_row_blocks
-from moeserve.models.mamba2_ssd import Mamba2Kernels, TorchMamba2, choose_mamba2_kernels, split_xbc, ssd_chunk
+from moeserve.models.mamba2_ssd import Mamba2Kernels, Piece, TorchMamba2, choose_mamba2_kernels
 from moeserve.models.spec import MambaSpec
 from moeserve.state.kv_cache import PagedKVCache
-
-CHUNK = 64  # tokens per chunk of the prefill scan (the grid prompts are cut on)
 
 
 class Mamba2Mixer(TokenMixer):
@@ -38,8 +37,8 @@ class Mamba2Mixer(TokenMixer):
                  dt_bias: torch.Tensor, norm: torch.Tensor, invariant: bool = False,
                  kernels: Mamba2Kernels | None = None) -> None:
         """in_proj rows [z (inner), xBC (C), dt (H)]; conv = (weight [C, K], bias [C] or None); a_log, d, dt_bias [H]
-        and norm [inner] in the compute dtype; `kernels` run the conv and the selective-state update (torch if
-        None)."""
+        and norm [inner] in the compute dtype; `kernels` run the conv, the prompt scan and the selective-state
+        update (torch if None)."""
         self.spec, self.layer = spec, layer
         self.in_proj, self.out_proj = in_proj, out_proj
         self.conv_weight, self.conv_bias = conv
@@ -65,14 +64,18 @@ class Mamba2Mixer(TokenMixer):
         stepped = [False] * x.shape[0]
         step_rows: list[int] = []
         step_slots: list[int] = []
+        scans: list[Piece] = []
         for (o, n, start, slot), prompt in zip(pieces, prompts):
             if start == 0:
                 states[slot].zero_()
             cut = max(0, min(n, prompt - start))  # prompt tokens: the chunked scan; the rest: one by one, after it
             if cut:
-                y[o : o + cut] = self._scan(xbc[o : o + cut], dt[o : o + cut], start, states[slot])
+                scans.append((o, cut, start, slot))
             step_rows += range(o + cut, o + n)
             step_slots += [slot] * (n - cut)
+        if scans:
+            dt_scan = dt.clamp(min=s.time_step_min).float()  # [N, H] (transformers clamps prompt tokens' dt)
+            self.kernels.scan(xbc, dt_scan, self.a, self.d.float(), states, y, scans, s)
         if step_rows:
             decay = self._rows(lambda t: torch.exp(t.float() * self.a), dt)  # [N, H] fp32
             y[step_rows] = self.kernels.step(xbc, dt, decay, self.d, states, step_rows, step_slots, s).float()
@@ -86,22 +89,6 @@ class Mamba2Mixer(TokenMixer):
         """fn of a row-wise op; batch-invariant: in fixed blocks of rows (element-wise ops round a tensor's
         vectorised tail otherwise, and which rows fall there must not depend on the batch)."""
         return in_row_blocks(fn, t) if self.invariant else fn(t)
-
-    def _scan(self, xbc: torch.Tensor, dt: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
-        """Prompt tokens at positions [start, start + n) in chunks of the CHUNK grid: y [n, H, P] fp32."""
-        n = xbc.shape[0]
-        if n == 0:
-            return xbc.new_zeros((0, self.spec.num_heads, self.spec.head_dim), dtype=torch.float32)
-        x, b, c = (t.float() for t in split_xbc(xbc, self.spec))
-        dt = dt.clamp(min=self.spec.time_step_min).float()
-        d, outs, lo = self.d.float(), [], 0
-        while lo < n:
-            hi = min(n, lo + CHUNK - (start + lo) % CHUNK)
-            pad = CHUNK - (hi - lo)
-            parts = [F.pad(t[lo:hi], (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, dt, b, c)]
-            outs.append(ssd_chunk(parts[0], parts[1], self.a, parts[2], parts[3], d, state)[: hi - lo])
-            lo = hi
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _gated_norm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, 2 inner + 1] = (y fp32, z, stepped flag): y * silu(z) RMS-normed per group of inner / n_groups
@@ -119,8 +106,7 @@ class Mamba2Mixer(TokenMixer):
 
     def describe(self) -> str:
         """The start-up log's line: how prompt and later tokens are computed, and why."""
-        return (f"Mamba-2: prompt tokens by the SSD chunk scan on a {CHUNK}-position grid (torch, fp32), "
-                f"{self.kernels.describe()}; state slots per sequence in the sequence memory")
+        return f"Mamba-2: {self.kernels.describe()}; state slots per sequence in the sequence memory"
 
     def why_not_stacked(self) -> str | None:
         return "a Mamba-2 mixer (no decode-stack mode yet)"

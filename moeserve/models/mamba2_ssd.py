@@ -1,6 +1,7 @@
 """The Mamba-2 mixer's state math (models/mamba2.py), and its two kernels: torch and the C++ ops.
 
-- `ssd_chunk`: the SSD chunk form for one chunk of prompt tokens (fp32).
+- `ssd_chunk`: the SSD chunk form for one chunk of prompt tokens (fp32); `scan_torch` runs it over one sequence's
+  prompt tokens on the CHUNK grid, carrying the state from chunk to chunk.
 - `ssd_step`: the selective-state update of one later token, in the compute dtype as transformers' torch step,
   except that y = state . C is summed over the state dim by halving (`ssd_sum_last`) instead of by torch.bmm, whose
   order is its own: csrc/mamba2.cpp mamba2_step_ takes the same order, so the two give the same bits.
@@ -8,9 +9,12 @@
   same sums in the same order for every sequence of a batch in one call.
 
 `Mamba2Kernels` is the seam: `TorchMamba2` (kernels=torch, not CPU, or the C++ ops unavailable) runs the torch
-functions per sequence and token; `CppMamba2` runs the batch's conv in one mamba2_conv_ call and all its stepped
-tokens in one mamba2_step_ call. Both give the same bits (tests/kernels/test_mamba2_ops.py), so whether a token's
-batch took the C++ path changes nothing. `choose_mamba2_kernels` picks one when the model is built.
+functions per sequence (and token); `CppMamba2` runs the batch's conv in one mamba2_conv_ call, its prompt tokens in
+one mamba2_scan_ call (csrc/mamba2_chunk.cpp) and all its stepped tokens in one mamba2_step_ call. The conv and the
+step give the torch functions' bits (tests/kernels/test_mamba2_ops.py); the C++ scan is within fp32 rounding of the
+torch scan, not its bits (tests/kernels/test_mamba2_chunk.py), so one of the two is chosen for the whole process
+(`choose_mamba2_kernels`, when the model is built) and each is consistent with itself: a prompt's result depends
+on its tokens and the chunk grid only, never on the batch, the split of the prompt on the grid or the threads.
 Shapes: N tokens, H heads, P head_dim, G groups, S state size, C conv channels, K conv taps.
 """
 
@@ -19,10 +23,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 
 from moeserve.models.spec import MambaSpec
 
 Piece = tuple[int, int, int, int]  # (offset in the batch, new tokens, first position, state slot) of a sequence
+CHUNK = 64  # tokens per chunk of the prefill scan (the grid prompts are cut on: state/kinds.py prefill_end)
 
 
 def segment_sum(a: torch.Tensor) -> torch.Tensor:
@@ -75,6 +81,21 @@ def ssd_step(x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Te
     return y.to(x.dtype) + x * d[:, None]
 
 
+def scan_torch(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               d: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
+    """Prompt tokens at positions [start, start + n) of one sequence (fp32: x [n, H, P], dt [n, H], b / c
+    [n, H, S]) in chunks of the CHUNK grid, each zero-padded to CHUNK tokens (a zero dt adds nothing to the state
+    and decays nothing), `state` [H, P, S] carried through: y [n, H, P]."""
+    n, outs, lo = x.shape[0], [], 0
+    while lo < n:
+        hi = min(n, lo + CHUNK - (start + lo) % CHUNK)
+        pad = CHUNK - (hi - lo)
+        parts = [F.pad(t[lo:hi], (0, 0) * (t.dim() - 1) + (0, pad)) for t in (x, dt, b, c)]
+        outs.append(ssd_chunk(parts[0], parts[1], a, parts[2], parts[3], d, state)[: hi - lo])
+        lo = hi
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
 def conv_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
                fresh: bool) -> torch.Tensor:
     """Causal depthwise conv (+ bias) of one sequence's new inputs x [n, C] after its last K-1 inputs `history`
@@ -104,8 +125,8 @@ def split_xbc(xbc: torch.Tensor, spec: MambaSpec) -> tuple[torch.Tensor, torch.T
 
 
 class Mamba2Kernels(ABC):
-    """The conv and the selective-state update of a Mamba-2 layer for a whole batch; implementations give the
-    same bits."""
+    """The conv, the prompt scan and the selective-state update of a Mamba-2 layer for a whole batch;
+    implementations give the same bits for the conv and the step, the scan's within fp32 rounding."""
 
     name: str
 
@@ -115,6 +136,13 @@ class Mamba2Kernels(ABC):
         """x [N, C] (compute dtype), the batch's new conv inputs, sequence after sequence as `pieces` say;
         history [slots, K-1, C] (each sequence's slot read, zeroed first for a sequence at position 0, and
         replaced by its last K-1 inputs). Returns the conv outputs [N, C] (bias added, before the SiLU)."""
+
+    @abstractmethod
+    def scan(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, d: torch.Tensor, states: torch.Tensor,
+             y: torch.Tensor, pieces: list[Piece], spec: MambaSpec) -> None:
+        """The SSD chunk scan of each piece's prompt tokens xbc[offset : offset + n] (SiLU'd), dt [N, H] fp32
+        (softplus'd, clamped), on the CHUNK grid from its first position, against states[slot] ([slots, H, P, S]
+        fp32, replaced by the state after the piece); a, d [H] fp32. Writes the pieces' rows of y [N, H, P] fp32."""
 
     @abstractmethod
     def step(self, xbc: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, d: torch.Tensor, states: torch.Tensor,
@@ -131,6 +159,12 @@ class Mamba2Kernels(ABC):
 class TorchMamba2(Mamba2Kernels):
     name = "torch"
 
+    def scan(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, d: torch.Tensor, states: torch.Tensor,
+             y: torch.Tensor, pieces: list[Piece], spec: MambaSpec) -> None:
+        for o, n, start, slot in pieces:
+            x, b, c = (t.float() for t in split_xbc(xbc[o : o + n], spec))
+            y[o : o + n] = scan_torch(x, dt[o : o + n], a, b, c, d, start, states[slot])
+
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
              pieces: list[Piece]) -> torch.Tensor:
         return torch.cat([conv_torch(x[o : o + n], weight, bias, history[slot], start == 0)
@@ -143,12 +177,19 @@ class TorchMamba2(Mamba2Kernels):
                             for i, (r, slot) in enumerate(zip(rows, slots))])
 
     def describe(self) -> str:
-        return ("later tokens by the torch selective-state update per sequence and token, the conv per sequence "
+        return (f"prompt tokens by the torch SSD chunk scan (fp32, a {CHUNK}-position grid) per sequence, later "
+                "tokens by the torch selective-state update per sequence and token, the conv per sequence "
                 "(kernels=torch, not CPU, or the C++ kernels are unavailable)")
 
 
 class CppMamba2(Mamba2Kernels):
     name = "cpp"
+
+    def scan(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, d: torch.Tensor, states: torch.Tensor,
+             y: torch.Tensor, pieces: list[Piece], spec: MambaSpec) -> None:
+        meta = torch.tensor(pieces, dtype=torch.long).t()  # offsets, counts, starts, slots
+        torch.ops.moeserve.mamba2_scan_(xbc, dt, a, d, states, y, meta[0], meta[1], meta[2], meta[3], spec.n_groups,
+                                        CHUNK)
 
     def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, history: torch.Tensor,
              pieces: list[Piece]) -> torch.Tensor:
@@ -161,8 +202,10 @@ class CppMamba2(Mamba2Kernels):
         return torch.ops.moeserve.mamba2_step_(xbc, dt, decay, d, states, meta[0], meta[1], spec.n_groups)
 
     def describe(self) -> str:
-        return ("later tokens by C++ mamba2_step_ (the selective-state update of every such token of a batch in one "
-                "call), the conv of a batch in one mamba2_conv_ call (the C++ kernels are on)")
+        return (f"prompt tokens by C++ mamba2_scan_ (the SSD chunk scan, fp32, a {CHUNK}-position grid, fixed-order "
+                "sums: within fp32 rounding of the torch scan, not its bits; every prompt piece of a batch in one "
+                "call), later tokens by C++ mamba2_step_ (the selective-state update of every such token of a batch "
+                "in one call), the conv of a batch in one mamba2_conv_ call (the C++ kernels are on)")
 
 
 MAMBA2_KERNELS: dict[str, type[Mamba2Kernels]] = {"torch": TorchMamba2, "cpp": CppMamba2}

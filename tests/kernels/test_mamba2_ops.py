@@ -5,9 +5,10 @@
   8 groups, state 128), batch 1 and 5, bf16 and fp32.
 - mamba2_conv_ == conv_torch bit for bit (outputs and histories): prompt chunks and decode tokens, fresh and
   continuing sequences, with and without a bias.
-- A whole tiny Nemotron-H model (bf16, default settings, kernels=cpp): its Mamba-2 layers on the C++ ops give the
-  logits of the same model with them on torch at every step, tokens and logprobs (prompts decoded together). In
-  fp32 kernels=auto (= cpp) and kernels=torch each match transformers within 1e-4 (test_nemotron_h).
+- A whole tiny Nemotron-H model (bf16, default settings, kernels=cpp, the shared exactness driver): its Mamba-2
+  layers' conv and step on the C++ ops give the logits of the same model with them on torch at every step, tokens
+  and logprobs (prompts decoded together); kernels=cpp builds them on CppMamba2 and logs it. In fp32 kernels=auto
+  (= cpp, C++ scan included) and kernels=torch each match transformers within 1e-4 (test_nemotron_h).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve import LLM, SamplingParams
+from moeserve.models import mamba2
 from moeserve.models.mamba2 import Mamba2Mixer
 from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2
 from moeserve.models.spec import MambaSpec
 from tests.kernels.ops import cpp_ops
+from tests.models import exactness as X
 
 SHAPES = {"tiny": (8, 2, 8, 16), "nano": (64, 8, 64, 128), "one-group": (4, 1, 64, 128)}  # H, G, P, S
 
@@ -97,47 +99,48 @@ def test_bad_inputs_are_refused() -> None:
 
 
 # ------------------------------------------------------------------------------------------- the whole model
-def decode_every_step(folder: Path, prompts: list[list[int]], mamba: type[Mamba2Kernels]) -> tuple[list, list, str]:
-    """Prompts decoded together with kernels=cpp (bf16, default settings) and the Mamba-2 layers' kernels set to
-    `mamba`: each step's logits, each output, the start-up log's mamba line."""
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, kernels="cpp")
-    model = llm.engine.model
-    for layer in model.layers:
-        if isinstance(layer.attn, Mamba2Mixer):
-            layer.attn.kernels = mamba()
-    logits: list[torch.Tensor] = []
-    forward = model.forward
+class CppStepTorchScan(CppMamba2):
+    """The C++ conv and selective-state update beside the torch prompt scan (the C++ scan is not the torch scan's
+    bits: tests/kernels/test_mamba2_chunk.py): what must give TorchMamba2's bits."""
 
-    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        out = forward(*args, **kwargs)
-        logits.append(out.clone())
-        return out
+    scan = TorchMamba2.scan
 
-    model.forward = recording
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    outs = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
-            for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    line = llm.engine.choices["mamba"]
-    llm.engine.close()
-    return logits, outs, line
+
+def run_with(folder: Path, prompts: list[list[int]], mamba: type[Mamba2Kernels],
+             monkeypatch: pytest.MonkeyPatch) -> X.Run:
+    """The prompts decoded together (the shared exactness driver: bf16, default settings but kernels=cpp) with the
+    Mamba-2 layers' kernels built as `mamba`."""
+    with monkeypatch.context() as patch:
+        patch.setattr(mamba2, "choose_mamba2_kernels", lambda cpp: mamba())
+        return X.run_together(folder, prompts, steps=8, kernels="cpp")
 
 
 @pytest.mark.slow  # ~30 s on the shared 2 cores
-def test_model_with_the_cpp_mamba_ops_gives_the_torch_bits(tmp_path: Path) -> None:
-    """Everything else on the C++ kernels: the Mamba-2 layers on CppMamba2 (what kernels=cpp chooses, logged) and
-    on TorchMamba2 give the same logits at every step (prefill in chunks of the scan, decode of three sequences of
+def test_model_with_the_cpp_mamba_ops_gives_the_torch_bits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything else on the C++ kernels: the Mamba-2 layers' conv and step on the C++ ops (CppStepTorchScan)
+    and on torch give the same logits at every step (prefill in chunks of the scan, decode of three sequences of
     different lengths together), the same tokens and logprobs. (The rest of the model differs between kernels=cpp
-    and kernels=torch by design; each matches transformers in fp32: test_nemotron_h.test_tiny_matches_transformers
-    with kernels auto (= cpp here) and torch.)"""
+    and kernels=torch by design, and so does the C++ scan; each matches transformers in fp32:
+    test_nemotron_h.test_tiny_matches_transformers with kernels auto (= cpp here) and torch.)"""
     cpp_ops()
     from tests.models.nemotron_h_checkpoints import write_nemotron_h
 
     folder = write_nemotron_h(tmp_path / "bf16", torch.bfloat16)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (150, 5, 70)]
-    cpp_logits, cpp_out, line = decode_every_step(folder, prompts, CppMamba2)
-    torch_logits, torch_out, _ = decode_every_step(folder, prompts, TorchMamba2)
-    assert "3 layers" in line and "C++ mamba2_step_" in line
-    assert len(cpp_logits) == len(torch_logits) > 5
-    assert all(torch.equal(a, b) for a, b in zip(cpp_logits, torch_logits))
-    assert cpp_out == torch_out
+    prompts = X.random_prompts(3, (150, 5, 70))
+    cpp = run_with(folder, prompts, CppStepTorchScan, monkeypatch)
+    X.assert_same_run(cpp, run_with(folder, prompts, TorchMamba2, monkeypatch), "C++ conv and step vs torch")
+    assert len(cpp.logits) > 5
+
+
+def test_kernels_cpp_chooses_the_cpp_scan_and_says_so(tmp_path: Path) -> None:
+    """kernels=cpp builds the Mamba-2 layers on CppMamba2 (scan, step and conv in C++), named in the start-up
+    line."""
+    cpp_ops()
+    from tests.models.nemotron_h_checkpoints import write_nemotron_h
+
+    llm = X.open_llm(write_nemotron_h(tmp_path / "bf16", torch.bfloat16), kernels="cpp")
+    mixers = [layer.attn for layer in llm.engine.model.layers if isinstance(layer.attn, Mamba2Mixer)]
+    line = llm.engine.choices["mamba"]
+    llm.engine.close()
+    assert len(mixers) == 3 and all(isinstance(m.kernels, CppMamba2) for m in mixers)
+    assert line.startswith("3 layers") and "C++ mamba2_scan_" in line and "C++ mamba2_step_" in line
