@@ -31,13 +31,13 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
     from moeserve.engine.llm_engine import demo_model_path
     from moeserve.models.config_only import expert_parameters, open_for_sizing
     from moeserve.models.expert_plans import expert_plan
-    from moeserve.models.inventory import describe_formats, expert_tensor_names
-    from moeserve.models.validate import is_skipped, read_model
+    from moeserve.models.inventory import describe_formats, expert_tensor_names, not_loaded
+    from moeserve.models.validate import read_model
 
     opened = open_for_sizing(model or str(demo_model_path()))
     arch, spec = read_model(opened)
-    # what the engine never loads (a vision tower, MTP layers) is counted apart from the served weights
-    unserved = {n: r for n, r in opened.tensors.items() if is_skipped(arch, spec, n)}
+    # what the engine never loads (a vision tower, MTP layers, activation scales) is counted apart from the served weights
+    unserved = {n: opened.tensors[n] for n in not_loaded(opened, arch, spec)}
     ckpt = replace(opened, tensors={n: r for n, r in opened.tensors.items() if n not in unserved})
     plan = expert_plan(ckpt, arch, spec, torch.bfloat16)  # the dtype only matters for unquantized units
     experts = expert_tensor_names(plan)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
           "(non-expert weights + top-k experts per MoE layer)")
     if r["not_served"]["tensors"]:
         print(f"not served:       {r['not_served']['tensors']} tensors, {r['not_served']['bytes'] / GiB:.3f} GiB stored "
-              "(a vision tower, MTP layers: never loaded)")
+              "(a vision tower, MTP layers, activation scales: never loaded)")
     print(f"quantization:     {r['quantization']}")
     print("formats (tensor group: format, tensors, stored size):")
     for g in r["formats"]:

@@ -22,6 +22,10 @@ class Format(ABC):
     name: ClassVar[str]  # registry key, e.g. "nvfp4-ct"
     roles: ClassVar[tuple[str, ...]]  # the stored tensors one weight needs, e.g. ("weight_packed", ...)
     separator: ClassVar[str] = "."  # between prefix and role; gpt-oss experts use "_" (gate_up_proj_blocks)
+    # Tensors a producer stores beside the weight for quantizing the activations (a W4A4 checkpoint's input scale).
+    # moeserve computes activations in the compute dtype (weights dequantized), so they are never read: not loaded,
+    # not sized, logged at start-up (models/quantized.py activation_scales).
+    activation_roles: ClassVar[tuple[str, ...]] = ()
 
     def stored_name(self, prefix: str, role: str) -> str:
         """Return the checkpoint name of tensor ``role`` for the weight at ``prefix``."""

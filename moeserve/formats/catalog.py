@@ -109,6 +109,7 @@ class CompressedTensorsNvfp4Format(Format):
 
     name = "nvfp4-ct"
     roles = ("weight_packed", "weight_scale", "weight_global_scale")
+    activation_roles = ("input_global_scale",)  # the NVFP4 (W4A4) scheme's static activation global scale
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return nvfp4_output_shape(tensors["weight_packed"], tensors["weight_scale"])
@@ -130,6 +131,7 @@ class ModelOptNvfp4Format(Format):
 
     name = "nvfp4-modelopt"
     roles = ("weight", "weight_scale", "weight_scale_2")
+    activation_roles = ("input_scale",)  # NVFP4 (W4A4): the activations' per-tensor scale; W4A16_NVFP4 has none
 
     def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
         return nvfp4_output_shape(tensors["weight"], tensors["weight_scale"])

@@ -150,12 +150,13 @@ def _check_ct_weights(group_name: str, weights: Mapping[str, Any], ct_format: st
 
 
 def _parse_modelopt(quant_config: Mapping[str, Any]) -> QuantScheme:
-    # hf_quant_config.json nests the fields under "quantization"; config.json keeps them flat.
+    # hf_quant_config.json nests the fields under "quantization" and lists exclude_modules; the config.json form newer
+    # ModelOpt writes beside it (convert_hf_quant_config_format) keeps them flat, the same list named "ignore".
     fields = quant_config.get("quantization") or quant_config
     algo = str(fields.get("quant_algo"))
     if algo.upper() not in _MODELOPT_NVFP4_ALGOS or fields.get("group_size", 16) != 16:
         raise _unsupported(f"modelopt quant_algo '{algo}' with group_size {fields.get('group_size', 16)}")
-    excluded = _string_list(fields, "exclude_modules")
+    excluded = _string_list(fields, "exclude_modules") + _string_list(fields, "ignore")
     return QuantScheme("modelopt", ModelOptNvfp4Format(), excluded=ModuleMatcher("fnmatch", excluded))
 
 

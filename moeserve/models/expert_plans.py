@@ -119,6 +119,8 @@ def stored_format_plan(
             fmt = _one_format(scheme, template, layers)
             formats.add(fmt.name)
             prefix = template.format(L=layers[0], E=0)
+            if not p.stacked:
+                _check_per_expert(ckpt, fmt, template, layers[0])
             if p.stacked:  # the stored tensors hold every expert: check the shape of the whole stack
                 check_dense_shape(ckpt, fmt, prefix, (spec.moe.num_experts, rows, p.shape[1]))
             else:
@@ -164,6 +166,21 @@ def _one_format(scheme: QuantScheme, template: str, layers: Sequence[int]) -> Fo
             f"({', '.join(sorted(f.name for f in fmts))}); one format per expert projection is supported"
         )
     return fmts.pop()
+
+
+def _check_per_expert(ckpt: Checkpoint, fmt: Format, template: str, layer: int) -> None:
+    """One line for experts stored fused (one tensor per projection for all experts, `experts.gate_up_proj...`) where
+    the format's producers write one Linear per expert (`experts.{E}.gate_proj...`): a layout not read."""
+    first = fmt.stored_name(template.format(L=layer, E=0), fmt.roles[0])
+    if ckpt.has(first) or "{E}" not in template:
+        return
+    experts = template.format(L=layer, E="{E}").split("{E}")[0]  # "model.layers.0.mlp.experts."
+    fused = sorted(n for n in ckpt.tensors if n.startswith(experts) and not n[len(experts):].split(".")[0].isdigit())
+    if fused:
+        named = next((n for n in fused if n.endswith(fmt.roles[0])), fused[0])
+        raise UnsupportedModelError(
+            f"{ckpt.path}: experts of layer {layer} are stored fused ('{named}' holds every expert); {fmt.name} "
+            f"experts are read as one Linear per expert ('{first}'), the layout llm-compressor and ModelOpt write")
 
 
 def _ref(ckpt: Checkpoint, template: str, layer: int, expert: int, stacked: bool) -> TensorRef:

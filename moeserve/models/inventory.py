@@ -11,7 +11,13 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.models.expert_plans import ExpertPlan, expert_plan
-from moeserve.models.quantized import checkpoint_scheme, format_of, meta_tensors, quantized_module
+from moeserve.models.quantized import (
+    activation_scales,
+    checkpoint_scheme,
+    format_of,
+    meta_tensors,
+    quantized_module,
+)
 from moeserve.models.registry import Architecture, get_architecture
 from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import is_skipped, kept_in_fp32
@@ -26,14 +32,14 @@ def expert_tensor_names(plan: ExpertPlan) -> set[str]:
 def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> int:
     """Bytes the non-expert weights take once loaded in `dtype`: quantized Linears count at their dequantized
     size (they are dequantized at load), tensors kept in fp32 (validate.kept_in_fp32) at 4 bytes an element, every
-    other tensor at its element count times the dtype size; tensors of skipped layers (MTP) not at all."""
+    other tensor at its element count times the dtype size; what is never loaded (`not_loaded`) not at all."""
     scheme = checkpoint_scheme(ckpt)
     arch, spec = _arch_spec(ckpt)
-    experts = expert_tensor_names(plan)
+    skipped = not_loaded(ckpt, arch, spec) | expert_tensor_names(plan)
     fp32 = kept_in_fp32(arch, spec)
     total, seen_modules = 0, set()
     for name, ref in ckpt.tensors.items():
-        if name in experts or is_skipped(arch, spec, name):
+        if name in skipped:
             continue
         module = quantized_module(scheme, name, ckpt.tensors)
         if module is None:
@@ -46,6 +52,13 @@ def resident_nbytes(ckpt: Checkpoint, plan: ExpertPlan, dtype: torch.dtype) -> i
                 numel *= d
             total += numel * dtype.itemsize
     return total
+
+
+def not_loaded(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> set[str]:
+    """Checkpoint tensors the engine never reads: those the architecture does not serve (`validate.is_skipped`: a
+    vision tower, MTP layers) and the activation scales of quantized Linears (`quantized.activation_scales`)."""
+    skipped = {name for name in ckpt.tensors if is_skipped(arch, spec, name)}
+    return skipped | activation_scales(ckpt, checkpoint_scheme(ckpt))
 
 
 def _arch_spec(ckpt: Checkpoint) -> tuple[Architecture, ModelSpec]:

@@ -17,6 +17,7 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.experts.store import ExpertStore, StoreOptions
+from moeserve.formats import QuantScheme
 from moeserve.models.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
 from moeserve.models.decode_stack import choose_decode_step
 from moeserve.models.expert_kernels import ExpertKernel, choose_expert_kernel
@@ -40,6 +41,7 @@ from moeserve.models.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mla import build_mla
 from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
+from moeserve.models.quantized import activation_scales
 from moeserve.models.registry import Architecture, WeightNames
 from moeserve.models.spec import AttentionSpec, ModelSpec
 from moeserve.models.validate import is_skipped
@@ -164,7 +166,7 @@ def build_model(
         choices.append(("skipped layers", f"num_nextn_predict_layers={spec.skipped_layers}: the multi-token-"
                         f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
-    choices += _unserved(ckpt, arch)
+    choices += _unserved(ckpt, arch) + _activation_scales(ckpt, load.scheme)
     linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
     if linear:
         choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))
@@ -199,6 +201,16 @@ def _unserved(ckpt: Checkpoint, arch: Architecture) -> list[tuple[str, str]]:
             lines.append((f"not loaded: {prefix}*", f"{why} ({len(sizes)} tensors, {sum(sizes) / 2**20:.1f} MiB in "
                           "the checkpoint, never read)"))
     return lines
+
+
+def _activation_scales(ckpt: Checkpoint, scheme: QuantScheme) -> list[tuple[str, str]]:
+    """A start-up line for the activation scales a W4A4 checkpoint stores beside its weights (never read)."""
+    names = activation_scales(ckpt, scheme)
+    if not names:
+        return []
+    roles = ", ".join(sorted({name.rpartition(".")[2] for name in names}))
+    return [("not loaded: activation scales", f"{len(names)} tensors ({roles}) for quantizing the activations to "
+             f"{scheme.weight_format.name}: activations are computed in the compute dtype, the weights dequantized")]
 
 
 def _norm(load: WeightLoader, name: str, spec: ModelSpec, shape: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -81,6 +81,20 @@ def dequantize_at_load(
     return out, sum(r.nbytes for r in refs.values())
 
 
+def activation_scales(ckpt: Checkpoint, scheme: QuantScheme) -> set[str]:
+    """Names of the activation-quantization tensors (`Format.activation_roles`, e.g. a W4A4 checkpoint's
+    ``input_global_scale``) stored beside quantized weights: never read, since activations stay in the compute dtype.
+    A tensor counts only beside its module's complete stored weight (a lone ``input_scale`` is not one)."""
+    out = set()
+    roles = scheme.weight_format.activation_roles  # the only format with any: DenseFormat has none
+    for name in ckpt.tensors:
+        module, _, role = name.rpartition(".")
+        if role in roles and scheme.is_quantized(module) and all(n in ckpt.tensors for n in
+                                                                  scheme.weight_format.tensor_names(module)):
+            out.add(name)
+    return out
+
+
 def format_of(scheme: QuantScheme, name: str, dtype_code: str, names: Collection[str]) -> str:
     module = quantized_module(scheme, name, names)
     return dtype_code if module is None else scheme.format_for(module).name
