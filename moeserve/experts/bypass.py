@@ -3,7 +3,9 @@ read into: rows of the store's pool beside its slots, never mapped, each lent on
 
 The first `buffers - 1` refused misses of a chunk are read ahead on the I/O threads, each into its own buffer, so
 their reads overlap the compute of the experts before them; any later one is read by the compute thread, when its
-turn comes, into the last buffer (free again once the caller asks for the run after the one that used it).
+turn comes, into the last buffer (free again once the caller asks for the run after the one that used it). A
+refused miss whose read ahead has landed is lent in one run with the experts beside it (its own buffer), so a bypass
+costs the caller no extra call; one read on the compute thread starts a run, never joins one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class BypassReads:
                 self._reads[key] = (self._buffers[n], self._submit(self._read, key, self._buffers[n]))
             else:
                 self._reads[key] = (self._buffers[-1], None)
+
+    def landed(self, key: Key) -> bool:
+        """Whether `key` was read ahead and its read is done, so it may join the run of experts before it."""
+        future = self._reads[key][1]
+        return future is not None and future.done()
 
     def take(self, key: Key) -> int:
         """Block until `key`'s unit is in its buffer (reading it here if it was not read ahead); the buffer."""

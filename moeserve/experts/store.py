@@ -77,15 +77,13 @@ class StoreOptions:
     cache_mode: str = "shared"  # how the slots are shared among layers: shared, per_layer, mixed (experts/quota.py)
     # prefetch=auto: the affinity guesses are read only while they pay (experts/prefetch_auto.py)
     prefetch_auto: bool = False
-    # Admission control: "always" = every demand miss takes a slot (evicting a victim); "policy" = a miss the
-    # policy does not `admit` against its victim is read into a bypass buffer, lent for that call and dropped,
-    # and the victim stays (SlotCache.admits / bypass: the simulator's `admission=True`).
+    # Admission control: "always" = every demand miss takes a slot (evicting a victim); "policy" = a miss the policy
+    # does not `admit` against its victim is read into a bypass buffer, lent, dropped; the victim stays.
     admission: str = "always"
 
 
 ADMISSION_MODES = ("always", "policy")
-# Bypass buffers (admission=policy; experts/bypass.py): the first three refused misses of a chunk are read ahead
-# by the I/O threads, any later one by the compute thread in the fourth. Without I/O threads: one buffer.
+# Bypass buffers (admission=policy; experts/bypass.py): 3 read ahead by I/O threads, 1 by the compute thread.
 BYPASS_BUFFERS = 4
 
 
@@ -288,7 +286,7 @@ class ExpertStore:
         for chunk in chunks:
             keys = [(layer, e) for e in chunk]
             pending: dict[Key, Read] = {}  # key -> its read in flight (the misses)
-            # misses the policy did not admit: read into bypass buffers, lent alone
+            # misses the policy did not admit: read into bypass buffers (experts/bypass.py)
             bypassed = BypassReads(self._fill, self._cond, self.stats, range(self.capacity, self._pool.shape[0]),
                                    self._misses.submit if self.io_threads else None)
             try:
@@ -415,28 +413,31 @@ class ExpertStore:
                         bypassed: BypassReads) -> Iterator[Chunk]:
         """Yield the chunk in ascending runs of experts that are in, so the caller computes them while the misses
         after them are still being read; the order of experts never changes. Takes the reads it waits for out of
-        `pending`. A `bypassed` key is lent alone from its bypass buffer."""
+        `pending`. A `bypassed` key is lent from its bypass buffer: in the run before it once read ahead and
+        landed, else (read here, into the shared last buffer) at the start of its own run."""
         i = 0
         while i < len(keys):
-            if keys[i] in bypassed:
+            j = i + 1
+            while j < len(keys) and (bypassed.landed(keys[j]) if keys[j] in bypassed
+                                     else keys[j] not in pending or pending[keys[j]].landed):
+                j += 1
+            yield from self._lend(chunk[i:j], self._rows(keys[i:j], pending, bypassed))
+            i = j
+
+    def _rows(self, keys: list[Key], pending: dict[Key, Read], bypassed: BypassReads) -> list[int]:
+        """The pool row of each of a run's keys (a bypass buffer or its slot), once its read has landed."""
+        buffers: dict[Key, int] = {}
+        for key in keys:
+            if key in bypassed:
                 t0 = time.perf_counter()
-                buffer = bypassed.take(keys[i])
+                buffers[key] = bypassed.take(key)
                 with self._cond:
                     self.stats.wait_seconds += time.perf_counter() - t0
-                yield from self._lend(chunk[i : i + 1], [buffer])
-                i += 1
-                continue
-            if keys[i] in pending:
-                self._misses.wait(pending.pop(keys[i]))
-            j = i + 1
-            while j < len(keys) and keys[j] not in bypassed and (keys[j] not in pending or pending[keys[j]].landed):
-                if keys[j] in pending:
-                    self._misses.wait(pending.pop(keys[j]))  # done: re-raises its error, if any
-                j += 1
-            with self._cond:
-                slots = self.cache.slots(keys[i:j])
-            yield from self._lend(chunk[i:j], slots)
-            i = j
+            elif key in pending:
+                self._misses.wait(pending.pop(key))  # done unless it starts the run: re-raises its error, if any
+        with self._cond:
+            slots = iter(self.cache.slots([k for k in keys if k not in buffers]))
+        return [buffers[k] if k in buffers else next(slots) for k in keys]
 
     def _acquire(self, layer: int, keys: list[Key], bypassed: BypassReads) -> dict[Key, Read]:
         """Pin `keys`, wait for any of them in flight, count hits, start reading the misses; the reads started.

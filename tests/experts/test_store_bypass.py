@@ -108,6 +108,49 @@ def test_every_refused_miss_is_computed_from_the_bypass_buffer(folder_of, monkey
     check_equal(ref, got, "refusing")
 
 
+def test_landed_bypass_reads_join_the_run_of_the_experts_beside_them(folder_of, monkeypatch) -> None:
+    """A refused miss read ahead and landed is lent in one run with its neighbours (no extra call per bypass);
+    one not landed yet starts its own run. Reads ahead made to land at once, so no timing decides it."""
+    from concurrent.futures import Future
+
+    original = make_policy
+    monkeypatch.setattr("moeserve.experts.store.make_policy",
+                        lambda name, **kw: Refusing() if name == "lru" else original(name, **kw))
+    folder = folder_of("qwen3_moe")
+    unit = run(folder)[2].unit_nbytes
+    llm = LLM(str(folder), skip_tokenizer_init=True, threads=1, expert_cache_gb=FAST_UNITS * unit / 2**30,
+              expert_admission="policy", cache_policy="lru")
+    store = llm.engine.model.store
+    held: list[Future[None]] = []
+
+    def read_ahead(fn: Callable[[Key, int], None], key: Key, buffer: int, land: bool) -> Future[None]:
+        future: Future[None] = Future()
+        fn(key, buffer)
+        if land:
+            future.set_result(None)
+        else:
+            held.append(future)
+        return future
+
+    try:
+        layer = store.layers[0]
+        for e in range(FAST_UNITS):  # fill the cache: from here on every miss is refused
+            list(store.experts(layer, [e]))
+        hits = list(range(FAST_UNITS))
+        refused = list(range(FAST_UNITS, 2 * FAST_UNITS))
+        monkeypatch.setattr(store._misses, "submit", functools.partial(read_ahead, land=True), raising=False)
+        runs = [[e for e, _ in run_] for run_ in store.experts(layer, hits[:1] + refused[:2])]
+        assert runs == [hits[:1] + refused[:2]]  # one run: cached slot, then two landed bypass buffers
+        monkeypatch.setattr(store._misses, "submit", functools.partial(read_ahead, land=False), raising=False)
+        chunks = store.experts(layer, hits[:1] + refused[2:3])
+        assert [e for e, _ in next(chunks)] == hits[:1]  # the refused one has not landed: it waits for its own run
+        held[0].set_result(None)
+        assert [[e for e, _ in run_] for run_ in chunks] == [refused[2:3]]
+        assert store.stats.bypassed == 3
+    finally:
+        llm.engine.close()
+
+
 def test_bypass_through_the_fake_device_and_host_tier(folder_of, three_tiers) -> None:  # noqa: F811
     """The bypass buffer is a row of the device pool, filled through the copier and waited for like a slot."""
     folder = folder_of("qwen3_moe")
