@@ -18,8 +18,8 @@ attention (also gated, with a zero-centred per-head q/k norm; not with sinks, qk
 norm), Gated DeltaNet (its recurrent step: a batch with a prompt token runs per op, `TokenMixer.stack_takes`),
 dense SwiGLU MLPs, MoE blocks with a routing rule the stack has (softmax top-k, top-k softmax, noaux_tc) and
 experts whose kernel it can run, with or without a shared expert (plain or sigmoid-gated); dense Linears in the
-C++ GEMV layouts (an fp32 router as a plain matrix). Not multi-head latent attention or Mamba-2 mixers. Unless
-prefetch follows the caller's hints (computed by the per-op pass).
+C++ GEMV layouts (an fp32 router as a plain matrix); multi-head latent attention (the absorbed form in its aligned
+query blocks). Not Mamba-2 mixers. Unless prefetch follows the caller's hints (computed by the per-op pass).
 """
 
 from __future__ import annotations

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, rms_norm
+from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
 from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.query_blocks import query_blocks
+from moeserve.models.query_blocks import QUERY_BLOCK, query_blocks
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
 from moeserve.state.kv_cache import PagedKVCache
@@ -110,10 +110,19 @@ class MlaAttention(TokenMixer):
         return [lin for lin in (self.q_a, self.q, self.kv_a, self.o) if lin is not None]
 
     def why_not_stacked(self) -> str | None:
-        return "multi-head latent attention (no decode-stack mode)"
+        return not_in_gemv_layout(self.linears())
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        raise NotImplementedError("the fused decode stack has no multi-head latent attention (why_not_stacked)")
+        """__call__ for decode-only batches (csrc/decode_stack_mla.cpp): the same ops, query blocks and norms."""
+        s, cache = self.spec, kv.latent(self.layer)
+        block = QUERY_BLOCK if cache.shape[1] % QUERY_BLOCK == 0 else cache.shape[1]  # as query_blocks cuts
+        q_a = (None, None, None) if self.q_a is None else (*self.q_a.gemv_tensors(), self.q_a.bias)
+        sizes = [self.num_heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank, s.v_head_dim,
+                 kv.group_of(self.layer), self.rotary.rotary_dim, block, int(s.interleaved_rope)]
+        stack.add_mla(input_norm, post_norm, *q_a, self.q_a_norm, *self.q.gemv_tensors(), self.q.bias,
+                      *self.kv_a.gemv_tensors(), self.kv_a.bias, self.kv_a_norm, self.w_uk, self.w_uv_t,
+                      *self.o.gemv_tensors(), self.o.bias, self.rotary.cos, self.rotary.sin, cache, sizes,
+                      s.softmax_scale)
 
 
 def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,

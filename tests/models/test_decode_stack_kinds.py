@@ -14,6 +14,7 @@ from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from tests.kernels.ops import cpp_ops
 from tests.logits_capture import generate_capturing_logits
+from tests.models.test_deepseek_v3 import VARIANTS, write_tiny
 
 BATCH_1 = [{"prompt_token_ids": [3, 17, 42, 9, 250, 8, 1, 77, 5]}]
 # Three sequences of different lengths decode side by side (a batch of 3 at different positions).
@@ -57,7 +58,7 @@ def assert_fused_equals_per_op(folder: Path, prompts: list, **settings) -> dict:
     return traffic
 
 
-_SHAPE_FOLDERS: dict[str, Path] = {}  # each tiny bench shape's checkpoint, written once per session
+_SHAPE_FOLDERS: dict[str, Path] = {}  # the checkpoints not in conftest's tiny_checkpoint, written once per session
 
 
 def tiny_shape(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -72,16 +73,27 @@ def tiny_shape(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # Checkpoints: glm4_moe = a dense first layer, noaux_tc routing in 2 groups, 2 plain shared experts, per-head q/k
 # norm, qkv biases, partial rotary; qwen2_moe = a shared expert with its sigmoid gate; qwen3_next and the hybrid
 # bench shape's tiny variant = 3 Gated DeltaNet layers : 1 gated full-attention layer (zero-centred q/k norm), a
-# gated shared expert. (A shared expert of 64, not conftest's 48: the C++ GEMV takes 32-element multiples; 48 is
-# refused, tested below.) A cache of 6e-5 GB holds ~5 of their units: some experts are not cached.
+# gated shared expert; deepseek_v3 (tests/models/test_deepseek_v3.py's tiny model) and the MLA bench shape's tiny
+# variant = latent attention (q_lora, interleaved rope; or no q_lora, yarn, half-split rope and biases), noaux_tc,
+# shared experts, a dense first layer. (Widths the C++ GEMV takes, 32-element multiples, where conftest's are not:
+# a shared expert of 48 is refused, tested below.) A cache of 6e-5 GB holds ~5 of their units: some experts are
+# not cached.
 SHARED_64 = {"shared_expert_intermediate_size": 64}
-KINDS = {"glm4_moe": {}, "qwen2_moe": SHARED_64, "qwen3_next": SHARED_64, "hybrid-tiny": {}}
+DSV3_32 = {"q_lora_rank": 32, "v_head_dim": 8}
+KINDS = {"glm4_moe": {}, "qwen2_moe": SHARED_64, "qwen3_next": SHARED_64, "hybrid-tiny": {}, "deepseek_v3": DSV3_32,
+         "deepseek_v3-no-q-lora": {**DSV3_32, **VARIANTS["no-q-lora-yarn"], "rope_interleave": False,
+                                   "attention_bias": True},
+         "mla-tiny": {}}
 CACHE_GB = 6e-5
 
 
 def checkpoint(name: str, tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: ANN001
     if name.endswith("-tiny"):
         return tiny_shape(name, tmp_path_factory)
+    if name.startswith("deepseek_v3"):
+        if name not in _SHAPE_FOLDERS:
+            _SHAPE_FOLDERS[name] = write_tiny(tmp_path_factory.mktemp(name), **KINDS[name])
+        return _SHAPE_FOLDERS[name]
     return tiny_checkpoint(name, **KINDS[name])
 
 
@@ -96,7 +108,6 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, tmp
 
 
 @pytest.mark.parametrize("name,why", [
-    ("mla-tiny", "multi-head latent attention"),
     ("mamba-hybrid-tiny", "Mamba-2"),
     ("qwen2_moe", "'onednn' layout"),  # its shared expert's down_proj takes 48 inputs
 ])

@@ -38,7 +38,7 @@
 // policy before its next call, as if each layer had asked it. Only for a store in which nothing else evicts while
 // the step runs (no prefetch thread); a miss's reads have all landed when its layer call ends.
 //
-// Building: add a mixer (add_attention / add_gated_delta), then its FFN (add_dense_mlp, or a routing rule
+// Building: add a mixer (add_attention / add_gated_delta / add_mla), then its FFN (add_dense_mlp, or a routing rule
 // (route_by_pairs / route_by_noaux), optionally add_shared_expert, then add_moe / add_moe_external), per layer.
 
 #include <torch/custom_class.h>
@@ -142,6 +142,30 @@ class DecodeStack : public torch::CustomClassHolder {
                                       "out_proj"),
                                std::move(conv_weight), std::move(a_log), std::move(dt_bias), std::move(norm),
                                std::move(conv_states), std::move(states)));
+  }
+
+  // A new layer's norms and latent attention (MlaAttention; q_a / q_a_norm absent without q_lora_rank; sizes:
+  // heads, nope, rope, kv_lora, v dim, group, rotary dim, query block, interleaved rope 0/1).
+  void add_mla(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_a,
+               std::optional<at::Tensor> q_a_scale, std::optional<at::Tensor> q_a_bias,
+               std::optional<at::Tensor> q_a_norm, at::Tensor q, std::optional<at::Tensor> q_scale,
+               std::optional<at::Tensor> q_bias, at::Tensor kv_a, std::optional<at::Tensor> kv_a_scale,
+               std::optional<at::Tensor> kv_a_bias, at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t,
+               at::Tensor o, std::optional<at::Tensor> o_scale, std::optional<at::Tensor> o_bias, at::Tensor cos,
+               at::Tensor sin, at::Tensor cache, std::vector<int64_t> sizes, double softmax_scale) {
+    TORCH_CHECK(sizes.size() == 9, "DecodeStack.add_mla: sizes (heads, nope, rope, kv_lora, v dim, group, rotary "
+                "dim, query block, interleaved rope 0/1)");
+    const MlaShape shape{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], sizes[6], sizes[7],
+                         softmax_scale, sizes[8] != 0};
+    std::optional<StackLinear> qa;
+    if (q_a.has_value()) qa = linear(*q_a, q_a_scale, q_a_bias, cfg_.hidden, "q_a_proj");
+    const int64_t q_in = qa.has_value() ? qa->out : cfg_.hidden;
+    add_mixer(std::move(input_norm), std::move(post_norm),
+              make_mla(cfg_, shape, std::move(qa), std::move(q_a_norm), linear(q, q_scale, q_bias, q_in, "q_proj"),
+                       linear(kv_a, kv_a_scale, kv_a_bias, cfg_.hidden, "kv_a_proj"), std::move(kv_a_norm),
+                       std::move(w_uk), std::move(w_uv_t),
+                       linear(o, o_scale, o_bias, shape.heads * shape.v_head_dim, "o_proj"), std::move(cos),
+                       std::move(sin), std::move(cache)));
   }
 
   // The last layer's FFN is dense: down(silu(gate(x)) * up(x)).
@@ -378,6 +402,7 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       .def(torch::init<int64_t, double, bool, int64_t, at::Tensor>())
       .def("add_attention", &DecodeStack::add_attention)
       .def("add_gated_delta", &DecodeStack::add_gated_delta)
+      .def("add_mla", &DecodeStack::add_mla)
       .def("add_dense_mlp", &DecodeStack::add_dense_mlp)
       .def("route_by_pairs", &DecodeStack::route_by_pairs)
       .def("route_by_noaux", &DecodeStack::route_by_noaux)

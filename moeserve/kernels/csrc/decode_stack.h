@@ -5,6 +5,7 @@
 //
 //   decode_stack.cpp         the stack: layers in order, the residual adds + norms, begin / feed / resume
 //   decode_stack_mixers.cpp  token mixer parts: attention (plain, or gated with a torch per-head norm), Gated DeltaNet
+//   decode_stack_mla.cpp     token mixer part: multi-head latent attention (absorbed form, aligned query blocks)
 //   decode_stack_ffn.cpp     FFN parts: dense SwiGLU MLP, MoE (routing rules, held or fed units, shared expert)
 #pragma once
 
@@ -114,6 +115,18 @@ std::unique_ptr<TokenMixerPart> make_gated_delta(const StackConfig& cfg, GatedDe
                                                  StackLinear out_proj, at::Tensor conv_weight, at::Tensor a_log,
                                                  at::Tensor dt_bias, at::Tensor norm, at::Tensor conv_states,
                                                  at::Tensor states);
+
+// Multi-head latent attention (models/mla.py MlaAttention, decode-only): sizes per head, the latent cache
+// [blocks, block_size, kv_lora + rope] of its group, W_UK [nh, nope, R] and W_UV^T [nh, R, v].
+struct MlaShape {
+  int64_t heads = 0, nope = 0, rope = 0, kv_lora = 0, v_head_dim = 0, group = 0, rotary_dim = 0, query_block = 0;
+  double softmax_scale = 0;
+  bool interleaved_rope = false;
+};
+std::unique_ptr<TokenMixerPart> make_mla(const StackConfig& cfg, MlaShape shape, std::optional<StackLinear> q_a,
+                                         std::optional<at::Tensor> q_a_norm, StackLinear q, StackLinear kv_a,
+                                         at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
+                                         at::Tensor cos, at::Tensor sin, at::Tensor cache);
 
 // Expert units as the store lends them: gate_up and down per expert, plus row scales for int8 (empty for bf16).
 struct Units {
