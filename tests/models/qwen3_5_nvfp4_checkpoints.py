@@ -1,4 +1,5 @@
-"""Qwen3.5 MoE NVFP4 checkpoints in the two published layouts, written from a bf16 checkpoint transformers saved.
+"""Qwen3.5 MoE (and Qwen3-Next) NVFP4 checkpoints in the two published layouts, written from a bf16 checkpoint
+transformers saved.
 
 What the published NVFP4 checkpoints of Qwen3.5-35B-A3B (and Qwen3-Next-80B-A3B: the same layer kinds) hold, and
 so what these writers produce (sources in docs/qwen3_5_nvfp4.md):
@@ -35,11 +36,13 @@ from safetensors.torch import load_file, save_file
 
 from tests.models import checkpoints as C
 
-# llm-compressor's examples/quantization_w4a4_fp4/qwen3_5_example.py ignore list, verbatim
-LLMCOMPRESSOR_QWEN35_IGNORE = [
-    "re:.*lm_head", "re:visual.*", "re:model.visual.*", "re:.*mlp.gate$", "re:.*embed_tokens$",
-    "re:.*shared_expert_gate$", "re:.*linear_attn.*",
-]
+# llm-compressor's ignore lists, verbatim: examples/quantization_w4a4_fp4/qwen3_5_example.py and qwen3_next_example.py
+LLMCOMPRESSOR_IGNORE = {
+    "Qwen3_5MoeForConditionalGeneration": [
+        "re:.*lm_head", "re:visual.*", "re:model.visual.*", "re:.*mlp.gate$", "re:.*embed_tokens$",
+        "re:.*shared_expert_gate$", "re:.*linear_attn.*"],
+    "Qwen3NextForCausalLM": ["lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$", "re:.*linear_attn.*"],
+}
 ACTIVATION_AMAX = 4.0  # a calibrated activation range: only its presence matters (weight-only serving)
 
 
@@ -64,45 +67,45 @@ def write_qwen35(folder: Path, text: dict[str, Any], vision: dict[str, Any], dty
 
 # ---------------------------------------------------------------------------------- compressed-tensors (llm-compressor)
 def ct_quant_config(src: Path) -> tuple[dict[str, Any], set[str]]:
-    """compressed-tensors' own config for the model at `src` as llm-compressor's Qwen3.5 recipe quantizes it: the
-    NVFP4 scheme applied (`apply_quantization_config`) to the model with its experts unfused into Linears, and
-    `QuantizationConfig.from_pretrained` reading it back (the ``ignore`` list it expands). Returns the config dict and
-    the names of the quantized modules."""
+    """compressed-tensors' own config for the model at `src` (Qwen3.5 or Qwen3-Next) as llm-compressor's recipe
+    quantizes it: the NVFP4 scheme applied (`apply_quantization_config`) to the model with its experts unfused into
+    Linears, and `QuantizationConfig.from_pretrained` reading it back (the ``ignore`` list it expands). Returns the
+    config dict and the names of the quantized modules."""
+    import transformers
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationScheme,
+        QuantizationStatus,
         apply_quantization_config,
     )
     from compressed_tensors.quantization.quant_scheme import NVFP4
-    from transformers import Qwen3_5MoeForConditionalGeneration
 
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(src, dtype=torch.float32)
+    architecture = json.loads((src / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, architecture).from_pretrained(src, dtype=torch.float32)
     _unfuse_experts(model)
     scheme = QuantizationScheme(targets=["Linear"], **NVFP4)
-    recipe = QuantizationConfig(config_groups={"group_0": scheme}, ignore=LLMCOMPRESSOR_QWEN35_IGNORE)
+    recipe = QuantizationConfig(config_groups={"group_0": scheme}, ignore=LLMCOMPRESSOR_IGNORE[architecture])
     apply_quantization_config(model, recipe)
     quantized = {name for name, module in model.named_modules() if getattr(module, "quantization_scheme", None)}
     saved = QuantizationConfig.from_pretrained(model, format="nvfp4-pack-quantized")
     assert saved is not None
-    saved.quantization_status = "compressed"
+    saved.quantization_status = QuantizationStatus.COMPRESSED
     return saved.model_dump(mode="json"), quantized
 
 
 def _unfuse_experts(model: Any) -> None:
-    """The 3-D expert parameters as one MLP (three Linears) per expert, as llm-compressor's
-    CalibrationQwen3_5MoeSparseMoeBlock does before quantizing (gate_up_proj rows: gate, then up)."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeMLP
-
-    text = model.config.text_config
-    inter = text.moe_intermediate_size
-    for layer in model.model.language_model.layers:
-        fused = layer.mlp.experts
-        experts = torch.nn.ModuleList([Qwen3_5MoeMLP(text, intermediate_size=inter) for _ in range(text.num_experts)])
+    """The 3-D expert parameters of every MoE block as one MLP (three Linears) per expert, of the shared expert's
+    class, as llm-compressor's CalibrationQwen3_5MoeSparseMoeBlock / Qwen3-Next block do before quantizing
+    (gate_up_proj rows: gate, then up)."""
+    for block in [m for m in model.modules() if hasattr(getattr(m, "experts", None), "gate_up_proj")]:
+        fused, mlp_class, config = block.experts, type(block.shared_expert), block.shared_expert.config
+        inter = fused.down_proj.shape[-1]
+        experts = torch.nn.ModuleList([mlp_class(config, intermediate_size=inter) for _ in range(fused.num_experts)])
         for e, mlp in enumerate(experts):
             mlp.gate_proj.weight.data = fused.gate_up_proj.data[e, :inter].clone()
             mlp.up_proj.weight.data = fused.gate_up_proj.data[e, inter:].clone()
             mlp.down_proj.weight.data = fused.down_proj.data[e].clone()
-        layer.mlp.experts = experts
+        block.experts = experts
 
 
 def write_ct(src: Path, folder: Path) -> Path:
@@ -122,11 +125,19 @@ def write_ct(src: Path, folder: Path) -> Path:
 
 
 # -------------------------------------------------------------------------------------------------------- ModelOpt
-def modelopt_quantized(name: str) -> bool:
+def _layers(src: Path) -> tuple[str, int]:
+    """The decoder layers' name prefix and count: Qwen3.5 nests the language model (text_config), Qwen3-Next not."""
+    config = json.loads((src / "config.json").read_text())
+    if "text_config" in config:
+        return "model.language_model.layers.", config["text_config"]["num_hidden_layers"]
+    return "model.layers.", config["num_hidden_layers"]
+
+
+def modelopt_quantized(name: str, layers_prefix: str) -> bool:
     """A Linear weight ModelOpt's default NVFP4 config quantizes in the language model: every 2-D weight but the
     embeddings, lm_head, the router, shared_expert_gate (the conv1d is 3-D); the vision tower and MTP not exported
     quantized."""
-    if not name.startswith("model.language_model.layers.") or not name.endswith(".weight"):
+    if not name.startswith(layers_prefix) or not name.endswith(".weight"):
         return False
     return not name.endswith(("norm.weight", "mlp.gate.weight", "shared_expert_gate.weight", "conv1d.weight"))
 
@@ -134,8 +145,8 @@ def modelopt_quantized(name: str) -> bool:
 def modelopt_exclude_modules(src: Path) -> list[str]:
     """The exclude list as ModelOpt writes it: lm_head and each layer's excluded Linear by name, then the parts left
     unquantized by prefix."""
-    layers = json.loads((src / "config.json").read_text())["text_config"]["num_hidden_layers"]
-    per_layer = [f"model.language_model.layers.{L}.mlp.{m}" for L in range(layers) for m in ("gate", "shared_expert_gate")]
+    prefix, layers = _layers(src)
+    per_layer = [f"{prefix}{L}.mlp.{m}" for L in range(layers) for m in ("gate", "shared_expert_gate")]
     return ["lm_head", *per_layer, "model.visual*", "mtp*"]
 
 
@@ -164,7 +175,8 @@ def write_modelopt(src: Path, folder: Path, config_json_form: bool = False) -> P
         return {**C.nvfp4_modelopt_quantize(prefix, weight), f"{prefix}.input_scale": input_scale.clone()}
 
     hf_quant = modelopt_hf_quant_config(src)
-    quantized = {n.removesuffix(".weight") for n in load_file(src / "model.safetensors") if modelopt_quantized(n)}
+    prefix, _ = _layers(src)
+    quantized = {n.removesuffix(".weight") for n in load_file(src / "model.safetensors") if modelopt_quantized(n, prefix)}
     extra = {"quantization_config": modelopt_config_json_form(hf_quant)} if config_json_form else {}
     _write_quantized(src, folder, quantized, quantize, extra, keep=lambda n: True)
     (folder / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=4))
@@ -187,7 +199,8 @@ def _write_quantized(src: Path, folder: Path, quantized: set[str], quantize: C.Q
     save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
     config = {**json.loads((src / "config.json").read_text()), **config_fields}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    shutil.copy(src / "generation_config.json", folder / "generation_config.json")
+    if (src / "generation_config.json").is_file():
+        shutil.copy(src / "generation_config.json", folder / "generation_config.json")
 
 
 def float32_reference(src: Path, quantized: Path, folder: Path) -> Path:
@@ -210,7 +223,9 @@ def float32_reference(src: Path, quantized: Path, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["text_config"]["dtype"] = config["dtype"] = "float32"
+    for fields in (config, config.get("text_config", {})):
+        fields.pop("torch_dtype", None)
+        fields["dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(config))
     return folder
 

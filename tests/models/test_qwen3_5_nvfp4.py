@@ -11,6 +11,7 @@ writes it, and NVIDIA ModelOpt, with hf_quant_config.json alone or with the conf
 - bf16, default settings: 3 expert slots == resident bit for bit; a miss reads exactly one expert's stored bytes.
 - `moeserve plan` and `inspect` from config.json (+ hf_quant_config.json) alone print the checkpoint's lines.
 - A layout not read (experts fused in one NVFP4 tensor, ModelOpt MIXED_PRECISION) is refused in one line.
+- Qwen3-Next (the same layer kinds) in both layouts: fp32 vs transformers, bf16 offloaded == resident.
 - Real dimensions (Qwen3.5-35B-A3B truncated to 3 Gated DeltaNet + 1 full attention layer): loads, offloaded ==
   resident (slow).
 """
@@ -167,6 +168,31 @@ def test_modelopt_mixed_precision_is_refused_in_one_line(folders: dict[str, Path
                                                     "hf_quant_config.json.*quant_algo 'MIXED_PRECISION'") as err:
         LLM(str(folder), skip_tokenizer_init=True)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------------ Qwen3-Next
+@pytest.fixture(scope="module")
+def next_folders(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Qwen3-Next (the same layer kinds, no vision tower) in both layouts: llm-compressor's qwen3_next_example.py
+    recipe, and ModelOpt as nvidia/Qwen3-Next-80B-A3B-*-NVFP4 ship it."""
+    src = tiny_checkpoint("qwen3_next", dtype="bfloat16")  # shared by the session: only read here
+    root = tmp_path_factory.mktemp("qwen3_next_nvfp4")
+    return {"bf16": src, "ct": Q.write_ct(src, root / "ct"), "modelopt": Q.write_modelopt(src, root / "modelopt")}
+
+
+@pytest.mark.parametrize("layout", ["ct", "modelopt"])
+def test_qwen3_next_nvfp4_matches_transformers(next_folders: dict[str, Path], layout: str, tmp_path: Path) -> None:
+    from tests.engine.test_parity_transformers import hf_model
+
+    reference = Q.float32_reference(next_folders["bf16"], next_folders[layout], tmp_path / "ref")
+    choices = X.assert_matches_transformers(next_folders[layout], hf_model(reference, torch.float32), long_prompts(4))
+    assert f"experts stored as {FORMAT[layout]} in every tier" in choices["experts"]
+    assert "not loaded: activation scales" in choices
+
+
+@pytest.mark.parametrize("layout", ["ct", "modelopt"])
+def test_qwen3_next_nvfp4_offloaded_equals_resident_in_bf16(next_folders: dict[str, Path], layout: str) -> None:
+    X.assert_offloaded_equals_resident(next_folders[layout], long_prompts(3))
 
 
 # -------------------------------------------------------------------------------------------------- real dimensions
