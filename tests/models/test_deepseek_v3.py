@@ -150,7 +150,9 @@ def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny) -> None:
 def test_offloaded_equals_resident_in_bf16(tiny) -> None:
     folder = tiny(dtype=torch.bfloat16)
     resident = X.run_together(folder, prompts(3), max_model_len=256)
-    assert "multi-head latent attention" in resident.choices["decode step"]  # the fused step refuses it
+    # per op: q_lora_rank 24 is outside the C++ GEMV layouts (the fused step on DeepSeek-V3:
+    # tests/models/test_decode_stack_kinds.py)
+    assert "'onednn' layout" in resident.choices["decode step"]
     X.assert_offloaded_equals_resident(folder, prompts(3), resident, max_model_len=256)
 
 

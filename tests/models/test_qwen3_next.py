@@ -113,7 +113,9 @@ def test_offloaded_equals_resident_in_bf16(tiny_checkpoint) -> None:
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
     prompts = long_prompts(3)
     resident = X.run_together(folder, prompts)
-    assert "Gated DeltaNet" in resident.choices["decode step"]  # the fused step refuses it, logged
+    # per op: conftest's shared expert of 48 is outside the C++ GEMV layouts (the fused step on Qwen3-Next:
+    # tests/models/test_decode_stack_kinds.py)
+    assert "'onednn' layout" in resident.choices["decode step"]
     assert "3 layers" in resident.choices["linear attention"]
     if resident.choices["kernels"].startswith("cpp"):
         assert "C++ gated_delta_step_" in resident.choices["linear attention"]
