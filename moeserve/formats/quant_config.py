@@ -154,8 +154,10 @@ def _parse_modelopt(quant_config: Mapping[str, Any]) -> QuantScheme:
     # ModelOpt writes beside it (convert_hf_quant_config_format) keeps them flat, the same list named "ignore".
     fields = quant_config.get("quantization") or quant_config
     algo = str(fields.get("quant_algo"))
-    if algo.upper() not in _MODELOPT_NVFP4_ALGOS or fields.get("group_size", 16) != 16:
-        raise _unsupported(f"modelopt quant_algo '{algo}' with group_size {fields.get('group_size', 16)}")
+    groups = (fields.get("config_groups") or {}).values()  # the config.json form's group sizes, per group
+    sizes = {fields.get("group_size", 16)} | {(group.get("weights") or {}).get("group_size", 16) for group in groups}
+    if algo.upper() not in _MODELOPT_NVFP4_ALGOS or sizes != {16}:
+        raise _unsupported(f"modelopt quant_algo '{algo}' with group_size {', '.join(map(str, sorted(sizes)))}")
     excluded = _string_list(fields, "exclude_modules") + _string_list(fields, "ignore")
     return QuantScheme("modelopt", ModelOptNvfp4Format(), excluded=ModuleMatcher("fnmatch", excluded))
 

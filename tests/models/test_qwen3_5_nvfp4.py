@@ -158,6 +158,20 @@ def test_experts_fused_in_one_nvfp4_tensor_are_refused_in_one_line(folders: dict
     assert "\n" not in str(err.value)
 
 
+def test_the_config_json_form_of_modelopt_is_read_like_hf_quant_config(folders: dict[str, Path]) -> None:
+    """Newer ModelOpt's config.json quantization_config: the exclude list under 'ignore', the group size per
+    config group (a size other than 16 refused, as in hf_quant_config.json)."""
+    from moeserve.formats import parse_quant_config
+
+    hf_quant = json.loads((folders["modelopt"] / "hf_quant_config.json").read_text())
+    flat = Q.modelopt_config_json_form(hf_quant)
+    for scheme in (parse_quant_config({"quant_method": "modelopt", **hf_quant}), parse_quant_config(flat)):
+        assert scheme.excluded.patterns[-2:] == ("model.visual*", "mtp*") and not scheme.is_quantized("lm_head")
+    flat["config_groups"]["group_0"]["weights"]["group_size"] = 32
+    with pytest.raises(UnsupportedModelError, match="modelopt quant_algo 'NVFP4' with group_size 16, 32"):
+        parse_quant_config(flat)
+
+
 def test_modelopt_mixed_precision_is_refused_in_one_line(folders: dict[str, Path], tmp_path: Path) -> None:
     """NVIDIA's later Qwen3.5/3.6 NVFP4 exports mix NVFP4 and FP8 layers (quant_algo MIXED_PRECISION)."""
     folder = shutil.copytree(folders["modelopt"], tmp_path / "mixed")
