@@ -3,7 +3,7 @@ of 64, 8 groups, state 128, conv 4 x 6144 channels, hidden 2688), one prompt of 
 prompt scan on torch (TorchMamba2.scan: the SSD chunk form in torch einsums per 64-token chunk) vs on C++
 (CppMamba2.scan: mamba2_scan_), alternated round by round; printed, no assertion.
 
-Two figures per kernel: the SSD chunk scan alone (what the choice changes: xbc SiLU'd and dt softplus'd given) and
+Two parts per kernel, each in wall and in process CPU time: the SSD chunk scan alone (what the choice changes: xbc SiLU'd and dt softplus'd given) and
 the whole mixer call on a fresh sequence (in_proj, conv, scan, gated norm, out_proj; the same C++ GEMMs, conv and
 norm in both: the C++ kernels are on, as under kernels=cpp). Random weights.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from moeserve.models.layers import ForwardBatch  # noqa: E402
 from moeserve.models.mamba2_ssd import CppMamba2, TorchMamba2  # noqa: E402
-from scripts.bench_mamba2_step import RecurrentSlots, build, per_call_ms  # noqa: E402
+from scripts.bench_mamba2_step import RecurrentSlots, build  # noqa: E402
 from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 
 
@@ -33,6 +35,16 @@ def prefill_batch(tokens: int) -> ForwardBatch:
     """One fresh sequence (slot 0) whose whole prompt of `tokens` tokens is in the batch."""
     return ForwardBatch(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), [0], [tokens],
                         [torch.zeros(tokens, dtype=torch.long)], [torch.tensor([[0]])], [[[0]]], prompt_lens=[tokens])
+
+
+def per_call_ms(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """(wall, CPU) milliseconds per call after one warm-up call: on a shared machine the CPU time of the process
+    (all its threads) moves less with the others' load than the wall time."""
+    fn()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - wall) / calls * 1e3, (time.process_time() - cpu) / calls * 1e3
 
 
 def main() -> None:
@@ -62,9 +74,11 @@ def main() -> None:
             def scan(mx=mixer) -> None:  # noqa: ANN001 - the round's mixer
                 mx.kernels.scan(xbc, dt, mx.a, mx.d.float(), kv.states, y, [(0, n, 0, 0)], m)
 
-            times.setdefault(("scan", name), []).append(per_call_ms(scan, args.calls))
-            times.setdefault(("mixer", name), []).append(per_call_ms(lambda mx=mixer: mx(x, batch, kv), args.calls))
-    print_ratios(times, ("scan", "mixer"))
+            for part, fn in (("scan", scan), ("mixer", lambda mx=mixer: mx(x, batch, kv))):
+                wall, cpu = per_call_ms(fn, args.calls)
+                times.setdefault((part, name), []).append(wall)
+                times.setdefault((f"{part} cpu", name), []).append(cpu)
+    print_ratios(times, ("scan", "scan cpu", "mixer", "mixer cpu"))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
