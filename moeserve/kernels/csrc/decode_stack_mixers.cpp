@@ -137,7 +137,7 @@ class GatedDeltaMixer : public TokenMixerPart {
     const std::vector<at::Tensor> parts = proj.split_with_sizes(split_, -1);  // mixed, z, b, a
     const at::Tensor slots = step.block_tables[s_.group].select(1, 0);        // each sequence's state slot
     const at::Tensor core = t(kAttention, [&] {
-      const at::Tensor mixed = conv(parts[0], slots);
+      const at::Tensor mixed = conv(parts[0], slots, step.positions);
       const std::vector<at::Tensor> act = rowwise(
           [this](const std::vector<at::Tensor>& p) { return activate(p[0], p[1]); },
           {mixed, at::cat({parts[2], parts[3]}, -1)}, cfg_.row_block);  // qkv, beta, g, decay
@@ -157,13 +157,15 @@ class GatedDeltaMixer : public TokenMixerPart {
   }
 
  private:
-  // GatedDeltaNet._conv per sequence (one new token each, never a fresh sequence: it is past its prompt).
-  at::Tensor conv(const at::Tensor& mixed, const at::Tensor& slots) {
+  // GatedDeltaNet._conv per sequence (one new token each; a sequence at position 0 starts from zeros).
+  at::Tensor conv(const at::Tensor& mixed, const at::Tensor& slots, const at::Tensor& positions) {
     const int64_t k = conv_weight_.size(1);
-    const int64_t* slot = slots.contiguous().data_ptr<int64_t>();
+    const at::Tensor slots_c = slots.contiguous();
+    const int64_t *slot = slots_c.data_ptr<int64_t>(), *pos = positions.data_ptr<int64_t>();
     std::vector<at::Tensor> outs;
     for (int64_t i = 0; i < mixed.size(0); ++i) {
       at::Tensor history = conv_states_.select(0, slot[i]);  // [K-1, C], updated in place
+      if (pos[i] == 0) history.zero_();
       const at::Tensor padded = at::cat({history, mixed.slice(0, i, i + 1)});
       at::Tensor acc = padded.slice(0, 0, 1).to(at::kFloat) * conv_weight_.select(1, 0);
       for (int64_t j = 1; j < k; ++j) acc = acc + padded.slice(0, j, j + 1).to(at::kFloat) * conv_weight_.select(1, j);
