@@ -50,6 +50,10 @@ def run_schedule(engine, arrivals: list[tuple[int, list[int], SamplingParams]]) 
 # GLM-4.5 with torch's kernels: its noaux_tc routing and shared expert in fixed row blocks
 CASES = [(name, "auto") for name in MODELS] + [("Qwen3-30B-A3B", "torch"), ("gpt-oss-20b", "torch"),
                                                ("GLM-4.5-Air", "torch")]
+ROUNDS = 3  # random arrival schedules per case
+# gpt-oss MXFP4 differs from gpt-oss-20b's bf16 case (3 rounds) only in dequantizing its units per call, which reads
+# the weights alone, never the batch; dequantizing every step made it the slowest case (99 s of CI): one schedule
+ROUNDS_OF = {"gpt-oss-20b-mxfp4": 1}
 
 
 @pytest.mark.parametrize("name,kernels", CASES)
@@ -66,7 +70,8 @@ def test_every_request_equals_its_solo_run(real_checkpoint, name: str, kernels: 
         solo = {}
         for i, (prompt, params) in enumerate(requests):
             solo[f"r{i}"] = run_schedule(engine, [(0, prompt, params)])["r0"]
-        for round_ in range(3):  # random arrival steps: prefills land beside other sequences' decode tokens
+        # random arrival steps: prefills land beside other sequences' decode tokens
+        for round_ in range(ROUNDS_OF.get(name, ROUNDS)):
             order = list(range(len(requests)))
             rng.shuffle(order)
             arrivals = [(rng.randint(0, 10), *requests[i]) for i in order]
