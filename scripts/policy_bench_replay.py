@@ -46,7 +46,7 @@ def run_one(args: argparse.Namespace, admission: str, trace: Path) -> tuple[bool
     folder = ensure_checkpoint(shape, args.cache_dir or default_cache_dir())
     count = max(1, round(args.fraction * shape.total_experts))  # as `moeserve bench --expert-cache-fraction`
     cache_gb = (count + 0.5) * shape.expert_params * 2 / 2**30
-    engine = MoeserveEngine(str(folder), route_trace=str(args.route_trace), dtype="bfloat16", threads=None,
+    engine = MoeserveEngine(str(folder), route_trace=str(args.route_trace), dtype="bfloat16", threads=1,
                             expert_cache_gb=cache_gb, cache_policy=args.policy, expert_admission=admission,
                             record_trace=str(trace), max_model_len=args.prompt_len + args.tokens + 8)
     store = engine.engine.model.store
@@ -68,15 +68,15 @@ def run_one(args: argparse.Namespace, admission: str, trace: Path) -> tuple[bool
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    lines, all_same = [], True
+    print(f"shape {args.shape}, cache {args.fraction:.0%} of the experts, policy {args.policy}, route trace "
+          f"{args.route_trace}, {args.prompts} x ({args.prompt_len} prompt + {args.tokens} decoded) tokens",
+          flush=True)
+    all_same = True
     with tempfile.TemporaryDirectory() as tmp:
         for admission in args.admission.split(","):
             same, line = run_one(args, admission, Path(tmp) / f"{admission}.moetrace")
             all_same &= same
-            lines.append(line)
-    print(f"shape {args.shape}, cache {args.fraction:.0%} of the experts, policy {args.policy}, route trace "
-          f"{args.route_trace}, {args.prompts} x ({args.prompt_len} prompt + {args.tokens} decoded) tokens")
-    print("\n".join(lines))
+            print(line, flush=True)
     return 0 if all_same else 1
 
 
