@@ -119,3 +119,12 @@ def test_kinds_not_taken_name_the_first_reason(interleaved_ok, tiny_checkpoint, 
         assert why in dict(llm.engine.model.choices)["decode step"]
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "qwen3_next", "deepseek_v3"])
+def test_int8_dense_linears_and_units(interleaved_ok, tiny_checkpoint, tmp_path_factory, name):
+    """quantization=int8: the new parts' dense Linears (Gated DeltaNet's projections, MLA's, shared experts) and the
+    expert units as int8 codes + row scales; the fused step gives the per-op logits."""
+    if not bool(cpp_ops().moe_int8_interleaved_supported()):
+        pytest.skip("the kernels were built without AVX512-BF16/VBMI")
+    assert_fused_equals_per_op(checkpoint(name, tiny_checkpoint, tmp_path_factory), BATCH_3, quantization="int8")
