@@ -75,15 +75,20 @@ class Run:
         return self.logits[-steps:]
 
 
-def free_closed_engines() -> None:
+BIG_MODEL_BYTES = 256 * 2**20
+
+
+def free_closed_engines(folder: Path) -> None:
     """A closed engine's weights stay in memory until its reference cycles are collected (measured: 3.3 GiB of
-    DeepSeek-V3 after close, 0.26 GiB after gc.collect): collect them before another model is loaded, else two
-    models' weights are held at once (the DeepSeek-V3 real-dims case peaked at 12.6 GiB)."""
-    gc.collect()
+    DeepSeek-V3 after close, 0.26 GiB after gc.collect): before a big model (`folder`'s weights over BIG_MODEL_BYTES)
+    is loaded, collect them, else two models' weights are held at once (the DeepSeek-V3 real-dims case peaked at
+    12.6 GiB). Not before a tiny one: a collection costs 0.1-0.5 s in a long pytest process."""
+    if sum(f.stat().st_size for f in folder.glob("*.safetensors")) > BIG_MODEL_BYTES:
+        gc.collect()
 
 
 def open_llm(folder: Path, **settings: Any) -> LLM:
-    free_closed_engines()
+    free_closed_engines(folder)
     return LLM(str(folder), skip_tokenizer_init=True, **{"max_model_len": MAX_MODEL_LEN, **settings})
 
 
@@ -199,7 +204,7 @@ def assert_matches_transformers(folder: Path, ref_model: Any, prompts: list[list
                                 **settings: Any) -> dict[str, str]:
     """fp32, prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4. Returns the
     engine's start-up choices."""
-    free_closed_engines()
+    free_closed_engines(folder)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", **settings)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(steps, logprobs=3))
     llm.engine.close()

@@ -150,7 +150,7 @@ def reference_model(model: Model, dtype: torch.dtype) -> Any:
     """transformers' model of the checkpoint (Qwen3.5: the conditional-generation class it was saved as)."""
     from tests.engine.test_parity_transformers import hf_model
 
-    X.free_closed_engines()  # the engine run just before it
+    X.free_closed_engines(model.folder)  # the engine run just before it
     if model.name == "Qwen3.5-35B-A3B":
         from transformers import Qwen3_5MoeForConditionalGeneration
 
