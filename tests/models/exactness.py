@@ -63,6 +63,14 @@ class Run:
         return Run(logits, [self.outs[i] for i in indices], self.unit_nbytes, self.choices, self.pools,
                    [self.batch_steps[i] for i in indices], self.misses)
 
+    def first(self, steps: int) -> Run:
+        """Of one request's run whose every step sampled a token (a prompt in one pass): its first `steps` steps, as a
+        run of `steps` tokens gives them."""
+        assert len(self.outs) == 1 and len(self.logits) == len(self.outs[0][0]), "not one request in one pass"
+        tokens, logprobs = self.outs[0]
+        return Run(self.logits[:steps], [(tokens[:steps], logprobs[:steps])], self.unit_nbytes, self.choices,
+                   self.pools, [steps], self.misses)
+
     def kv_cache_gb(self, blocks: int, max_model_len: int, block_size: int = 16) -> float:
         """A kv_cache_gb whose full-attention (or latent) pools hold `blocks` blocks beside the fixed pools
         (recurrent state slots, sliding windows) this run's engine sized."""

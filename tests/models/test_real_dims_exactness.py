@@ -6,7 +6,8 @@ Nemotron-3-Nano-30B-A3B, DeepSeek-V3, GLM-4.5-Air, each truncated to a few layer
 For each model, one checkpoint (a module-scoped fixture: pytest runs all of a model's tests, then frees it) and one
 resident run of every prompt alone (the reference of the three exactness checks):
 - a 230-token prompt (four chunks of the 64-position chunk form) prefilled under step budgets of 72 and 150 tokens
-  (not on the 64 grid: the scheduler cuts the recurrent models' chunks on it, the others' anywhere) == one pass;
+  (not on the 64 grid: the scheduler cuts the recurrent models' chunks on it, the others' anywhere) == one pass,
+  and the 6 tokens after it;
 - four prompts of different lengths arriving at steps 0, 0, 2 and 5 (joining the others mid-decode) in a KV pool
   too small for all of them (preempted, recomputed), under a step budget of 100 tokens (prompts in chunks beside
   the others' decode tokens) == each alone at the default budget;
@@ -111,7 +112,8 @@ def alone(model: Model) -> X.Run:
 def test_chunked_prefill_equals_one_pass(model: Model, alone: X.Run) -> None:
     one_pass = alone.requests(0)
     assert len(one_pass.logits) == BATCH_STEPS  # one step for the whole prompt
-    X.assert_chunked_equals_one_pass(model.folder, LONG_PROMPT, (72, 150), one_pass, BATCH_STEPS,
+    # STEPS tokens after the chunks: the state they leave is read by every later step
+    X.assert_chunked_equals_one_pass(model.folder, LONG_PROMPT, (72, 150), one_pass.first(STEPS), STEPS,
                                      max_model_len=MAX_LEN, **budget(model.case))
 
 
