@@ -15,6 +15,12 @@ from torch import Tensor
 from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format
 from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
+from moeserve.formats.int4 import (
+    INT4_DEFAULT_GROUP_SIZE,
+    INT4_PER_WORD,
+    dequantize_int4_packed,
+    int4_output_shape,
+)
 from moeserve.formats.int8 import dequantize_int8_per_channel
 from moeserve.formats.mxfp4 import MXFP4_GROUP_SIZE, dequantize_mxfp4, mxfp4_output_shape
 from moeserve.formats.nvfp4 import (
@@ -126,6 +132,38 @@ class CompressedTensorsNvfp4Format(Format):
 
 
 @dataclass(frozen=True)
+class CompressedTensorsInt4Format(Format):
+    """compressed-tensors ``pack-quantized`` int4, symmetric, one ``weight_scale`` per ``group_size`` inputs
+    (Kimi-K2-Thinking's W4A16 experts): ``weight_packed`` int32 ``[out, in/8]``, ``weight_shape`` ``[2]``."""
+
+    name = "int4-ct"
+    roles = ("weight_packed", "weight_scale", "weight_shape")
+    group_size: int = INT4_DEFAULT_GROUP_SIZE
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        shape = int4_output_shape(tensors["weight_packed"], tensors["weight_scale"], self.group_size)
+        if tuple(tensors["weight_shape"].shape) != (len(shape),):
+            raise CheckpointError(
+                f"int4 pack-quantized weight_shape must hold {len(shape)} values, got shape "
+                f"{tuple(tensors['weight_shape'].shape)}"
+            )
+        return shape
+
+    def stored_shapes(
+        self, shape: tuple[int, ...], dense_code: str
+    ) -> dict[str, tuple[str, tuple[int, ...]]]:
+        *rows, cols = shape
+        return {
+            "weight_packed": ("I32", (*rows, cols // INT4_PER_WORD)),
+            "weight_scale": (dense_code, (*rows, cols // self.group_size)),  # the dtype the producer's model had
+            "weight_shape": ("I64", (len(shape),)),
+        }
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_int4_packed(tensors["weight_packed"], tensors["weight_scale"], out, self.group_size)
+
+
+@dataclass(frozen=True)
 class ModelOptNvfp4Format(Format):
     """NVIDIA ModelOpt NVFP4: ``weight`` (packed uint8), ``weight_scale``; ``weight_scale_2`` is a multiplier."""
 
@@ -205,6 +243,7 @@ FORMATS: Mapping[str, type[Format]] = MappingProxyType(
             GptOssMxfp4Format,
             CompressedTensorsMxfp4Format,
             CompressedTensorsNvfp4Format,
+            CompressedTensorsInt4Format,
             ModelOptNvfp4Format,
             Fp8BlockFormat,
             Int8PerChannelFormat,

@@ -31,13 +31,16 @@ GroupScaleWriter = Callable[[int, int, Tensor], None]
 
 
 @lru_cache(maxsize=32)
-def e2m1_byte_table(dtype: torch.dtype, device: torch.device, code_scale: float = 1.0) -> Tensor:
+def e2m1_byte_table(
+    dtype: torch.dtype, device: torch.device, code_scale: float = 1.0, nibbles: tuple[float, ...] = E2M1_VALUES
+) -> Tensor:
     """Return a ``[256, 2]`` table: byte -> (low-nibble value, high-nibble value), each times ``code_scale``.
 
-    Cached per (dtype, device, code_scale); callers must not write into it. ``code_scale`` must be a power of
-    two small enough that every scaled value stays exact in ``dtype`` (1.0 or 2.0 in practice).
+    ``nibbles`` is the value of each of the 16 codes (E2M1 by default; formats/int4.py passes the int4 codes).
+    Cached per (dtype, device, code_scale, nibbles); callers must not write into it. ``code_scale`` must be a power
+    of two small enough that every scaled value stays exact in ``dtype`` (1.0 or 2.0 in practice).
     """
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32) * code_scale
+    values = torch.tensor(nibbles, dtype=torch.float32) * code_scale
     codes = torch.arange(256)
     table = torch.stack((values[codes & 0x0F], values[codes >> 4]), dim=1)  # [256, 2]
     return table.to(dtype=dtype, device=device)
@@ -65,13 +68,15 @@ def dequantize_fp4_groups(
     group_size: int,
     write_scales: GroupScaleWriter,
     code_scale: float = 1.0,
+    nibbles: tuple[float, ...] = E2M1_VALUES,
 ) -> None:
     """Decode E2M1 bytes into ``out`` and multiply each run of ``group_size`` elements by its group scale.
 
     ``packed`` (uint8, contiguous) holds ``out.numel() / 2`` bytes in output order; ``write_scales`` supplies
     float32 scales for groups in order. Each element is
     ``cast(out.dtype, float32(value * code_scale) * float32(scale))``: a float32 product, then the cast, as the references
-    compute it (``code_scale`` lets a caller move a power of two from the scale onto the codes). Temporaries: an int32 index buffer (`CHUNK_BYTES` entries at
+    compute it (``code_scale`` lets a caller move a power of two from the scale onto the codes; ``nibbles``: the
+    16 code values, E2M1 unless given). Temporaries: an int32 index buffer (`CHUNK_BYTES` entries at
     most) and a float32 scale buffer (``CHUNK_BYTES * 2 / group_size`` entries at most), reused across chunks.
     """
     _check_fp4_pair(packed, out)
@@ -82,7 +87,7 @@ def dequantize_fp4_groups(
     group_count = out_groups.shape[0]
     bytes_per_group = group_size // 2
     groups_per_chunk = max(1, CHUNK_BYTES // bytes_per_group)
-    table = e2m1_byte_table(out.dtype, out.device, code_scale)
+    table = e2m1_byte_table(out.dtype, out.device, code_scale, nibbles)
     chunk_groups = min(group_count, groups_per_chunk)
     index = torch.empty(chunk_groups * bytes_per_group, dtype=torch.int32, device=out.device)
     scales = torch.empty(chunk_groups, dtype=torch.float32, device=out.device)

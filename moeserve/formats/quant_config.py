@@ -4,12 +4,14 @@ Sources, in order: ``config.json`` ``quantization_config``; else ``hf_quant_conf
 else the model is unquantized. Supported schemes (anything else raises `UnsupportedModelError`):
 - ``mxfp4`` (gpt-oss): experts as ``*_blocks``/``*_scales``; ``modules_to_not_convert`` stay dense;
 - ``compressed-tensors`` with format ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized``; ``ignore`` list;
+- ``compressed-tensors`` ``pack-quantized`` int4, symmetric, group strategy (Kimi-K2-Thinking's W4A16); ``ignore``;
 - ``modelopt`` with ``quant_algo`` ``NVFP4``; ``exclude_modules`` wildcards;
 - ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +23,7 @@ from moeserve.checkpoint import strict_json
 from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format
 from moeserve.formats.catalog import (
+    CompressedTensorsInt4Format,
     CompressedTensorsMxfp4Format,
     CompressedTensorsNvfp4Format,
     DenseFormat,
@@ -35,6 +38,7 @@ SUPPORTED_SCHEMES = (
     "mxfp4 (gpt-oss)",
     "compressed-tensors nvfp4-pack-quantized",
     "compressed-tensors mxfp4-pack-quantized",
+    "compressed-tensors pack-quantized (int4, symmetric, group strategy)",
     "modelopt NVFP4",
     "fp8 with weight_block_size",
 )
@@ -43,6 +47,19 @@ _CT_FORMATS: Mapping[str, Format] = {
     "mxfp4-pack-quantized": CompressedTensorsMxfp4Format(),
 }
 _CT_GROUP_SIZES = {"nvfp4-pack-quantized": 16, "mxfp4-pack-quantized": 32}
+_CT_INT4 = "pack-quantized"
+# The weights args of an int4 pack-quantized group moeserve decodes, each with compressed-tensors' default when the
+# field is absent (QuantizationArgs): anything else (int8, asymmetric / zero points, activation ordering (g_idx),
+# channel or block strategies, dynamic weights) is refused naming the field.
+_CT_INT4_WEIGHTS: Mapping[str, tuple[Any, Any]] = {  # field -> (required value, default)
+    "num_bits": (4, 8),
+    "type": ("int", "int"),
+    "strategy": ("group", "group"),
+    "symmetric": (True, True),
+    "actorder": (None, None),
+    "dynamic": (False, False),
+    "block_structure": (None, None),
+}
 _MODELOPT_NVFP4_ALGOS = ("NVFP4", "W4A16_NVFP4")
 _DENSE = DenseFormat()
 
@@ -126,15 +143,17 @@ def _parse_compressed_tensors(quant_config: Mapping[str, Any]) -> QuantScheme:
     if len(formats) != 1:
         raise _unsupported(f"compressed-tensors with mixed formats {sorted(map(str, formats))}")
     ct_format = str(next(iter(formats)))
-    if ct_format not in _CT_FORMATS:
+    if ct_format not in _CT_FORMATS and ct_format != _CT_INT4:
         raise _unsupported(f"compressed-tensors format '{ct_format}'")
     targets: list[str] = []
     for group_name, group in groups.items():
-        _check_ct_weights(group_name, group.get("weights") or {}, ct_format)
+        if ct_format != _CT_INT4:
+            _check_ct_weights(group_name, group.get("weights") or {}, ct_format)
         targets += group.get("targets") or []
+    weight_format = _CT_FORMATS.get(ct_format) or _ct_int4_format(groups)
     return QuantScheme(
         "compressed-tensors",
-        _CT_FORMATS[ct_format],
+        weight_format,
         targets=ModuleMatcher("compressed-tensors", tuple(targets) or ("Linear",)),
         excluded=ModuleMatcher("compressed-tensors", _string_list(quant_config, "ignore")),
     )
@@ -147,6 +166,30 @@ def _check_ct_weights(group_name: str, weights: Mapping[str, Any], ct_format: st
             f"compressed-tensors {ct_format} group '{group_name}' with group_size={group_size}, "
             f"symmetric={weights.get('symmetric', True)}"
         )
+
+
+def _ct_int4_format(groups: Mapping[str, Any]) -> Format:
+    """The int4 `Format` of compressed-tensors ``pack-quantized`` groups, one group size for all (one line naming the
+    field otherwise)."""
+    sizes = set()
+    for group_name, group in groups.items():
+        weights = group.get("weights") or {}
+        for arg, (required, default) in _CT_INT4_WEIGHTS.items():
+            if weights.get(arg, default) != required:
+                raise _unsupported(
+                    f"compressed-tensors pack-quantized group '{group_name}' with weights.{arg}="
+                    f"{json.dumps(weights.get(arg, default))} (moeserve reads {json.dumps(required)})"
+                )
+        size = weights.get("group_size")
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 2:
+            raise _unsupported(
+                f"compressed-tensors pack-quantized group '{group_name}' with weights.group_size={json.dumps(size)} "
+                f"(moeserve reads a positive even group size)"
+            )
+        sizes.add(size)
+    if len(sizes) != 1:
+        raise _unsupported(f"compressed-tensors pack-quantized groups with weights.group_size {sorted(sizes)}")
+    return CompressedTensorsInt4Format(group_size=sizes.pop())
 
 
 def _parse_modelopt(quant_config: Mapping[str, Any]) -> QuantScheme:

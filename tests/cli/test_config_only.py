@@ -161,6 +161,30 @@ def _lines(capsys: pytest.CaptureFixture, argv: list[str]) -> list[str]:
     return [f"exit {rc}", *(line for line in out if not line.startswith(("model:", "weights:")))]
 
 
+def plan_and_inspect_lines(full: Path, bare: Path,
+                           capsys: pytest.CaptureFixture) -> tuple[list[str], list[str], set[str]]:
+    """For a checkpoint whose format has no case here: copy its config files into `bare`, check the tensor map from
+    the config equals the served tensors' headers and `plan` prints the same lines at three budgets; return `inspect`'s
+    lines from the config alone, with the weights, and the names of the tensors not loaded."""
+    from moeserve.models.inventory import not_loaded
+    from moeserve.models.validate import read_model
+
+    bare.mkdir()
+    for name in CONFIG_FILES:
+        if (full / name).is_file():
+            shutil.copy(full / name, bare / name)
+    ckpt = open_checkpoint(full)
+    arch, spec = read_model(ckpt)
+    skipped = not_loaded(ckpt, arch, spec)
+    served = {n: (r.dtype_code, r.shape) for n, r in ckpt.tensors.items() if n not in skipped}
+    assert {n: (r.dtype_code, r.shape) for n, r in config_only_checkpoint(bare / "config.json").tensors.items()} == served
+    flags = ["--no-probe", "--device", "cpu", "--max-model-len", "256"]
+    for budget in ("0.513", "0.52", "4"):
+        got = _lines(capsys, ["plan", str(bare), "--memory-gb", budget, *flags])
+        assert got == _lines(capsys, ["plan", str(full), "--memory-gb", budget, *flags]), budget
+    return _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)]), skipped
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_plan_from_config_equals_plan_with_weights(folders, case: str, capsys: pytest.CaptureFixture) -> None:
     full, bare = folders(case)

@@ -12,6 +12,7 @@ def test_registry_lists_every_format():
         "mxfp4-gpt-oss",
         "mxfp4-ct",
         "nvfp4-ct",
+        "int4-ct",
         "nvfp4-modelopt",
         "fp8-block",
         "int8-per-channel",

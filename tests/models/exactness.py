@@ -208,6 +208,22 @@ def assert_offloaded_equals_resident(folder: Path, prompts: list[list[int]], res
     return got
 
 
+def assert_a_miss_reads_one_expert(folder: Path, prompts: list[list[int]], expert: str,
+                                   not_read: tuple[str, ...] = ()) -> int:
+    """One expert slot: every miss reads exactly the stored tensors of one expert (named `expert` + role, those ending
+    in `not_read` left out, e.g. activation scales), nothing more. Returns those bytes."""
+    llm = LLM(str(folder), skip_tokenizer_init=True, expert_cache_gb=1e-9)
+    engine, store = llm.engine, llm.engine.model.store
+    before = engine.checkpoint.reader.bytes_read
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
+    stored = sum(r.nbytes for n, r in engine.checkpoint.tensors.items()
+                 if n.startswith(expert) and not n.endswith(not_read))
+    read = engine.checkpoint.reader.bytes_read - before
+    engine.close()
+    assert store.capacity == 1 and store.stats.misses > 0 and read == store.stats.misses * stored
+    return stored
+
+
 def assert_matches_transformers(folder: Path, ref_model: Any, prompts: list[list[int]], steps: int = STEPS,
                                 **settings: Any) -> dict[str, str]:
     """fp32, prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4. Returns the

@@ -98,44 +98,18 @@ def test_offloaded_equals_resident_in_bf16(folders: dict[str, Path], layout: str
 
 def test_a_miss_reads_one_experts_stored_bytes(folders: dict[str, Path]) -> None:
     """One slot: every miss reads exactly the stored NVFP4 tensors of one expert (no activation scale, no bf16 copy)."""
-    llm = LLM(str(folders["ct"]), skip_tokenizer_init=True, expert_cache_gb=1e-9)
-    engine, store = llm.engine, llm.engine.model.store
-    before = engine.checkpoint.reader.bytes_read
-    llm.generate([{"prompt_token_ids": p} for p in long_prompts(5)[1:]], X.greedy())
-    prefix = "model.language_model.layers.1.mlp.experts.0."
-    stored = sum(r.nbytes for n, r in engine.checkpoint.tensors.items()
-                 if n.startswith(prefix) and not n.endswith("input_global_scale"))
-    read = engine.checkpoint.reader.bytes_read - before
-    assert store.capacity == 1 and store.stats.misses > 0 and read == store.stats.misses * stored
+    stored = X.assert_a_miss_reads_one_expert(folders["ct"], long_prompts(5)[1:],
+                                              "model.language_model.layers.1.mlp.experts.0.", ("input_global_scale",))
     h, i = TINY_QWEN35_TEXT["hidden_size"], TINY_QWEN35_TEXT["moe_intermediate_size"]
     assert stored < 0.3 * 3 * h * i * 2  # gate, up, down in bf16
-    engine.close()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_plan_and_inspect_from_the_config_alone(folders: dict[str, Path], layout: str, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:
-    from moeserve.checkpoint.folder import open_checkpoint
-    from moeserve.models.config_only import config_only_checkpoint
-    from moeserve.models.inventory import not_loaded
-    from moeserve.models.validate import read_model
-    from tests.cli.test_config_only import _lines
+    from tests.cli.test_config_only import plan_and_inspect_lines
 
-    full, bare = folders[layout], tmp_path / "bare"
-    bare.mkdir()
-    for name in ("config.json", "hf_quant_config.json", "generation_config.json"):
-        if (full / name).is_file():
-            shutil.copy(full / name, bare / name)
-    ckpt = open_checkpoint(full)
-    arch, spec = read_model(ckpt)
-    skipped = not_loaded(ckpt, arch, spec)
-    served = {n: (r.dtype_code, r.shape) for n, r in ckpt.tensors.items() if n not in skipped}
-    assert {n: (r.dtype_code, r.shape) for n, r in config_only_checkpoint(bare / "config.json").tensors.items()} == served
-    flags = ["--no-probe", "--device", "cpu", "--max-model-len", "256"]
-    for budget in ("0.513", "0.52", "4"):
-        got = _lines(capsys, ["plan", str(bare), "--memory-gb", budget, *flags])
-        assert got == _lines(capsys, ["plan", str(full), "--memory-gb", budget, *flags]), budget
-    got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
+    got, want, skipped = plan_and_inspect_lines(folders[layout], tmp_path / "bare", capsys)
     unserved = [line for line in want if line.startswith("not served:")]  # the vision tower, mtp.*, input scales
     assert len(unserved) == 1 and f"{len(skipped)} tensors" in unserved[0]
     want.remove(unserved[0])
