@@ -196,7 +196,7 @@ def _compile_and_link(cxx: str, lib: Path, cpp_files: list[Path], objs: list[Pat
     todo = [(f, o) for f, o in zip(cpp_files, objs) if not o.exists()]
     workers = max(1, min(len(todo), os.cpu_count() or 1))
     # announced before it starts: a first build takes minutes on a small machine, and nothing else is printed then
-    log.info("kernels: building C++ kernels (first use of these sources on this machine, about %d s: %d of %d "
+    log.info("kernels: building C++ kernels (first use of these sources on this machine, about %s s: %d of %d "
              "sources to compile on %d cores) into %s; cached afterwards", _estimate_seconds(len(todo), workers),
              len(todo), len(cpp_files), workers, lib.parent)
     compiled = iter(range(1, len(todo) + 1))  # next() is atomic under the GIL: one count per finished source
@@ -214,14 +214,16 @@ def _compile_and_link(cxx: str, lib: Path, cpp_files: list[Path], objs: list[Pat
             "sources compiled, the rest cached)")
 
 
-# Seconds one source takes to compile with -O3 on one core of a small, busy machine: the fresh-clone run of issue 20
-# built all sources in ~370 s on 2 cores. An estimate for the start-up line, nothing more.
-SOURCE_COMPILE_SECONDS = 80
+# Seconds one source takes to compile with -O3 on one core of a small machine, quiet and busy: a fresh clone on 2 quiet
+# cores built 17 sources in 78 s (2026-11-26); on a busy machine the fresh-clone run of issue 20 took ~370 s for 11.
+# An estimate for the start-up line, nothing more.
+SOURCE_COMPILE_SECONDS = (9, 80)
 
 
-def _estimate_seconds(sources: int, workers: int) -> int:
-    """About how long `sources` files take on `workers` parallel compilers: rounds of SOURCE_COMPILE_SECONDS."""
-    return -(-sources // workers) * SOURCE_COMPILE_SECONDS
+def _estimate_seconds(sources: int, workers: int) -> str:
+    """About how long `sources` files take on `workers` parallel compilers, quiet to busy: "90-720"."""
+    rounds = -(-sources // workers)
+    return "-".join(str(rounds * s) for s in SOURCE_COMPILE_SECONDS)
 
 
 def load() -> KernelStatus:

@@ -36,7 +36,7 @@ def test_the_build_is_announced_then_each_source_as_it_compiles(tmp_path: Path) 
     lines = proc.stderr.splitlines()
     announce = [i for i, line in enumerate(lines) if "kernels: building C++ kernels (first use" in line]
     assert len(announce) == 1, proc.stderr
-    assert re.search(rf"about \d+ s: {sources} of {sources} sources to compile on \d+ cores\) into "
+    assert re.search(rf"about \d+-\d+ s: {sources} of {sources} sources to compile on \d+ cores\) into "
                      rf"{re.escape(str(tmp_path / 'cache' / 'moeserve' / 'kernels'))}", lines[announce[0]])
     counts = sorted(int(m.group(1)) for line in lines[announce[0]:]
                     if (m := re.search(rf"kernels: compiled \w+\.cpp \((\d+) of {sources}, \d+ s\)", line)))
