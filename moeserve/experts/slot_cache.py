@@ -158,6 +158,9 @@ class SlotCache:
         self._protected: set[Key] = set()  # kept from prefetch victims until the next layer call begins
         self._unused_prefetch: set[Key] = set()  # prefetched, not needed yet
         self._prefetch_victims: dict[int, set[Key]] = {}  # layer -> its keys a prefetch evicted since its last call
+        # (miss, victim) that `admits` weighed: `take_miss_slot(miss)` evicts that victim without asking the policy
+        # again. Any other call that changes the cache (pins, policy calls, the map, protection) forgets it.
+        self._kept_victim: tuple[Key, Key] | None = None
 
     # ------------------------------------------------------------------------------------------- queries
     def slot(self, key: Key) -> int | None:
@@ -208,16 +211,19 @@ class SlotCache:
     def place(self, key: Key) -> int:
         """Start-up: `key` into a free slot, ready at once (its bytes are written before anyone asks). No policy
         call, nothing counted."""
+        self._kept_victim = None
         slot = self._free.pop()
         self._publish(key, slot)
         self._held[key[0]] = self._held.get(key[0], 0) + 1
         return slot
 
     def pin(self, keys: Iterable[Key]) -> None:
+        self._kept_victim = None
         self._pinned.update(keys)
 
     def release(self, keys: Iterable[Key]) -> None:
         """The caller is done with `keys` (`pin`, `begin_call`, `all_cached`)."""
+        self._kept_victim = None
         self._pinned.difference_update(keys)
 
     def begin_call(self, layer: int, keys: Sequence[Key]) -> list[Key]:
@@ -260,6 +266,7 @@ class SlotCache:
         self.stats.layers[layer].hits += hits
 
     def _start_call(self, layer: int) -> None:
+        self._kept_victim = None
         if self.policy is not None:
             self.policy.begin_layer(layer)
         if self._protected:  # the prefetch window ends where the next layer call begins
@@ -282,8 +289,10 @@ class SlotCache:
     def take_miss_slot(self, key: Key) -> int | None:
         """A slot for the demand miss `key` (free, or an unpinned victim's): `key` is loading, inserted in the
         policy and counted as a miss. None: every ready unit is pinned and other slots are loading; ask again
-        once one of them lands. Raises MoeserveError when no slot can ever come (more pinned than slots)."""
-        slot = self._slot_for(key, self._pinned)
+        once one of them lands. Raises MoeserveError when no slot can ever come (more pinned than slots).
+        Right after `admits(key)`, the victim it weighed is the one evicted (the policy is not asked twice)."""
+        kept, self._kept_victim = self._kept_victim, None
+        slot = self._slot_for(key, self._pinned, victim=kept[1] if kept is not None and kept[0] == key else None)
         if slot is None:
             if all(k in self._pinned for k in self._loading):
                 raise MoeserveError("expert cache: no evictable slot although nothing is loading; "
@@ -299,8 +308,9 @@ class SlotCache:
         """Admission control (the store's expert_admission=policy, the simulator's admission=True): whether the
         demand miss `key` should take a slot (`take_miss_slot`) rather than be served uncached (`bypass`). True
         while a free slot is allowed; else the policy's `admit(key, victim)` for the victim `take_miss_slot` would
-        choose."""
+        choose. That victim is kept for `take_miss_slot(key)` until anything else changes the cache."""
         assert self.policy is not None
+        self._kept_victim = None
         layer = key[0]
         if self._free and self.quota.may_grow(layer, self._held.get(layer, 0)):
             return True
@@ -309,12 +319,16 @@ class SlotCache:
             victim = self.policy.choose_victim(self._pinned, layers)
         except NoVictimError:
             return True  # nothing to weigh against: take_miss_slot waits or fails as without admission
-        return self.policy.admit(key, victim)
+        if self.policy.admit(key, victim):
+            self._kept_victim = (key, victim)
+            return True
+        return False
 
     def bypass(self, key: Key) -> None:
         """The demand miss `key` read into a buffer, used and dropped: counted as a miss, told to the policy as a
         use (`on_bypass`), never mapped."""
         assert self.policy is not None
+        self._kept_victim = None
         self.policy.on_bypass(key)
         st = self.stats.layer(key[0])
         st.misses += 1
@@ -322,14 +336,17 @@ class SlotCache:
 
     def protect(self, keys: Iterable[Key]) -> None:
         """Keep `keys` from prefetch victims until the next layer call begins (or `end_protection`)."""
+        self._kept_victim = None
         self._protected.update(keys)
 
     def end_protection(self) -> None:
+        self._kept_victim = None
         self._protected.clear()
 
     def plan_prefetch(self, keys: Iterable[Key]) -> list[Key]:
         """Predicted `keys`, most likely first: those ready or loading are protected; the rest, in order, are
         returned to be read (each through `take_prefetch_slot`)."""
+        self._kept_victim = None
         todo = []
         for key in keys:
             if self.holds(key):
@@ -342,6 +359,7 @@ class SlotCache:
         """A slot to prefetch `key` into: free, or the victim's of one neither pinned, loading nor protected;
         None when there is none (stop prefetching). `key` is loading and protected; the policy hears of it when
         it lands (`finish_read(prefetched=True)`)."""
+        self._kept_victim = None
         slot = self._slot_for(key, _AnyOf(self._pinned, self._protected, self._loading), by_prefetch=True)
         if slot is None:
             return None
@@ -351,6 +369,7 @@ class SlotCache:
 
     def finish_read(self, key: Key, nbytes: int = 0, *, from_host: bool = False, prefetched: bool = False) -> None:
         """`key`'s unit landed in its slot (`nbytes` read from the host tier or the disk): it is ready."""
+        self._kept_victim = None
         slot = self._loading.pop(key)
         self._publish(key, slot)
         st = self.stats.layer(key[0])
@@ -366,6 +385,7 @@ class SlotCache:
 
     def abandon_read(self, key: Key, *, prefetched: bool = False) -> None:
         """A read of `key` that will not land: its slot holds garbage, maps to nothing, and is free again."""
+        self._kept_victim = None
         slot = self._loading.pop(key, None)
         if slot is None:
             return
@@ -377,27 +397,32 @@ class SlotCache:
             self.policy.on_evict(key)
 
     # ------------------------------------------------------------------------------------------ internals
-    def _slot_for(self, key: Key, keep: Container[Key], by_prefetch: bool = False) -> int | None:
+    def _slot_for(self, key: Key, keep: Container[Key], by_prefetch: bool = False, victim: Key | None = None
+                  ) -> int | None:
         """A slot for a read of `key`: a free one while its layer may grow, else a victim's outside `keep` from
-        the layers the quota allows; None when there is none. The slot counts for `key`'s layer from now."""
+        the layers the quota allows (`victim`: the one `admits` chose); None when there is none. The slot counts
+        for `key`'s layer from now."""
         layer = key[0]
         held = self._held.get(layer, 0)
         if self._free and self.quota.may_grow(layer, held):
             slot: int | None = self._free.pop()
         else:
-            slot = self._evict(keep, self.quota.victim_layers(layer, self._held), by_prefetch)
+            slot = self._evict(keep, self.quota.victim_layers(layer, self._held), by_prefetch, victim)
         if slot is not None:
             self._held[layer] = self._held.get(layer, 0) + 1
         return slot
 
-    def _evict(self, keep: Container[Key], layers: Container[int] | None, by_prefetch: bool = False) -> int | None:
+    def _evict(self, keep: Container[Key], layers: Container[int] | None, by_prefetch: bool = False,
+               victim: Key | None = None) -> int | None:
         """The slot of the policy's victim outside `keep` (and in `layers`), now unmapped; None when every ready
-        key is kept. `by_prefetch`: remembered until its layer's next call (`prefetch_harm`)."""
+        key is kept. `by_prefetch`: remembered until its layer's next call (`prefetch_harm`). `victim`: already
+        chosen by the policy for this very state (`admits`)."""
         assert self.policy is not None, "a cache without a policy never evicts"
-        try:
-            victim = self.policy.choose_victim(keep) if layers is None else self.policy.choose_victim(keep, layers)
-        except NoVictimError:
-            return None
+        if victim is None:
+            try:
+                victim = self.policy.choose_victim(keep) if layers is None else self.policy.choose_victim(keep, layers)
+            except NoVictimError:
+                return None
         self._held[victim[0]] -= 1
         if by_prefetch:
             self._prefetch_victims.setdefault(victim[0], set()).add(victim)
