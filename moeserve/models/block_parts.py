@@ -3,7 +3,8 @@
 - `Relu2MLP`: down(relu(up(x))^2), no gate: Nemotron-H's dense MLP ('-' layers) and its shared expert.
 - `NoMixer` / `NoMLP`: the part a block does not have. Each returns zeros, so `h + part` is h exactly; a block
   whose only part is the MLP runs as a DecoderLayer with NoMixer, and the other way round. NoMixer keeps no
-  sequence memory (its layer is in no KV group: ModelSpec.attention_layers is False for it).
+  sequence memory (its layer is in no KV group: ModelSpec.attention_layers is False for it). Both add their zeros
+  to the fused decode stack too (csrc/decode_stack_mamba2.cpp NoMixer, decode_stack_ffn.cpp NoFfn).
 - `NoRotary`: attention without position rotation (Nemotron-H): its cos/sin tables are 1 and 0, so the C++ op that
   rotates while it caches writes the keys unchanged (x * 1 + y * 0 = x), and the torch path skips the rotation.
 """
@@ -32,8 +33,11 @@ class Relu2MLP(DenseMLP):
     def linears(self) -> list[Linear]:
         return [self.up, self.down]
 
-    def why_not_stacked(self) -> str | None:
-        return "a relu2 MLP (the decode stack runs SwiGLU MLPs)"
+    def add_to_stack(self, stack: Any) -> None:
+        stack.add_relu2_mlp(*(t for lin in self.linears() for t in lin.gemv_tensors()))
+
+    def add_as_shared(self, stack: Any, gate: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        stack.add_relu2_shared_expert(*(t for lin in self.linears() for t in lin.gemv_tensors()), *gate)
 
 
 class NoMixer(TokenMixer):
@@ -44,10 +48,10 @@ class NoMixer(TokenMixer):
         return []
 
     def why_not_stacked(self) -> str | None:
-        return "a block without a token mixer (Nemotron-H)"
+        return None
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        raise NotImplementedError("why_not_stacked refuses blocks without a token mixer")
+        stack.add_no_mixer(input_norm, post_norm)
 
 
 class NoMLP(MLP):
@@ -58,10 +62,10 @@ class NoMLP(MLP):
         return []
 
     def why_not_stacked(self) -> str | None:
-        return "a block without an MLP (Nemotron-H)"
+        return None
 
     def add_to_stack(self, stack: Any) -> None:
-        raise NotImplementedError("why_not_stacked refuses blocks without an MLP")
+        stack.add_no_ffn()
 
 
 class NoRotary(Rotary):

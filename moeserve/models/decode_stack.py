@@ -1,11 +1,11 @@
 """The fused decode steps: every decoder layer of a decode-only batch in one C++ call (csrc/decode_stack.cpp).
 
 A `torch.classes.moeserve.DecodeStack` holds each layer as a token mixer part and an FFN part (csrc/decode_stack.h:
-one small C++ interface each; attention, Gated DeltaNet, dense MLP and MoE are classes behind them). Each Python
-layer part adds its own kind (`add_to_stack`) and says why it cannot (`why_not_stacked`). The stack calls the same
-C++ functions and ATen ops as the per-op pass (passes.CppLayers with the mixers' C++ paths and the expert kernel's
-fused op) in the same order and on the same shapes (the batch-invariant row blocks included), so its logits are the
-same bits; what it saves is the Python and the dispatcher between the ~10-30 ops of each layer.
+one small C++ interface each; attention, Gated DeltaNet, MLA, Mamba-2, dense MLP and MoE are classes behind them).
+Each Python layer part adds its own kind (`add_to_stack`) and says why it cannot (`why_not_stacked`). The stack
+calls the same C++ functions and ATen ops as the per-op pass (passes.CppLayers with the mixers' C++ paths and the
+expert kernel's op) in the same order and on the same shapes (the batch-invariant row blocks included), so its
+logits are the same bits; what it saves is the Python and the dispatcher between the ~10-30 ops of each layer.
 
 Two LayerPass implementations, chosen once by `choose_decode_step`:
 - `FusedResident`: every expert unit is held by the stack; the store is told the hits after the step.
@@ -16,10 +16,12 @@ Two LayerPass implementations, chosen once by `choose_decode_step`:
 It applies to: the C++ kernels on, bf16 compute on CPU, layer parts that can be stacked (see `why_not_stacked`):
 attention (also gated, with a zero-centred per-head q/k norm; not with sinks, qkv clipping or a full-width q/k
 norm), Gated DeltaNet (its recurrent step: a batch with a prompt token runs per op, `TokenMixer.stack_takes`),
-dense SwiGLU MLPs, MoE blocks with a routing rule the stack has (softmax top-k, top-k softmax, noaux_tc) and
-experts whose kernel it can run, with or without a shared expert (plain or sigmoid-gated); dense Linears in the
-C++ GEMV layouts (an fp32 router as a plain matrix); multi-head latent attention (the absorbed form in its aligned
-query blocks). Not Mamba-2 mixers. Unless prefetch follows the caller's hints (computed by the per-op pass).
+Mamba-2 (its selective-state update; a batch with a prompt token runs per op), dense SwiGLU and relu2 MLPs, the
+absent part of a one-part block (Nemotron-H), MoE blocks with a routing rule the stack has (softmax top-k, top-k
+softmax, noaux_tc) and experts whose op it has (the fused SwiGLU op, or the relu2 experts' torch loop as ATen
+ops), with or without a shared expert (SwiGLU or relu2, plain or sigmoid-gated); dense Linears in the C++ GEMV
+layouts (an fp32 router as a plain matrix); multi-head latent attention (the absorbed form in its aligned query
+blocks). Unless prefetch follows the caller's hints (computed by the per-op pass).
 """
 
 from __future__ import annotations

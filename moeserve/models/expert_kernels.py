@@ -119,6 +119,11 @@ class TorchExperts(ExpertKernel):
                 # same single rounding as index_add_, whose CPU kernel is slow for bf16.
                 out[tokens] += y.to(out.dtype)
 
+    @property
+    def stack_units(self) -> FusedUnits | None:
+        """The decode stack runs this loop's ATen ops for the units whose math it has (UnitMath.loop_units)."""
+        return self.math.loop_units()
+
     def describe(self) -> str:
         return f"torch ({type(self.math).__name__} per expert{', in fixed row blocks' if self.invariant else ''})"
 

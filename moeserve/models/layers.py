@@ -448,6 +448,11 @@ class DenseMLP(MLP):
     def add_to_stack(self, stack: Any) -> None:
         stack.add_dense_mlp(*(t for lin in self.linears() for t in lin.gemv_tensors()))
 
+    def add_as_shared(self, stack: Any, gate: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        """Give this MLP to the stack as the next MoE layer's shared expert; `gate`: its sigmoid gate's GEMV
+        tensors (None, None without one)."""
+        stack.add_shared_expert(*(t for lin in self.linears() for t in lin.gemv_tensors()), *gate)
+
 
 def not_in_gemv_layout(linears: list[Linear]) -> str | None:
     for lin in linears:

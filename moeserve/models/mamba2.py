@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.layers import ForwardBatch, TokenMixer
+from moeserve.models.layers import ForwardBatch, TokenMixer, not_in_gemv_layout
 from moeserve.models.linear import Linear, in_row_blocks
 from moeserve.models.mamba2_ssd import Mamba2Kernels, Piece, TorchMamba2, choose_mamba2_kernels
 from moeserve.models.spec import MambaSpec
@@ -109,10 +109,23 @@ class Mamba2Mixer(TokenMixer):
         return f"Mamba-2: {self.kernels.describe()}; state slots per sequence in the sequence memory"
 
     def why_not_stacked(self) -> str | None:
-        return "a Mamba-2 mixer (no decode-stack mode yet)"
+        return not_in_gemv_layout(self.linears())
+
+    def stack_takes(self, batch: ForwardBatch) -> bool:
+        """Every token of the decode-only `batch` is past its prompt (the selective-state update: prompt tokens take
+        the chunk scan, which the stack does not run)."""
+        prompts = batch.prompt_lens or batch.starts
+        return all(s >= p for s, p in zip(batch.starts, prompts))
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        raise NotImplementedError("why_not_stacked refuses Mamba-2 layers")
+        """__call__'s path for tokens after their prompts with the C++ kernels (csrc/decode_stack_mamba2.cpp
+        Mamba2Mixer): the same ops in the same order, the same row blocks."""
+        s = self.spec
+        conv_states, states = kv.recurrent(self.layer)
+        stack.add_mamba2(input_norm, post_norm, *self.in_proj.gemv_tensors(), self.in_proj.bias,
+                         *self.out_proj.gemv_tensors(), self.out_proj.bias, self.conv_weight, self.conv_bias, self.a,
+                         self.d, self.dt_bias, self.norm, conv_states, states,
+                         [s.num_heads, s.head_dim, s.n_groups, s.state_size, kv.group_of(self.layer)], s.eps)
 
 
 def build_mamba(load: Any, arch: Any, spec: Any, L: int, invariant: bool, cpp: bool = False) -> Mamba2Mixer:

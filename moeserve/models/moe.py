@@ -280,7 +280,7 @@ class MoEBlock(MLP):
         why_routing = self.routing.why_not_stacked()
         if why_routing is not None:
             return why_routing
-        if units is None or (self.store.resident and not units.interleaved):
+        if units is None or (self.store.resident and not units.held_by_stack):
             return ("experts are not row-interleaved units (expert_layout=plain, or a kernel without the fused op)"
                     if self.store.resident else "experts in a layout without a fused C++ op")
         if not (self.router.layout == "interleaved" or (self.router.layout == "plain" and
@@ -302,7 +302,8 @@ class MoEBlock(MLP):
         self.routing.add_to_stack(stack, self.router)
         if self.shared is not None:
             gate = (None, None) if self.shared_gate is None else self.shared_gate.gemv_tensors()
-            stack.add_shared_expert(*(t for lin in self.shared.linears() for t in lin.gemv_tensors()), *gate)
+            self.shared.add_as_shared(stack, gate)
+        stack.use_expert_op(units.stack_op)
         if not self.store.resident:
             stack.add_moe_external(not units.interleaved)
             return

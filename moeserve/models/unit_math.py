@@ -38,6 +38,13 @@ class FusedUnits:
     gate_up_scale: int | None = None
     down: int = 1
     down_scale: int | None = None
+    stack_op: str = "fused"  # the decode stack's ExpertOp (csrc/decode_stack.h): "fused", or "relu2-loop"
+
+    @property
+    def held_by_stack(self) -> bool:
+        """Whether a resident store's units can be held by the decode stack as they are: the fused op reads held
+        units row-interleaved; the relu2 loop reads [out, in] matrices."""
+        return self.interleaved or self.stack_op != "fused"
 
     @property
     def int8(self) -> bool:
@@ -67,6 +74,11 @@ class UnitMath(ABC):
 
     def fused_units(self) -> FusedUnits | None:
         """Where a fused C++ expert op finds its fields in these units; None: no such op (the torch loop runs)."""
+        return None
+
+    def loop_units(self) -> FusedUnits | None:
+        """Where the decode stack's copy of the torch loop (expert_kernels.TorchExperts) finds these units' fields;
+        None: the stack has no such loop for them."""
         return None
 
 
@@ -130,6 +142,9 @@ class Relu2Math(UnitMath):
 
     def bind(self, w: ExpertWeights) -> RowFn:
         return lambda x: relu2_expert(x, w)
+
+    def loop_units(self) -> FusedUnits:
+        return FusedUnits(interleaved=False, stack_op="relu2-loop")
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

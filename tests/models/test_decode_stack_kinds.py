@@ -30,9 +30,11 @@ def interleaved_ok() -> None:
 
 
 def run(folder: Path, decode_step: str, prompts: list, **settings):  # noqa: ANN201
-    """(model, every step's logits, tokens, fused steps run, each layer's (hits, misses, bytes read))."""
+    """(whether the fused step was chosen, every step's logits, tokens, fused steps run, each layer's (hits, misses,
+    bytes read))."""
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", decode_step=decode_step, **settings)
     model = llm.engine.model
+    chosen = model.decode_step is not None  # asked before the run (a closed engine's model holds no step)
     steps = [0]
     if model.decode_step is not None:
         fused_run = model.decode_step.run
@@ -44,13 +46,13 @@ def run(folder: Path, decode_step: str, prompts: list, **settings):  # noqa: ANN
         model.decode_step.run = counting
     logits, outs = generate_capturing_logits(llm, prompts, PARAMS)
     traffic = {layer: (s.hits, s.misses, s.bytes_read) for layer, s in model.store.stats.layers.items()}
-    return model, logits, [o.outputs[0].token_ids for o in outs], steps[0], traffic
+    return chosen, logits, [o.outputs[0].token_ids for o in outs], steps[0], traffic
 
 
 def assert_fused_equals_per_op(folder: Path, prompts: list, **settings) -> dict:
     fused, logits, tokens, steps, traffic = run(folder, "fused", prompts, **settings)
     per_op, ref_logits, ref_tokens, ref_steps, ref_traffic = run(folder, "per_op", prompts, **settings)
-    assert fused.decode_step is not None and per_op.decode_step is None
+    assert fused and not per_op
     assert steps == PARAMS.max_tokens - 1 and ref_steps == 0  # every decode step after the prefill ran fused
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
@@ -108,7 +110,6 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tiny_checkpoint, tmp
 
 
 @pytest.mark.parametrize("name,why", [
-    ("mamba-hybrid-tiny", "Mamba-2"),
     ("qwen2_moe", "'onednn' layout"),  # its shared expert's down_proj takes 48 inputs
 ])
 def test_kinds_not_taken_name_the_first_reason(interleaved_ok, tiny_checkpoint, tmp_path_factory, name, why):

@@ -38,8 +38,9 @@
 // policy before its next call, as if each layer had asked it. Only for a store in which nothing else evicts while
 // the step runs (no prefetch thread); a miss's reads have all landed when its layer call ends.
 //
-// Building: add a mixer (add_attention / add_gated_delta / add_mla), then its FFN (add_dense_mlp, or a routing rule
-// (route_by_pairs / route_by_noaux), optionally add_shared_expert, then add_moe / add_moe_external), per layer.
+// Building: add a mixer (add_attention / add_gated_delta / add_mla / add_mamba2 / add_no_mixer), then its FFN
+// (add_dense_mlp / add_relu2_mlp / add_no_ffn, or a routing rule (route_by_pairs / route_by_noaux), optionally
+// add_shared_expert / add_relu2_shared_expert and use_expert_op, then add_moe / add_moe_external), per layer.
 
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -168,15 +169,41 @@ class DecodeStack : public torch::CustomClassHolder {
                        std::move(sin), std::move(cache)));
   }
 
+  // A new layer's norms and Mamba-2 mixer (its decode step; a [H] fp32 = -exp(A_log); sizes: heads, head dim,
+  // groups, state size, group; norm_eps: its gated group norm's).
+  void add_mamba2(at::Tensor input_norm, at::Tensor post_norm, at::Tensor in_proj, std::optional<at::Tensor> in_scale,
+                  std::optional<at::Tensor> in_bias, at::Tensor out_proj, std::optional<at::Tensor> out_scale,
+                  std::optional<at::Tensor> out_bias, at::Tensor conv_weight, std::optional<at::Tensor> conv_bias,
+                  at::Tensor a, at::Tensor d, at::Tensor dt_bias, at::Tensor norm, at::Tensor conv_states,
+                  at::Tensor states, std::vector<int64_t> sizes, double norm_eps) {
+    TORCH_CHECK(sizes.size() == 5, "DecodeStack.add_mamba2: sizes (heads, head dim, groups, state size, group)");
+    const Mamba2Shape shape{sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], norm_eps};
+    add_mixer(std::move(input_norm), std::move(post_norm),
+              make_mamba2(cfg_, shape, linear(in_proj, in_scale, in_bias, cfg_.hidden, "in_proj"),
+                          linear(out_proj, out_scale, out_bias, shape.heads * shape.head_dim, "out_proj"),
+                          std::move(conv_weight), std::move(conv_bias), std::move(a), std::move(d),
+                          std::move(dt_bias), std::move(norm), std::move(conv_states), std::move(states)));
+  }
+
+  // A new layer without a token mixer (a one-part block: its FFN follows).
+  void add_no_mixer(at::Tensor input_norm, at::Tensor post_norm) {
+    add_mixer(std::move(input_norm), std::move(post_norm), make_no_mixer());
+  }
+
   // The last layer's FFN is dense: down(silu(gate(x)) * up(x)).
   void add_dense_mlp(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
                      std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale) {
-    StackLinear g = linear(gate, gate_scale, std::nullopt, cfg_.hidden, "dense gate");
-    StackLinear u = linear(up, up_scale, std::nullopt, cfg_.hidden, "dense up");
-    StackLinear d = linear(down, down_scale, std::nullopt, g.out, "dense down");
-    TORCH_CHECK(u.out == g.out && d.out == cfg_.hidden, "DecodeStack: dense MLP sizes do not match");
-    set_ffn(make_dense_mlp(cfg_, std::move(g), std::move(u), std::move(d)));
+    set_ffn(make_dense_mlp(cfg_, swiglu(gate, gate_scale, up, up_scale, down, down_scale, "dense")));
   }
+
+  // The last layer's FFN is a dense relu2 MLP: down(relu(up(x))^2).
+  void add_relu2_mlp(at::Tensor up, std::optional<at::Tensor> up_scale, at::Tensor down,
+                     std::optional<at::Tensor> down_scale) {
+    set_ffn(make_dense_mlp(cfg_, relu2(up, up_scale, down, down_scale, "dense")));
+  }
+
+  // The last layer has no FFN (a one-part block).
+  void add_no_ffn() { set_ffn(make_no_ffn()); }
 
   // The next MoE layer routes by moe_route_pairs `mode` (softmax then top-k, or top-k then softmax).
   void route_by_pairs(at::Tensor router, std::optional<at::Tensor> router_scale, std::optional<at::Tensor> router_bias,
@@ -198,13 +225,19 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_shared_expert(at::Tensor gate, std::optional<at::Tensor> gate_scale, at::Tensor up,
                          std::optional<at::Tensor> up_scale, at::Tensor down, std::optional<at::Tensor> down_scale,
                          std::optional<at::Tensor> sigmoid_gate, std::optional<at::Tensor> sigmoid_gate_scale) {
-    SharedExpert s{linear(gate, gate_scale, std::nullopt, cfg_.hidden, "shared gate"),
-                   linear(up, up_scale, std::nullopt, cfg_.hidden, "shared up"), {}, std::nullopt};
-    s.down = linear(down, down_scale, std::nullopt, s.gate.out, "shared down");
-    if (sigmoid_gate.has_value())
-      s.gate_linear = linear(*sigmoid_gate, sigmoid_gate_scale, std::nullopt, cfg_.hidden, "shared expert gate");
-    shared_ = std::move(s);
+    set_shared(swiglu(gate, gate_scale, up, up_scale, down, down_scale, "shared"), sigmoid_gate,
+               sigmoid_gate_scale);
   }
+
+  // The next MoE layer has a relu2 shared expert (Nemotron-H), optionally times sigmoid(gate(x)).
+  void add_relu2_shared_expert(at::Tensor up, std::optional<at::Tensor> up_scale, at::Tensor down,
+                               std::optional<at::Tensor> down_scale, std::optional<at::Tensor> sigmoid_gate,
+                               std::optional<at::Tensor> sigmoid_gate_scale) {
+    set_shared(relu2(up, up_scale, down, down_scale, "shared"), sigmoid_gate, sigmoid_gate_scale);
+  }
+
+  // The next MoE layer computes its experts by the op of this name (ExpertOp in decode_stack.h; "fused" if not set).
+  void use_expert_op(std::string name) { op_name_ = std::move(name); }
 
   // The last layer's FFN is a MoE block holding every expert's unit (int8 units come with row scales).
   void add_moe(std::vector<at::Tensor> gate_up, std::vector<at::Tensor> gate_up_scale, std::vector<at::Tensor> down,
@@ -214,7 +247,7 @@ class DecodeStack : public torch::CustomClassHolder {
                     (gate_up_scale.empty() ||
                      (gate_up_scale.size() == gate_up.size() && down_scale.size() == gate_up.size())),
                 "DecodeStack: one gate_up and down unit (and scales for int8) per expert of the router");
-    set_ffn(make_held_moe(cfg_, std::move(routing), take_shared(),
+    set_ffn(make_held_moe(cfg_, std::move(routing), take_shared(), take_op(false),
                           Units{std::move(gate_up), std::move(gate_up_scale), std::move(down), std::move(down_scale)}));
     ++moe_layers_;
   }
@@ -224,7 +257,7 @@ class DecodeStack : public torch::CustomClassHolder {
   void add_moe_external(bool plain) {
     auto routing = take_routing();
     experts_ = routing->experts();
-    set_ffn(make_fed_moe(cfg_, std::move(routing), take_shared(), plain, cached_));
+    set_ffn(make_fed_moe(cfg_, std::move(routing), take_shared(), take_op(plain), cached_));
     ++moe_layers_;
     ++external_layers_;
   }
@@ -331,6 +364,38 @@ class DecodeStack : public torch::CustomClassHolder {
     return stack_linear(w, scale, bias, in_features, cfg_.row_block, what);
   }
 
+  std::shared_ptr<const DenseFfn> swiglu(const at::Tensor& gate, const std::optional<at::Tensor>& gate_scale,
+                                         const at::Tensor& up, const std::optional<at::Tensor>& up_scale,
+                                         const at::Tensor& down, const std::optional<at::Tensor>& down_scale,
+                                         const std::string& what) const {
+    StackLinear g = linear(gate, gate_scale, std::nullopt, cfg_.hidden, (what + " gate").c_str());
+    StackLinear u = linear(up, up_scale, std::nullopt, cfg_.hidden, (what + " up").c_str());
+    StackLinear d = linear(down, down_scale, std::nullopt, g.out, (what + " down").c_str());
+    return make_swiglu(cfg_, std::move(g), std::move(u), std::move(d));
+  }
+
+  std::shared_ptr<const DenseFfn> relu2(const at::Tensor& up, const std::optional<at::Tensor>& up_scale,
+                                        const at::Tensor& down, const std::optional<at::Tensor>& down_scale,
+                                        const std::string& what) const {
+    StackLinear u = linear(up, up_scale, std::nullopt, cfg_.hidden, (what + " up").c_str());
+    StackLinear d = linear(down, down_scale, std::nullopt, u.out, (what + " down").c_str());
+    return make_relu2(cfg_, std::move(u), std::move(d));
+  }
+
+  void set_shared(std::shared_ptr<const DenseFfn> mlp, const std::optional<at::Tensor>& sigmoid_gate,
+                  const std::optional<at::Tensor>& sigmoid_gate_scale) {
+    SharedExpert s{std::move(mlp), std::nullopt};
+    if (sigmoid_gate.has_value())
+      s.gate_linear = linear(*sigmoid_gate, sigmoid_gate_scale, std::nullopt, cfg_.hidden, "shared expert gate");
+    shared_ = std::move(s);
+  }
+
+  std::shared_ptr<const ExpertOp> take_op(bool plain) {
+    std::shared_ptr<const ExpertOp> op = make_expert_op(cfg_, op_name_, plain);
+    op_name_ = "fused";
+    return op;
+  }
+
   void add_mixer(at::Tensor input_norm, at::Tensor post_norm, std::unique_ptr<TokenMixerPart> mixer) {
     TORCH_CHECK(layers_.empty() || layers_.back().ffn, "DecodeStack: the previous layer has no FFN yet");
     groups_ = std::max(groups_, mixer->kv_group() + 1);
@@ -386,6 +451,7 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t moe_layers_ = 0, external_layers_ = 0, experts_ = 0, groups_ = 0;
   std::unique_ptr<RoutingRule> routing_;      // the next MoE layer's (route_by_*)
   std::optional<SharedExpert> shared_;        // the next MoE layer's (add_shared_expert)
+  std::string op_name_ = "fused";             // the next MoE layer's (use_expert_op)
   std::shared_ptr<CachedUnits> cached_ = std::make_shared<CachedUnits>();
   // The step in progress (begin .. result): its tensors, the next layer to run, a fed layer's partial output.
   Step step_;
@@ -403,10 +469,16 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
       .def("add_attention", &DecodeStack::add_attention)
       .def("add_gated_delta", &DecodeStack::add_gated_delta)
       .def("add_mla", &DecodeStack::add_mla)
+      .def("add_mamba2", &DecodeStack::add_mamba2)
+      .def("add_no_mixer", &DecodeStack::add_no_mixer)
       .def("add_dense_mlp", &DecodeStack::add_dense_mlp)
+      .def("add_relu2_mlp", &DecodeStack::add_relu2_mlp)
+      .def("add_no_ffn", &DecodeStack::add_no_ffn)
       .def("route_by_pairs", &DecodeStack::route_by_pairs)
       .def("route_by_noaux", &DecodeStack::route_by_noaux)
       .def("add_shared_expert", &DecodeStack::add_shared_expert)
+      .def("add_relu2_shared_expert", &DecodeStack::add_relu2_shared_expert)
+      .def("use_expert_op", &DecodeStack::use_expert_op)
       .def("add_moe", &DecodeStack::add_moe)
       .def("add_moe_external", &DecodeStack::add_moe_external)
       .def("num_layers", &DecodeStack::num_layers)

@@ -6,7 +6,10 @@
 //   decode_stack.cpp         the stack: layers in order, the residual adds + norms, begin / feed / resume
 //   decode_stack_mixers.cpp  token mixer parts: attention (plain, or gated with a torch per-head norm), Gated DeltaNet
 //   decode_stack_mla.cpp     token mixer part: multi-head latent attention (absorbed form, aligned query blocks)
-//   decode_stack_ffn.cpp     FFN parts: dense SwiGLU MLP, MoE (routing rules, held or fed units, shared expert)
+//   decode_stack_mamba2.cpp  token mixer part: Mamba-2's decode step (conv, selective-state update, gated norm);
+//                            the parts of one-part blocks (Nemotron-H): no mixer, no FFN
+//   decode_stack_ffn.cpp     FFN parts: dense MLPs (SwiGLU, relu2), MoE (routing rules, expert ops, held or fed
+//                            units, shared expert)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -128,6 +131,20 @@ std::unique_ptr<TokenMixerPart> make_mla(const StackConfig& cfg, MlaShape shape,
                                          at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
                                          at::Tensor cos, at::Tensor sin, at::Tensor cache);
 
+// Mamba-2's decode step (models/mamba2.py Mamba2Mixer, a decode-only batch of tokens after their prompts): sizes
+// per head, its group norm's eps; in_proj rows [z (inner), xBC (conv channels), dt (heads)].
+struct Mamba2Shape {
+  int64_t heads = 0, head_dim = 0, n_groups = 0, state = 0, group = 0;
+  double norm_eps = 0;
+};
+std::unique_ptr<TokenMixerPart> make_mamba2(const StackConfig& cfg, Mamba2Shape shape, StackLinear in_proj,
+                                            StackLinear out_proj, at::Tensor conv_weight,
+                                            std::optional<at::Tensor> conv_bias, at::Tensor a, at::Tensor d,
+                                            at::Tensor dt_bias, at::Tensor norm, at::Tensor conv_states,
+                                            at::Tensor states);
+// The absent part of a one-part block (block_parts.NoMixer / NoMLP): zeros, so the residual add keeps h.
+std::unique_ptr<TokenMixerPart> make_no_mixer();
+
 // Expert units as the store lends them: gate_up and down per expert, plus row scales for int8 (empty for bf16).
 struct Units {
   std::vector<at::Tensor> gate_up, gate_up_scale, down, down_scale;
@@ -161,13 +178,37 @@ class RoutingRule {
   virtual int64_t experts() const = 0;
 };
 
-// The shared expert of a MoE layer (DenseMLP), with or without its sigmoid gate (MoEBlock, in the same order).
+// A dense MLP x [N, H] -> [N, H] (layers.DenseMLP's SwiGLU, block_parts.Relu2MLP's relu2), as a layer's FFN or
+// a MoE layer's shared expert.
+class DenseFfn {
+ public:
+  virtual ~DenseFfn() = default;
+  virtual at::Tensor operator()(const at::Tensor& x) const = 0;
+};
+std::shared_ptr<const DenseFfn> make_swiglu(const StackConfig& cfg, StackLinear gate, StackLinear up,
+                                            StackLinear down);
+std::shared_ptr<const DenseFfn> make_relu2(const StackConfig& cfg, StackLinear up, StackLinear down);
+
+// The shared expert of a MoE layer, with or without its sigmoid gate (MoEBlock, in the same order).
 struct SharedExpert {
-  StackLinear gate, up, down;
+  std::shared_ptr<const DenseFfn> mlp;
   std::optional<StackLinear> gate_linear;
 };
 
-std::unique_ptr<FfnPart> make_dense_mlp(const StackConfig& cfg, StackLinear gate, StackLinear up, StackLinear down);
+// How a MoE layer computes its routed experts (the Python ExpertKernel's op): out [N, H] += each unit's expert of
+// its tokens (the routed pairs token_of / weight_of, unit i's span bounds[2i] .. bounds[2i+1]), in unit order.
+class ExpertOp {
+ public:
+  virtual ~ExpertOp() = default;
+  virtual void run(at::Tensor& out, const at::Tensor& x, const Units& units, const at::Tensor& token_of,
+                   const at::Tensor& weight_of, const std::vector<int64_t>& bounds) const = 0;
+};
+// The ops by the name FusedUnits.stack_op gives: "fused" (the fused SwiGLU op of expert_kernels._FusedSwiGLU on
+// [out, in] units with `plain`, else row-interleaved; int8 with scales), "relu2-loop" (TorchExperts on Relu2Math).
+std::shared_ptr<const ExpertOp> make_expert_op(const StackConfig& cfg, const std::string& name, bool plain);
+
+std::unique_ptr<FfnPart> make_dense_mlp(const StackConfig& cfg, std::shared_ptr<const DenseFfn> mlp);
+std::unique_ptr<FfnPart> make_no_ffn();
 std::unique_ptr<RoutingRule> make_pairs_routing(const StackConfig& cfg, StackLinear router, int64_t top_k,
                                                 int64_t mode, bool norm_topk_prob, bool weights_in_fp32);
 std::unique_ptr<RoutingRule> make_noaux_routing(const StackConfig& cfg, StackLinear router, at::Tensor bias,
@@ -175,11 +216,12 @@ std::unique_ptr<RoutingRule> make_noaux_routing(const StackConfig& cfg, StackLin
                                                 bool norm_topk_prob, double routed_scaling_factor);
 // A MoE layer holding every expert's unit (a resident store; int8 units with scales).
 std::unique_ptr<FfnPart> make_held_moe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing,
-                                       std::optional<SharedExpert> shared, Units units);
-// A MoE layer whose units the caller feeds at each step (plain [out, in] units or row-interleaved), or that runs
-// at once on the store's cached units when all it needs are there.
+                                       std::optional<SharedExpert> shared, std::shared_ptr<const ExpertOp> op,
+                                       Units units);
+// A MoE layer whose units the caller feeds at each step, or that runs at once on the store's cached units when all
+// it needs are there.
 std::unique_ptr<FfnPart> make_fed_moe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing,
-                                      std::optional<SharedExpert> shared, bool plain,
+                                      std::optional<SharedExpert> shared, std::shared_ptr<const ExpertOp> op,
                                       std::shared_ptr<const CachedUnits> cached);
 
 }  // namespace moeserve_stack

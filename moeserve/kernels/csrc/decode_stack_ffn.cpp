@@ -1,5 +1,6 @@
-// FFN parts of the DecodeStack (decode_stack.h): the dense SwiGLU MLP and the MoE block (a routing rule, the
-// routed experts held here or fed by the caller, an optional shared expert), each as its Python class computes it.
+// FFN parts of the DecodeStack (decode_stack.h): dense MLPs (SwiGLU, relu2), the MoE block (a routing rule, an
+// expert op on the routed experts held here or fed by the caller, an optional shared expert) and a block's absent
+// FFN, each as its Python class computes it.
 
 #include "decode_stack.h"
 
@@ -29,26 +30,116 @@ at::Tensor rowwise(const std::function<at::Tensor(const at::Tensor&, const at::T
 }
 
 // DenseMLP: down(silu(gate(x)) * up(x)).
-at::Tensor swiglu_mlp(const StackLinear& gate, const StackLinear& up, const StackLinear& down, const at::Tensor& x,
-                      int64_t row_block) {
-  const at::Tensor act = rowwise([](const at::Tensor& g, const at::Tensor& u) { return at::silu(g) * u; }, gate(x),
-                                 up(x), row_block);
-  return down(act);
-}
+class SwigluMlp : public DenseFfn {
+ public:
+  SwigluMlp(const StackConfig& cfg, StackLinear gate, StackLinear up, StackLinear down)
+      : row_block_(cfg.row_block), gate_(std::move(gate)), up_(std::move(up)), down_(std::move(down)) {
+    TORCH_CHECK(up_.out == gate_.out && down_.out == cfg.hidden, "DecodeStack: SwiGLU MLP sizes do not match");
+  }
+  at::Tensor operator()(const at::Tensor& x) const override {
+    const at::Tensor act = rowwise([](const at::Tensor& g, const at::Tensor& u) { return at::silu(g) * u; },
+                                   gate_(x), up_(x), row_block_);
+    return down_(act);
+  }
+
+ private:
+  int64_t row_block_;
+  StackLinear gate_, up_, down_;
+};
+
+// block_parts.Relu2MLP: down(relu(up(x))^2), the activation in row blocks (the GEMVs are per row).
+class Relu2Mlp : public DenseFfn {
+ public:
+  Relu2Mlp(const StackConfig& cfg, StackLinear up, StackLinear down)
+      : row_block_(cfg.row_block), up_(std::move(up)), down_(std::move(down)) {
+    TORCH_CHECK(down_.out == cfg.hidden, "DecodeStack: relu2 MLP sizes do not match");
+  }
+  at::Tensor operator()(const at::Tensor& x) const override {
+    return down_(in_row_blocks([](const at::Tensor& u) { return at::square(at::relu(u)); }, up_(x), row_block_));
+  }
+
+ private:
+  int64_t row_block_;
+  StackLinear up_, down_;
+};
 
 class DenseMlp : public FfnPart {
  public:
-  DenseMlp(const StackConfig& cfg, StackLinear gate, StackLinear up, StackLinear down)
-      : cfg_(cfg), gate_(std::move(gate)), up_(std::move(up)), down_(std::move(down)) {}
+  DenseMlp(const StackConfig& cfg, std::shared_ptr<const DenseFfn> mlp) : cfg_(cfg), mlp_(std::move(mlp)) {}
 
   bool start(Step&, const at::Tensor& x, at::Tensor& out) override {
-    out = (*cfg_.timer)(kDenseMlp, [&] { return swiglu_mlp(gate_, up_, down_, x, cfg_.row_block); });
+    out = (*cfg_.timer)(kDenseMlp, [&] { return (*mlp_)(x); });
     return true;
   }
 
  private:
   StackConfig cfg_;
-  StackLinear gate_, up_, down_;
+  std::shared_ptr<const DenseFfn> mlp_;
+};
+
+// NoMLP (a block with a mixer only): zeros, as the per-op path adds them.
+class NoFfn : public FfnPart {
+ public:
+  bool start(Step&, const at::Tensor& x, at::Tensor& out) override {
+    out = at::zeros_like(x);
+    return true;
+  }
+};
+
+// expert_kernels._FusedSwiGLU: the fused C++ SwiGLU op on [out, in] units (`plain`) or row-interleaved ones, bf16
+// or int8 codes with row scales.
+class FusedSwigluOp : public ExpertOp {
+ public:
+  explicit FusedSwigluOp(bool plain) : plain_(plain) {}
+  void run(at::Tensor& out, const at::Tensor& x, const Units& u, const at::Tensor& token_of,
+           const at::Tensor& weight_of, const std::vector<int64_t>& bounds) const override {
+    const bool int8 = !u.gate_up_scale.empty();
+    if (plain_ && int8)
+      moeserve_moe::moe_swiglu_int8_(out, x, u.gate_up, u.gate_up_scale, u.down, u.down_scale, token_of, weight_of,
+                                     bounds);
+    else if (plain_)
+      moeserve_moe::moe_swiglu_(out, x, u.gate_up, u.down, token_of, weight_of, bounds);
+    else if (int8)
+      moeserve_moe::moe_swiglu_int8_interleaved_(out, x, u.gate_up, u.gate_up_scale, u.down, u.down_scale, token_of,
+                                                 weight_of, bounds);
+    else
+      moeserve_moe::moe_swiglu_interleaved_(out, x, u.gate_up, u.down, token_of, weight_of, bounds);
+  }
+
+ private:
+  bool plain_;
+};
+
+// unit_math.expert_linear: F.linear on an [out, in] weight, else x @ w^T.
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w) {
+  return w.dim() == 2 ? at::linear(x, w) : at::matmul(x, w.mT());
+}
+
+// expert_kernels.TorchExperts on unit_math.Relu2Math units (up [I, H], down [H, I] in the compute dtype): per expert
+// in order, its tokens' rows in row blocks through down(relu(up(x))^2), times their weights, added into out.
+class Relu2LoopOp : public ExpertOp {
+ public:
+  explicit Relu2LoopOp(int64_t row_block) : row_block_(row_block) {}
+  void run(at::Tensor& out, const at::Tensor& x, const Units& u, const at::Tensor& token_of,
+           const at::Tensor& weight_of, const std::vector<int64_t>& bounds) const override {
+    TORCH_CHECK(u.gate_up_scale.empty() && bounds.size() == 2 * u.gate_up.size(),
+                "DecodeStack: relu2 units are up and down, one span each");
+    for (size_t i = 0; i < u.gate_up.size(); ++i) {
+      const at::Tensor &up = u.gate_up[i], &down = u.down[i];
+      const int64_t lo = bounds[2 * i], hi = bounds[2 * i + 1];
+      const at::Tensor tokens = token_of.slice(0, lo, hi);
+      const at::Tensor rows = x.index({tokens});
+      const at::Tensor y = in_row_blocks(
+          [&](const at::Tensor& r) { return expert_linear(at::square(at::relu(expert_linear(r, up))), down); }, rows,
+          row_block_);
+      at::Tensor sum = out.index({tokens});  // out[tokens] += y: one rounding per add, as the torch loop
+      sum += (y * weight_of.slice(0, lo, hi).unsqueeze(1)).to(out.scalar_type());
+      out.index_put_({tokens}, sum);
+    }
+  }
+
+ private:
+  int64_t row_block_;
 };
 
 // moe_route_pairs: softmax then top-k (mode 0) or top-k then softmax (mode 1) of router(x).
@@ -103,8 +194,9 @@ class NoauxRouting : public RoutingRule {
 // MoEBlock: the routed experts (how their units come is the subclass's), then the shared expert, in that order.
 class MoeFfn : public FfnPart {
  public:
-  MoeFfn(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared)
-      : cfg_(cfg), routing_(std::move(routing)), shared_(std::move(shared)) {}
+  MoeFfn(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared,
+         std::shared_ptr<const ExpertOp> op)
+      : cfg_(cfg), routing_(std::move(routing)), shared_(std::move(shared)), op_(std::move(op)) {}
   bool is_moe() const override { return true; }
 
   // out + the shared expert of x (MoEBlock.__call__'s last lines).
@@ -112,7 +204,7 @@ class MoeFfn : public FfnPart {
     if (!shared_) return;
     out = (*cfg_.timer)(kShared, [&] {
       const SharedExpert& s = *shared_;
-      const at::Tensor mlp = swiglu_mlp(s.gate, s.up, s.down, x, cfg_.row_block);
+      const at::Tensor mlp = (*s.mlp)(x);
       if (!s.gate_linear) return out + mlp;
       const at::Tensor gate = (*s.gate_linear)(x);  // [N, 1]
       return out + rowwise([](const at::Tensor& g, const at::Tensor& m) { return at::sigmoid(g) * m; }, gate, mlp,
@@ -139,21 +231,10 @@ class MoeFfn : public FfnPart {
     }
   }
 
-  // The expert op on `bounds`' experts of the routed pairs, added into out (int8 units come with scales).
-  void run_experts(at::Tensor& out, const at::Tensor& x, const Units& u, const std::vector<int64_t>& bounds,
-                   bool plain) const {
+  // The expert op on `bounds`' experts of the routed pairs, added into out.
+  void run_experts(at::Tensor& out, const at::Tensor& x, const Units& u, const std::vector<int64_t>& bounds) const {
     (*cfg_.timer)(kExperts, [&] {
-      const bool int8 = !u.gate_up_scale.empty();
-      if (plain && int8)
-        moeserve_moe::moe_swiglu_int8_(out, x, u.gate_up, u.gate_up_scale, u.down, u.down_scale, token_of_,
-                                       weight_of_, bounds);
-      else if (plain)
-        moeserve_moe::moe_swiglu_(out, x, u.gate_up, u.down, token_of_, weight_of_, bounds);
-      else if (int8)
-        moeserve_moe::moe_swiglu_int8_interleaved_(out, x, u.gate_up, u.gate_up_scale, u.down, u.down_scale,
-                                                   token_of_, weight_of_, bounds);
-      else
-        moeserve_moe::moe_swiglu_interleaved_(out, x, u.gate_up, u.down, token_of_, weight_of_, bounds);
+      op_->run(out, x, u, token_of_, weight_of_, bounds);
       return 0;
     });
   }
@@ -177,6 +258,7 @@ class MoeFfn : public FfnPart {
   StackConfig cfg_;
   std::unique_ptr<RoutingRule> routing_;
   std::optional<SharedExpert> shared_;
+  std::shared_ptr<const ExpertOp> op_;
   at::Tensor token_of_, weight_of_;
   std::vector<int64_t> needed_, spans_;
 };
@@ -184,14 +266,15 @@ class MoeFfn : public FfnPart {
 // Every expert's unit held for the process's life (a resident store): the whole layer in one go; hits counted.
 class HeldMoe : public MoeFfn {
  public:
-  HeldMoe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared, Units units)
-      : MoeFfn(cfg, std::move(routing), std::move(shared)), units_(std::move(units)) {}
+  HeldMoe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared,
+          std::shared_ptr<const ExpertOp> op, Units units)
+      : MoeFfn(cfg, std::move(routing), std::move(shared), std::move(op)), units_(std::move(units)) {}
 
   bool start(Step& step, const at::Tensor& x, at::Tensor& out) override {
     route(x);
     step.hits[step.moe_index++] += static_cast<int64_t>(needed_.size());
     out = at::zeros_like(x);
-    run_experts(out, x, pick(units_, needed_, [](int64_t e) { return e; }), spans_, false);
+    run_experts(out, x, pick(units_, needed_, [](int64_t e) { return e; }), spans_);
     finish(x, out);
     return true;
   }
@@ -203,9 +286,9 @@ class HeldMoe : public MoeFfn {
 // Units fed by the caller from the store at each step, or taken from the store's cached slots when all are there.
 class FedMoe : public MoeFfn {
  public:
-  FedMoe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared, bool plain,
-         std::shared_ptr<const CachedUnits> cached)
-      : MoeFfn(cfg, std::move(routing), std::move(shared)), plain_(plain), cached_(std::move(cached)) {}
+  FedMoe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing, std::optional<SharedExpert> shared,
+         std::shared_ptr<const ExpertOp> op, std::shared_ptr<const CachedUnits> cached)
+      : MoeFfn(cfg, std::move(routing), std::move(shared), std::move(op)), cached_(std::move(cached)) {}
 
   bool start(Step& step, const at::Tensor& x, at::Tensor& out) override {
     const int64_t index = step.moe_index++;  // its hits and misses are the store's
@@ -229,7 +312,7 @@ class FedMoe : public MoeFfn {
       TORCH_CHECK(ids[j] == needed_[fed_ + j], "DecodeStack.feed: expert ", ids[j], " fed where expert ",
                   needed_[fed_ + j], " comes next");
     const std::vector<int64_t> bounds(spans_.begin() + 2 * fed_, spans_.begin() + 2 * (fed_ + k));
-    run_experts(out, x, u, bounds, plain_);
+    run_experts(out, x, u, bounds);
     fed_ += k;
   }
 
@@ -247,7 +330,7 @@ class FedMoe : public MoeFfn {
     const int32_t* slot = cached_->slot_of.data_ptr<int32_t>() + index * cached_->slot_of.size(1);
     for (const int64_t e : needed_)
       if (slot[e] < 0) return false;
-    run_experts(out, x, pick(cached_->slots, needed_, [slot](int64_t e) { return slot[e]; }), spans_, plain_);
+    run_experts(out, x, pick(cached_->slots, needed_, [slot](int64_t e) { return slot[e]; }), spans_);
     fed_ = needed_.size();
     step.cached_log.push_back(index);
     step.cached_log.push_back(static_cast<int64_t>(needed_.size()));
@@ -255,15 +338,31 @@ class FedMoe : public MoeFfn {
     return true;
   }
 
-  bool plain_;
   std::shared_ptr<const CachedUnits> cached_;
   size_t fed_ = 0;
 };
 
 }  // namespace
 
-std::unique_ptr<FfnPart> make_dense_mlp(const StackConfig& cfg, StackLinear gate, StackLinear up, StackLinear down) {
-  return std::make_unique<DenseMlp>(cfg, std::move(gate), std::move(up), std::move(down));
+std::shared_ptr<const DenseFfn> make_swiglu(const StackConfig& cfg, StackLinear gate, StackLinear up,
+                                            StackLinear down) {
+  return std::make_shared<SwigluMlp>(cfg, std::move(gate), std::move(up), std::move(down));
+}
+
+std::shared_ptr<const DenseFfn> make_relu2(const StackConfig& cfg, StackLinear up, StackLinear down) {
+  return std::make_shared<Relu2Mlp>(cfg, std::move(up), std::move(down));
+}
+
+std::unique_ptr<FfnPart> make_dense_mlp(const StackConfig& cfg, std::shared_ptr<const DenseFfn> mlp) {
+  return std::make_unique<DenseMlp>(cfg, std::move(mlp));
+}
+
+std::unique_ptr<FfnPart> make_no_ffn() { return std::make_unique<NoFfn>(); }
+
+std::shared_ptr<const ExpertOp> make_expert_op(const StackConfig& cfg, const std::string& name, bool plain) {
+  if (name == "fused") return std::make_shared<FusedSwigluOp>(plain);
+  if (name == "relu2-loop") return std::make_shared<Relu2LoopOp>(cfg.row_block);
+  TORCH_CHECK(false, "DecodeStack: unknown expert op '", name, "' (fused, relu2-loop)");
 }
 
 std::unique_ptr<RoutingRule> make_pairs_routing(const StackConfig& cfg, StackLinear router, int64_t top_k,
@@ -279,14 +378,15 @@ std::unique_ptr<RoutingRule> make_noaux_routing(const StackConfig& cfg, StackLin
 }
 
 std::unique_ptr<FfnPart> make_held_moe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing,
-                                       std::optional<SharedExpert> shared, Units units) {
-  return std::make_unique<HeldMoe>(cfg, std::move(routing), std::move(shared), std::move(units));
+                                       std::optional<SharedExpert> shared, std::shared_ptr<const ExpertOp> op,
+                                       Units units) {
+  return std::make_unique<HeldMoe>(cfg, std::move(routing), std::move(shared), std::move(op), std::move(units));
 }
 
 std::unique_ptr<FfnPart> make_fed_moe(const StackConfig& cfg, std::unique_ptr<RoutingRule> routing,
-                                      std::optional<SharedExpert> shared, bool plain,
+                                      std::optional<SharedExpert> shared, std::shared_ptr<const ExpertOp> op,
                                       std::shared_ptr<const CachedUnits> cached) {
-  return std::make_unique<FedMoe>(cfg, std::move(routing), std::move(shared), plain, std::move(cached));
+  return std::make_unique<FedMoe>(cfg, std::move(routing), std::move(shared), std::move(op), std::move(cached));
 }
 
 }  // namespace moeserve_stack

@@ -47,6 +47,14 @@ at::Tensor gated_delta_step_(const at::Tensor& q, const at::Tensor& k, const at:
                              const at::Tensor& beta, at::Tensor& states, const at::Tensor& slots);
 }  // namespace moeserve_gated_delta
 
+namespace moeserve_mamba2 {  // mamba2.cpp
+at::Tensor mamba2_conv_(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        at::Tensor& history, const at::Tensor& slots, const at::Tensor& counts,
+                        const at::Tensor& fresh);
+at::Tensor mamba2_step_(const at::Tensor& xbc, const at::Tensor& dt, const at::Tensor& decay, const at::Tensor& d,
+                        at::Tensor& states, const at::Tensor& rows, const at::Tensor& slots, int64_t n_groups);
+}  // namespace moeserve_mamba2
+
 namespace moeserve_moe {  // moe_experts.cpp
 bool interleaved_supported();
 bool int8_interleaved_supported();

@@ -1,0 +1,62 @@
+"""The fused decode step on Nemotron-H's blocks (csrc/decode_stack_mamba2.cpp: Mamba-2's decode step and the absent
+part of a one-part block; decode_stack_ffn.cpp: relu2 dense MLP and shared expert, the relu2 experts' torch loop):
+every step's logits torch.equal to the per-op pass in bf16 with default settings (batch-invariant), tokens and store
+traffic equal, resident and offloaded with some experts not cached, at batch 1 and for three sequences of
+different lengths side by side."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.engine.llm import LLM
+from tests.models.nemotron_h_checkpoints import TINY_PATTERN, write_nemotron_h
+from tests.models.test_decode_stack_kinds import (
+    BATCH_1,
+    BATCH_3,
+    CACHE_GB,
+    assert_fused_equals_per_op,
+    interleaved_ok,
+    tiny_shape,
+)
+
+__all__ = ["interleaved_ok"]  # the fixture
+
+# transformers' tiny Nemotron-H with every block kind (Mamba, MoE, attention, dense relu2 MLP; two mixers and two
+# FFN blocks in a row), its dense MLP and shared expert at widths the C++ GEMV takes (multiples of 32).
+WIDTHS_32 = {"intermediate_size": 64, "moe_shared_expert_intermediate_size": 64}
+_FOLDERS: dict[str, Path] = {}
+
+
+def checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory, **fields: object) -> Path:
+    if name.endswith("-tiny"):
+        return tiny_shape(name, tmp_path_factory)
+    if name not in _FOLDERS:
+        _FOLDERS[name] = write_nemotron_h(tmp_path_factory.mktemp(name), torch.bfloat16, **fields)
+    return _FOLDERS[name]
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "mamba-hybrid-tiny"])
+@pytest.mark.parametrize("prompts", [BATCH_1, BATCH_3], ids=["batch1", "batch3"])
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_fused_step_gives_the_per_op_logits(interleaved_ok, tmp_path_factory, name, prompts, offloaded):
+    settings = {"expert_cache_gb": CACHE_GB} if offloaded else {}
+    folder = checkpoint(name, tmp_path_factory, **WIDTHS_32)
+    traffic = assert_fused_equals_per_op(folder, prompts, **settings)
+    assert sum(m for _, m, _ in traffic.values()) > 0 if offloaded else sum(h for h, _, _ in traffic.values()) > 0
+
+
+def test_the_pattern_covers_every_block_kind() -> None:
+    assert set(TINY_PATTERN) == {"M", "E", "*", "-"}
+
+
+def test_widths_outside_the_gemv_layouts_are_refused_with_their_reason(interleaved_ok, tmp_path_factory):
+    """transformers' tiny widths (a dense MLP of 48, a shared expert of 40): per op, naming the layout."""
+    llm = LLM(str(checkpoint("nemotron_h-48", tmp_path_factory)), skip_tokenizer_init=True, dtype="bfloat16")
+    try:
+        assert llm.engine.model.decode_step is None
+        assert "'onednn' layout" in dict(llm.engine.model.choices)["decode step"]
+    finally:
+        llm.engine.close()
