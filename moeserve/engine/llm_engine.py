@@ -28,7 +28,7 @@ from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
-from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, RequestError
+from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, MoeserveError, RequestError
 from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
@@ -102,6 +102,7 @@ class Request:
 class LLMEngine:
     def __init__(self, settings: EngineSettings) -> None:
         t0 = time.monotonic()
+        self.closed = False  # close(): the weights are gone
         check_engine_settings(settings)  # a bad setting or path: one line now, not after the weights are read
         self.settings = s = settings
         self._choices: dict[str, str] = {}  # every start-up choice, by name: see `choices`
@@ -347,9 +348,10 @@ class LLMEngine:
                              num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
                              moe_layers=tuple(spec.moe_layer_ids))
         # A failing write (full disk) disables recording with one error line; it never stops generation.
-        writer = FailSafeWriter(open_trace_writer(path, header, fmt), path, lambda: self.model.set_trace_hook(None))
+        model = self.model  # not `self`: the writer's callback would make a cycle through the engine
+        writer = FailSafeWriter(open_trace_writer(path, header, fmt), path, lambda: model.set_trace_hook(None))
         weakref.finalize(self, writer.close)  # flushed at exit even when nobody calls close()
-        self.model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
+        model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
         log.info("record_trace: writing routing of every step to %s (%s)", path, fmt)
         return writer
 
@@ -358,6 +360,7 @@ class LLMEngine:
                     prompt_text: str | None = None) -> str:
         """Queue a prompt (text, or token ids with optionally the text they came from, for reporting).
         Raises RequestError if it cannot be served."""
+        self._check_open()
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
@@ -424,6 +427,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests.
         An expert that cannot be read (ExpertLoadError) fails only the requests that need it (`_step_apart`)."""
+        self._check_open()
         scheduled = self.scheduler.schedule()
         outputs = self._fail_unservable()
         if not scheduled:
@@ -567,6 +571,10 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
                        staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes,
                        workspace)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MoeserveError("this engine was closed (LLMEngine.close()): open a new one")
 
 
 def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec

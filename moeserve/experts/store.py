@@ -386,6 +386,7 @@ class ExpertStore:
         return bool(getattr(getattr(self.source.checkpoint, "reader", None), "direct", False))
 
     def close(self) -> None:
+        """Stop the threads, close the files and free the pool of slots (and its views) now; counters stay readable."""
         if self.reference_scan is not None:
             self.reference_scan.stop()
         if self.prefetcher is not None:
@@ -395,6 +396,7 @@ class ExpertStore:
             self.loader.host.close()  # its pinned chunks go back to the OS now, not at exit (memory/pinned.py)
         self.source.close()
         self.source.checkpoint.close()
+        self._slot_views, self._pool = [], torch.empty(0, self.layout.nbytes, dtype=torch.uint8)  # not a view of it
 
     # ------------------------------------------------------------------------------------------ internals
     def _lend(self, expert_ids: Sequence[int], slots: list[int]) -> Iterator[Chunk]:

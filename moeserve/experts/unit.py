@@ -131,7 +131,8 @@ class ExpertSource:
         return None
 
     def close(self) -> None:
-        """Release what `prepare_offload` opened (the checkpoint itself is closed by its owner)."""
+        """Release what `prepare_offload` opened and the staging buffer (the checkpoint is closed by its owner)."""
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
         """Fill `unit_bytes` (a contiguous CPU uint8 tensor of layout.nbytes) with expert (layer, expert).

@@ -110,6 +110,9 @@ class Int8ExpertSource(ExpertSource):
     def close(self) -> None:
         if self.spill is not None:
             self.spill.close()
+        super().close()
+        self.dense_source.close()
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
 
 class InterleavedExpertSource(ExpertSource):
@@ -131,6 +134,11 @@ class InterleavedExpertSource(ExpertSource):
     @property
     def per_thread_staging_nbytes(self) -> int:
         return 0 if self._placed else self.dense_source.layout.nbytes
+
+    def close(self) -> None:
+        super().close()
+        self.dense_source.close()
+        self._local = threading.local()  # the scratch units of threads still running (the compute thread's)
 
     def placer(self, field: str, ref: TensorRef) -> Placer | None:
         return partial(_interleave_placed, ref.shape)

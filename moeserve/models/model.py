@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
+from moeserve.errors import MoeserveError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
 from moeserve.models.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
@@ -75,12 +76,28 @@ class MoeModel:
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
         self._forced = False  # routing forced (force_routing, benchmark only): the layer pass runs
+        self.closed = False  # close(): the weights are gone
         # (name, one-line reason) of every choice made here, for the start-up log and the engine's record
         self.choices: list[tuple[str, str]] = [("decode step", decode_reason)]
+
+    def close(self) -> None:
+        """Stop the store's threads and drop every weight now: the layers, the passes (the fused step's C++ stack
+        holds the weights and the KV cache), the embedding, the head and the store's pool are freed when this
+        returns, not at Python's next cycle collection. Idempotent; `forward` refuses to run afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        self.store.close()
+        self.layers, self.moe_blocks = [], []
+        self.layer_pass = self.decode_step = None  # type: ignore[assignment]
+        self.embed = self.final_norm = torch.empty(0)
+        self._head = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits (fp32) [num_seqs, vocab] of each sequence's last new token."""
+        if self.closed:
+            raise MoeserveError("the model was closed (LLMEngine.close()): open a new engine to run it")
         h = self.embed[batch.token_ids]  # [N, H]
         step = self.decode_step
         fused = not self._traced and not self._forced and step is not None and step.accepts(batch)
