@@ -543,9 +543,21 @@ class LLMEngine:
         return outputs
 
     def close(self) -> None:
-        self.model.store.close()
+        """Stop the store's threads, close the trace and free the weights, the expert store's pool and the KV cache
+        now, not at Python's next cycle collection (MoeModel.close). Idempotent; the engine serves nothing after:
+        `add_request` and `step` raise a one-line MoeserveError."""
+        if self.closed:
+            return
+        self.closed = True
+        self.model.close()
+        # an empty cache in its place: the pools are freed now (the fused step's stack held them too: gone above)
+        self.kv = PagedKVCache([], [], self.kv.block_size, 0, 0, self.dtype, self.device)
         if self.trace is not None:
             self.trace.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise MoeserveError("this engine was closed (LLMEngine.close()): open a new one")
 
 
 def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, unit: int, total: int,  # noqa: ANN001
@@ -571,10 +583,6 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
                        staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes,
                        workspace)
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise MoeserveError("this engine was closed (LLMEngine.close()): open a new one")
 
 
 def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
