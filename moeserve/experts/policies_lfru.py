@@ -4,6 +4,7 @@ Pure Python; see docs/policies.md."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Container
@@ -12,9 +13,7 @@ from moeserve.errors import ConfigError
 from moeserve.experts.policy_base import (
     EvictionPolicy,
     Key,
-    LazyHeap,
     NoVictimError,
-    first_unpinned,
     no_victim,
 )
 
@@ -33,6 +32,12 @@ class LFRUPolicy(EvictionPolicy):
     they are needed, while keys of the layers that just ran look fresh: the layers early in the last forward
     would crowd out the others. Per-layer ageing gives every layer the same footing: a key's score depends
     only on how often its layer needed it.
+
+    Bookkeeping (docs/policies.md "Bookkeeping cost"): per layer a heap of the cached keys, with lazy deletion,
+    by log score + decay * the layer's visit count at the update (within a layer every key ages alike, so the
+    order holds for good); each layer's lowest entry with its victim rank cached until that entry changes, the
+    layer runs or a new layer appears, so a victim costs a few float operations per layer, not a heap walk and
+    an exp. The victims are those of a scan of every cached key (tests/experts/test_lfru_reference.py).
     """
 
     name = "lfru"
@@ -58,13 +63,25 @@ class LFRUPolicy(EvictionPolicy):
         self._tick = 0
         # Per key: (log score, visit count of its layer when that log score was exact).
         self._stats: dict[Key, tuple[float, int]] = {}
-        self._heaps: dict[int, LazyHeap] = {}  # per layer; priority = log score + decay * visit
-        # Per layer: (its visits, n, (its lowest key, that key's `_spread`) or None), valid while all three hold.
-        self._top: dict[int, tuple[int, int, tuple[Key, float] | None]] = {}
+        # Per layer (in the order their keys were first scored: the victim tie-break across layers): a min-heap of
+        # (log score + decay * visit, push number, key); an entry is live while `_live[layer][key]` is its number.
+        self._heap: dict[int, list[tuple[float, int, Key]]] = {}
+        self._live: dict[int, dict[Key, int]] = {}
+        self._pushes = 0
+        # Per layer: its lowest live entry outside `skipped`, the keys of the live entries below it, pinned when it was
+        # found: (priority, push number, key, its `_spread`, skipped). Dropped when an entry goes below it, it leaves,
+        # the layer runs or a new layer appears; used while `skipped` are still pinned and the key is not.
+        self._top: dict[int, tuple[float, int, Key, float, tuple[Key, ...]]] = {}
 
     def begin_layer(self, layer: int) -> None:
         self._tick += 1
-        self._visits[layer] = self._visits.get(layer, 0) + 1
+        visits = self._visits.get(layer)
+        if visits is None:  # n grows: every cached spread is stale
+            self._visits[layer] = 1
+            self._top.clear()
+        else:
+            self._visits[layer] = visits + 1
+            self._top.pop(layer, None)
         self._last_tick[layer] = self._tick
 
     def _log_score_now(self, key: Key) -> float:
@@ -74,25 +91,48 @@ class LFRUPolicy(EvictionPolicy):
     def _update(self, key: Key, add_use: bool) -> None:
         layer = key[0]
         visit = self._visits.get(layer, 0)
-        log_s = self._log_score_now(key)
-        if add_use:
-            log_s = min(math.log1p(math.exp(log_s)) if log_s > -math.inf else 0.0, self._log_cap)  # s + 1
+        stat = self._stats.get(key)
+        log_s = -math.inf if stat is None else stat[0] - self._decay * (visit - stat[1])
+        if add_use:  # s + 1, capped
+            log_s = math.log1p(math.exp(log_s)) if log_s > -math.inf else 0.0
+            if log_s > self._log_cap:
+                log_s = self._log_cap
         self._stats[key] = (log_s, visit)
-        # Within one layer every key ages at the same rate, so this priority orders them for good.
-        self._heaps.setdefault(layer, LazyHeap()).push(key, log_s + self._decay * visit)
-        self._top.pop(layer, None)
+        self._pushes += 1
+        live = self._live.get(layer)
+        if live is None:
+            live, heap = self._live[layer], self._heap[layer] = {}, []
+        else:
+            heap = self._heap[layer]
+        live[key] = self._pushes
+        priority = log_s + self._decay * visit
+        heapq.heappush(heap, (priority, self._pushes, key))
+        top = self._top.get(layer)
+        if top is not None:
+            if top[2] == key:
+                del self._top[layer]
+            elif priority < top[0]:  # below the candidate: it stays the lowest while `key` is pinned too
+                self._top[layer] = (top[0], top[1], top[2], top[3], (*top[4], key))
+        if len(heap) > 4 * len(live) + 64:  # too many stale entries: rebuild, amortised O(1)
+            heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
+            heapq.heapify(heap)
+
+    def _drop(self, key: Key) -> None:
+        """`key` leaves the layer's heap (its score stays)."""
+        live = self._live.get(key[0])
+        if live is not None and live.pop(key, None) is not None:
+            top = self._top.get(key[0])
+            if top is not None and top[2] == key:
+                del self._top[key[0]]
 
     def on_hit(self, key: Key) -> None:
-        self._update(key, add_use=True)
+        self._update(key, True)
 
     def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
-        self._update(key, add_use=not prefetched)
+        self._update(key, not prefetched)
 
     def on_evict(self, key: Key) -> None:
-        heap = self._heaps.get(key[0])
-        if heap is not None:
-            heap.remove(key)
-            self._top.pop(key[0], None)
+        self._drop(key)
         if not self._remember:
             self._stats.pop(key, None)
 
@@ -103,29 +143,39 @@ class LFRUPolicy(EvictionPolicy):
         return self._time_to_use(key[0], used) <= self._time_to_use(victim[0], self._log_score_now(victim))
 
     def on_bypass(self, key: Key) -> None:
-        self._update(key, add_use=True)
-        self._heaps[key[0]].remove(key)  # scored as used, not cached
-        self._top.pop(key[0], None)
+        self._update(key, True)
+        self._drop(key)  # scored as used, not cached
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
-        best: tuple[float, float] | None = None
+        n, tick, last_tick, top, cycle = len(self._visits), self._tick, self._last_tick, self._top, self._cycle
+        best: float | tuple[float, int] = 0.0
         victim: Key | None = None
-        n, tick, last_tick = len(self._visits), self._tick, self._last_tick
-        for layer, heap in self._heaps.items():  # one candidate per layer: O(layers) with the cache below
-            if not len(heap) or (layers is not None and layer not in layers):
+        for layer, live in self._live.items():  # one candidate per layer: O(layers)
+            if not live or (layers is not None and layer not in layers):
                 continue
-            found = self._candidate(layer, heap, n)
-            if found is not None and found[0] in pinned:  # rare: a pinned key is the layer's lowest
-                lowest = heap.min_unpinned(pinned)
-                found = None if lowest is None else (lowest[1], self._spread(layer, lowest[0], n))
-            if found is None:
-                continue
-            if self._cycle:  # expected calls to the next use: d until the layer runs again, + n (1/p - 1)
-                rank = (-(max(1, n - (tick - last_tick.get(layer, 0))) + found[1]), 0.0)
+            found = top.get(layer)
+            if found is not None and found[2] not in pinned:
+                for k in found[4]:
+                    if k not in pinned:
+                        found = None
+                        break
             else:
-                rank = (found[1], -last_tick.get(layer, 0))
-            if best is None or rank < best:
-                best, victim = rank, found[0]
+                found = None
+            if found is None:
+                found = self._lowest_unpinned(layer, pinned, n)
+                if found is None:
+                    continue
+                top[layer] = found
+            key, spread = found[2], found[3]
+            if cycle:  # the longest expected calls to the next use: d until the layer runs again, + n (1/p - 1)
+                d = n - (tick - last_tick.get(layer, 0))
+                rank: float | tuple[float, int] = (d if d > 1 else 1) + spread
+                if victim is None or rank > best:  # type: ignore[operator]
+                    best, victim = rank, key
+            else:  # the lowest score; ties: the layer that ran last
+                rank = (spread, -last_tick.get(layer, 0))
+                if victim is None or rank < best:  # type: ignore[operator]
+                    best, victim = rank, key
         if victim is None:
             raise no_victim(self)
         return victim
@@ -140,16 +190,24 @@ class LFRUPolicy(EvictionPolicy):
             return math.inf
         return n * (1.0 / min(1.0, math.exp(log_now) * self._per_use) - 1.0)
 
-    def _candidate(self, layer: int, heap: LazyHeap, n: int) -> tuple[Key, float] | None:
-        """`layer`'s lowest key and its `_spread`, cached until the layer's heap changes, the layer runs or a new
-        layer appears (n): choose_victim then costs a few float operations per layer, not a heap walk and exp."""
-        cached = self._top.get(layer)
-        visits = self._visits.get(layer, 0)
-        if cached is not None and cached[0] == visits and cached[1] == n:
-            return cached[2]
-        lowest = heap.min_unpinned(())
-        found = None if lowest is None else (lowest[1], self._spread(layer, lowest[0], n))
-        self._top[layer] = (visits, n, found)
+    def _lowest_unpinned(self, layer: int, pinned: Container[Key], n: int
+                         ) -> tuple[float, int, Key, float, tuple[Key, ...]] | None:
+        """`layer`'s lowest live entry whose key is not in `pinned`, with its `_spread` and the (pinned) keys of the
+        live entries below it; None when every live key is pinned. Stale entries met on the way are dropped."""
+        heap, live = self._heap[layer], self._live[layer]
+        set_aside: list[tuple[float, int, Key]] = []
+        found = None
+        while heap:
+            priority, number, key = heap[0]
+            if live.get(key) != number:
+                heapq.heappop(heap)
+            elif key in pinned:
+                set_aside.append(heapq.heappop(heap))
+            else:
+                found = (priority, number, key, self._spread(layer, priority, n), tuple(e[2] for e in set_aside))
+                break
+        for entry in set_aside:
+            heapq.heappush(heap, entry)
         return found
 
     def _time_to_use(self, layer: int, log_score: float) -> float:
@@ -204,13 +262,16 @@ class _LayerRecency(EvictionPolicy):
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         best: tuple[float, int] | None = None
         victim: Key | None = None
+        visits, last_tick = self._visits, self._last_tick
         for layer, order in self._order.items():
             if layers is not None and layer not in layers:
                 continue
-            key = first_unpinned(order, pinned)
-            if key is None:
+            for key in order:  # pinned keys were just used: they sit at the far end
+                if key not in pinned:
+                    break
+            else:
                 continue
-            rank = (order[key] - self._visits.get(layer, 0), -self._last_tick.get(layer, 0))  # -age, then recent
+            rank = (order[key] - visits.get(layer, 0), -last_tick.get(layer, 0))  # -age, then recent
             if best is None or rank < best:
                 best, victim = rank, key
         if victim is None:
@@ -283,7 +344,9 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
 
         # Recency = LFRU's order capped at one use, not LRU: it ages per layer visit and breaks ties like Belady
         # (bench trace: 1.11 misses per decode step against 1.65 with LRUPolicy as the recency side).
-        self._real: list[EvictionPolicy] = [scoring(max_score)] + ([_LayerRecency()] if adapt else [])  # real cache
+        self._freq = scoring(max_score)  # the real cache's scorings: frequency, and recency when adapting
+        self._recency = _LayerRecency() if adapt else None
+        self._real: list[EvictionPolicy] = [self._freq] + ([self._recency] if self._recency is not None else [])
         self._ghosts = [_GhostCache(scoring(max_score)), _GhostCache(_LayerRecency())] if adapt else []
         self._keep = 1.0 - 1.0 / window
         self._cached = 0  # keys inserted and not evicted (loading ones included): the capacity when full
@@ -293,11 +356,12 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
         self.winner = 0  # index into _real: 0 frequency, 1 recency
 
     def begin_layer(self, layer: int) -> None:
-        for p in self._real:
-            p.begin_layer(layer)
-        for g in self._ghosts:
-            g.policy.begin_layer(layer)
-        self._chunk = set()
+        self._freq.begin_layer(layer)
+        if self._recency is not None:
+            self._recency.begin_layer(layer)
+            for g in self._ghosts:
+                g.policy.begin_layer(layer)
+            self._chunk = set()
 
     def _in_sample(self, key: Key) -> bool:
         found = self._sampled.get(key)
@@ -320,37 +384,44 @@ class AdaptiveLFRUPolicy(EvictionPolicy):
                 g.policy.on_evict(key)
 
     def _demand(self, key: Key) -> None:
-        if not self._ghosts or not self._in_sample(key):
+        """(Adapting only.) A demand access of `key`: to both ghosts when it is sampled."""
+        sampled = self._sampled.get(key)
+        if not (self._in_sample(key) if sampled is None else sampled):
             return
         self._chunk.add(key)
-        for g in self._ghosts:
-            g.access(key, self._chunk, self._ghost_capacity, self._keep)
-        self.winner = 0 if self._ghosts[0].misses <= self._ghosts[1].misses else 1
+        frequency, recency = self._ghosts
+        frequency.access(key, self._chunk, self._ghost_capacity, self._keep)
+        recency.access(key, self._chunk, self._ghost_capacity, self._keep)
+        self.winner = 0 if frequency.misses <= recency.misses else 1
 
     def on_hit(self, key: Key) -> None:
-        for p in self._real:
-            p.on_hit(key)
-        self._demand(key)
-
-    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
-        for p in self._real:
-            p.on_insert(key, prefetched=prefetched)
-        self._cached += 1
-        if not prefetched:
+        self._freq.on_hit(key)
+        if self._recency is not None:
+            self._recency.on_hit(key)
             self._demand(key)
 
+    def on_insert(self, key: Key, *, prefetched: bool = False) -> None:
+        self._freq.on_insert(key, prefetched=prefetched)
+        self._cached += 1
+        if self._recency is not None:
+            self._recency.on_insert(key, prefetched=prefetched)
+            if not prefetched:
+                self._demand(key)
+
     def on_evict(self, key: Key) -> None:
-        for p in self._real:
-            p.on_evict(key)
+        self._freq.on_evict(key)
+        if self._recency is not None:
+            self._recency.on_evict(key)
         self._cached -= 1
 
     def admit(self, key: Key, victim: Key) -> bool:
         return self._real[self.winner].admit(key, victim)
 
     def on_bypass(self, key: Key) -> None:
-        for p in self._real:
-            p.on_bypass(key)
-        self._demand(key)
+        self._freq.on_bypass(key)
+        if self._recency is not None:
+            self._recency.on_bypass(key)
+            self._demand(key)
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         if self._capacity is None:
