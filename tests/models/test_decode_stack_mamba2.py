@@ -60,3 +60,18 @@ def test_widths_outside_the_gemv_layouts_are_refused_with_their_reason(interleav
         assert "'onednn' layout" in dict(llm.engine.model.choices)["decode step"]
     finally:
         llm.engine.close()
+
+
+@pytest.mark.parametrize("prompts", [[{"prompt_token_ids": [7]}], [{"prompt_token_ids": [7]}, *BATCH_3]],
+                         ids=["alone", "beside-others"])
+def test_a_one_token_prompt_runs_its_scan(interleaved_ok, tmp_path_factory, prompts):
+    """A 1-token prompt makes a batch of one new token per sequence that holds a prompt token: Mamba2Mixer.stack_takes
+    sends it per op (the chunk scan, not the selective-state update the stack runs); every step's logits equal."""
+    from tests.models.test_decode_stack_kinds import run
+
+    folder = checkpoint("nemotron_h", tmp_path_factory, **WIDTHS_32)
+    chosen, logits, tokens, steps, traffic = run(folder, "fused", prompts)
+    _, ref_logits, ref_tokens, _, ref_traffic = run(folder, "per_op", prompts)
+    assert chosen and steps > 0
+    assert tokens == ref_tokens and traffic == ref_traffic
+    assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
