@@ -14,6 +14,7 @@ from moeserve.experts.policy_base import (
     EvictionPolicy,
     Key,
     NoVictimError,
+    lowest_unpinned,
     no_victim,
 )
 
@@ -193,22 +194,12 @@ class LFRUPolicy(EvictionPolicy):
     def _lowest_unpinned(self, layer: int, pinned: Container[Key], n: int
                          ) -> tuple[float, int, Key, float, tuple[Key, ...]] | None:
         """`layer`'s lowest live entry whose key is not in `pinned`, with its `_spread` and the (pinned) keys of the
-        live entries below it; None when every live key is pinned. Stale entries met on the way are dropped."""
-        heap, live = self._heap[layer], self._live[layer]
-        set_aside: list[tuple[float, int, Key]] = []
-        found = None
-        while heap:
-            priority, number, key = heap[0]
-            if live.get(key) != number:
-                heapq.heappop(heap)
-            elif key in pinned:
-                set_aside.append(heapq.heappop(heap))
-            else:
-                found = (priority, number, key, self._spread(layer, priority, n), tuple(e[2] for e in set_aside))
-                break
-        for entry in set_aside:
-            heapq.heappush(heap, entry)
-        return found
+        live entries below it; None when every live key is pinned."""
+        found = lowest_unpinned(self._heap[layer], self._live[layer], pinned)
+        if found is None:
+            return None
+        (priority, number, key), skipped = found
+        return priority, number, key, self._spread(layer, priority, n), skipped
 
     def _time_to_use(self, layer: int, log_score: float) -> float:
         """Expected layer calls until a key of `layer` with this log score is used: the cycle is n layers long."""

@@ -108,21 +108,29 @@ class LazyHeap:
 
     def min_unpinned(self, pinned: Container[Key]) -> tuple[float, Key] | None:
         """The lowest-priority key not in ``pinned`` (the heap is unchanged apart from dropping stale entries)."""
-        heap, live = self._heap, self._live
-        set_aside: list[tuple[float, int, Key]] = []
-        found: tuple[float, Key] | None = None
-        while heap:
-            prio, seq, key = heap[0]
-            if live.get(key) != seq:
-                heapq.heappop(heap)
-            elif key in pinned:
-                set_aside.append(heapq.heappop(heap))
-            else:
-                found = (prio, key)
-                break
-        for entry in set_aside:
-            heapq.heappush(heap, entry)
-        return found
+        found = lowest_unpinned(self._heap, self._live, pinned)
+        return None if found is None else (found[0][0], found[0][2])
+
+
+def lowest_unpinned(heap: list[tuple[float, int, Key]], live: dict[Key, int], pinned: Container[Key]
+                    ) -> tuple[tuple[float, int, Key], tuple[Key, ...]] | None:
+    """A lazy heap's lowest live entry (priority, number, key) whose key is not in `pinned`, and the (pinned) keys of
+    the live entries below it; None when every live key is pinned. An entry is live while `live[key]` is its number;
+    stale entries met on the way are dropped, live ones stay."""
+    set_aside: list[tuple[float, int, Key]] = []
+    found = None
+    while heap:
+        entry = heap[0]
+        if live.get(entry[2]) != entry[1]:
+            heapq.heappop(heap)
+        elif entry[2] in pinned:
+            set_aside.append(heapq.heappop(heap))
+        else:
+            found = (entry, tuple(e[2] for e in set_aside))
+            break
+    for e in set_aside:
+        heapq.heappush(heap, e)
+    return found
 
 
 class LayerHeaps:
