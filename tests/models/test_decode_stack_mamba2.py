@@ -48,6 +48,13 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tmp_path_factory, na
     assert sum(m for _, m, _ in traffic.values()) > 0 if offloaded else sum(h for h, _, _ in traffic.values()) > 0
 
 
+@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
+def test_projection_biases_and_no_conv_bias(interleaved_ok, tmp_path_factory, offloaded):
+    """Mamba-2's in_proj / out_proj with biases (mamba_proj_bias) and its conv without one (use_conv_bias=False)."""
+    folder = checkpoint("nemotron_h-bias", tmp_path_factory, **WIDTHS_32, mamba_proj_bias=True, use_conv_bias=False)
+    assert_fused_equals_per_op(folder, BATCH_3, **({"expert_cache_gb": CACHE_GB} if offloaded else {}))
+
+
 def test_the_pattern_covers_every_block_kind() -> None:
     assert set(TINY_PATTERN) == {"M", "E", "*", "-"}
 
