@@ -34,8 +34,23 @@ def checkpoint(name: str, tmp_path_factory: pytest.TempPathFactory, **fields: ob
     if name.endswith("-tiny"):
         return tiny_shape(name, tmp_path_factory)
     if name not in _FOLDERS:
-        _FOLDERS[name] = write_nemotron_h(tmp_path_factory.mktemp(name), torch.bfloat16, **fields)
+        _FOLDERS[name] = randomize_biases(write_nemotron_h(tmp_path_factory.mktemp(name), torch.bfloat16, **fields))
     return _FOLDERS[name]
+
+
+def randomize_biases(folder: Path) -> Path:
+    """transformers initialises biases to zero: give every `*.bias` of the checkpoint spread values, so a bias the
+    stack dropped is caught."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(1)
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, t in tensors.items():
+            if name.endswith(".bias"):
+                tensors[name] = (0.2 * torch.randn(t.shape, generator=g)).to(t.dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return folder
 
 
 @pytest.mark.parametrize("name", ["nemotron_h", "mamba-hybrid-tiny"])
@@ -50,8 +65,8 @@ def test_fused_step_gives_the_per_op_logits(interleaved_ok, tmp_path_factory, na
 
 @pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
 def test_projection_biases_and_no_conv_bias(interleaved_ok, tmp_path_factory, offloaded):
-    """Mamba-2's in_proj / out_proj with biases (mamba_proj_bias) and its conv without one (use_conv_bias=False)."""
-    folder = checkpoint("nemotron_h-bias", tmp_path_factory, **WIDTHS_32, mamba_proj_bias=True, use_conv_bias=False)
+    """Mamba-2's in_proj / out_proj with biases (transformers' use_bias; randomized) and its conv without one."""
+    folder = checkpoint("nemotron_h-bias", tmp_path_factory, **WIDTHS_32, use_bias=True, use_conv_bias=False)
     assert_fused_equals_per_op(folder, BATCH_3, **({"expert_cache_gb": CACHE_GB} if offloaded else {}))
 
 
