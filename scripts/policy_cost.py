@@ -5,14 +5,21 @@ on_insert, finish_read, release), and inside that the policy's own methods. A mi
 figures depend on the machine and its load; compare policies within one run (they alternate, `--rounds` times).
 
     .venv/bin/python scripts/policy_cost.py /work/shared/traces/flame-moe-290m --capacity 128 --rounds 3
+
+`--before REV` adds the default policy as git revision REV had it (experts/policies_lfru.py), as `lfru@REV`, to the
+alternation: a before/after figure from one run. `--stack K` replays K consecutive steps side by side as one step of
+a model with K times the layers (the same routing with a deeper layer cycle: 48 layers from FLAME's 8 with 6).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import subprocess
 import time
+import types
 from collections import defaultdict
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from moeserve.bench.simulate import LayerCall, split_bypass
 from moeserve.cli.simulate import load_calls
@@ -74,6 +81,22 @@ class Timed(EvictionPolicy):
             self._add("choose_victim", t)
 
 
+def policy_at(rev: str) -> type[EvictionPolicy]:
+    """The default policy's class as git revision `rev` had it (its module run from `git show`)."""
+    text = subprocess.run(["git", "show", f"{rev}:moeserve/experts/policies_lfru.py"], capture_output=True, text=True,
+                          check=True).stdout
+    module = types.ModuleType(f"policies_lfru_at_{rev}")
+    exec(compile(text, f"{rev}:moeserve/experts/policies_lfru.py", "exec"), module.__dict__)  # noqa: S102 - our code
+    return module.AdaptiveLFRUPolicy
+
+
+def stacked(steps: Sequence[Sequence[LayerCall]], k: int) -> list[LayerCall]:
+    """Every `k` consecutive steps as one step of `k` times the layers (step j's layer l becomes j * span + l)."""
+    span = 1 + max(c.layer for step in steps for c in step)
+    return [LayerCall(c.layer + j * span, c.expert_ids)
+            for t in range(0, len(steps) - k + 1, k) for j in range(k) for c in steps[t + j]]
+
+
 def replay(calls: Sequence[LayerCall], policy: EvictionPolicy, capacity: int, overhead_ns: float
            ) -> tuple[float, SlotCache]:
     """The store's per-call sequence on `calls` (single chunks: capacity >= any call); total ns spent in it."""
@@ -98,31 +121,36 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=128)
     ap.add_argument("--policy", default="lru,lfu,lfru,reuse")
     ap.add_argument("--rounds", type=int, default=3, help="replays per policy, alternated; the fastest is printed")
+    ap.add_argument("--before", metavar="REV", help="also time the default policy of git revision REV (lfru@REV)")
+    ap.add_argument("--stack", type=int, default=1, metavar="K", help="K steps side by side: K times the layers")
     args = ap.parse_args()
     _, steps, _ = load_calls(args.trace)
-    calls = [c for step in steps for c in step]
+    calls = stacked(steps, args.stack) if args.stack > 1 else [c for step in steps for c in step]
     names = [split_bypass(p)[0] for p in args.policy.split(",")]
+    factories: dict[str, Callable[[], EvictionPolicy]] = {name: functools.partial(make_policy, name) for name in names}
+    if args.before:
+        factories[f"lfru@{args.before}"] = policy_at(args.before)
     overhead = clock_overhead_ns()
     best: dict[str, tuple[float, Timed, SlotCache]] = {}
     for _ in range(args.rounds):
-        for name in names:
+        for name, factory in factories.items():
             for deferred in (False, True):  # DeferredHits: how the store wraps its policy
                 label = name + (" (deferred)" if deferred else "")
-                policy = make_policy(name)
+                policy = factory()
                 total, cache = replay(calls, DeferredHits(policy) if deferred else policy, args.capacity, overhead)
-                timed = Timed(make_policy(name), overhead)  # the same replay again, each policy method timed
+                timed = Timed(factory(), overhead)  # the same replay again, each policy method timed
                 replay(calls, DeferredHits(timed) if deferred else timed, args.capacity, overhead)
                 if label not in best or total < best[label][0]:
                     best[label] = (total, timed, cache)
     n = len(calls)
     methods = ("begin_layer", "on_hit", "on_insert", "on_evict", "choose_victim")
-    print(f"{n} layer calls, capacity {args.capacity}; CPU us per layer call (fastest of {args.rounds} rounds; "
+    print(f"{n} layer calls of {len({c.layer for c in calls})} layers, capacity {args.capacity}; CPU us per layer call (fastest of {args.rounds} rounds; "
           f"clock overhead {overhead:.0f} ns subtracted per interval); policy methods: us per call of that method")
-    print(f"{'policy':<22}{'hit rate':>9}{'cache+policy':>13}{'policy':>8}" + "".join(f"{m:>14}" for m in methods))
+    print(f"{'policy':<26}{'hit rate':>9}{'cache+policy':>13}{'policy':>8}" + "".join(f"{m:>14}" for m in methods))
     for label, (total, timed, cache) in best.items():
         inner = sum(timed.ns.values())
         per_method = [timed.ns[m] / 1e3 / timed.count[m] if timed.count[m] else 0.0 for m in methods]
-        print(f"{label:<22}{cache.stats.hit_rate:>9.3f}{total / 1e3 / n:>13.1f}{inner / 1e3 / n:>8.1f}"
+        print(f"{label:<26}{cache.stats.hit_rate:>9.3f}{total / 1e3 / n:>13.1f}{inner / 1e3 / n:>8.1f}"
               + "".join(f"{x:>14.2f}" for x in per_method))
 
 

@@ -155,28 +155,20 @@ class LFRUPolicy(EvictionPolicy):
             if not live or (layers is not None and layer not in layers):
                 continue
             found = top.get(layer)
-            if found is not None and found[2] not in pinned:
-                for k in found[4]:
-                    if k not in pinned:
-                        found = None
-                        break
-            else:
-                found = None
-            if found is None:
+            if found is None or found[2] in pinned or (found[4] and not _all_in(found[4], pinned)):
                 found = self._lowest_unpinned(layer, pinned, n)
                 if found is None:
                     continue
                 top[layer] = found
-            key, spread = found[2], found[3]
             if cycle:  # the longest expected calls to the next use: d until the layer runs again, + n (1/p - 1)
                 d = n - (tick - last_tick.get(layer, 0))
-                rank: float | tuple[float, int] = (d if d > 1 else 1) + spread
+                rank: float | tuple[float, int] = (d if d > 1 else 1) + found[3]
                 if victim is None or rank > best:  # type: ignore[operator]
-                    best, victim = rank, key
+                    best, victim = rank, found[2]
             else:  # the lowest score; ties: the layer that ran last
-                rank = (spread, -last_tick.get(layer, 0))
+                rank = (found[3], -last_tick.get(layer, 0))
                 if victim is None or rank < best:  # type: ignore[operator]
-                    best, victim = rank, key
+                    best, victim = rank, found[2]
         if victim is None:
             raise no_victim(self)
         return victim
@@ -209,6 +201,13 @@ class LFRUPolicy(EvictionPolicy):
             return math.inf
         p = min(1.0, math.exp(log_score) * self._per_use)
         return d + n * (1.0 / p - 1.0)
+
+
+def _all_in(keys: tuple[Key, ...], pinned: Container[Key]) -> bool:
+    for key in keys:
+        if key not in pinned:
+            return False
+    return True
 
 
 class _LayerRecency(EvictionPolicy):
