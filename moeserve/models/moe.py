@@ -239,13 +239,19 @@ class MoEBlock(MLP):
         self.predict_next: MoEBlock | None = None
 
     def predict(self, x: torch.Tensor) -> list[int]:
-        """The next MoE layer's experts for x [N, H], most often chosen first: its router applied to this
-        layer's input (hidden states change little from one layer to the next). A guess; only costs I/O."""
+        """The next MoE layer's experts for x [N, H], most often chosen first, ties (a single token's top-k
+        among them) by the summed chance the tokens choosing them give them: its router applied to this layer's
+        input (hidden states change little from one layer to the next). A guess; only costs I/O."""
         assert self.predict_next is not None
         nxt = self.predict_next
-        top = torch.topk(nxt.routing.logits(nxt.router, x), self.spec.top_k, dim=-1).indices  # [N, k]
-        counts = torch.bincount(top.reshape(-1), minlength=self.spec.num_experts)  # [E]
-        order = torch.argsort(counts, descending=True, stable=True)
+        probs = torch.softmax(nxt.routing.logits(nxt.router, x).float(), dim=-1)  # [N, E], monotone per token
+        chance, top = torch.topk(probs, self.spec.top_k, dim=-1)  # [N, k]
+        n = self.spec.num_experts
+        counts = torch.bincount(top.reshape(-1), minlength=n)  # [E]
+        summed = torch.zeros(n, dtype=torch.float64, device=top.device)
+        summed.index_add_(0, top.reshape(-1), chance.reshape(-1).double())
+        # each summed chance is below its count + 1 <= N + 1, so the count decides first
+        order = torch.argsort(counts.double() * (x.shape[0] + 1) + summed, descending=True, stable=True)
         return order[counts[order] > 0].tolist()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
