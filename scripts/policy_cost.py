@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--before", metavar="REV", help="also time the default policy of git revision REV (lfru@REV)")
     ap.add_argument("--stack", type=int, default=1, metavar="K", help="K steps side by side: K times the layers")
     args = ap.parse_args()
+    if args.stack < 1:
+        ap.error(f"--stack {args.stack}: must be >= 1 (steps side by side)")
     _, steps, _ = load_calls(args.trace)
     calls = stacked(steps, args.stack) if args.stack > 1 else [c for step in steps for c in step]
     names = [split_bypass(p)[0] for p in args.policy.split(",")]
