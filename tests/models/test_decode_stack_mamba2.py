@@ -70,6 +70,20 @@ def test_projection_biases_and_no_conv_bias(interleaved_ok, tmp_path_factory, of
     assert_fused_equals_per_op(folder, BATCH_3, **({"expert_cache_gb": CACHE_GB} if offloaded else {}))
 
 
+@pytest.mark.parametrize("name", ["nemotron_h", "mamba-hybrid-tiny"])
+def test_auto_chooses_the_fused_step(interleaved_ok, tmp_path_factory, name):
+    """decode_step=auto (the default) takes every block: why_not_fused is None and the start-up line says so."""
+    from moeserve.models.decode_stack import why_not_fused
+
+    llm = LLM(str(checkpoint(name, tmp_path_factory, **WIDTHS_32)), skip_tokenizer_init=True, dtype="bfloat16")
+    try:
+        model = llm.engine.model
+        assert why_not_fused(model) is None and model.decode_step is not None
+        assert f"all {len(model.layers)} layers in one C++ call" in dict(model.choices)["decode step"]
+    finally:
+        llm.engine.close()
+
+
 def test_the_pattern_covers_every_block_kind() -> None:
     assert set(TINY_PATTERN) == {"M", "E", "*", "-"}
 
