@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes, without a profiler's overhead, decode steps only (a 1-token run is
 subtracted). Any architecture: attention, Gated DeltaNet, MLA and Mamba-2 layers, dense and MoE FFNs.
 
-    .venv/bin/python scripts/decode_breakdown.py --shape hybrid [--rounds 3] [--tokens 32]
+    .venv/bin/python scripts/decode_breakdown.py --shape hybrid [--rounds 3] [--tokens 32] [--threads N]
     .venv/bin/python scripts/decode_breakdown.py ~/.cache/moeserve/bench/small-bf16 [--decode-step auto|fused|per_op]
 
 `--shape NAME`: a bench shape's synthetic checkpoint (`moeserve bench` builds the same one, cached).
@@ -41,12 +41,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed per round")
     ap.add_argument("--expert-cache-gb", type=float, default=None)
     ap.add_argument("--decode-step", default="auto", choices=("auto", "fused", "per_op"))
+    ap.add_argument("--threads", type=int, default=None, help="default: every usable core (1 on a busy machine)")
     args = ap.parse_args()
     if (args.model is None) == (args.shape is None):
         ap.error("give a model folder or --shape, not both")
     folder = args.model or str(shape_checkpoint(args.shape))
     llm = LLM(folder, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
-              expert_cache_gb=args.expert_cache_gb, decode_step=args.decode_step)
+              expert_cache_gb=args.expert_cache_gb, decode_step=args.decode_step, threads=args.threads)
     model = llm.engine.model
     print(f"{folder}: {layer_kinds(model)}; decode step: {llm.engine.choices['decode step']}")
     if model.decode_step is not None:
