@@ -62,7 +62,9 @@ from moeserve.state.kv_cache import (
     fixed_pool_bytes,
     group_block_bytes,
     kv_groups,
+    prefix_snapshots,
     size_pools,
+    snapshot_line,
 )
 from moeserve.state.manager import SequenceMemory
 from moeserve.tokenizer import Tokenizer
@@ -124,7 +126,7 @@ class LLMEngine:
 
         self.cpp_kernels = self._choose_kernels(s.kernels)
         self.max_num_batched_tokens = self._choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs)
-        self.kv_groups = spec_kv_groups(spec)
+        self.kv_groups = spec_kv_groups(spec, prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching))
         step = max(g.kind.prefill_step for g in self.kv_groups)
         if self.max_num_batched_tokens < step + s.max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} is too small for this model: its "
@@ -154,6 +156,9 @@ class LLMEngine:
                if no_reuse and s.enable_prefix_caching else "")
         self._chose("KV cache", f"paged: {self.kv.describe()} ({self.dtype_name}); prefix caching "
                                 f"{'on' if self.memory.prefix_caching else 'off'}{why}")
+        snapshots = snapshot_line(self.kv_groups, self._block_bytes, s.max_num_seqs, s.block_size)
+        if snapshots is not None:
+            self._chose("prefix snapshots", snapshots)
         kv_line = kv_per_token_line(spec, self.dtype.itemsize)
         if kv_line is not None:
             self._chose("KV per token", kv_line)
@@ -454,6 +459,7 @@ class LLMEngine:
 
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         batch = self._build_batch(scheduled)
+        self.kv.copy_blocks(self.memory.take_copies())  # recurrent prefix snapshots saved and restored
         logits = self.model.forward(batch, self.kv)
         if self.trace is not None:
             self.trace.end_step()
@@ -564,7 +570,7 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                  batched_tokens: int, runtime_bytes: int | None = None) -> MemoryNeeds:
     """What memory/split.py splits the budget among (the engine at start-up and `moeserve plan` alike): sizes from
     shapes, the runtime measured in this process now (`runtime_bytes` instead: `plan` is not the serving process)."""
-    groups = spec_kv_groups(spec)
+    groups = spec_kv_groups(spec, prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching))
     a, m = spec.attention, spec.moe
     block_bytes = group_block_bytes(groups, s.block_size, a.num_kv_heads, a.head_dim, dtype)
     model_max = s.max_model_len or spec.max_position_embeddings
@@ -585,21 +591,22 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                        workspace)
 
 
-def spec_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
+def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
     """The sequence-memory groups of a model: attention layers by window, linear-attention layers as one
-    recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state)."""
+    recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state, and
+    `snapshots` slots more for prefix snapshots)."""
     la, mamba = spec.linear_attention, spec.mamba
     latent = LatentKV(spec.mla.latent_width) if spec.mla is not None else None  # MLA: one latent row per token
     windows, stateless = spec.attention.sliding_window, spec.mixerless_layers
     if mamba is not None:  # Mamba-2: the conv's last inputs and the [heads, head_dim, state] SSM state
         kind = RecurrentState(conv_shape=(mamba.conv_kernel - 1, mamba.conv_dim),
                               state_shape=(mamba.num_heads, mamba.head_dim, mamba.state_size),
-                              prefill_chunk=MAMBA_CHUNK)
+                              prefill_chunk=MAMBA_CHUNK, snapshots=snapshots)
         return kv_groups(windows, kind, mamba.layers, latent, stateless)
     if la is None:
         return kv_groups(windows, latent=latent, stateless_layers=stateless)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
-                          state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK)
+                          state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
     return kv_groups(windows, kind, la.layers, latent, stateless)
 
 

@@ -90,8 +90,9 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
         """`n` tokens from `start`, or fewer (0: none this step) where the sequence memory wants the chunk to end (a
-        recurrent layer's chunk grid: SequenceMemory.prefill_end), so a prompt in chunks gives the bits of one pass."""
-        return self.memory.prefill_end(start, start + n, len(seq.prompt_token_ids)) - start
+        recurrent layer's chunk grid: SequenceMemory.prefill_end), so a prompt in chunks gives the bits of one pass; or
+        where the sequence leaves a prefix snapshot of its recurrent state."""
+        return self.memory.prefill_end(start, start + n, len(seq.prompt_token_ids), seq.blocks) - start
 
     def _grow(self, seq: Sequence, n: int) -> bool:
         """Blocks for `n` more tokens of running `seq`, preempting the newest running sequences while the pools
@@ -124,7 +125,7 @@ class Scheduler:
                 break
             assert seq.blocks is not None
             tokens = seq.all_token_ids
-            cached = self.memory.admit(seq.blocks, tokens)
+            cached = self.memory.admit(seq.blocks, tokens, len(seq.prompt_token_ids))
             n = self._chunk(seq, cached, min(seq.length - cached, budget))
             if n == 0:  # no chunk boundary within this step's budget: admitted at a later step
                 self.memory.free(seq.blocks)
@@ -159,7 +160,7 @@ class Scheduler:
         for seq, n in scheduled:
             seq.num_cached += n
             assert seq.blocks is not None
-            self.memory.computed(seq.blocks, seq.all_token_ids, seq.num_cached)
+            self.memory.computed(seq.blocks, seq.all_token_ids, seq.num_cached, len(seq.prompt_token_ids))
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks."""

@@ -11,9 +11,12 @@ manager (state/manager.py) does the rest the same way for every kind.
 - `SlidingWindow(window)`: a token attends to the last `window` positions only; blocks that fall out of the
   window are freed as the sequence advances.
 - `RecurrentState`: a fixed-size state per sequence (linear attention, SSM): one block per sequence whatever its
-  length (its "block" is the sequence's state slot, allocated at admission, freed at finish or preemption); its
-  prefixes are not cached (a state is only valid at the position it was left at), so a model with such layers runs
-  without prefix reuse (SequenceMemory.prefix_caching is off, and the engine logs why).
+  length (its "block" is the sequence's state slot, allocated at admission, freed at finish or preemption). A state
+  is only valid at the position it was left at, so its prefixes are cached as snapshots: copies of a sequence's
+  state taken where a prefill chunk ends on a snapshot point (a full-block boundary on the chunk grid), kept in
+  `snapshots` extra slots of the same pool under that block's prefix hash, evicted LRU like blocks; a hit of k
+  blocks needs a snapshot at block k, copied into the new sequence's slot (`restore_block`). Without snapshot
+  slots a model with such layers runs without prefix reuse (SequenceMemory.prefix_caching off, logged).
 
 A kind also says how many sequences' worth of blocks its pool needs whatever the context (`fixed_blocks`), what
 one block costs (`block_bytes`), which cache row a token's state goes to (`slot_of`) and where a prefill chunk may
@@ -22,6 +25,7 @@ end (`prefill_end`: a recurrent layer's chunk form is exact only on its own grid
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
@@ -30,6 +34,10 @@ class CacheKind(ABC):
     name: str = ""
     caches_prefixes: bool = True  # its full blocks can be registered and reused by other sequences
     prefill_step: int = 1  # a prefill chunk computes a multiple of this many positions (or ends the prompt)
+    holds_token_blocks: bool = True  # table entry i holds the tokens of block i (registered and taken by hash)
+    # tokens computed one by one after the prompt (decode) get other bits than in a prompt chunk (a recurrent
+    # step vs its chunk form): no prefix hit or cached block may reach past a prompt, in any group of the model
+    decode_differs: bool = False
 
     @abstractmethod
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
@@ -44,6 +52,16 @@ class CacheKind(ABC):
         i-th full block (None: not cached): every block still read after the hit must be there."""
         lo = self.first_live_block(k * block_size, block_size)
         return all(found[i] is not None for i in range(lo, k))
+
+    def restore_block(self, found: Sequence[int | None], k: int) -> int | None:
+        """The cached block to copy into the sequence's own first block on a hit of `k` full blocks (None: the
+        hit's blocks are shared as they are)."""
+        return None
+
+    def snapshot_point(self, position: int, block_size: int) -> bool:
+        """Whether a prefill chunk ending at `position` (a full-block boundary) leaves a state worth a copy kept
+        for later prompts with this prefix (recurrent snapshots; never for kinds that share their blocks)."""
+        return False
 
     def describe(self) -> str:
         return self.name
@@ -108,27 +126,43 @@ class SlidingWindow(CacheKind):
 class RecurrentState(CacheKind):
     """One state slot per sequence per layer of the group: `conv_shape` elements in the compute dtype (a short
     convolution's last inputs) and `state_shape` elements in fp32 (the recurrent state). Prompt tokens are computed
-    in chunks of `prefill_chunk` positions from 0, so a prefill chunk ends on that grid or at the prompt's end."""
+    in chunks of `prefill_chunk` positions from 0, so a prefill chunk ends on that grid or at the prompt's end.
+    `snapshots` more slots of the pool hold copies of states at snapshot points (0: no prefix caching)."""
 
     name = "recurrent state"
-    caches_prefixes = False
+    holds_token_blocks = False  # the table is the sequence's one slot; its prefixes are snapshots
+    decode_differs = True  # the recurrent step and the chunk form agree to rounding only (docs/hybrid-models.md)
 
     def __init__(self, conv_shape: tuple[int, ...] = (), state_shape: tuple[int, ...] = (),
-                 prefill_chunk: int = 1) -> None:
+                 prefill_chunk: int = 1, snapshots: int = 0) -> None:
         self.conv_shape, self.state_shape, self.prefill_chunk = conv_shape, state_shape, prefill_chunk
         self.prefill_step = prefill_chunk
+        self.snapshots = snapshots
+        self.caches_prefixes = snapshots > 0
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return 1 if num_tokens > 0 else 0
 
     def usable_hit(self, found: Sequence[int | None], k: int, block_size: int) -> bool:
-        return k == 0
+        """A hit of k blocks resumes from the snapshot of block k (none needed for k == 0)."""
+        return k == 0 or found[k - 1] is not None
+
+    def restore_block(self, found: Sequence[int | None], k: int) -> int | None:
+        return found[k - 1] if k > 0 else None
+
+    def snapshot_point(self, position: int, block_size: int) -> bool:
+        """Full-block boundaries on the chunk grid: a prompt resumed there is cut where one pass's chunks are."""
+        step = math.lcm(block_size, self.prefill_chunk)
+        return self.snapshots > 0 and position > 0 and position % step == 0
+
+    def describe(self) -> str:
+        return f"{self.name} (+{self.snapshots} prefix snapshots)" if self.snapshots else self.name
 
     def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
         return num_layers * (_numel(self.conv_shape) * itemsize + _numel(self.state_shape) * 4)
 
     def fixed_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int | None:
-        return max_num_seqs  # one slot per running sequence, whatever its length
+        return max_num_seqs + self.snapshots  # one slot per running sequence, whatever its length, + snapshots
 
     def slot_of(self, table: Sequence[int], position: int, block_size: int) -> int:
         return table[0]

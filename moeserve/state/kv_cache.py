@@ -18,6 +18,7 @@ every head at once; its blocks are numbered, shared and cached like full attenti
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,6 +73,7 @@ class PagedKVCache:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tensors: list[torch.Tensor] = []
         self._latent: dict[int, torch.Tensor] = {}
+        self._by_block: dict[int, list[tuple[torch.Tensor, int]]] = {}  # group -> (tensor, its block dim)
         for g, (group, n) in enumerate(zip(self.groups, self.num_blocks)):
             if isinstance(group.kind, RecurrentState):  # the one kind whose memory is not rows of K and V
                 self._add_recurrent(g, group, group.kind, n, dtype, device)
@@ -82,6 +84,7 @@ class PagedKVCache:
             kv = torch.zeros((len(group.layers), 2, n, num_kv_heads, block_size, head_dim), dtype=dtype,
                              device=device)
             self._tensors.append(kv)
+            self._by_block[g] = [(kv, 2)]
             for i, layer in enumerate(group.layers):
                 self._group_of[layer] = g
                 self._layers[layer] = (kv[i, 0], kv[i, 1])  # views made once: slicing costs ~10 us per call
@@ -91,6 +94,7 @@ class PagedKVCache:
         conv = torch.zeros((len(group.layers), slots, *kind.conv_shape), dtype=dtype, device=device)
         state = torch.zeros((len(group.layers), slots, *kind.state_shape), dtype=torch.float32, device=device)
         self._tensors += [conv, state]
+        self._by_block[g] = [(conv, 1), (state, 1)]
         for i, layer in enumerate(group.layers):
             self._group_of[layer] = g
             self._layers[layer] = (conv[i], state[i])
@@ -99,6 +103,7 @@ class PagedKVCache:
                     device: torch.device) -> None:
         latent = torch.zeros((len(group.layers), blocks, self.block_size, kind.width), dtype=dtype, device=device)
         self._tensors.append(latent)
+        self._by_block[g] = [(latent, 1)]
         for i, layer in enumerate(group.layers):
             self._group_of[layer] = g
             self._latent[layer] = latent[i]
@@ -110,6 +115,13 @@ class PagedKVCache:
     def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv inputs [slots, *conv_shape], state [slots, *state_shape] fp32) of a recurrent `layer`."""
         return self._layers[layer]
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """For each (group, src, dst) in order: block (a recurrent group: state slot) `dst` of every layer of the
+        group takes the contents of `src` (SequenceMemory.take_copies: prefix snapshots saved and restored)."""
+        for g, src, dst in copies:
+            for tensor, dim in self._by_block[g]:
+                tensor.select(dim, dst).copy_(tensor.select(dim, src))
 
     @property
     def nbytes(self) -> int:
@@ -157,3 +169,29 @@ def fixed_pool_bytes(groups: Sequence[KVGroup], block_bytes: Sequence[int], bloc
     fixed = sum(n * b for f, n, b in zip(is_fixed, sizes, block_bytes) if f)
     per_token = sum(b for f, b in zip(is_fixed, block_bytes) if not f) // block_size
     return fixed, per_token
+
+
+SNAPSHOTS_PER_SEQ = 2  # a step holds at most a save and a restore per sequence until its copies are made
+
+
+def prefix_snapshots(max_num_seqs: int, prefix_caching: bool) -> int:
+    """Snapshot slots a recurrent group keeps beside its `max_num_seqs` running slots (0: no prefix caching):
+    SNAPSHOTS_PER_SEQ per running sequence, so the snapshots held between a step's planning and its copies (a save
+    per sequence whose chunk ended on a snapshot point, a restore per admitted one) never take a running
+    sequence's slot, and the rest keep the most recently used shared prefixes."""
+    return SNAPSHOTS_PER_SEQ * max_num_seqs if prefix_caching else 0
+
+
+def snapshot_line(groups: Sequence[KVGroup], block_bytes: Sequence[int], max_num_seqs: int,
+                  block_size: int) -> str | None:
+    """The start-up line of the recurrent prefix snapshots (None: the model keeps none)."""
+    for group, nbytes in zip(groups, block_bytes):
+        kind = group.kind
+        if isinstance(kind, RecurrentState) and kind.snapshots:
+            every = math.lcm(block_size, kind.prefill_chunk)
+            return (f"{kind.snapshots} recurrent-state slots ({kind.snapshots * nbytes / 2**20:.1f} MiB of the KV "
+                    f"budget) beside the {max_num_seqs} running ones: {SNAPSHOTS_PER_SEQ} per running sequence (a "
+                    f"save and a restore each per step), taken at multiples of {every} tokens (the block size on "
+                    f"the {kind.prefill_chunk}-position chunk grid) where a prompt leaves a prefix an earlier one "
+                    f"computed, evicted least recently used")
+    return None

@@ -105,7 +105,7 @@ def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny_checkpoint
     folder = tiny_checkpoint("qwen3_next", dtype="bfloat16")
     prompts = X.random_prompts(7, (40,) * 4)
     solo = X.run_alone(folder, prompts, 30, max_model_len=128)
-    assert "prefix caching off (recurrent state layers" in solo.choices["KV cache"]
+    assert "prefix caching on" in solo.choices["KV cache"]  # recompute after preemption may resume from a snapshot
     X.assert_batched_and_preempted_equal_solo(folder, [(0, p) for p in prompts], 12, 30, 128, solo)
 
 
