@@ -18,6 +18,9 @@ from moeserve.experts.policy_base import (
     no_victim,
 )
 
+# A layer's victim candidate: (priority, push number, key, spread, skipped pinned keys, the layer's last tick).
+_Candidate = tuple[float, int, Key, float, tuple[Key, ...], int]
+
 
 class LFRUPolicy(EvictionPolicy):
     """Frequency-weighted recency, aged per visit of the key's own layer (the default policy).
@@ -70,9 +73,10 @@ class LFRUPolicy(EvictionPolicy):
         self._live: dict[int, dict[Key, int]] = {}
         self._pushes = 0
         # Per layer: its lowest live entry outside `skipped`, the keys of the live entries below it, pinned when it was
-        # found: (priority, push number, key, its `_spread`, skipped). Dropped when an entry goes below it, it leaves,
-        # the layer runs or a new layer appears; used while `skipped` are still pinned and the key is not.
-        self._top: dict[int, tuple[float, int, Key, float, tuple[Key, ...]]] = {}
+        # found: (priority, push number, key, its `_spread`, skipped, the layer's last tick). Dropped when an entry
+        # goes below it, it leaves, the layer runs or a new layer appears; used while `skipped` are still pinned and
+        # the key is not.
+        self._top: dict[int, _Candidate] = {}
 
     def begin_layer(self, layer: int) -> None:
         self._tick += 1
@@ -113,7 +117,7 @@ class LFRUPolicy(EvictionPolicy):
             if top[2] == key:
                 del self._top[layer]
             elif priority < top[0]:  # below the candidate: it stays the lowest while `key` is pinned too
-                self._top[layer] = (top[0], top[1], top[2], top[3], (*top[4], key))
+                self._top[layer] = (top[0], top[1], top[2], top[3], (*top[4], key), top[5])
         if len(heap) > 4 * len(live) + 64:  # too many stale entries: rebuild, amortised O(1)
             heap[:] = [e for e in heap if live.get(e[2]) == e[1]]
             heapq.heapify(heap)
@@ -148,7 +152,8 @@ class LFRUPolicy(EvictionPolicy):
         self._drop(key)  # scored as used, not cached
 
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
-        n, tick, last_tick, top, cycle = len(self._visits), self._tick, self._last_tick, self._top, self._cycle
+        n, top, cycle = len(self._visits), self._top, self._cycle
+        base = n - self._tick  # + a layer's last tick: calls until its next visit (d below)
         best: float | tuple[float, int] = 0.0
         victim: Key | None = None
         for layer, live in self._live.items():  # one candidate per layer: O(layers)
@@ -156,17 +161,19 @@ class LFRUPolicy(EvictionPolicy):
                 continue
             found = top.get(layer)
             if found is None or found[2] in pinned or (found[4] and not _all_in(found[4], pinned)):
-                found = self._lowest_unpinned(layer, pinned, n)
-                if found is None:
+                lowest = lowest_unpinned(self._heap[layer], live, pinned)  # and the pinned keys below it
+                if lowest is None:
                     continue
-                top[layer] = found
+                (priority, number, key), skipped = lowest
+                found = top[layer] = (priority, number, key, self._spread(layer, priority, n), skipped,
+                                      self._last_tick.get(layer, 0))
             if cycle:  # the longest expected calls to the next use: d until the layer runs again, + n (1/p - 1)
-                d = n - (tick - last_tick.get(layer, 0))
+                d = base + found[5]
                 rank: float | tuple[float, int] = (d if d > 1 else 1) + found[3]
                 if victim is None or rank > best:  # type: ignore[operator]
                     best, victim = rank, found[2]
             else:  # the lowest score; ties: the layer that ran last
-                rank = (found[3], -last_tick.get(layer, 0))
+                rank = (found[3], -found[5])
                 if victim is None or rank < best:  # type: ignore[operator]
                     best, victim = rank, found[2]
         if victim is None:
@@ -182,16 +189,6 @@ class LFRUPolicy(EvictionPolicy):
         if log_now == -math.inf:
             return math.inf
         return n * (1.0 / min(1.0, math.exp(log_now) * self._per_use) - 1.0)
-
-    def _lowest_unpinned(self, layer: int, pinned: Container[Key], n: int
-                         ) -> tuple[float, int, Key, float, tuple[Key, ...]] | None:
-        """`layer`'s lowest live entry whose key is not in `pinned`, with its `_spread` and the (pinned) keys of the
-        live entries below it; None when every live key is pinned."""
-        found = lowest_unpinned(self._heap[layer], self._live[layer], pinned)
-        if found is None:
-            return None
-        (priority, number, key), skipped = found
-        return priority, number, key, self._spread(layer, priority, n), skipped
 
     def _time_to_use(self, layer: int, log_score: float) -> float:
         """Expected layer calls until a key of `layer` with this log score is used: the cycle is n layers long."""
