@@ -247,7 +247,7 @@ def test_a_mixed_hit_is_cut_back_to_one_every_group_can_use(evict: str) -> None:
 def test_recurrent_state_holds_one_block_and_never_hits() -> None:
     for kinds in ([RecurrentState()], [FullAttention(), RecurrentState()]):
         mem = SequenceMemory(kinds, [16] * len(kinds), BS)
-        assert not mem.prefix_caching, "a recurrent state is only valid where it was left"
+        assert not mem.prefix_caching, "without snapshot slots a recurrent state is only valid where it was left"
         toks = prompt(100)
         a = prefill(mem, toks)
         assert len(a.tables[-1]) == 1 and mem.pools[-1].num_used == 1

@@ -1,5 +1,6 @@
-"""RecurrentState (linear-attention layers) in the sequence memory: one slot per sequence, no prefix reuse,
-prefill chunks on the layer's chunk grid, pools sized per sequence whatever the context."""
+"""RecurrentState (linear-attention layers) in the sequence memory: one slot per sequence, no prefix reuse without
+snapshot slots (with them: tests/state/test_prefix_snapshots.py), prefill chunks on the layer's chunk grid, pools
+sized per sequence whatever the context."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_prefill_chunks_end_on_the_grid_or_at_the_prompt_end() -> None:
 
 def test_scheduler_cuts_prompts_on_the_grid() -> None:
     memory = SequenceMemory([FullAttention(), KIND], [64, 4], 16)
-    assert not memory.prefix_caching  # a recurrent layer: no prefix reuse
+    assert not memory.prefix_caching  # a recurrent layer without snapshot slots: no prefix reuse
     sched = Scheduler(max_num_seqs=4, max_num_batched_tokens=100, memory=memory)
     seq = Sequence("r", 0, list(range(250)), SamplingParams(max_tokens=4), 512, set())
     sched.add([seq])
