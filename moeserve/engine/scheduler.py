@@ -125,7 +125,8 @@ class Scheduler:
                 break
             assert seq.blocks is not None
             tokens = seq.all_token_ids
-            cached = self.memory.admit(seq.blocks, tokens, len(seq.prompt_token_ids))
+            shared_later = seq.first_sibling is seq and seq.params.n > 1  # its siblings resume from its prompt
+            cached = self.memory.admit(seq.blocks, tokens, len(seq.prompt_token_ids), shared_later)
             n = self._chunk(seq, cached, min(seq.length - cached, budget))
             if n == 0:  # no chunk boundary within this step's budget: admitted at a later step
                 self.memory.free(seq.blocks)

@@ -81,9 +81,12 @@ class SequenceMemory:
         return SeqBlocks([[] for _ in self.pools])
 
     # ---------------------------------------------------------------------------------------- admission
-    def admit(self, seq: SeqBlocks, prompt: Sequence[int], prompt_len: int | None = None) -> int:
+    def admit(self, seq: SeqBlocks, prompt: Sequence[int], prompt_len: int | None = None,
+              shared_later: bool = False) -> int:
         """Take the cached blocks of the longest usable prefix of `prompt` (a sequence's tokens, of which the first
-        `prompt_len` are its prompt: all when None); returns how many tokens they hold."""
+        `prompt_len` are its prompt: all when None); returns how many tokens they hold. `shared_later`: other
+        sequences will take this prompt (a request's n > 1 siblings): it leaves a snapshot as near its end as
+        they can use."""
         assert not seq.held, "admit a sequence that holds no blocks"
         if not self.prefix_caching:
             return 0
@@ -113,7 +116,8 @@ class SequenceMemory:
                 else:
                     table.append(-1)
         seq.hashes = hashes[:k]
-        seq.cuts = self.snapshot_cuts(k * bs, len(hashes) * bs, prompt_len)
+        shared = max(len(hashes) * bs, (prompt_len - 1) // bs * bs if shared_later else 0)
+        seq.cuts = self.snapshot_cuts(k * bs, shared, prompt_len)
         return k * bs
 
     def _lookup(self, prompt: Sequence[int], limit: int) -> tuple[list[int], list[list[int | None]]]:
@@ -138,8 +142,8 @@ class SequenceMemory:
         """Where a prefill chunk of a sequence admitted with a `hit` ends to leave a snapshot: the last snapshot
         point past the hit within the `shared` tokens whose blocks an earlier sequence computed (a prefix seen
         twice, such as a system prompt or the previous turn of a conversation: the next prompt with it resumes
-        there). Never a cut in a prompt that shares nothing (it would cost a step for a prefix seen once); chunks
-        that end on a snapshot point anyway leave one too (`computed`)."""
+        there). Never a cut in a prompt that shares nothing and is not `shared_later` by `admit` (a step for a prefix
+        seen once); chunks that end on a snapshot point anyway leave one too (`computed`)."""
         bs = self.block_size
         points = [p for p in range(hit + bs, min(shared, prompt_len) + 1, bs)
                   if any(kind.snapshot_point(p, bs) for kind in self.kinds)]

@@ -158,3 +158,23 @@ def test_scheduler_cuts_a_prompt_where_it_leaves_a_shared_prefix() -> None:
             sched.computed(out)
         sched.finish(seq)
         assert steps == ([340] if i == 0 else [256, 94])
+
+
+def test_siblings_resume_from_a_snapshot_near_the_prompts_end() -> None:
+    """n > 1: the first sequence's prefill is cut at the last snapshot point its siblings can use (never the
+    whole prompt: 144 of 150 -> 128), and they resume there."""
+    mem = memory(live=4)
+    sched = Scheduler(4, 2048, mem)
+    params = SamplingParams(max_tokens=2, n=3)
+    seqs = [Sequence("n3", i, list(range(150)), params, 512, set()) for i in range(3)]
+    for s in seqs:
+        s.first_sibling = seqs[0]
+    sched.add(seqs)
+    steps = []
+    for _ in range(3):
+        out = sched.schedule()
+        mem.take_copies()
+        steps.append(sorted(n for _, n in out))
+        sched.computed(out)
+    assert steps == [[128], [22], [22, 22]], "the siblings wait, then compute only what follows the snapshot"
+    assert mem.stats.hit_tokens == 256 and mem.stats.snapshots_restored == 2
