@@ -228,6 +228,8 @@ class DeferredHits(EvictionPolicy):
     def flush(self) -> None:
         """Replay the logged visits and hits into the wrapped policy."""
         log, inner = self._log, self.inner
+        if not log:  # most calls after the first miss of a layer call: nothing new
+            return
         for is_hit, item in log:
             if is_hit:
                 inner.on_hit(item)
