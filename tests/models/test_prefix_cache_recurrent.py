@@ -28,11 +28,13 @@ import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.engine.llm_engine import spec_kv_groups
+from moeserve.memory.rss import current_rss_bytes
 from moeserve.models.validate import read_model
 from tests.logits_capture import capturing_logits
 from tests.models import exactness as X
 from tests.models.exactness import STEPS
 from tests.models.nemotron_h_checkpoints import write_nemotron_h
+from tests.models.real_dims_checkpoints import write_qwen35
 
 SHARED = 300
 
@@ -88,15 +90,15 @@ def hits(run: dict[str, Any]) -> list[int]:
     return [v[3] for k, v in run.items() if ":" in k]
 
 
-def check_model(folder: Path) -> None:
+def check_model(folder: Path, **settings: Any) -> None:
     p = prompts(3)
     order = [("A", p["A"]), ("B", p["B"]), ("C", p["C"]), ("A", p["A"]), ("A", p["A"])]
-    cached = run_each(folder, order)
+    cached = run_each(folder, order, **settings)
     assert "prefix caching on" in cached["choices"]["KV cache"], cached["choices"]["KV cache"]
     assert "16 recurrent-state slots" in cached["choices"]["prefix snapshots"]
     assert hits(cached) == [0, 0, 256, 256, 320]
     assert (cached["stats"].snapshots_saved, cached["stats"].snapshots_restored) == (2, 3)  # B's 256, A's 320
-    assert_equal_to_uncached(cached, run_each(folder, order, enable_prefix_caching=False))
+    assert_equal_to_uncached(cached, run_each(folder, order, enable_prefix_caching=False, **settings))
 
 
 def check_eviction(folder: Path) -> None:
@@ -126,6 +128,14 @@ def test_qwen3_next_evicted_snapshots_fall_back_to_recompute(tiny_checkpoint) ->
 
 def test_nemotron_h_evicted_snapshots_fall_back_to_recompute(nemotron: dict[str, Path]) -> None:
     check_eviction(nemotron["bfloat16"])
+
+
+@pytest.mark.slow
+def test_qwen3_5_real_dims_prefix_hits_are_exact(checkpoint_once) -> None:
+    """Qwen3.5-35B-A3B's dimensions (hidden 2048, 32 value heads of 128: 2 MiB of state per layer; 4 layers, 12
+    experts; the checkpoint tests/models/test_real_dims_exactness.py writes), bf16, default settings."""
+    folder = checkpoint_once("real_dims-Qwen3.5-35B-A3B", write_qwen35)
+    check_model(folder, memory_gb=6 + current_rss_bytes() / 2**30)
 
 
 def test_snapshots_are_sized_in_the_memory_budget(tiny_checkpoint) -> None:
