@@ -188,7 +188,8 @@ class LFRUPolicy(EvictionPolicy):
             return round(log_now, 9)
         if log_now == -math.inf:
             return math.inf
-        return n * (1.0 / min(1.0, math.exp(log_now) * self._per_use) - 1.0)
+        p = min(1.0, math.exp(log_now) * self._per_use)
+        return math.inf if p == 0.0 else n * (1.0 / p - 1.0)  # p == 0: the score underflowed (~17,000 unused visits)
 
     def _time_to_use(self, layer: int, log_score: float) -> float:
         """Expected layer calls until a key of `layer` with this log score is used: the cycle is n layers long."""
@@ -197,7 +198,7 @@ class LFRUPolicy(EvictionPolicy):
         if log_score == -math.inf:
             return math.inf
         p = min(1.0, math.exp(log_score) * self._per_use)
-        return d + n * (1.0 / p - 1.0)
+        return math.inf if p == 0.0 else d + n * (1.0 / p - 1.0)
 
 
 def _all_in(keys: tuple[Key, ...], pinned: Container[Key]) -> bool:

@@ -66,10 +66,8 @@ class RefScoring(EvictionPolicy):
 
     def time_to_use(self, layer: int, log_score: float) -> float:
         n = len(self.visits)
-        if log_score == -math.inf:
-            return math.inf
-        return max(1, n - (self.tick - self.last_tick.get(layer, 0))) + n * (
-            1.0 / min(1.0, math.exp(log_score) * self.per_use) - 1.0)
+        p = 0.0 if log_score == -math.inf else min(1.0, math.exp(log_score) * self.per_use)  # chance of use per visit
+        return math.inf if p == 0.0 else max(1, n - (self.tick - self.last_tick.get(layer, 0))) + n * (1.0 / p - 1.0)
 
     def admit(self, key: Key, victim: Key) -> bool:
         log_s = self.log_now(key)
@@ -250,3 +248,19 @@ def test_default_policy_chooses_the_reference_victim_at_every_miss(trace, capaci
     first = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
     assert first is None, f"first difference at event {first}: {got[first]} != reference {want[first]}"
     assert ref.winner == fast.winner  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_a_key_unused_for_longer_than_a_float_can_age_is_the_victim_not_an_error(admission: bool) -> None:
+    """After ~17,000 visits of its layer without a use, a cached key's chance of use underflows to 0: its expected
+    time to the next use is infinite (it was a division by zero), for the victim choice and for admission."""
+    for policy in (make_policy("lfru"), RefAdaptiveLFRU()):
+        policy.begin_layer(0)
+        policy.on_insert((0, 0))
+        policy.on_insert((0, 1))
+        for _ in range(20_000):
+            policy.begin_layer(0)
+            policy.on_hit((0, 1))
+        assert policy.choose_victim(set()) == (0, 0)
+        if admission:
+            assert policy.admit((0, 2), (0, 0))
