@@ -14,8 +14,9 @@ kernels auto = C++ where they build, the default thread count):
 
 from __future__ import annotations
 
-import gc
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,15 +54,17 @@ class Run:
     pools: tuple = ()  # (KV groups, block bytes, max_num_seqs, max_num_batched_tokens): to size a tight pool
     batch_steps: list[int] = field(default_factory=list)  # engine steps of each batch run one after the other
     misses: int = 0  # expert-store misses (0: every expert resident or cached)
+    fused: list[bool] = field(default_factory=list)  # per engine step: run by the fused decode step (decode_stack.py)
 
     def requests(self, *indices: int) -> Run:
         """Of a `run_alone`: the run of the prompts at `indices`, in that order (their steps' logits, their outputs),
         as a `run_alone` of those prompts gives them."""
         assert len(self.batch_steps) == len(self.outs), "not a run of prompts one by one"
         starts = [sum(self.batch_steps[:i]) for i in range(len(self.batch_steps))]
-        logits = [x for i in indices for x in self.logits[starts[i]:starts[i] + self.batch_steps[i]]]
-        return Run(logits, [self.outs[i] for i in indices], self.unit_nbytes, self.choices, self.pools,
-                   [self.batch_steps[i] for i in indices], self.misses)
+        spans = [range(starts[i], starts[i] + self.batch_steps[i]) for i in indices]
+        return Run([self.logits[s] for span in spans for s in span], [self.outs[i] for i in indices],
+                   self.unit_nbytes, self.choices, self.pools, [self.batch_steps[i] for i in indices], self.misses,
+                   [self.fused[s] for span in spans for s in span])
 
     def first(self, steps: int) -> Run:
         """Of one request's run whose every step sampled a token (a prompt in one pass): its first `steps` steps, as a
@@ -69,7 +72,7 @@ class Run:
         assert len(self.outs) == 1 and len(self.logits) == len(self.outs[0][0]), "not one request in one pass"
         tokens, logprobs = self.outs[0]
         return Run(self.logits[:steps], [(tokens[:steps], logprobs[:steps])], self.unit_nbytes, self.choices,
-                   self.pools, [steps], self.misses)
+                   self.pools, [steps], self.misses, self.fused[:steps])
 
     def kv_cache_gb(self, blocks: int, max_model_len: int, block_size: int = 16) -> float:
         """A kv_cache_gb whose full-attention (or latent) pools hold `blocks` blocks beside the fixed pools
@@ -83,20 +86,7 @@ class Run:
         return self.logits[-steps:]
 
 
-BIG_MODEL_BYTES = 256 * 2**20
-
-
-def free_closed_engines(folder: Path) -> None:
-    """A closed engine's weights stay in memory until its reference cycles are collected (measured: 3.3 GiB of
-    DeepSeek-V3 after close, 0.26 GiB after gc.collect): before a big model (`folder`'s weights over BIG_MODEL_BYTES)
-    is loaded, collect them, else two models' weights are held at once (the DeepSeek-V3 real-dims case peaked at
-    12.6 GiB). Not before a tiny one: a collection costs 0.1-0.5 s in a long pytest process."""
-    if sum(f.stat().st_size for f in folder.glob("*.safetensors")) > BIG_MODEL_BYTES:
-        gc.collect()
-
-
 def open_llm(folder: Path, **settings: Any) -> LLM:
-    free_closed_engines(folder)
     return LLM(str(folder), skip_tokenizer_init=True, **{"max_model_len": MAX_MODEL_LEN, **settings})
 
 
@@ -106,7 +96,7 @@ def _run(folder: Path, batches: list[list[list[int]]], steps: int, settings: dic
     engine = llm.engine
     outs, batch_steps = [], []
     try:
-        with capturing_logits(engine) as logits:
+        with capturing_logits(engine) as logits, fused_steps(engine, logits) as fused:
             for prompts in batches:
                 before = len(logits)
                 done = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(steps))
@@ -116,7 +106,38 @@ def _run(folder: Path, batches: list[list[list[int]]], steps: int, settings: dic
         engine.close()
     pools = (engine.kv_groups, engine._block_bytes, engine.settings.max_num_seqs, engine.max_num_batched_tokens)
     store = engine.model.store
-    return Run(logits, outs, store.unit_nbytes, dict(engine.choices), pools, batch_steps, store.stats.misses)
+    return Run(logits, outs, store.unit_nbytes, dict(engine.choices), pools, batch_steps, store.stats.misses,
+               [i in fused for i in range(len(logits))])
+
+
+@contextmanager
+def fused_steps(engine: Any, logits: list[torch.Tensor]) -> Iterator[set[int]]:
+    """While inside: the set of the engine steps (indices into `logits`, capturing_logits' list) that the model's
+    fused decode step ran (none when it has none)."""
+    fused: set[int] = set()
+    step = engine.model.decode_step
+    if step is None:
+        yield fused
+        return
+    run = step.run
+
+    def counted(*args: Any) -> torch.Tensor:
+        fused.add(len(logits))  # this step's logits are appended when the forward returns
+        return run(*args)
+
+    step.run = counted
+    try:
+        yield fused
+    finally:
+        del step.run  # the class's method again
+
+
+def assert_decode_steps_fused(run: Run) -> None:
+    """Of a run of prompts one by one, each in one pass: every engine step but each prompt's first (its prefill)
+    ran the fused decode step."""
+    assert "decode-only batch" in run.choices["decode step"], run.choices["decode step"]
+    want = [i > 0 for n in run.batch_steps for i in range(n)]
+    assert run.fused == want, f"steps run fused {run.fused}, decode steps {want}"
 
 
 def run_together(folder: Path, prompts: list[list[int]], steps: int = STEPS, **settings: Any) -> Run:
@@ -228,7 +249,6 @@ def assert_matches_transformers(folder: Path, ref_model: Any, prompts: list[list
                                 **settings: Any) -> dict[str, str]:
     """fp32, prompts decoded together: transformers' greedy tokens, log-probabilities within 1e-4. Returns the
     engine's start-up choices."""
-    free_closed_engines(folder)
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", **settings)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(steps, logprobs=3))
     llm.engine.close()

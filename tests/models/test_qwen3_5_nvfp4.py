@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -185,17 +186,18 @@ def test_qwen3_next_nvfp4_offloaded_equals_resident_in_bf16(next_folders: dict[s
 
 # -------------------------------------------------------------------------------------------------- real dimensions
 @pytest.mark.slow
-def test_real_dims_loads_and_offloaded_equals_resident(tmp_path: Path) -> None:
+def test_real_dims_loads_and_offloaded_equals_resident(
+        tmp_path: Path, checkpoint_once: Callable[[str, Callable[[Path], Path]], Path]) -> None:
     """Qwen3.5-35B-A3B's published text_config truncated to 4 layers (3 Gated DeltaNet + 1 gated full attention, 12
     of its 256 experts), quantized as llm-compressor writes it: bf16 default settings, 3 expert slots == resident,
-    experts NVFP4 in every tier; the test's peak RSS stays under 6 GiB."""
+    experts NVFP4 in every tier; the test's peak RSS stays under 6 GiB. The bf16 checkpoint is the real-dims
+    exactness module's (tests/models/test_real_dims_exactness.py SHARED): written once per session."""
     from moeserve.memory.rss import current_rss_bytes, peak_rss_bytes
-    from tests.models.real_dims_checkpoints import write_qwen35
+    from tests.models.real_dims_checkpoints import BUILDERS
 
     peak_reset = _reset_peak_rss()
-    src = write_qwen35(tmp_path / "bf16")
+    src = checkpoint_once("real_dims-Qwen3.5-35B-A3B", BUILDERS["Qwen3.5-35B-A3B"])
     folder = Q.write_ct(src, tmp_path / "nvfp4")
-    shutil.rmtree(src)
     prompts = [X.random_prompts(11, (90,), vocab=4096)[0], [11, 5, 77]]
     # a fixed need (~0.9 GiB) on top of this process's RSS: the split charges that RSS, and free memory varies
     settings = {"memory_gb": 2 + current_rss_bytes() / 2**30}

@@ -18,16 +18,16 @@ DeepSeek-V3 and GLM-4.5-Air (their fp32 reference would not fit CI's time).
 
 Cost on the 2-core CI-class machine (CPU seconds of one pytest process, the machine shared, 2026-11-26; build, the
 alone run and the four tests): Qwen3-Next + Qwen3.5 together 349 s user + 37 s system, Nemotron-H 239 + 31,
-GLM-4.5-Air 118 + 27 (4.5 min wall), DeepSeek-V3 280 + 71 (8.5 min wall). DeepSeek-V3's peak RSS was 12.6 GiB: the
-engines closed before were still in memory, waiting for the garbage collector (exactness.free_closed_engines); with
-them collected first, 4.8 GiB (`/usr/bin/time -v pytest ... -k DeepSeek`, 2026-11-26).
+GLM-4.5-Air 118 + 27 (4.5 min wall), DeepSeek-V3 280 + 71 (8.5 min wall). DeepSeek-V3's peak RSS was 12.6 GiB while
+closed engines waited for Python's cycle collector; close() now frees them itself (tests/engine/test_close_releases.py):
+4.8 GiB with nothing collected by the tests (`/usr/bin/time -v pytest ... -m slow -k DeepSeek`, 2026-11-26, load ~5).
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,9 +93,18 @@ class Model:
 EXACT = [name for name in CASES if name != "GLM-4.5-Air"]
 
 
+# checkpoints other modules read too (tests/models/test_qwen3_5_nvfp4.py quantizes this one): written once per session
+# (conftest's checkpoint_once, key `real_dims-NAME`) and kept until its end (~0.4 GB) instead of written twice
+SHARED = ("Qwen3.5-35B-A3B",)
+
+
 @pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+          checkpoint_once: Callable[[str, Callable[[Path], Path]], Path]) -> Iterator[Model]:
     name = request.param
+    if name in SHARED:
+        yield Model(name, checkpoint_once(f"real_dims-{name}", BUILDERS[name]), CASES[name])
+        return
     folder = BUILDERS[name](tmp_path_factory.mktemp(name.replace(".", "_")))
     yield Model(name, folder, CASES[name])
     shutil.rmtree(folder, ignore_errors=True)  # up to 3 GB each
@@ -106,6 +115,16 @@ def alone(model: Model) -> X.Run:
     """Resident, every prompt alone: the long prompt, then each of ARRIVALS'."""
     prompts = [LONG_PROMPT] + [p for _, p in ARRIVALS]
     return X.run_alone(model.folder, prompts, BATCH_STEPS, max_model_len=MAX_LEN, **budget(model.case))
+
+
+# the fused decode step (models/decode_stack.py) runs every decode step of these at their real dims (Gated DeltaNet +
+# gated attention; MLA): the exactness checks below then cover it. Nemotron-H: no fused step for Mamba-2 layers.
+FUSED = ["Qwen3-Next-80B-A3B", "Qwen3.5-35B-A3B", "DeepSeek-V3"]
+
+
+@pytest.mark.parametrize("model", FUSED, indirect=True)
+def test_the_fused_decode_step_runs_every_decode_step(model: Model, alone: X.Run) -> None:
+    X.assert_decode_steps_fused(alone)
 
 
 @pytest.mark.parametrize("model", EXACT, indirect=True)
@@ -133,8 +152,11 @@ OFFLOADED = (0, len(ARRIVALS))
 @pytest.mark.parametrize("model", EXACT, indirect=True)
 def test_offloaded_equals_resident(model: Model, alone: X.Run) -> None:
     prompts = [LONG_PROMPT] + [p for _, p in ARRIVALS]
-    X.assert_offloaded_equals_resident(model.folder, [prompts[i] for i in OFFLOADED], alone.requests(*OFFLOADED), 3,
-                                       BATCH_STEPS, one_by_one=True, max_model_len=MAX_LEN, **budget(model.case))
+    got = X.assert_offloaded_equals_resident(model.folder, [prompts[i] for i in OFFLOADED], alone.requests(*OFFLOADED),
+                                             3, BATCH_STEPS, one_by_one=True, max_model_len=MAX_LEN,
+                                             **budget(model.case))
+    if model.name in FUSED:  # FusedOffloaded: the stack stops at a MoE layer with a miss
+        X.assert_decode_steps_fused(got)
 
 
 @pytest.mark.parametrize("model", list(CASES), indirect=True)
@@ -152,7 +174,6 @@ def reference_model(model: Model, dtype: torch.dtype) -> Any:
     """transformers' model of the checkpoint (Qwen3.5: the conditional-generation class it was saved as)."""
     from tests.engine.test_parity_transformers import hf_model
 
-    X.free_closed_engines(model.folder)  # the engine run just before it
     if model.name == "Qwen3.5-35B-A3B":
         from transformers import Qwen3_5MoeForConditionalGeneration
 
