@@ -33,11 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.engine.llm_engine import DTYPES, demo_model_path
+    from moeserve.engine.llm_engine import DTYPES, demo_model_path, spec_kv_groups
     from moeserve.memory.topology import detect_topology
     from moeserve.models.config_only import has_weights, open_for_sizing
     from moeserve.models.mla import kv_per_token_line
     from moeserve.models.validate import read_model
+    from moeserve.state.kv_cache import prefix_snapshots
 
     s = engine_settings(args, config_file_ok=True)
     ckpt = open_for_sizing(s.model or str(demo_model_path()))
@@ -56,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
     kv_line = kv_per_token_line(spec, DTYPES[dtype_name].itemsize)  # latent attention: what its cache saves
     if kv_line is not None:
         print(f"KV per token: {kv_line}")
+    recurrent = any(not g.kind.holds_token_blocks for g in spec_kv_groups(spec))
+    snapshots = prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching) if recurrent else 0
+    with_snapshots = f" and {snapshots} recurrent-state prefix snapshots" if snapshots else ""
     print(f"sequence state: {needs.kv_bytes_per_token} bytes/token in the full-attention (or latent) layers' cache; "
-          f"{needs.kv_fixed_bytes / MiB:.1f} MiB fixed for {s.max_num_seqs} sequences whatever their length "
-          "(sliding-window and recurrent layers)")
+          f"{needs.kv_fixed_bytes / MiB:.1f} MiB fixed for {s.max_num_seqs} sequences whatever their length"
+          f"{with_snapshots} (sliding-window and recurrent layers)")
     acts = f"{needs.overhead_bytes / MiB:.1f} MiB for one step's activations and the rotary tables (from shapes)"
     if s.memory_gb is not None:
         print(f"runtime: {RUNTIME_OVERHEAD_BYTES / MiB:.0f} MiB stated for the serving process's RSS at start-up "

@@ -459,11 +459,12 @@ class LLMEngine:
 
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         batch = self._build_batch(scheduled)
-        self.kv.copy_blocks(self.memory.take_copies())  # recurrent prefix snapshots saved and restored
+        self.kv.copy_blocks(self.memory.take_copies())  # recurrent prefix snapshots restored into new slots
         logits = self.model.forward(batch, self.kv)
         if self.trace is not None:
             self.trace.end_step()
         self.scheduler.computed(scheduled)
+        self.kv.copy_blocks(self.memory.take_copies())  # snapshots saved where a prompt chunk ended
         done = [i for i, (seq, _) in enumerate(scheduled) if seq.num_cached == seq.length]  # else: a prefill chunk
         if not done:
             return []

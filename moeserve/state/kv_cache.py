@@ -171,14 +171,15 @@ def fixed_pool_bytes(groups: Sequence[KVGroup], block_bytes: Sequence[int], bloc
     return fixed, per_token
 
 
-SNAPSHOTS_PER_SEQ = 2  # a step holds at most a save and a restore per sequence until its copies are made
+SNAPSHOTS_PER_SEQ = 1  # a step holds at most one restore per admitted sequence until its copies are made
 
 
 def prefix_snapshots(max_num_seqs: int, prefix_caching: bool) -> int:
     """Snapshot slots a recurrent group keeps beside its `max_num_seqs` running slots (0: no prefix caching):
-    SNAPSHOTS_PER_SEQ per running sequence, so the snapshots held between a step's planning and its copies (a save
-    per sequence whose chunk ended on a snapshot point, a restore per admitted one) never take a running
-    sequence's slot, and the rest keep the most recently used shared prefixes."""
+    SNAPSHOTS_PER_SEQ per running sequence, so the snapshots held from admission until the engine copies them (one
+    per admitted sequence: saves are copied as soon as they are planned) never take a running sequence's slot; the
+    rest keep the most recently used shared prefixes. Each costs a running sequence's state (Qwen3.5-35B-A3B:
+    ~61 MiB), taken from the KV pool."""
     return SNAPSHOTS_PER_SEQ * max_num_seqs if prefix_caching else 0
 
 
@@ -190,8 +191,8 @@ def snapshot_line(groups: Sequence[KVGroup], block_bytes: Sequence[int], max_num
         if isinstance(kind, RecurrentState) and kind.snapshots:
             every = math.lcm(block_size, kind.prefill_chunk)
             return (f"{kind.snapshots} recurrent-state slots ({kind.snapshots * nbytes / 2**20:.1f} MiB of the KV "
-                    f"budget) beside the {max_num_seqs} running ones: {SNAPSHOTS_PER_SEQ} per running sequence (a "
-                    f"save and a restore each per step), taken at multiples of {every} tokens (the block size on "
+                    f"budget) beside the {max_num_seqs} running ones: {SNAPSHOTS_PER_SEQ} per running sequence (one "
+                    f"held per admission until copied), taken at multiples of {every} tokens (the block size on "
                     f"the {kind.prefill_chunk}-position chunk grid) where a prompt leaves a prefix an earlier one "
-                    f"computed, evicted least recently used")
+                    f"computed, evicted least recently used; enable_prefix_caching=false gives them to the KV pool")
     return None

@@ -181,8 +181,9 @@ class SequenceMemory:
         return True
 
     def take_copies(self) -> list[tuple[int, int, int]]:
-        """The block copies (group, from, to) planned since the last call, in order (snapshots saved before
-        restored); the engine makes them before its next forward. The blocks held for them are let go."""
+        """The block copies (group, from, to) planned since the last call, in order; the engine makes them at
+        once: after a step's `computed` (snapshots saved) and before its forward (snapshots restored into the slots
+        `grow` gave). The blocks held for them are let go."""
         copies, self._copies = self._copies, []
         for g, block in self._held:
             self.pools[g].release(block)
