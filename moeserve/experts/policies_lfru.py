@@ -39,9 +39,10 @@ class LFRUPolicy(EvictionPolicy):
 
     Bookkeeping (docs/policies.md "Bookkeeping cost"): per layer a heap of the cached keys, with lazy deletion,
     by log score + decay * the layer's visit count at the update (within a layer every key ages alike, so the
-    order holds for good); each layer's lowest entry with its victim rank cached until that entry changes, the
-    layer runs or a new layer appears, so a victim costs a few float operations per layer, not a heap walk and
-    an exp. The victims are those of a scan of every cached key (tests/experts/test_lfru_reference.py).
+    order holds for good); each layer's lowest unpinned entry is kept, with the pinned keys below it and the part
+    of its rank that moves only when the layer runs, until an entry goes below it, it leaves, the layer runs or a
+    new layer appears: a victim costs a few operations per layer, not a heap walk and an exp. The victims are
+    those of a scan of every cached key (tests/experts/test_lfru_reference.py).
     """
 
     name = "lfru"
@@ -154,28 +155,29 @@ class LFRUPolicy(EvictionPolicy):
     def choose_victim(self, pinned: Container[Key], layers: Container[int] | None = None) -> Key:
         n, top, cycle = len(self._visits), self._top, self._cycle
         base = n - self._tick  # + a layer's last tick: calls until its next visit (d below)
-        best: float | tuple[float, int] = 0.0
+        longest = 0.0  # cycle-aware: the victim's expected calls to its next use
+        lowest: tuple[float, int] | None = None  # else: the victim's (spread, -last tick)
         victim: Key | None = None
         for layer, live in self._live.items():  # one candidate per layer: O(layers)
             if not live or (layers is not None and layer not in layers):
                 continue
             found = top.get(layer)
             if found is None or found[2] in pinned or (found[4] and not _all_in(found[4], pinned)):
-                lowest = lowest_unpinned(self._heap[layer], live, pinned)  # and the pinned keys below it
-                if lowest is None:
+                entry = lowest_unpinned(self._heap[layer], live, pinned)  # and the pinned keys below it
+                if entry is None:
                     continue
-                (priority, number, key), skipped = lowest
+                (priority, number, key), skipped = entry
                 found = top[layer] = (priority, number, key, self._spread(layer, priority, n), skipped,
                                       self._last_tick.get(layer, 0))
             if cycle:  # the longest expected calls to the next use: d until the layer runs again, + n (1/p - 1)
                 d = base + found[5]
-                rank: float | tuple[float, int] = (d if d > 1 else 1) + found[3]
-                if victim is None or rank > best:  # type: ignore[operator]
-                    best, victim = rank, found[2]
+                calls = (d if d > 1 else 1) + found[3]
+                if victim is None or calls > longest:  # ties: the layer first scored
+                    longest, victim = calls, found[2]
             else:  # the lowest score; ties: the layer that ran last
                 rank = (found[3], -found[5])
-                if victim is None or rank < best:  # type: ignore[operator]
-                    best, victim = rank, found[2]
+                if lowest is None or rank < lowest:
+                    lowest, victim = rank, found[2]
         if victim is None:
             raise no_victim(self)
         return victim
