@@ -7,8 +7,8 @@ its kind no longer reads them (a sliding window past them). The scheduler (engin
     cached = memory.admit(blocks, tokens, p)   # prefix-cache hit: full blocks another sequence computed, taken
     end = memory.prefill_end(s, e, p, blocks)  # where a prefill chunk [s, e) of a prompt of p tokens must end
     ok = memory.grow(blocks, num_tokens)       # tables cover [0, num_tokens) in every group, or nothing changes
-    copies = memory.take_copies()              # (group, from block, to block): the engine copies them before
-                                               # the next forward (recurrent snapshots saved and restored)
+    copies = memory.take_copies()              # (group, from block, to block): the engine copies them at once,
+                                               # before a forward (snapshots restored) and after `computed` (saved)
     memory.computed(blocks, tokens, n, p)      # tokens [0, n) are in the cache: register full blocks, save a
                                                # snapshot, free the blocks a sliding window left behind
     memory.free(blocks)                        # finished, aborted or preempted
