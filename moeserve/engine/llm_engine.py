@@ -423,6 +423,7 @@ class LLMEngine:
             "last_step_prefill_tokens": sched.last_step_prefill_tokens,
             "prefix_queried_tokens": prefix.queried_tokens, "prefix_hit_tokens": prefix.hit_tokens,
             "prefix_hit_rate": prefix.hit_rate, "prefix_evictions": sum(p.evictions for p in self.memory.pools),
+            "prefix_snapshots_saved": prefix.snapshots_saved, "prefix_snapshots_restored": prefix.snapshots_restored,
         }
 
     def has_unfinished_requests(self) -> bool:

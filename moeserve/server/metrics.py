@@ -160,6 +160,10 @@ def _sequence_memory_lines(engine: Any, labels: dict[str, str]) -> list[str]:
         ("preemptions", "num_preemptions_total", "Sequences preempted (blocks freed, recomputed later)."),
         ("prefix_queried_tokens", "prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
         ("prefix_hit_tokens", "prefix_cache_hits_total", "Prompt tokens found in the prefix cache."),
+        ("prefix_snapshots_saved", "prefix_cache_snapshots_saved_total",
+         "Recurrent-state prefix snapshots saved (models with Gated DeltaNet or Mamba-2 layers)."),
+        ("prefix_snapshots_restored", "prefix_cache_snapshots_restored_total",
+         "Recurrent-state prefix snapshots copied into an admitted sequence's state slot."),
         ("prefill_tokens", "prefill_tokens_total", "Prompt (and recomputed) tokens computed."),
         ("steps", "engine_steps_total", "Engine steps run."),
     ):

@@ -71,6 +71,7 @@ def run_each(folder: Path, named: list[tuple[str, list[int]]], **settings: Any) 
         recurrent = [g for g, kind in enumerate(engine.memory.kinds) if not kind.holds_token_blocks]
         out["evictions"] = sum(engine.memory.pools[g].evictions for g in recurrent)
         out["stats"] = engine.memory.stats
+        out["metrics"] = engine.sequence_memory_stats()
         out["choices"] = dict(engine.choices)
     finally:
         engine.close()
@@ -98,6 +99,9 @@ def check_model(folder: Path, **settings: Any) -> None:
     assert "8 recurrent-state slots" in cached["choices"]["prefix snapshots"]
     assert hits(cached) == [0, 0, 256, 256, 320]
     assert (cached["stats"].snapshots_saved, cached["stats"].snapshots_restored) == (2, 3)  # B's 256, A's 320
+    metrics = cached["metrics"]
+    assert (metrics["prefix_hit_tokens"], metrics["prefix_snapshots_saved"], metrics["prefix_snapshots_restored"]) \
+        == (256 + 256 + 320, 2, 3)
     assert_equal_to_uncached(cached, run_each(folder, order, enable_prefix_caching=False, **settings))
 
 
