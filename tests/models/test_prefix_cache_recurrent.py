@@ -34,7 +34,7 @@ from tests.logits_capture import capturing_logits
 from tests.models import exactness as X
 from tests.models.exactness import STEPS
 from tests.models.nemotron_h_checkpoints import write_nemotron_h
-from tests.models.real_dims_checkpoints import write_qwen35
+from tests.models.real_dims_checkpoints import write_nemotron_nano, write_qwen35
 
 SHARED = 300
 
@@ -140,6 +140,13 @@ def test_qwen3_5_real_dims_prefix_hits_are_exact(checkpoint_once) -> None:
     experts; the checkpoint tests/models/test_real_dims_exactness.py writes), bf16, default settings."""
     folder = checkpoint_once("real_dims-Qwen3.5-35B-A3B", write_qwen35)
     check_model(folder, memory_gb=6 + current_rss_bytes() / 2**30)
+
+
+@pytest.mark.slow
+def test_nemotron_nano_real_dims_prefix_hits_are_exact(tmp_path: Path) -> None:
+    """Nemotron-3-Nano-30B-A3B's dimensions (6 blocks MEM*E-: Mamba-2 with 64 heads of 64 x 128 state, 8 experts),
+    bf16, default settings."""
+    check_model(write_nemotron_nano(tmp_path / "nano"), memory_gb=6 + current_rss_bytes() / 2**30)
 
 
 def test_snapshots_are_sized_in_the_memory_budget(tiny_checkpoint) -> None:
