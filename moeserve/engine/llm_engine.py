@@ -432,7 +432,9 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule -> forward -> sample -> update. Returns outputs of advanced requests.
-        An expert that cannot be read (ExpertLoadError) fails only the requests that need it (`_step_apart`)."""
+        An expert that cannot be read (ExpertLoadError) fails only the requests that need it: each request of the
+        batch runs again alone (`_step_apart`), or, where the failed forward had already overwritten part of the
+        sequences' memory (a recurrent state), is recomputed from its tokens alone (`Scheduler.isolate`)."""
         self._check_open()
         scheduled = self.scheduler.schedule()
         outputs = self._fail_unservable()
@@ -440,10 +442,25 @@ class LLMEngine:
             return outputs
         try:
             return outputs + self._run_step(scheduled)
-        except ExpertLoadError:
-            if len({seq.request_id for seq, _ in scheduled}) < 2:
-                raise  # the batch is one request: it fails (its caller aborts it)
+        except ExpertLoadError as err:
+            requests = {seq.request_id for seq, _ in scheduled}
+            if len(requests) < 2:
+                if not set(self.scheduler.isolated) & requests:
+                    raise  # the batch is one request: it fails (its caller aborts it)
+                return outputs + self._fail_request(scheduled[0][0].request_id, err)
+        if self.memory.written_in_place:
+            self.scheduler.isolate(scheduled)
+            return outputs
         return outputs + self._step_apart(scheduled)
+
+    def _fail_request(self, request_id: str, err: ExpertLoadError) -> list[RequestOutput]:
+        """End `request_id` at once (aborted, its blocks freed) with `err` in its output."""
+        log.warning("request %s failed: %s", request_id, err)
+        out = self.abort_request(request_id)
+        if out is None:
+            return []
+        out.error = err
+        return [out]
 
     def _fail_unservable(self) -> list[RequestOutput]:
         """Sequences the KV pools cannot hold even alone (the memory split prevents it; a last guard)."""
@@ -477,7 +494,8 @@ class LLMEngine:
         """A step of several requests failed reading an expert (corrupt or unreadable: experts/verify.py). Which
         request needed it is not known, so each request runs alone: one that fails again ends at once (aborted,
         its KV blocks freed) with the error in its output's `error`; the others advance as in any step. Repeating
-        the step is safe: a failed forward changed no sequence, and the K/V it wrote are written again."""
+        the step is safe where no kind is written in place: a failed forward changed no sequence, and the K/V it
+        wrote are written again."""
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for item in scheduled:
             groups.setdefault(item[0].request_id, []).append(item)
@@ -486,11 +504,7 @@ class LLMEngine:
             try:
                 outputs += self._run_step(group)
             except ExpertLoadError as err:
-                log.warning("request %s failed: %s", request_id, err)
-                out = self.abort_request(request_id)
-                if out is not None:
-                    out.error = err
-                    outputs.append(out)
+                outputs += self._fail_request(request_id, err)
         return outputs
 
     def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ForwardBatch:

@@ -15,6 +15,11 @@ newest running sequence is preempted: its blocks are freed and it goes back to t
 recomputed from its tokens (prompt and output so far) when it is admitted again (vLLM's recompute preemption; the
 prefix cache often makes that cheap). The sequences of a request with n > 1 share its prompt through the prefix
 cache: the second and later ones are admitted once the first has computed the prompt.
+
+Isolation (`isolate`): after a forward of several requests failed part-way on a model whose sequence memory a
+forward overwrites (a recurrent state), the batch's sequences are recomputed, one request at a time: while a request
+is isolated only its sequences are scheduled, until each has caught up (decoding again) or ended, so a request whose
+recomputation fails again fails alone.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: oldest first
         self.unservable: list[Sequence] = []  # cannot fit the pools even alone: the engine fails their requests
+        self.isolated: list[str] = []  # request ids recomputed one at a time (isolate), the current one first
         self.stats = SchedulerStats()
 
     def add(self, seqs: list[Sequence]) -> None:
@@ -63,8 +69,9 @@ class Scheduler:
         """(sequence, tokens to compute) for the next step, within the token budget and the block pools."""
         budget = self.max_num_batched_tokens
         out: list[tuple[Sequence, int]] = []
-        decoding = [s for s in self.running if s.length - s.num_cached == 1]
-        prefilling = [s for s in self.running if s.length - s.num_cached > 1]
+        running = self._settle_isolation()
+        decoding = [s for s in running if s.length - s.num_cached == 1]
+        prefilling = [s for s in running if s.length - s.num_cached > 1]
         preemptions = self.stats.preemptions
         for seq in decoding:
             if budget == 0:
@@ -87,6 +94,32 @@ class Scheduler:
         self.stats.last_step_prefill_tokens = sum(n for s, n in out if s.length - s.num_cached > 1)
         self.stats.prefill_tokens += self.stats.last_step_prefill_tokens
         return out
+
+    def isolate(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """A forward of these sequences failed after it had overwritten part of their memory: recompute each from
+        its tokens (recompute preemption), one request at a time, in the batch's order."""
+        requests = list(dict.fromkeys(seq.request_id for seq, _ in scheduled))
+        for seq, _ in reversed(scheduled):  # each to the front of the queue: the batch's first request first
+            if seq.status == Status.RUNNING:
+                self._preempt(seq)
+        self.isolated = requests + [r for r in self.isolated if r not in requests]
+
+    def _settle_isolation(self) -> list[Sequence]:
+        """The running sequences this step may schedule: all, or only the isolated request's while one is (a
+        request leaves isolation once none of its sequences waits or is still prefilling)."""
+        while self.isolated:
+            mine = [s for s in self.running if s.request_id == self.isolated[0]]
+            if any(s.request_id == self.isolated[0] for s in self.waiting) or any(
+                    s.length - s.num_cached > 1 for s in mine):
+                return mine
+            self.isolated.pop(0)
+        return self.running
+
+    def _next_waiting(self) -> Sequence | None:
+        """The sequence admission considers next: the queue's first, or the isolated request's first."""
+        if not self.isolated:
+            return self.waiting[0] if self.waiting else None
+        return next((s for s in self.waiting if s.request_id == self.isolated[0]), None)
 
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
         """`n` tokens from `start`, or fewer (0: none this step) where the sequence memory wants the chunk to end (a
@@ -120,8 +153,8 @@ class Scheduler:
 
     def _admit(self, budget: int, out: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._ready(seq):
+            seq = self._next_waiting()
+            if seq is None or not self._ready(seq):
                 break
             assert seq.blocks is not None
             tokens = seq.all_token_ids
@@ -134,13 +167,13 @@ class Scheduler:
             if not self.memory.grow(seq.blocks, cached + n):
                 self.memory.free(seq.blocks)
                 if not self.running:  # the pools are empty of sequences and still too small
-                    self.waiting.popleft()
+                    self.waiting.remove(seq)
                     self.unservable.append(seq)
                     continue
                 break
             self.memory.stats.queried_tokens += len(tokens)
             self.memory.stats.hit_tokens += cached
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_cached = cached
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -38,6 +38,9 @@ class CacheKind(ABC):
     # tokens computed one by one after the prompt (decode) get other bits than in a prompt chunk (a recurrent
     # step vs its chunk form): no prefix hit or cached block may reach past a prompt, in any group of the model
     decode_differs: bool = False
+    # a forward overwrites what a sequence holds (a recurrent state updated in place), so a forward that failed
+    # part-way cannot be run again: its sequences are recomputed from their tokens (LLMEngine.step)
+    written_in_place: bool = False
 
     @abstractmethod
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
@@ -132,6 +135,7 @@ class RecurrentState(CacheKind):
     name = "recurrent state"
     holds_token_blocks = False  # the table is the sequence's one slot; its prefixes are snapshots
     decode_differs = True  # the recurrent step and the chunk form agree to rounding only (docs/hybrid-models.md)
+    written_in_place = True  # each token advances the state in its slot
 
     def __init__(self, conv_shape: tuple[int, ...] = (), state_shape: tuple[int, ...] = (),
                  prefill_chunk: int = 1, snapshots: int = 0) -> None:

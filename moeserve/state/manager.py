@@ -73,6 +73,7 @@ class SequenceMemory:
         self.pools = [BlockPool(n, block_size) for n in num_blocks]
         self.prefix_caching = prefix_caching and all(k.caches_prefixes for k in kinds)
         self.decode_differs = any(k.decode_differs for k in kinds)
+        self.written_in_place = any(k.written_in_place for k in kinds)
         self.stats = PrefixStats()
         self._copies: list[tuple[int, int, int]] = []  # (group, from block, to block), for the next forward
         self._held: list[tuple[int, int]] = []  # (group, block) held until its copy is taken

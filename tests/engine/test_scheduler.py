@@ -423,3 +423,34 @@ def test_random_workload_on_a_small_pool(kinds: list[CacheKind], seed: int) -> N
 def test_random_workload_without_prefix_caching() -> None:
     counts = run_random(5, [FullAttention(), SlidingWindow(20)], blocks=14, prefix=False)
     assert counts["preemptions"] > 0 and counts["hit_tokens"] == 0, counts
+
+
+def test_isolate_recomputes_a_failed_batch_one_request_at_a_time() -> None:
+    """After a forward that overwrote part of its sequences' memory failed (LLMEngine.step), the batch's sequences
+    are recomputed from their tokens, one request at a time: only that request is scheduled until it decodes again,
+    then the next; a request outside the batch waits meanwhile and everyone continues together afterwards."""
+    sched = make(budget=32)
+    a, b, c = request("a", 20), request("b", 12), request("c", 5)
+    sched.add(a + b)
+    while any(s.length - s.num_cached > 1 for s in a + b):  # both prompts computed, now decoding
+        step(sched)
+    failed = [(s, 1) for s in a + b]  # the decode step that failed
+    sched.add(c)
+    sched.isolate(failed)
+    assert [s.status for s in a + b] == [Status.WAITING] * 2 and a[0].num_cached == b[0].num_cached == 0
+    seen = [{s.request_id for s, _ in step(sched)}]
+    while len(seen[-1]) == 1:  # one request per step while isolated
+        seen.append({s.request_id for s, _ in step(sched)})
+        assert len(seen) < 50
+    assert seen[0] == {"a"} and seen[-2] == {"b"} and set().union(*seen[:-1]) == {"a", "b"}
+    assert seen[-1] == {"a", "b", "c"} and not sched.isolated  # together again, c admitted
+
+
+def test_isolated_request_that_ends_leaves_isolation() -> None:
+    sched = make()
+    a, b = request("a", 20), request("b", 12)
+    sched.add(a + b)
+    out = step(sched)
+    sched.isolate(out)
+    sched.abort("a")  # the engine fails the isolated request whose recomputation fails again
+    assert {s.request_id for s, _ in step(sched)} == {"b"} and sched.isolated == ["b"]
