@@ -44,7 +44,7 @@ def sequence_bytes_per_step(shape: Shape, context: int, itemsize: int = 2) -> di
     state/kinds.py: KV and latent rows in the compute dtype, a recurrent layer's conv inputs in it and its state in
     fp32). A token-indexed kind reads the rows still live after the step (the new token's included) and writes one
     row; a recurrent kind reads its one state slot and writes it back."""
-    from moeserve.engine.llm_engine import spec_kv_groups
+    from moeserve.engine.sizing import spec_kv_groups
 
     spec = shape.spec()
     a = spec.attention

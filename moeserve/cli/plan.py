@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.engine.llm_engine import DTYPES, demo_model_path, spec_kv_groups
+    from moeserve.engine.llm_engine import DTYPES, demo_model_path
+    from moeserve.engine.sizing import spec_kv_groups
     from moeserve.memory.topology import detect_topology
     from moeserve.models.config_only import has_weights, open_for_sizing
     from moeserve.models.mla import kv_per_token_line
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _needs(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint) -> MemoryNeeds:  # noqa: ANN001
     """MemoryNeeds as the engine computes them, with RUNTIME_OVERHEAD_BYTES for the serving process's RSS."""
-    from moeserve.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES, memory_needs
+    from moeserve.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES
+    from moeserve.engine.sizing import memory_needs
 
     batched = s.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_num_seqs)
     return memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched,

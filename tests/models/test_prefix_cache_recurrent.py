@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.engine.llm_engine import spec_kv_groups
+from moeserve.engine.sizing import spec_kv_groups
 from moeserve.memory.rss import current_rss_bytes
 from moeserve.models.validate import read_model
 from tests.logits_capture import capturing_logits
