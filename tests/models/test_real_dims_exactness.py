@@ -118,8 +118,8 @@ def alone(model: Model) -> X.Run:
 
 
 # the fused decode step (models/decode_stack.py) runs every decode step of these at their real dims (Gated DeltaNet +
-# gated attention; MLA): the exactness checks below then cover it. Nemotron-H: no fused step for Mamba-2 layers.
-FUSED = ["Qwen3-Next-80B-A3B", "Qwen3.5-35B-A3B", "DeepSeek-V3"]
+# gated attention; MLA; Mamba-2 with relu2 experts): the exactness checks below then cover it
+FUSED = ["Qwen3-Next-80B-A3B", "Qwen3.5-35B-A3B", "Nemotron-3-Nano-30B-A3B", "DeepSeek-V3"]
 
 
 @pytest.mark.parametrize("model", FUSED, indirect=True)
