@@ -4,6 +4,8 @@ with the torch path on the plain layout."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
@@ -27,31 +29,39 @@ def interleaved_ok():
         pytest.skip("the kernels were built without AVX512-BF16")
 
 
+class Ran(NamedTuple):
+    """What a test reads of an engine after its run (close() drops the model's layers, the store keeps its counts)."""
+
+    kernel: Any  # the first MoE layer's expert kernel
+    store: Any
+
+
 def run(folder, **settings):
     llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", **settings)
-    logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)
-    return llm.engine, logits, [o.outputs[0].token_ids for o in outs]
+    ran = Ran(expert_kernel(llm.engine), llm.engine.model.store)
+    logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)  # closes the engine
+    return ran, logits, [o.outputs[0].token_ids for o in outs]
 
 
 def expert_kernel(engine):
     return next(layer.mlp.experts for layer in engine.model.layers if isinstance(layer.mlp, MoEBlock))
 
 
-def moe_kernel(engine):
+def moe_kernel(ran):
     """The units' reference math (the plan's UnitMath)."""
-    return expert_kernel(engine).math
+    return ran.kernel.math
 
 
 @pytest.mark.parametrize("cache_experts,prefetch", [(3, False), (1, True)])
 def test_offloaded_equals_resident_with_interleaved_units(interleaved_ok, tiny_checkpoint, cache_experts, prefetch):
     folder = tiny_checkpoint("qwen3_moe")
     resident, ref_logits, ref_tokens = run(folder)
-    assert isinstance(moe_kernel(resident), InterleavedSwiGLU) and resident.model.store.resident
-    unit = resident.model.store.unit_nbytes
+    assert isinstance(moe_kernel(resident), InterleavedSwiGLU) and resident.store.resident
+    unit = resident.store.unit_nbytes
     offloaded, logits, tokens = run(folder, expert_cache_gb=cache_experts * unit / 2**30, prefetch=prefetch,
                                     expert_layout="interleaved")  # auto keeps offloaded bf16 experts plain
     assert isinstance(moe_kernel(offloaded), InterleavedSwiGLU)
-    assert not offloaded.model.store.resident and offloaded.model.store.stats.misses > 0
+    assert not offloaded.store.resident and offloaded.store.stats.misses > 0
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
 
@@ -69,7 +79,15 @@ def test_interleaved_answers_match_the_torch_path(interleaved_ok, tiny_checkpoin
 
 def test_units_are_the_plain_experts_interleaved(interleaved_ok, tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_moe")
-    engine, _, _ = run(folder, expert_cache_gb=1e-6, expert_layout="interleaved")  # units come through the source
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="bfloat16", expert_cache_gb=1e-6,
+              expert_layout="interleaved")  # units come through the source
+    try:
+        check_units(llm.engine)
+    finally:
+        llm.engine.close()
+
+
+def check_units(engine):
     source = engine.model.store.source
     assert isinstance(source, InterleavedExpertSource)
     layer, expert = 2, 5
@@ -80,7 +98,7 @@ def test_units_are_the_plain_experts_interleaved(interleaved_ok, tiny_checkpoint
     (gu, dn), (pgu, pdn) = source.layout.views(unit), source.dense_source.layout.views(plain)
     assert torch.equal(gu, interleave_rows(pgu)) and torch.equal(dn, interleave_rows(pdn))
     x = torch.randn(3, pgu.shape[1]).bfloat16()
-    kernel = moe_kernel(engine)
+    kernel = expert_kernel(engine).math
     assert torch.equal(kernel(x, (gu, dn)), swiglu_expert(x, (pgu, pdn)))  # the slow reference path agrees
 
 
@@ -102,7 +120,7 @@ def test_auto_layout_interleaves_offloaded_experts_as_resident_ones(interleaved_
     are interleaved under auto as resident ones are (misses are permuted as they are read)."""
     folder = tiny_checkpoint("qwen3_moe")
     bf16, _, _ = run(folder, expert_cache_gb=1e-6)
-    assert isinstance(expert_kernel(bf16), CppInterleavedSwiGLU) and not bf16.model.store.resident
+    assert isinstance(bf16.kernel, CppInterleavedSwiGLU) and not bf16.store.resident
     if bool(cpp_ops().moe_int8_interleaved_supported()):
         int8, _, _ = run(folder, expert_cache_gb=1e-6, quantization="int8", int8_cache_dir=str(tmp_path))
-        assert isinstance(expert_kernel(int8), CppInterleavedSwiGLU) and not int8.model.store.resident
+        assert isinstance(int8.kernel, CppInterleavedSwiGLU) and not int8.store.resident
