@@ -11,6 +11,8 @@ KV group: state/kv_cache.py holds the tensors; this module only decides which bl
   can never hand a sequence another prefix's keys.
 - A block whose count falls to 0 goes to the free list in least-recently-freed order, keeping its hash: it can
   still be found and taken back until `allocate` reuses it (the oldest first: LRU eviction of cached prefixes).
+- Two sequences that computed the same prefix at the same time both register their block: when one copy is
+  evicted the other is still found (a held copy is preferred, so a free one is not taken off the free list).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
         self._key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (hash, tokens) if registered
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[int, dict[int, None]] = {}  # hash -> its registered blocks, in registration order
+        self._registered = 0
         self.evictions = 0  # registered blocks reused for other tokens
 
     # ------------------------------------------------------------------------------------------ counts
@@ -61,7 +64,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Registered blocks, held or free."""
-        return len(self._by_hash)
+        return self._registered
 
     def refs(self, block: int) -> int:
         return self._refs[block]
@@ -74,8 +77,12 @@ class BlockPool:
         block, _ = self._free.popitem(last=False)
         key = self._key[block]
         if key is not None:
-            del self._by_hash[key[0]]
+            copies = self._by_hash[key[0]]
+            del copies[block]
+            if not copies:
+                del self._by_hash[key[0]]
             self._key[block] = None
+            self._registered -= 1
             self.evictions += 1
         self._refs[block] = 1
         return block
@@ -95,25 +102,27 @@ class BlockPool:
             self._free[block] = None
 
     def register(self, block: int, hash_: int, tokens: Sequence[int]) -> None:
-        """`block` holds the computed full block `tokens` whose prefix hashes to `hash_`. A prefix registered
-        already (by another sequence that computed it at the same time) keeps its first block."""
-        if self._key[block] is not None or hash_ in self._by_hash:
+        """`block` holds the computed full block `tokens` whose prefix hashes to `hash_` (another block may hold
+        the same prefix: a sequence that computed it at the same time)."""
+        if self._key[block] is not None:
             return
         self._key[block] = (hash_, tuple(tokens))
-        self._by_hash[hash_] = block
+        self._by_hash.setdefault(hash_, {})[block] = None
+        self._registered += 1
 
     def lookup(self, hash_: int, tokens: Sequence[int]) -> int | None:
-        """The block registered for this prefix hash with exactly these tokens, or None. Does not take it."""
-        block = self._by_hash.get(hash_)
-        if block is None:
-            return None
-        key = self._key[block]
-        return block if key is not None and key[1] == tuple(tokens) else None
+        """A block registered for this prefix hash with exactly these tokens (a held one first), or None. Does not
+        take it."""
+        wanted = tuple(tokens)
+        found = [b for b in self._by_hash.get(hash_, ()) if self._key[b][1] == wanted]  # type: ignore[index]
+        return next((b for b in found if self._refs[b] > 0), found[0] if found else None)
 
     def check(self) -> None:
         """Internal consistency (tests): free blocks have count 0, held ones are not free, hashes map both ways."""
         for b in range(self.num_blocks):
             assert (self._refs[b] == 0) == (b in self._free), b
             key = self._key[b]
-            assert key is None or self._by_hash[key[0]] == b, b
-        assert all(self._key[b] is not None and self._key[b][0] == h for h, b in self._by_hash.items())  # type: ignore[index]
+            assert key is None or b in self._by_hash[key[0]], b
+        assert all(self._key[b] is not None and self._key[b][0] == h  # type: ignore[index]
+                   for h, blocks in self._by_hash.items() for b in blocks)
+        assert self._registered == sum(k is not None for k in self._key)

@@ -114,14 +114,21 @@ def test_lookup_compares_tokens_not_only_the_hash() -> None:
     assert pool.lookup(54321, [1, 2, 3]) is None
 
 
-def test_register_keeps_the_first_block_of_a_prefix_and_the_first_prefix_of_a_block() -> None:
+def test_both_copies_of_a_prefix_computed_at_once_are_found_and_a_block_keeps_its_first_prefix() -> None:
     pool = BlockPool(3, 2)
     a, b = pool.allocate(), pool.allocate()
     pool.register(a, 7, [1, 1])
     pool.register(b, 7, [1, 1])  # another sequence computed the same prefix at the same time
-    assert pool.lookup(7, [1, 1]) == a and pool.num_cached == 1
+    assert pool.lookup(7, [1, 1]) == a and pool.num_cached == 2
     pool.register(a, 8, [2, 2])  # a block keeps the prefix it was registered under
     assert pool.lookup(8, [2, 2]) is None and pool.lookup(7, [1, 1]) == a
+    pool.check()
+    pool.release(a)  # the first copy is freed first, so evicted first
+    assert pool.lookup(7, [1, 1]) == b, "a held copy before a free one (taking a free one shrinks the free list)"
+    pool.release(b)
+    c = pool.allocate()  # the never-used block
+    assert c not in (a, b) and pool.allocate() == a  # now the first copy is evicted ...
+    assert pool.lookup(7, [1, 1]) == b and pool.num_cached == 1  # ... and the second is still found
     pool.check()
 
 
@@ -145,9 +152,6 @@ class ReferencePool:
         self.key: dict[int, tuple[int, tuple[int, ...]]] = {}  # block -> (hash, tokens)
         self.evictions = 0
 
-    def block_of(self, h: int) -> int | None:
-        return next((b for b, (kh, _) in self.key.items() if kh == h), None)
-
     def allocate(self) -> int:
         b = self.free.pop(0)
         if b in self.key:
@@ -167,12 +171,14 @@ class ReferencePool:
             self.free.append(b)
 
     def register(self, b: int, h: int, tokens: tuple[int, ...]) -> None:
-        if b not in self.key and self.block_of(h) is None:
+        if b not in self.key:
             self.key[b] = (h, tokens)
 
     def lookup(self, h: int, tokens: tuple[int, ...]) -> int | None:
-        b = self.block_of(h)
-        return b if b is not None and self.key[b][1] == tokens else None
+        """The first registered block of this prefix that a sequence holds, else the first registered one."""
+        found = [b for b, key in self.key.items() if key == (h, tokens)]  # registration order
+        held = [b for b in found if self.refs[b] > 0]
+        return (held or found or [None])[0]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
