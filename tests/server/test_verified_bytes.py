@@ -119,36 +119,46 @@ def test_in_a_batch_only_the_requests_that_need_the_changed_unit_fail(tiny_text_
     """All prompts in one batch after an expert changed on disk: the step fails on the changed unit, the engine runs
     each request alone, and only requests that route to the unit fail; every other answer is its solo answer."""
     from moeserve import SamplingParams
-    from moeserve.errors import ExpertLoadError
 
     engine = engine_factory(copy_checkpoint(tiny_text_model), expert_cache_gb=1e-9, max_num_seqs=8)()
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     try:
-        routing = RoutingLog(engine)
-        solo, used = {}, {}
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(p, params, str(i))
-            while engine.has_unfinished_requests():
-                solo.update({out.request_id: out.outputs[0].token_ids for out in engine.step() if out.finished})
-            used[i] = routing.take()
-        target, others = pick_target(used)
-        path = flip_expert_bytes(engine, target)
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(p, params, f"b{i}")
-        final = {}
-        while engine.has_unfinished_requests():
-            final.update({out.request_id: out for out in engine.step() if out.finished})
-        failed = {int(rid[1:]) for rid, out in final.items() if out.error is not None}
-        assert 0 in failed and not failed & set(others)
-        assert failed <= {i for i in used if target in used[i]}  # only requests routed to the changed unit
-        for rid, out in final.items():
-            if out.error is not None:
-                assert isinstance(out.error, ExpertLoadError) and path.name in str(out.error)
-            else:  # never a different answer
-                assert out.outputs[0].token_ids == solo[rid[1:]]
-        assert engine.health_problem() is not None and path.name in engine.health_problem()
+        check_only_requests_needing_a_changed_unit_fail(engine, SamplingParams(temperature=0, max_tokens=5,
+                                                                               ignore_eos=True))
     finally:
         engine.close()
+
+
+def check_only_requests_needing_a_changed_unit_fail(engine: Any, params: Any,
+                                                   answer: Any = lambda out: out.outputs[0].token_ids) -> None:
+    """Each prompt alone (its answer and the experts it routes to), then an expert only some need changed on disk
+    and every prompt in one batch: the step fails on the unit, only requests routed to it fail (naming the file),
+    every other `answer(output)` equals its solo one, and the engine reports itself degraded."""
+    from moeserve.errors import ExpertLoadError
+
+    routing = RoutingLog(engine)
+    solo, used = {}, {}
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, params, str(i))
+        while engine.has_unfinished_requests():
+            solo.update({out.request_id: answer(out) for out in engine.step() if out.finished})
+        used[i] = routing.take()
+    target, others = pick_target(used)
+    path = flip_expert_bytes(engine, target)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(p, params, f"b{i}")
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({out.request_id: out for out in engine.step() if out.finished})
+    assert len(final) == len(PROMPTS)
+    failed = {int(rid[1:]) for rid, out in final.items() if out.error is not None}
+    assert 0 in failed and not failed & set(others)
+    assert failed <= {i for i in used if target in used[i]}  # only requests routed to the changed unit
+    for rid, out in final.items():
+        if out.error is not None:
+            assert isinstance(out.error, ExpertLoadError) and path.name in str(out.error)
+        else:  # never a different answer
+            assert answer(out) == solo[rid[1:]], rid
+    assert engine.health_problem() is not None and path.name in engine.health_problem()
 
 
 def test_a_truncated_shard_at_run_time_is_a_server_error(thread_server: Any, tiny_text_model: Path,
