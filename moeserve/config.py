@@ -89,7 +89,7 @@ class EngineSettings(BaseModel):
         "read into a one-unit bypass buffer, used and dropped, the victim kept (docs/policies.md)"
     )
     # Off by default: on the bench models (near-uniform routing) no guess pays for its read. auto measures whether
-    # it pays on this run's routing (experts/prefetch_auto.py, docs/policies.md). It never changes the output.
+    # it pays on this run's routing (experts/prefetch/auto.py, docs/policies.md). It never changes the output.
     prefetch: bool | Literal["auto"] = Field(
         False, description="predict and load the next layer's experts in the background: true, false, or auto = "
         "only while the misses it saves pay for its reads (measured online, logged, in /metrics)")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from moeserve import LLM, SamplingParams
 from moeserve.bench.simulate import calls_from_steps, simulate
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 
 PROMPTS = [
     "Once upon a time", "It is a truth universally acknowledged, that", "Mr. Darcy walked into the room and",

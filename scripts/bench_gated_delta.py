@@ -23,10 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeserve.models.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form  # noqa: E402
-from moeserve.models.gated_delta_rule import chunk_form, l2norm  # noqa: E402
-from moeserve.models.layers import ForwardBatch  # noqa: E402
-from moeserve.models.linear import Linear  # noqa: E402
+from moeserve.models.layers.base import ForwardBatch  # noqa: E402
+from moeserve.models.layers.linear import Linear  # noqa: E402
+from moeserve.models.mixers.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form  # noqa: E402
+from moeserve.models.mixers.gated_delta_rule import chunk_form, l2norm  # noqa: E402
 from moeserve.models.spec import LinearAttentionSpec  # noqa: E402
 from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 

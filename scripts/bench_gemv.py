@@ -21,7 +21,7 @@ import torch
 
 from moeserve import kernels
 from moeserve.formats.int8 import quantize_int8_per_channel
-from moeserve.models.linear import interleave_rows, pack_int8_rows
+from moeserve.models.layers.linear import interleave_rows, pack_int8_rows
 
 H, INTER, E = 1024, 512, 96  # hidden, expert intermediate, experts streamed per round (288 MiB of bf16)
 

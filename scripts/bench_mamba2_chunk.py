@@ -25,8 +25,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeserve.models.layers import ForwardBatch  # noqa: E402
-from moeserve.models.mamba2_ssd import CppMamba2, TorchMamba2  # noqa: E402
+from moeserve.models.layers.base import ForwardBatch  # noqa: E402
+from moeserve.models.mixers.mamba2_ssd import CppMamba2, TorchMamba2  # noqa: E402
 from scripts.bench_mamba2_step import RecurrentSlots, build  # noqa: E402
 from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moeserve.models.layers import ForwardBatch  # noqa: E402
-from moeserve.models.linear import Linear  # noqa: E402
-from moeserve.models.mamba2 import Mamba2Mixer  # noqa: E402
-from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
+from moeserve.models.layers.base import ForwardBatch  # noqa: E402
+from moeserve.models.layers.linear import Linear  # noqa: E402
+from moeserve.models.mixers.mamba2 import Mamba2Mixer  # noqa: E402
+from moeserve.models.mixers.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
 from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
 

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moeserve import kernels  # noqa: E402
-from moeserve.models.moe import CppSigmoidGroups, SigmoidGroups  # noqa: E402
+from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups  # noqa: E402
 from moeserve.models.registry import get_architecture  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "reference_configs" / "DeepSeek-V3.json"

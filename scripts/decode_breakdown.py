@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.models.linear import Linear
-from moeserve.models.moe import MoEBlock
+from moeserve.models.experts.moe import MoEBlock
+from moeserve.models.layers.linear import Linear
 
 PROMPT = [{"prompt_token_ids": list(range(1, 17))}]
 OUT_PROJECTIONS = ("o", "out_proj")  # a token mixer's output projection: the "o_proj GEMV" phase; the rest "qkv GEMV"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moeserve import LLM
-from moeserve.models.layers import ForwardBatch
+from moeserve.models.layers.base import ForwardBatch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moeserve import kernels
-from moeserve.models.linear import choose_row_block
+from moeserve.models.layers.linear import choose_row_block
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import ModelSpec
 

@@ -23,7 +23,7 @@ from moeserve.bench.runner import make_prompts
 from moeserve.bench.shapes import get_shape
 from moeserve.bench.simulate import calls_from_steps, simulate
 from moeserve.bench.synth import default_cache_dir, ensure_checkpoint
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

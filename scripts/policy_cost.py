@@ -6,7 +6,7 @@ figures depend on the machine and its load; compare policies within one run (the
 
     .venv/bin/python scripts/policy_cost.py /work/shared/traces/flame-moe-290m --capacity 128 --rounds 3
 
-`--before REV` adds the default policy as git revision REV had it (experts/policies_lfru.py), as `lfru@REV`, to the
+`--before REV` adds the default policy as git revision REV had it (experts/policies/lfru.py), as `lfru@REV`, to the
 alternation: a before/after figure from one run. `--stack K` replays K consecutive steps side by side as one step of
 a model with K times the layers (the same routing with a deeper layer cycle: 48 layers from FLAME's 8 with 6).
 """
@@ -83,10 +83,10 @@ class Timed(EvictionPolicy):
 
 def policy_at(rev: str) -> type[EvictionPolicy]:
     """The default policy's class as git revision `rev` had it (its module run from `git show`)."""
-    text = subprocess.run(["git", "show", f"{rev}:moeserve/experts/policies_lfru.py"], capture_output=True, text=True,
+    text = subprocess.run(["git", "show", f"{rev}:moeserve/experts/policies/lfru.py"], capture_output=True, text=True,
                           check=True).stdout
     module = types.ModuleType(f"policies_lfru_at_{rev}")
-    exec(compile(text, f"{rev}:moeserve/experts/policies_lfru.py", "exec"), module.__dict__)  # noqa: S102 - our code
+    exec(compile(text, f"{rev}:moeserve/experts/policies/lfru.py", "exec"), module.__dict__)  # noqa: S102 - our code
     return module.AdaptiveLFRUPolicy
 
 

@@ -26,7 +26,7 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.bench.runner import make_prompts
 from moeserve.experts.policies import NoVictimError, make_policy
-from moeserve.models.moe import MoEBlock
+from moeserve.models.experts.moe import MoEBlock
 
 
 def main() -> None:

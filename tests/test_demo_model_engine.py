@@ -54,7 +54,7 @@ def test_offloaded_equals_resident_on_the_trained_model(tmp_path: Path) -> None:
 def _replay(trace: Path) -> None:
     """The recorded routing replays through the simulator: Belady bounds every online policy."""
     from moeserve.bench.simulate import calls_from_steps, simulate
-    from moeserve.experts.trace import read_trace
+    from moeserve.experts.traces.moetrace import read_trace
 
     steps = calls_from_steps(read_trace(trace))
     assert steps, "the trace recorded no steps"

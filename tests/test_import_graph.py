@@ -62,7 +62,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # `from moeserve.models import layers` imports the module moeserve.models.layers
+                # `from moeserve.models import layers` imports the module moeserve.models.layers.base
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                            for a in node.names]
             deps.update(t for t in targets if t in modules and t != name and (name, t) not in PLUGIN_REGISTRATION)

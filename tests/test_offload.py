@@ -15,7 +15,7 @@ import torch
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 from tests.conftest import ARCHS
 from tests.logits_capture import generate_capturing_logits
 

@@ -60,7 +60,7 @@ def sequence_bytes_per_step(shape: Shape, context: int, itemsize: int = 2) -> di
 
 def kv_per_token(shape: Shape, itemsize: int = 2) -> str | None:
     """moeserve's line on the latent cache's bytes per token vs the same model with full KV (None without MLA)."""
-    from moeserve.models.mla import kv_per_token_line
+    from moeserve.models.mixers.mla import kv_per_token_line
 
     return kv_per_token_line(shape.spec(), itemsize)
 

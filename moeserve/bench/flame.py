@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moeserve.experts.trace import LayerRecord, Step, TraceError, TraceHeader
-from moeserve.experts.trace_jsonl import write_trace_file
+from moeserve.experts.traces.jsonl import write_trace_file
+from moeserve.experts.traces.moetrace import LayerRecord, Step, TraceError, TraceHeader
 
 _LAYER_DIR = re.compile(r"^Layer_(\d+)$")
 

@@ -2,7 +2,7 @@
 are chosen by a recorded routing trace instead of its random routers, so offloaded speed is measured under a real
 model's locality (hot experts per layer, tokens sharing experts with their neighbours).
 
-BENCHMARK ONLY. The engine's hook (`MoeModel.force_routing`, models/moe.py `ForcedRouting`) is reached from here
+BENCHMARK ONLY. The engine's hook (`MoeModel.force_routing`, models/experts/moe.py `ForcedRouting`) is reached from here
 alone: no setting, flag or environment variable names it, and engine/ and server/ cannot import bench/
 (tests/test_import_graph.py), so `serve`, `generate` and `chat` cannot route by a trace.
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from moeserve.experts.trace import Step, TraceError, TraceHeader
+from moeserve.experts.traces.moetrace import Step, TraceError, TraceHeader
 
 log = logging.getLogger("moeserve.bench")
 

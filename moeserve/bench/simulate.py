@@ -32,9 +32,9 @@ from moeserve.experts.calls import (
     static_reserve,
     usage_counts,
 )
-from moeserve.experts.guess import OnlineGuesses
 from moeserve.experts.policies import ONLINE_POLICY_NAMES, Key, make_policy
-from moeserve.experts.prefetch_auto import PrefetchCounts
+from moeserve.experts.prefetch.auto import PrefetchCounts
+from moeserve.experts.prefetch.guess import OnlineGuesses
 from moeserve.experts.quota import DEFAULT_CACHE_MODE, make_quota
 from moeserve.experts.slot_cache import SlotCache
 
@@ -46,9 +46,9 @@ __all__ = [
 # none: demand loading only. oracle: the next layer call's exact experts (an upper bound). predicted: the
 # predictions recorded in the trace. affinity: a layer-to-next-layer co-occurrence table fitted on the
 # warm-up part of the trace and then frozen (`affinity_predictions`). online: the store's own guesses
-# (`OnlineGuesses`, moeserve/experts/guess.py: an AffinityPredictor learning as the trace replays, after the
+# (`OnlineGuesses`, moeserve/experts/prefetch/guess.py: an AffinityPredictor learning as the trace replays, after the
 # warm-up part if any, and the store's read gate), with `OnlinePrefetch`'s settings: what the engine does. auto:
-# online, reading only while `PrefetchAuto` (experts/prefetch_auto.py) measures that it pays (the engine's
+# online, reading only while `PrefetchAuto` (experts/prefetch/auto.py) measures that it pays (the engine's
 # prefetch=auto).
 PREFETCH_MODES = ("none", "oracle", "predicted", "affinity", "online", "auto")
 _ONLINE = ("online", "auto")

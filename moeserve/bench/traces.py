@@ -1,7 +1,7 @@
 """Every routing-trace format moeserve reads, behind one loader, and the converters between them.
 
-Formats (``docs/trace-format.md``): ``moetrace``, the engine's binary trace (`moeserve.experts.trace`); ``jsonl``,
-the plain interchange format (`moeserve.experts.trace_jsonl`); ``flame``, a folder of FLAME-MoE routing CSVs
+Formats (``docs/trace-format.md``): ``moetrace``, the engine's binary trace (`moeserve.experts.traces.moetrace`); ``jsonl``,
+the plain interchange format (`moeserve.experts.traces.jsonl`); ``flame``, a folder of FLAME-MoE routing CSVs
 (`moeserve.bench.flame`). All read into the same header + steps, so the simulator and the converters never
 branch on where a trace came from.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moeserve.bench.flame import load_flame, write_flame
-from moeserve.experts.trace import Step, TraceError, TraceHeader, read_trace
-from moeserve.experts.trace_jsonl import file_format, read_jsonl_trace, write_trace_file
+from moeserve.experts.traces.jsonl import file_format, read_jsonl_trace, write_trace_file
+from moeserve.experts.traces.moetrace import Step, TraceError, TraceHeader, read_trace
 
 INPUT_FORMATS = ("auto", "moetrace", "jsonl", "flame")
 OUTPUT_FORMATS = ("jsonl", "moetrace", "flame")

@@ -30,7 +30,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
 
     from moeserve.engine.llm_engine import demo_model_path
     from moeserve.models.config_only import expert_parameters, open_for_sizing
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import describe_formats, expert_tensor_names, not_loaded
     from moeserve.models.validate import read_model
 

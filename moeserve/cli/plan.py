@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from moeserve.engine.sizing import spec_kv_groups
     from moeserve.memory.topology import detect_topology
     from moeserve.models.config_only import has_weights, open_for_sizing
-    from moeserve.models.mla import kv_per_token_line
+    from moeserve.models.mixers.mla import kv_per_token_line
     from moeserve.models.validate import read_model
     from moeserve.state.kv_cache import prefix_snapshots
 
@@ -113,7 +113,7 @@ def _needs(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint) -> Memor
 def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
     """(ModelFootprint, dtype name, expert TensorRefs) as the engine would choose them."""
     from moeserve.engine.llm_engine import _CODE_TO_NAME, DTYPES
-    from moeserve.models.expert_plans import expert_plan, int8_expert_plan
+    from moeserve.models.experts.plans import expert_plan, int8_expert_plan
     from moeserve.models.inventory import resident_nbytes
 
     dtype_name: str

@@ -22,7 +22,7 @@ from moeserve.bench.traces import INPUT_FORMATS, load_trace
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import ONLINE_POLICY_NAMES, POLICY_NAMES
 from moeserve.experts.quota import CACHE_MODES, DEFAULT_CACHE_MODE
-from moeserve.experts.trace import TraceHeader
+from moeserve.experts.traces.moetrace import TraceHeader
 
 
 def register(sub: argparse._SubParsersAction) -> None:

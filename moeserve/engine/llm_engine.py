@@ -34,21 +34,21 @@ from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
-from moeserve.experts.trace import FailSafeWriter, TraceHeader
-from moeserve.experts.trace_jsonl import open_trace_writer
+from moeserve.experts.traces.jsonl import open_trace_writer
+from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
 from moeserve.memory.budget import ExpertBudget
 from moeserve.memory.rss import fix_mmap_threshold
 from moeserve.memory.sizing import size_tiers
 from moeserve.memory.topology import detect_topology
-from moeserve.models.expert_plans import (
+from moeserve.models.experts.plans import (
     can_interleave_experts,
     expert_plan,
     int8_expert_plan,
     interleaved_expert_plan,
 )
 from moeserve.models.inventory import resident_nbytes
-from moeserve.models.layers import ForwardBatch
-from moeserve.models.mla import kv_per_token_line
+from moeserve.models.layers.base import ForwardBatch
+from moeserve.models.mixers.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions, build_model
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings

@@ -9,9 +9,9 @@ import torch
 from moeserve.config import EngineSettings
 from moeserve.experts.store import BYPASS_BUFFERS
 from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes
-from moeserve.models.expert_kernels import batched_workspace_bytes
-from moeserve.models.gated_delta_rule import CHUNK
-from moeserve.models.mamba2_ssd import CHUNK as MAMBA_CHUNK
+from moeserve.models.experts.kernels import batched_workspace_bytes
+from moeserve.models.mixers.gated_delta_rule import CHUNK
+from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
 from moeserve.state.kinds import LatentKV, RecurrentState
 from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, group_block_bytes, kv_groups, prefix_snapshots
 

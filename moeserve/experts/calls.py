@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moeserve.experts.policies import Key
-from moeserve.experts.trace import Step
-from moeserve.experts.trace_jsonl import read_trace_file
+from moeserve.experts.traces.jsonl import read_trace_file
+from moeserve.experts.traces.moetrace import Step
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ everything is resident: placement never changes a bit of the result.
 every access is a hit (no policy, no second code path for the callers).
 
 Threads: the compute thread calls `experts`; I/O threads read its misses (experts/reads.py); a `Prefetcher` thread
-may load predicted experts meanwhile (experts/prefetch.py). They share the store's one condition variable and its
+may load predicted experts meanwhile (experts/prefetch/prefetcher.py). They share the store's one condition variable and its
 cache. A slot being filled belongs to its reader alone (loading in the cache: neither free nor mapped), so no
 thread ever reads a half-written unit.
 """
@@ -37,9 +37,9 @@ from moeserve.checkpoint.finite import check_loaded_units
 from moeserve.checkpoint.safetensors_file import DIRECT_ALIGN
 from moeserve.errors import MoeserveError
 from moeserve.experts.bypass import BypassReads
-from moeserve.experts.guess import OnlineGuesses, Predictor
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
-from moeserve.experts.prefetch import Prefetcher
+from moeserve.experts.prefetch.guess import OnlineGuesses, Predictor
+from moeserve.experts.prefetch.prefetcher import Prefetcher
 from moeserve.experts.quota import make_quota
 from moeserve.experts.reads import MissReader, Read
 from moeserve.experts.slot_cache import Key, LayerStats, SlotCache, StoreStats, format_stats
@@ -69,13 +69,13 @@ class StoreOptions:
     # Threads reading the misses of one chunk at the same time (the disk serves several requests at once, and
     # the compute thread works on the experts already in meanwhile); 0 = the compute thread reads them in turn.
     io_threads: int = 2
-    # What prefetch loads: "affinity" = the experts the store's own guesses (experts/guess.py: an AffinityPredictor
+    # What prefetch loads: "affinity" = the experts the store's own guesses (experts/prefetch/guess.py: an AffinityPredictor
     # learned online from the layers' accesses) give at least `prefetch_min_prob` chance of being used by the next
     # layer; "hint" = the guess the caller passes to `experts(..., prefetch=)`.
     prefetch_predictor: str = "affinity"
     prefetch_min_prob: float = 0.5
     cache_mode: str = "shared"  # how the slots are shared among layers: shared, per_layer, mixed (experts/quota.py)
-    # prefetch=auto: the affinity guesses are read only while they pay (experts/prefetch_auto.py)
+    # prefetch=auto: the affinity guesses are read only while they pay (experts/prefetch/auto.py)
     prefetch_auto: bool = False
     # Admission control: "always" = every demand miss takes a slot (evicting a victim); "policy" = a miss the policy
     # does not `admit` against its victim is read into a bypass buffer, lent, dropped; the victim stays.

@@ -230,7 +230,7 @@ def activation_bytes(tokens: int, hidden: int, expert_width: int, top_k: int, qk
     - the logits of the sampled rows only (each sequence's last token), fp32, three times (logits, softmax, sort);
     - with `context` and `kv_width` (num_kv_heads x head_dim, or num_heads x head_dim where the keys are repeated
       per head): the K and V of one layer of one sequence at `context` tokens, gathered from the paged blocks by
-      torch's attention (it attends one sequence at a time, or a padded batch no larger; models/layers.py).
+      torch's attention (it attends one sequence at a time, or a padded batch no larger; models/layers/base.py).
     """
     per_token = 6 * hidden + qkv_width + hidden + 3 * top_k * expert_width
     gathered = 2 * context * kv_width

@@ -29,7 +29,7 @@ from moeserve.models.registry import Architecture, get_architecture
 from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import Expected, expected_tensors
 
-# Expert kind (ModelSpec.moe.expert_kind) -> the expert tensors its planner reads (models/expert_plans.py).
+# Expert kind (ModelSpec.moe.expert_kind) -> the expert tensors its planner reads (models/experts/plans.py).
 ExpertTensors = Callable[[Architecture, ModelSpec, QuantScheme], Iterator[Expected]]
 EXPERT_TENSORS: dict[str, ExpertTensors] = {}
 # Experts (MoE layers x experts per layer) sized from a config alone; Kimi-K2 has 60 x 384 = 23040. Past it a

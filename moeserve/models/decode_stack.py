@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moeserve.errors import ConfigError
-from moeserve.models import linear
-from moeserve.models.expert_kernels import FUSED_MAX_TOKENS
-from moeserve.models.layers import ForwardBatch, scales_in_fp32
+from moeserve.models.experts.kernels import FUSED_MAX_TOKENS
+from moeserve.models.layers import linear
+from moeserve.models.layers.base import ForwardBatch, scales_in_fp32
 from moeserve.models.passes import LayerPass
 from moeserve.state.kv_cache import PagedKVCache
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
-from moeserve.models.expert_plans import ExpertPlan, expert_plan
+from moeserve.models.experts.plans import ExpertPlan, expert_plan
 from moeserve.models.quantized import (
     activation_scales,
     checkpoint_scheme,

@@ -12,7 +12,7 @@ import torch
 
 from moeserve.checkpoint.finite import check_tensor
 from moeserve.checkpoint.folder import Checkpoint
-from moeserve.models.linear import Linear
+from moeserve.models.layers.linear import Linear
 from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense, linear_format
 
 

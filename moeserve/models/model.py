@@ -1,8 +1,8 @@
 """MoeModel: embeddings, decoder layers and head built from a checkpoint; experts live in an ExpertStore.
 
 Every way of computing is chosen once, in `build_model`, from `ModelOptions`, and named in `MoeModel.choices` (the
-start-up log prints them): the dense Linears' layout (linear.py), the routing and expert kernel of the MoE layers
-(moe.py, expert_kernels.py), the layer pass and the decode step (passes.py, decode_stack.py). Nothing changes
+start-up log prints them): the dense Linears' layout (layers/linear.py), the routing and expert kernel of the MoE layers
+(experts/moe.py, experts/kernels.py), the layer pass and the decode step (passes.py, decode_stack.py). Nothing changes
 after construction. Expert weights are not owned by the model: the store loads them (all of them in the resident
 case, a budgeted cache otherwise).
 """
@@ -19,16 +19,14 @@ from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import MoeserveError
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
-from moeserve.models.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
 from moeserve.models.decode_stack import choose_decode_step
-from moeserve.models.expert_kernels import ExpertKernel, choose_expert_kernel
-from moeserve.models.expert_plans import ExpertPlan
-from moeserve.models.gated_delta import GatedDeltaNet, build_gated_delta
-from moeserve.models.layers import (
+from moeserve.models.experts.kernels import ExpertKernel, choose_expert_kernel
+from moeserve.models.experts.moe import ForcedRouting, MoEBlock, choose_routing
+from moeserve.models.experts.plans import ExpertPlan
+from moeserve.models.layers.base import (
     MLP,
     NORM_OFFSETS,
     RMS_NORMS,
-    Attention,
     DecoderLayer,
     DenseMLP,
     ForwardBatch,
@@ -36,11 +34,13 @@ from moeserve.models.layers import (
     TokenMixer,
     scales_in_fp32,
 )
-from moeserve.models.linear import Linear, choose_row_block, in_row_blocks
+from moeserve.models.layers.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
+from moeserve.models.layers.linear import Linear, choose_row_block, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.mamba2 import Mamba2Mixer, build_mamba
-from moeserve.models.mla import build_mla
-from moeserve.models.moe import ForcedRouting, MoEBlock, choose_routing
+from moeserve.models.mixers.attention import Attention
+from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
+from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
+from moeserve.models.mixers.mla import build_mla
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
 from moeserve.models.registry import Architecture, WeightNames

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from moeserve.models.layers import DecoderLayer, ForwardBatch
+from moeserve.models.layers.base import DecoderLayer, ForwardBatch
 from moeserve.state.kv_cache import PagedKVCache
 
 Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]

@@ -1,7 +1,7 @@
 """Architecture registry: config.json "architectures" -> an `Architecture` (spec reader + checkpoint names).
 
 An architecture is data, not a model class: it turns config.json into a `ModelSpec` and says where each weight
-lives in the checkpoint. All architectures share one set of layers (`moeserve.models.layers`).
+lives in the checkpoint. All architectures share one set of layers (`moeserve.models.layers.base`).
 """
 
 from __future__ import annotations

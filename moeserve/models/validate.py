@@ -107,7 +107,7 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
 
 
 def _mamba_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
-    """A Mamba-2 mixer (models/mamba2.py build_mamba); its block has no MLP."""
+    """A Mamba-2 mixer (models/mixers/mamba2.py build_mamba); its block has no MLP."""
     m, names, h = spec.mamba, arch.names, spec.hidden_size
     assert m is not None
     yield from _linear(names.mamba_in.format(L=L), m.inner + m.conv_dim + m.num_heads, h, m.proj_bias)
@@ -144,7 +144,7 @@ def _linear_attention_tensors(arch: Architecture, spec: ModelSpec, L: int) -> It
 
 
 def _mla_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
-    """Latent attention (models/mla.py build_mla): the query's projections, the latent's, their norms, o_proj."""
+    """Latent attention (models/mixers/mla.py build_mla): the query's projections, the latent's, their norms, o_proj."""
     m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
     assert m is not None
     if m.q_lora_rank is not None:
@@ -214,7 +214,7 @@ def is_skipped(arch: Architecture, spec: ModelSpec, name: str) -> bool:
 def kept_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
     """Checkpoint tensors `build_model` holds in float32 whatever the compute dtype: the routers of MoeSpec.router_fp32
     and the routing correction biases (transformers keeps them so), and the norms of a style that scales in fp32."""
-    from moeserve.models.layers import RMS_NORMS  # layers imports torch: only here
+    from moeserve.models.layers.base import RMS_NORMS  # layers imports torch: only here
 
     names, m = arch.names, spec.moe
     out: set[str] = set()

@@ -3,7 +3,7 @@
 Two formats, picked by the model's config.json `model_type` through a table (callers never branch on model type):
 - `TemplateChat`: the model's jinja chat template, rendered as transformers renders it (tools, assistant tool
   calls and tool results included). Its output is split by what the template itself uses: `<think>` reasoning
-  (reasoning.py) and a tool-call format (tool_parsers.py).
+  (reasoning.py) and a tool-call format (tool_parsers/).
 - `HarmonyChat` (gpt-oss): openai-harmony renders the conversation and splits the output into reasoning
   (analysis channel), content (final channel) and tool calls (commentary channel to functions.NAME).
 Both give an `OutputParser`: feeds of generated output -> `ChatDelta`s (reasoning, content, tool-call deltas).

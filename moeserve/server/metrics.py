@@ -203,7 +203,7 @@ def _expert_lines(engine: Any, labels: dict[str, str]) -> list[str]:
     lines += _gauge("expert_prefetched_total", "Expert units loaded ahead of a predicted use.", total("prefetched"),
                     labels, "counter")
     decision = store.prefetch_decision() if hasattr(store, "prefetch_decision") else None
-    if decision is not None:  # prefetch=auto: whether it reads now, and why (experts/prefetch_auto.py)
+    if decision is not None:  # prefetch=auto: whether it reads now, and why (experts/prefetch/auto.py)
         lines += _gauge("expert_prefetch_enabled", "prefetch=auto: 1 while predicted experts are read (the reason as "
                         "logged).", float(decision[0]), {**labels, "reason": decision[1]})
     lines += _gauge("expert_load_errors_total", "Expert reads from a slower tier that failed (unreadable, or "

@@ -10,8 +10,8 @@ import pytest
 
 from moeserve.bench import report, runner
 from moeserve.bench.shapes import get_shape
-from moeserve.experts.trace import LayerRecord, TraceHeader
-from moeserve.experts.trace_jsonl import write_trace_file
+from moeserve.experts.traces.jsonl import write_trace_file
+from moeserve.experts.traces.moetrace import LayerRecord, TraceHeader
 
 
 def test_the_admission_variant_is_the_default_with_admission_by_policy():

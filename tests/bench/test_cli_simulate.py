@@ -8,7 +8,7 @@ import random
 import pytest
 
 from moeserve.cli import main
-from moeserve.experts.trace import TraceHeader, TraceWriter
+from moeserve.experts.traces.moetrace import TraceHeader, TraceWriter
 
 
 def small_trace(path):

@@ -14,8 +14,8 @@ import moeserve
 from moeserve.bench import route_trace
 from moeserve.bench.route_trace import TraceRouter, map_trace, trace_tokens
 from moeserve.bench.simulate import calls_from_steps, simulate
-from moeserve.experts.trace import LayerRecord, TraceError, TraceHeader
-from moeserve.experts.trace_jsonl import read_jsonl_trace, write_trace_file
+from moeserve.experts.traces.jsonl import read_jsonl_trace, write_trace_file
+from moeserve.experts.traces.moetrace import LayerRecord, TraceError, TraceHeader
 
 DEMO = Path(moeserve.__file__).resolve().parent / "demo_model"
 DEMO_UNIT_BYTES = 589824  # one bf16 expert unit of the demo model
@@ -124,7 +124,7 @@ def test_the_engine_routes_exactly_as_the_trace_says(tmp_path):
 @needs_demo
 def test_force_routing_none_gives_the_routers_back():
     from moeserve import LLM
-    from moeserve.models.moe import ForcedRouting
+    from moeserve.models.experts.moe import ForcedRouting
 
     llm = LLM(str(DEMO), skip_tokenizer_init=True, expert_cache_gb=12 * DEMO_UNIT_BYTES / 2**30)
     try:

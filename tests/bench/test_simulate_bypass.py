@@ -9,7 +9,7 @@ import pytest
 from moeserve.bench.simulate import LayerCall, run_grid, split_bypass
 from moeserve.cli import main
 from moeserve.errors import ConfigError
-from moeserve.experts.trace import TraceHeader, TraceWriter
+from moeserve.experts.traces.moetrace import TraceHeader, TraceWriter
 
 
 def hot_pair_steps(n: int = 40) -> list[list[LayerCall]]:

@@ -8,7 +8,7 @@ import pytest
 
 from moeserve.bench.flame import convert_flame, load_flame
 from moeserve.bench.simulate import calls_from_steps, layer_only, per_expert_calls, simulate
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 
 # shared/ sits beside the checkout (in CI too); /work/shared is where the development machines mount it.
 _CANDIDATES = [Path(__file__).resolve().parents[3] / "shared", Path("/work/shared")]

@@ -12,7 +12,7 @@ import pytest
 from moeserve.bench.flame import find_layer_dirs, load_flame
 from moeserve.bench.traces import convert, load_trace
 from moeserve.cli import main
-from moeserve.experts.trace import TraceError, TraceHeader, TraceWriter
+from moeserve.experts.traces.moetrace import TraceError, TraceHeader, TraceWriter
 from tests.bench.test_simulate_flame import FLAME, needs_flame
 
 TOKENS = 160  # the slice: the first tokens of every layer

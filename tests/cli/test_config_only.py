@@ -19,7 +19,7 @@ from moeserve.checkpoint.safetensors_file import DTYPES
 from moeserve.cli import main
 from moeserve.formats.catalog import FORMATS, create_format
 from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint
-from moeserve.models.expert_plans import EXPERT_PLANNERS
+from moeserve.models.experts.plans import EXPERT_PLANNERS
 from moeserve.models.registry import get_architecture
 from moeserve.models.validate import is_skipped
 from tests.conftest import write_tiny_checkpoint
@@ -264,7 +264,7 @@ def test_expert_parameters_equal_the_checkpoints_expert_tensors(folders, case: s
     # inspect's expert parameter count against the numel of the expert tensors transformers wrote (relu2 experts
     # have no gate: a per-kind formula counted 3*h*i for them)
     from moeserve.models.config_only import expert_parameters
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import expert_tensor_names
 
     full, _config = folders(case)

@@ -7,8 +7,8 @@ import json
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.experts.trace import read_trace
-from moeserve.experts.trace_jsonl import read_jsonl_trace
+from moeserve.experts.traces.jsonl import read_jsonl_trace
+from moeserve.experts.traces.moetrace import read_trace
 
 PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250]}, {"prompt_token_ids": [11, 5, 77]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

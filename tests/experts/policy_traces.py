@@ -17,7 +17,7 @@ import pytest
 
 from moeserve.cli.simulate import load_calls
 from moeserve.experts.calls import LayerCall
-from moeserve.experts.policy_base import Key
+from moeserve.experts.policies.base import Key
 from moeserve.experts.slot_cache import SlotCache
 
 _CANDIDATES = [Path(__file__).resolve().parents[3] / "shared", Path("/work/shared")]

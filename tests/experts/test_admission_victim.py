@@ -11,7 +11,7 @@ import pytest
 
 from moeserve.bench.simulate import simulate
 from moeserve.experts.policies import DeferredHits, EvictionPolicy, make_policy
-from moeserve.experts.policy_base import Key
+from moeserve.experts.policies.base import Key
 from moeserve.experts.quota import make_quota
 from moeserve.experts.slot_cache import SlotCache
 from tests.experts.policy_traces import TRACES, replay_store_calls, trace_calls

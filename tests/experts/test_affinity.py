@@ -7,7 +7,7 @@ import math
 import pytest
 
 from moeserve.errors import ConfigError
-from moeserve.experts.affinity import AffinityPredictor
+from moeserve.experts.prefetch.affinity import AffinityPredictor
 
 
 def test_learns_the_next_layer_and_ignores_step_boundaries():

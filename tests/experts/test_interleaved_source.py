@@ -9,8 +9,8 @@ import torch
 
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from moeserve.models.expert_sources import InterleavedExpertSource
-from moeserve.models.linear import interleave_rows
+from moeserve.models.experts.sources import InterleavedExpertSource
+from moeserve.models.layers.linear import interleave_rows
 from tests.kernels.ops import cpp_ops
 from tests.logits_capture import generate_capturing_logits
 

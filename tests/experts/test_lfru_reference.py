@@ -1,4 +1,4 @@
-"""The default policy (adaptive LFRU, experts/policies_lfru.py) against LFRU stated plainly: the reference classes
+"""The default policy (adaptive LFRU, experts/policies/lfru.py) against LFRU stated plainly: the reference classes
 below score every key as docs/policies.md describes and find each victim by a scan of every cached key (no heaps,
 no cached candidates, no memoised samples). The package's policy is tuned for speed (scripts/policy_cost.py); it
 must choose the same victim at every miss: FLAME and two recorded demo traces, three capacities each, shared and

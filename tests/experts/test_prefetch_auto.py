@@ -1,4 +1,4 @@
-"""prefetch=auto (experts/prefetch_auto.py): the on/off decision from measured gains, its shadow estimate while off,
+"""prefetch=auto (experts/prefetch/auto.py): the on/off decision from measured gains, its shadow estimate while off,
 the harm counter it uses (SlotCache.prefetch_harm), the simulator's `auto` mode, the setting, and /metrics."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from moeserve.bench.simulate import LayerCall, OnlinePrefetch, simulate
 from moeserve.config import EngineSettings, add_cli_arguments, build_settings, settings_from_args
 from moeserve.errors import ConfigError
-from moeserve.experts.guess import OnlineGuesses
 from moeserve.experts.policies import make_policy
-from moeserve.experts.prefetch_auto import PrefetchAuto
+from moeserve.experts.prefetch.auto import PrefetchAuto
+from moeserve.experts.prefetch.guess import OnlineGuesses
 from moeserve.experts.slot_cache import SlotCache
 
 

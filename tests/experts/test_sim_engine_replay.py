@@ -10,7 +10,7 @@ import pytest
 import moeserve
 from moeserve import LLM, SamplingParams
 from moeserve.bench.simulate import calls_from_steps, simulate
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 
 DEMO = Path(moeserve.__file__).resolve().parent / "demo_model"
 pytestmark = pytest.mark.skipif(not (DEMO / "model.safetensors").is_file(), reason="demo model not built")

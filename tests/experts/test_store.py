@@ -287,7 +287,7 @@ def test_prefetch_stops_reading_guesses_that_were_not_used_when_not_cached():
 def test_with_the_read_gate_shut_the_predictor_is_only_probed():
     """Once PROBE_AFTER uncached guesses proved not worth reading, the store asks its predictor on one layer call
     in PROBE_EVERY (still scoring those guesses, so the gate can open again), instead of at every call."""
-    from moeserve.experts.guess import PROBE_AFTER, PROBE_EVERY
+    from moeserve.experts.prefetch.guess import PROBE_AFTER, PROBE_EVERY
 
     store = make_store(capacity=4, layers=(0, 1), num_experts=12, prefetch=True)
     guesser = _HalfRightGuess()

@@ -23,9 +23,9 @@ from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.errors import ConfigError
 from moeserve.experts.policies import DeferredHits, LRUPolicy, make_policy
-from moeserve.experts.policy_base import Key
+from moeserve.experts.policies.base import Key
 from moeserve.experts.store import ExpertStore
-from moeserve.experts.trace import read_trace
+from moeserve.experts.traces.moetrace import read_trace
 from tests.conftest import write_tiny_checkpoint
 from tests.experts.test_sim_engine_replay import DEMO
 from tests.experts.test_sim_engine_replay import run as run_demo

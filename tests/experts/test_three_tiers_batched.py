@@ -1,4 +1,4 @@
-"""The batched expert kernel (the GPU's, models/expert_kernels.BatchedExperts) through three tiers on CPU: the
+"""The batched expert kernel (the GPU's, models/experts/kernels.BatchedExperts) through three tiers on CPU: the
 engine built with default settings but the batched kernel (the test hook below: no user setting selects it on the
 CPU), its store given the asynchronous fake fast tier + a host tier of half the experts + the disk, equal to the
 all-resident run (same kernel) bit for bit in bf16, for every architecture and format of test_three_tiers.py.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from moeserve.models import model as model_module
-from moeserve.models.expert_kernels import BatchedExperts, choose_expert_kernel
+from moeserve.models.experts.kernels import BatchedExperts, choose_expert_kernel
 from tests.conftest import ARCHS
 from tests.experts.test_three_tiers import FORMATS, check_three_tiers_equal_resident, folder_of, three_tiers
 

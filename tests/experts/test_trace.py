@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from moeserve.experts.trace import TraceError, TraceHeader, TraceWriter, read_trace
+from moeserve.experts.traces.moetrace import TraceError, TraceHeader, TraceWriter, read_trace
 
 
 def header(**kw) -> TraceHeader:

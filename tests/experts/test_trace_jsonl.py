@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from moeserve.experts.calls import static_policy_options
-from moeserve.experts.trace import TraceError, TraceHeader, TraceWriter, read_trace
-from moeserve.experts.trace_jsonl import (
+from moeserve.experts.traces.jsonl import (
     JsonlTraceWriter,
     file_format,
     read_jsonl_trace,
     read_trace_file,
     write_trace_file,
 )
+from moeserve.experts.traces.moetrace import TraceError, TraceHeader, TraceWriter, read_trace
 
 HEADER = TraceHeader(model="toy", num_layers=5, num_experts=16, top_k=3, moe_layers=(1, 2, 4))
 

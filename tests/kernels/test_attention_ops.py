@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.layers import Rotary, rms_norm
+from moeserve.models.layers.base import Rotary, rms_norm
 from moeserve.models.spec import RopeSpec
 from tests.kernels.ops import cpp_ops
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moeserve.formats.int8 import quantize_int8_per_channel
-from moeserve.models.linear import Linear, pack_int8_rows, unpack_int8_rows
+from moeserve.models.layers.linear import Linear, pack_int8_rows, unpack_int8_rows
 from tests.kernels.ops import cpp_ops
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.models.gated_delta import GatedDeltaNet, cpp_chunk_form
-from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm
+from moeserve.models.mixers.gated_delta import GatedDeltaNet, cpp_chunk_form
+from moeserve.models.mixers.gated_delta_rule import CHUNK, chunk_form, l2norm
 from tests.kernels.ops import cpp_ops
 from tests.models.test_gated_delta_rule import inputs, reference
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.models.gated_delta_rule import l2norm, recurrent_step
+from moeserve.models.mixers.gated_delta_rule import l2norm, recurrent_step
 from tests.kernels.ops import cpp_ops
 
 

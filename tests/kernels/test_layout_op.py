@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.models.linear import interleave_rows
+from moeserve.models.layers.linear import interleave_rows
 from tests.kernels.ops import cpp_ops
 
 ops = cpp_ops()

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
-from moeserve.models.mamba2_ssd import CHUNK, CppMamba2, Mamba2Kernels, Piece, TorchMamba2
+from moeserve.models.mixers.mamba2_ssd import CHUNK, CppMamba2, Mamba2Kernels, Piece, TorchMamba2
 from moeserve.models.spec import MambaSpec
 from tests.kernels.ops import cpp_ops
 

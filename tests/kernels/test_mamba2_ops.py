@@ -1,4 +1,4 @@
-"""The C++ Mamba-2 ops (csrc/mamba2.cpp) against the torch functions they replace (models/mamba2_ssd.py):
+"""The C++ Mamba-2 ops (csrc/mamba2.cpp) against the torch functions they replace (models/mixers/mamba2_ssd.py):
 
 - mamba2_step_ == ssd_step bit for bit (y and every state slot) for a batch of sequences in their own slots, two
   tokens of one sequence in one call, several steps in a row: tiny and Nemotron-3-Nano dimensions (64 heads of 64,
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.models import mamba2
-from moeserve.models.mamba2 import Mamba2Mixer
-from moeserve.models.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2
+from moeserve.models.mixers import mamba2
+from moeserve.models.mixers.mamba2 import Mamba2Mixer
+from moeserve.models.mixers.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2
 from moeserve.models.spec import MambaSpec
 from tests.kernels.ops import cpp_ops
 from tests.models import exactness as X

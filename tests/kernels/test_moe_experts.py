@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
-from moeserve.models.unit_math import swiglu_expert
+from moeserve.models.experts.unit_math import swiglu_expert
 from tests.kernels.ops import cpp_ops
 
 ops = cpp_ops()
@@ -199,7 +199,7 @@ def interleaved_ops():  # noqa: ANN201 - torch.ops namespace
 
 
 def run_interleaved(out0, x, units, token_of, weight_of, spans):
-    from moeserve.models.linear import interleave_rows
+    from moeserve.models.layers.linear import interleave_rows
 
     return interleaved_ops().moe_swiglu_interleaved_(out0.clone(), x, [interleave_rows(a) for a, _ in units],
                                                      [interleave_rows(b) for _, b in units], token_of, weight_of,
@@ -265,7 +265,7 @@ def test_interleaved_op_rejects_bad_shapes():
 def test_int8_interleaved_op(h, i, n, e, k):
     """int8 codes in pack_int8_rows' layout: as close to float64 of dot(codes, x) * scale as the dequantize path,
     and mostly the same bits as the plain-layout int8 op."""
-    from moeserve.models.linear import pack_int8_rows
+    from moeserve.models.layers.linear import pack_int8_rows
 
     if not bool(ops.moe_int8_interleaved_supported()):
         pytest.skip("the kernels were built without AVX512-BF16/VBMI")

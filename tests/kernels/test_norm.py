@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.models.layers import rms_norm, rms_norm_fp32_scale
+from moeserve.models.layers.base import rms_norm, rms_norm_fp32_scale
 from tests.kernels.ops import cpp_ops
 
 

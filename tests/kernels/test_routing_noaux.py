@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.models import linear
-from moeserve.models.moe import CppSigmoidGroups, SigmoidGroups, choose_routing
+from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups, choose_routing
+from moeserve.models.layers import linear
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
 from tests.kernels.ops import cpp_ops

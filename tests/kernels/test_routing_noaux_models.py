@@ -12,7 +12,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.models import model as model_module
-from moeserve.models.moe import CppSigmoidGroups, SigmoidGroups, choose_routing
+from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups, choose_routing
 from tests.kernels.ops import cpp_ops
 from tests.logits_capture import generate_capturing_logits
 from tests.models.test_deepseek_v3 import write_tiny

@@ -120,11 +120,11 @@ def test_unified_memory_charges_the_staging_buffers_to_the_one_pool():
 
 def test_the_batched_expert_kernels_workspace_is_runtime_on_cuda_only():
     """On CUDA the experts run in the batched kernel, whose stacked weights (MemoryNeeds.expert_workspace_bytes,
-    models/expert_kernels.batched_workspace_bytes) are charged as runtime; on the CPU they are not held."""
+    models/experts/kernels.batched_workspace_bytes) are charged as runtime; on the CPU they are not held."""
     from moeserve.memory.sizing import size_tiers
     from moeserve.memory.split import MemoryNeeds
     from moeserve.memory.topology import MemoryTopology
-    from moeserve.models.expert_kernels import GROUP, batched_workspace_bytes
+    from moeserve.models.experts.kernels import GROUP, batched_workspace_bytes
 
     unit = 2**20
     workspace = batched_workspace_bytes(1024, 512, 2, unit)

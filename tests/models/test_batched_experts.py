@@ -1,4 +1,4 @@
-"""The batched expert kernel (models/expert_kernels.BatchedExperts, the GPU's): run on the CPU here.
+"""The batched expert kernel (models/experts/kernels.BatchedExperts, the GPU's): run on the CPU here.
 
 - kernel level, random SwiGLU units: within float32 rounding of the per-expert loop; bf16 results bit-identical
   whatever the chunking of the layer's experts (resident = one chunk, offloaded = chunks of any size) and, in
@@ -15,7 +15,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.models import model as model_module
-from moeserve.models.expert_kernels import (
+from moeserve.models.experts.kernels import (
     ENTRY_ROWS,
     GROUP,
     BatchedExperts,
@@ -24,7 +24,7 @@ from moeserve.models.expert_kernels import (
     add_in_expert_order,
     choose_expert_kernel,
 )
-from moeserve.models.unit_math import SwiGLUMath
+from moeserve.models.experts.unit_math import SwiGLUMath
 from tests.conftest import ARCHS
 from tests.engine.test_parity_transformers import PROMPTS, hf_greedy, hf_model
 from tests.experts.test_three_tiers import FORMATS, folder_of

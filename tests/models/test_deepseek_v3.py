@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / Kimi-K2 (DeepseekV3ForCausalLM): multi-head latent attention over a latent cache (models/mla.py).
+"""DeepSeek-V3 / Kimi-K2 (DeepseekV3ForCausalLM): multi-head latent attention over a latent cache (models/mixers/mla.py).
 
 - The specs of the published DeepSeek-V3 and Kimi-K2 config.json files (shared/reference/configs): latent dims,
   yarn's softmax scale, noaux_tc routing, first_k_dense_replace, MTP layers announced.

@@ -1,4 +1,4 @@
-"""The gated delta rule (models/gated_delta_rule.py) against transformers' reference torch implementations
+"""The gated delta rule (models/mixers/gated_delta_rule.py) against transformers' reference torch implementations
 (torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule in its qwen3_next modeling), in fp32."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step, sum_rows
+from moeserve.models.mixers.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step, sum_rows
 
 
 def inputs(n: int, heads: int = 4, dk: int = 16, dv: int = 8, seed: int = 0):

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.errors import CheckpointError
-from moeserve.models.moe import CppRouting, SigmoidGroups, SoftmaxTopk, TopkSoftmax, choose_routing
+from moeserve.models.experts.moe import CppRouting, SigmoidGroups, SoftmaxTopk, TopkSoftmax, choose_routing
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
 from tests.engine.test_parity_transformers import (
@@ -207,7 +207,7 @@ def with_mtp_layer(src: Path, folder: Path, announced: int) -> Path:
 
 
 def test_mtp_layers_are_skipped_at_load(tiny_checkpoint, tmp_path: Path) -> None:
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import resident_nbytes
 
     src = tiny_checkpoint("glm4_moe")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.models.layers import rope_inv_freq
+from moeserve.models.layers.base import rope_inv_freq
 from moeserve.models.registry import get_architecture
 from tests.models.checkpoints import write_gpt_oss, write_gpt_oss_mxfp4
 
@@ -114,7 +114,7 @@ def test_gpt_oss_20b_shapes_plan_and_report(tmp_path: Path) -> None:
     """Real gpt-oss-20b shapes (header only, nothing read): the expert unit is exactly its stored MXFP4 bytes,
     and describe_formats gives the stored bytes a decoded token reads."""
     from moeserve.checkpoint.folder import open_checkpoint
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import describe_formats
     from tests.models.checkpoints import gpt_oss_20b_header_only
 
@@ -143,7 +143,7 @@ def test_clamped_swiglu_matches_transformers_beyond_the_limit() -> None:
     from transformers import AutoConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    from moeserve.models.unit_math import clamped_swiglu
+    from moeserve.models.experts.unit_math import clamped_swiglu
 
     experts = GptOssExperts(AutoConfig.for_model("gpt_oss", hidden_size=8, intermediate_size=8))
     gate_up = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 15

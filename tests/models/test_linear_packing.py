@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.linear import Linear, _can_pack
+from moeserve.models.layers.linear import Linear, _can_pack
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -50,7 +50,7 @@ def _gemv_ops():  # noqa: ANN202
 
 @pytest.mark.parametrize(("n", "k"), [(6, 64), (1, 32), (37, 96), (8, 1024)])
 def test_interleave_round_trips(n, k):
-    from moeserve.models.linear import deinterleave_rows, interleave_rows
+    from moeserve.models.layers.linear import deinterleave_rows, interleave_rows
 
     w = torch.randn(n, k).bfloat16()
     packed = interleave_rows(w)

@@ -20,9 +20,9 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.errors import UnsupportedModelError
-from moeserve.models.expert_plans import expert_plan
+from moeserve.models.experts.plans import expert_plan
+from moeserve.models.experts.unit_math import DequantizingKernel
 from moeserve.models.inventory import describe_formats
-from moeserve.models.unit_math import DequantizingKernel
 from tests.models import checkpoints as C
 
 STEPS = 16

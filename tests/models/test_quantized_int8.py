@@ -87,7 +87,7 @@ def test_int8_dense_linears_offloaded_equal_resident_and_close_to_bf16(bf16_fold
     top-1 agreement 22/24, both flips near-ties in bf16 (top-2 gaps 0.008 and 0.0 nats); max |logprob
     difference| over shared top-5 tokens 0.135 nats (int8 experts alone, kernels=torch: 23/24 and 0.152)."""
     from moeserve import kernels
-    from moeserve.models.moe import MoEBlock
+    from moeserve.models.experts.moe import MoEBlock
 
     if not kernels.load().available:
         pytest.skip("moeserve C++ kernels not available")

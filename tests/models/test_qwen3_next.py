@@ -155,7 +155,7 @@ def write_tiny_qwen35(folder: Path) -> Path:
 def test_qwen35_serves_the_language_model_only(tmp_path: Path) -> None:
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from moeserve.models.expert_plans import expert_plan
+    from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import resident_nbytes
 
     folder = write_tiny_qwen35(tmp_path / "qwen35")

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from moeserve.experts.trace import FailSafeWriter
+from moeserve.experts.traces.moetrace import FailSafeWriter
 from tests.server.conftest import MODEL_NAME, engine_factory, make_state
 
 

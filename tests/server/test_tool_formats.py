@@ -31,7 +31,7 @@ from moeserve.server.tool_parsers import (
     ToolParser,
     tool_parser_for,
 )
-from moeserve.server.tool_parsers_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
+from moeserve.server.tool_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 from tests.conftest import write_tiny_tokenizer
 from tests.server.test_tool_parsers import WEATHER, assert_no_tag_piece, run_tools, split_every_way
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from moeserve.server.chat import _Choice
-from moeserve.server.tool_parser_base import ToolCallDelta
 from moeserve.server.tool_parsers import KimiK2ToolParser, ToolParser, tool_parser_for
-from moeserve.server.tool_parsers_kimi import (
+from moeserve.server.tool_parsers.base import ToolCallDelta
+from moeserve.server.tool_parsers.kimi import (
     ARGUMENT_BEGIN,
     CALL_BEGIN,
     CALL_END,

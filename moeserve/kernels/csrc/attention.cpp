@@ -5,7 +5,7 @@
 //   d - r dims pass as they are),
 //   and the write of k and v into the paged KV cache (row slot_mapping[i] = block * block_size + offset of token
 //   i); returns the rotated q [N, heads, d]. Numerics follow
-//   moeserve.models.layers (rms_norm, then Rotary.apply: x * cos + rotate_half(x) * sin with every product and
+//   moeserve.models.layers.base (rms_norm, then Rotary.apply: x * cos + rotate_half(x) * sin with every product and
 //   the sum rounded to the dtype, as torch's bf16 ops round), so only the fp32 sum of squares of the norm may
 //   differ from the torch path, by its summation order.
 //

@@ -110,7 +110,7 @@ std::unique_ptr<TokenMixerPart> make_attention(const StackConfig& cfg, Attention
                                                std::optional<at::Tensor> k_norm, at::Tensor cos, at::Tensor sin,
                                                at::Tensor k_cache, at::Tensor v_cache);
 
-// Gated DeltaNet's decode step (models/gated_delta.py, a decode-only batch of tokens after their prompts).
+// Gated DeltaNet's decode step (models/mixers/gated_delta.py, a decode-only batch of tokens after their prompts).
 struct GatedDeltaShape {
   int64_t num_k_heads = 0, num_v_heads = 0, k_head_dim = 0, v_head_dim = 0, group = 0;
 };
@@ -119,7 +119,7 @@ std::unique_ptr<TokenMixerPart> make_gated_delta(const StackConfig& cfg, GatedDe
                                                  at::Tensor dt_bias, at::Tensor norm, at::Tensor conv_states,
                                                  at::Tensor states);
 
-// Multi-head latent attention (models/mla.py MlaAttention, decode-only): sizes per head, the latent cache
+// Multi-head latent attention (models/mixers/mla.py MlaAttention, decode-only): sizes per head, the latent cache
 // [blocks, block_size, kv_lora + rope] of its group, W_UK [nh, nope, R] and W_UV^T [nh, R, v].
 struct MlaShape {
   int64_t heads = 0, nope = 0, rope = 0, kv_lora = 0, v_head_dim = 0, group = 0, rotary_dim = 0, query_block = 0;
@@ -131,7 +131,7 @@ std::unique_ptr<TokenMixerPart> make_mla(const StackConfig& cfg, MlaShape shape,
                                          at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
                                          at::Tensor cos, at::Tensor sin, at::Tensor cache);
 
-// Mamba-2's decode step (models/mamba2.py Mamba2Mixer, a decode-only batch of tokens after their prompts): sizes
+// Mamba-2's decode step (models/mixers/mamba2.py Mamba2Mixer, a decode-only batch of tokens after their prompts): sizes
 // per head, its group norm's eps; in_proj rows [z (inner), xBC (conv channels), dt (heads)].
 struct Mamba2Shape {
   int64_t heads = 0, head_dim = 0, n_groups = 0, state = 0, group = 0;

@@ -1,5 +1,5 @@
 // Token mixer parts of the DecodeStack (decode_stack.h) for Nemotron-H's blocks: Mamba-2's decode step (the
-// decode-only path of models/mamba2.py Mamba2Mixer with the C++ kernels: the same ops, ATen ones on the same shapes
+// decode-only path of models/mixers/mamba2.py Mamba2Mixer with the C++ kernels: the same ops, ATen ones on the same shapes
 // in the same row blocks, in the same order), and the absent mixer of a block that has only an FFN.
 
 #include "decode_stack.h"

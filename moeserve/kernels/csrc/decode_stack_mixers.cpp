@@ -7,7 +7,7 @@ namespace moeserve_stack {
 
 namespace {
 
-// rms_norm_fp32_scale (models/layers.py) op for op: the weight applied in fp32 before the cast back.
+// rms_norm_fp32_scale (models/layers/base.py) op for op: the weight applied in fp32 before the cast back.
 at::Tensor rms_norm_fp32_scale(const at::Tensor& x, const at::Tensor& w, double eps) {
   const at::Tensor h = x.to(at::kFloat);
   const at::Tensor normed = h * at::rsqrt(h.pow(2).mean(-1, true) + eps);
@@ -107,7 +107,7 @@ std::vector<at::Tensor> rowwise(const std::function<std::vector<at::Tensor>(cons
   return outs;
 }
 
-// l2norm (models/gated_delta_rule.py): x / sqrt(sum(x^2) + 1e-6) over the last dim.
+// l2norm (models/mixers/gated_delta_rule.py): x / sqrt(sum(x^2) + 1e-6) over the last dim.
 at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
 
 // GatedDeltaNet.__call__ for a decode-only batch of tokens after their prompts (the C++ recurrent step).

@@ -1,4 +1,4 @@
-// Multi-head latent attention in the DecodeStack (decode_stack.h): models/mla.py MlaAttention.__call__ for a
+// Multi-head latent attention in the DecodeStack (decode_stack.h): models/mixers/mla.py MlaAttention.__call__ for a
 // decode-only batch, the same ATen ops on the same shapes in the same order (its norms in the batch-invariant row
 // blocks, each token's query in its aligned block of query_block positions, zero-padded), so the same bits.
 

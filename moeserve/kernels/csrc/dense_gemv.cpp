@@ -1,6 +1,6 @@
 // bf16 matrix-vector products for the dense Linears (q/k/v, o, routers, LM head): y [M, N] = x [M, K] W^T + b.
 //
-// The weight is stored "row-interleaved" (packed once at load, see moeserve.models.layers.Linear): rows in
+// The weight is stored "row-interleaved" (packed once at load, see moeserve.models.layers.base.Linear): rows in
 // blocks of 4, and within a block the 32-element chunks of the 4 rows side by side,
 //     packed[((b * K/32 + c) * 4 + r) * 32 + i] = W[4b + r, 32c + i]
 // followed by the N % 4 leftover rows as they are. A block is then ONE sequential stream that feeds 4 output

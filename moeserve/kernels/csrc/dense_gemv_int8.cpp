@@ -2,7 +2,7 @@
 //     y [M, N] = bf16( (x [M, K] . Q[n, :]) * scale[n] + b[n] )
 // with Q int8 codes in [-127, 127] (per-output-row symmetric, see moeserve.formats.int8) and scale float32 [N].
 //
-// Layout (packed once at load by moeserve.models.layers.pack_int8_rows): as the bf16 op (csrc/dense_gemv.cpp),
+// Layout (packed once at load by moeserve.models.layers.base.pack_int8_rows): as the bf16 op (csrc/dense_gemv.cpp),
 // rows in blocks of 4 with their 32-element chunks side by side, so a block of 4 rows is one sequential stream of
 // 4 * K bytes (half the bf16 op's). Within a block, chunk c takes 128 bytes: rows (0, 1) then rows (2, 3), each
 // pair as 4 groups of [8 codes of the first row, 8 codes of the second]:

@@ -6,7 +6,7 @@
 //     delta[j] = (v[j] - read[j]) * beta
 //     S[i][j] = S[i][j] + k[i] * delta[j]
 //     out[j] = sum_i S[i][j] * (q[i] * dk^-0.5)
-//   which is moeserve.models.gated_delta_rule.recurrent_step operation for operation, its sums over i in the order
+//   which is moeserve.models.mixers.gated_delta_rule.recurrent_step operation for operation, its sums over i in the order
 //   of gated_delta_rule.sum_rows (halving: row i += row i + ceil(n/2)), so the two give the same bits
 //   (tests/kernels/test_gated_delta_step.py).
 //   Multiply-adds are never fused here (fp-contract=off below): torch rounds the product first. Every (b, h) is independent and reduced in one fixed

@@ -1,6 +1,6 @@
 // gated_delta_chunk_: the chunk form of the gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5) for the prompt
 //   tokens of one sequence, against its recurrent state (updated in place). The same computation as
-//   moeserve.models.gated_delta_rule.chunk_form (the WY form of the FLA library; transformers'
+//   moeserve.models.mixers.gated_delta_rule.chunk_form (the WY form of the FLA library; transformers'
 //   torch_chunk_gated_delta_rule): tokens cut into chunks of 64 from the first, and per value head and chunk
 //     cum = cumsum(g);  A[i][j] = (beta_i k_i . k_j) exp(cum_i - cum_j)  for j < i
 //     (I + A) [U | W] = [beta v | beta k exp(cum)]      (forward substitution)

@@ -1,5 +1,5 @@
 // interleave_rows_into: W [N, K] (2-byte elements, N % 4 == 0, K % 32 == 0) copied into the row-interleaved layout
-// of the dense GEMV and the fused expert ops (moeserve.models.layers.interleave_rows):
+// of the dense GEMV and the fused expert ops (moeserve.models.layers.base.interleave_rows):
 //     dst[((b * K/32 + c) * 4 + r) * 32 + i] = W[4b + r, 32c + i]
 // ONE thread, no OpenMP: it runs on the expert store's I/O threads for every miss, where a torch permute-copy
 // would start an OpenMP team per I/O thread that spins on the 2 cores the compute threads need (measured: the

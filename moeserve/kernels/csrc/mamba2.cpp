@@ -1,4 +1,4 @@
-// Mamba-2 (Nemotron-H) ops over the per-sequence recurrent state (moeserve/models/mamba2.py, mamba2_ssd.py):
+// Mamba-2 (Nemotron-H) ops over the per-sequence recurrent state (moeserve/models/mixers/mamba2.py, mamba2_ssd.py):
 //
 // mamba2_conv_(x [N, C], weight [C, K], bias [C]?, history [slots, K-1, C], slots [B], counts [B], fresh [B])
 //   The causal depthwise conv of every sequence's new inputs after its last K-1 inputs (history of slot

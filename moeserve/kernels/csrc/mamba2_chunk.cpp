@@ -1,6 +1,6 @@
 // mamba2_scan_: the SSD chunk scan of Mamba-2 (Nemotron-H) for the prompt tokens of a batch of sequences, each
 // against its own state slot (read, then replaced by the state after its tokens). The same computation as
-// moeserve.models.mamba2_ssd.ssd_chunk (transformers' mamba2_chunk_scan, with the state carried from chunk to
+// moeserve.models.mixers.mamba2_ssd.ssd_chunk (transformers' mamba2_chunk_scan, with the state carried from chunk to
 // chunk): a sequence's tokens cut on a grid of `chunk` positions from 0 (a piece starting off the grid first
 // finishes its chunk), per head and chunk of c tokens, with da = dt A, cum = cumsum(da),
 //   seg[l][s] = sum of da[s+1 .. l]              (summed from the inputs, as transformers' segment_sum)

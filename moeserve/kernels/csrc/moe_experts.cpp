@@ -355,7 +355,7 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
 // --------------------------------------------------------------------------- interleaved units (bf16 or int8)
 // Units whose gate_up [2I, H] and down [H, I] are stored in the dense GEMV's row-interleaved layout (rows in
 // blocks of 4, the 32-element chunks of a block's 4 rows side by side: see csrc/dense_gemv.cpp and
-// moeserve.models.layers.interleave_rows; 2I, H % 4 == 0 and H, I % 32 == 0, no leftover rows), or for int8 in
+// moeserve.models.layers.base.interleave_rows; 2I, H % 4 == 0 and H, I % 32 == 0, no leftover rows), or for int8 in
 // pack_int8_rows' layout (csrc/dense_gemv_int8.cpp) with float32 row scales. A block is ONE sequential stream
 // feeding 4 output rows: in a C++ loop shaped like this op (2 threads, alternated in one process) it streamed
 // 1.17x faster than one row at a time on the plain layout (28.5 vs 24.3 GB/s), which itself beats 4 plain rows

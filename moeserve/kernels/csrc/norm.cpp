@@ -1,7 +1,7 @@
 // RMSNorm (and residual add + RMSNorm) for the decode step: one op instead of the ~8 torch ops each norm
 // costs (to(fp32), pow, mean, add, rsqrt, mul, to(dtype), mul), which at batch 1 are pure dispatch overhead.
 //
-// Numerics follow moeserve.models.layers.rms_norm / rms_norm_fp32_scale (transformers' order) operation by
+// Numerics follow moeserve.models.layers.base.rms_norm / rms_norm_fp32_scale (transformers' order) operation by
 // operation: the input is read in fp32, the mean of squares is taken in fp32 (sum, then divided by H),
 // r = 1 / sqrt(mean + eps), h = x * r in fp32; then either
 //   cast_then_scale: out = dtype(w * dtype(h))   (the weight product rounded once more, as torch's bf16 mul)

@@ -1,5 +1,5 @@
 """DeepSeek-V3 and Kimi-K2 (DeepseekV3ForCausalLM; model_type deepseek_v3 or kimi_k2): multi-head latent attention
-(models/mla.py) over a compressed latent cache, DeepSeek-V3's "noaux_tc" routing (sigmoid scores, a correction bias
+(models/mixers/mla.py) over a compressed latent cache, DeepSeek-V3's "noaux_tc" routing (sigmoid scores, a correction bias
 for the choice, n_group / topk_group groups, routed_scaling_factor: moe.SigmoidGroups, as GLM-4.5), ungated shared
 experts (n_shared_experts x moe_intermediate_size) and dense MLPs in the first first_k_dense_replace layers.
 

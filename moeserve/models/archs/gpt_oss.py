@@ -5,7 +5,7 @@ Experts are stored as one tensor per projection with all experts along dim 0: in
 ``experts.gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (input-major, used as ``x @ W``), in the MXFP4 layout
 ``gate_up_proj_blocks [E, 2I, H/32, 16]`` + ``_scales`` (output-major); biases ``*_bias [E, 2I]`` / ``[E, H]`` in
 both. gate/up rows are INTERLEAVED (even = gate, odd = up); the activation is SwiGLU with clamp (limit 7.0,
-alpha 1.702). The expert plans live in `moeserve.models.expert_plans` (expert_kind "gpt_oss").
+alpha 1.702). The expert plans live in `moeserve.models.experts.plans` (expert_kind "gpt_oss").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 every layer is ONE block, `h += mixer(norm(h))`, its kind given by `hybrid_override_pattern` (one character per
 layer) or `layers_block_type`:
 
-    M  linear_attention  Mamba-2 mixer (models/mamba2.py): recurrent SSM state and conv state per sequence
+    M  linear_attention  Mamba-2 mixer (models/mixers/mamba2.py): recurrent SSM state and conv state per sequence
     *  full_attention    GQA attention without rotary embeddings (transformers' NemotronHAttention rotates nothing)
     E  moe               noaux_tc routing (sigmoid, correction bias, n_group / topk_group, routed_scaling_factor),
                          non-gated relu2 experts (up -> relu(x)^2 -> down) and one relu2 shared expert

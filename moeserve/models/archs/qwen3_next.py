@@ -1,5 +1,5 @@
 """Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 MoE (Qwen3_5MoeForConditionalGeneration): hybrids of Gated
-DeltaNet linear attention (models/gated_delta.py) and gated full attention, three linear layers to one full
+DeltaNet linear attention (models/mixers/gated_delta.py) and gated full attention, three linear layers to one full
 (`layer_types`, else every `full_attention_interval`-th layer is full).
 
 - Full attention: q_proj gives each head's query and an output gate side by side ([nh, 2, d]); the output is

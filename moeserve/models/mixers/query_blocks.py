@@ -1,4 +1,4 @@
-"""Aligned query blocks: how the batch-invariant attentions (layers.Attention's torch path, mla.MlaAttention) cut a
+"""Aligned query blocks: how the batch-invariant attentions (mixers.attention.Attention's torch path, mla.MlaAttention) cut a
 step's new tokens so that a row's result depends only on its position.
 
 Each sequence's new tokens are covered by blocks of QUERY_BLOCK positions aligned to multiples of it; a block's
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from moeserve.models.layers import ForwardBatch
+    from moeserve.models.layers.base import ForwardBatch
 
 QUERY_BLOCK = 16  # query positions per call of the batch-invariant torch attention (Attention._aligned_blocks)
 

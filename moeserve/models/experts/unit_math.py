@@ -7,7 +7,7 @@ row-wise function of the tokens x [T, H] -> [T, H]; `bind_stacked(units)` does t
 (their fields stacked, dequantized as one batched op where the format allows) and returns a function of x [G, M, H]
 -> [G, M, H], expert g on x[g]: the batched expert kernel's form. `fused_units()` says whether moeserve's fused C++ expert ops
 can run these units directly, and where the fields they read are; the expert kernel factory
-(models/expert_kernels.py) reads it once, when the model is built. Nothing else asks a UnitMath what it is.
+(models/experts/kernels.py) reads it once, when the model is built. Nothing else asks a UnitMath what it is.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moeserve.experts.store import ExpertWeights
 from moeserve.formats import Format
 from moeserve.formats.int8 import dequantize_int8_per_channel
-from moeserve.models.linear import deinterleave_rows, unpack_int8_rows
+from moeserve.models.layers.linear import deinterleave_rows, unpack_int8_rows
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer's state math (models/mamba2.py), and its two kernels: torch and the C++ ops.
+"""The Mamba-2 mixer's state math (models/mixers/mamba2.py), and its two kernels: torch and the C++ ops.
 
 - `ssd_chunk`: the SSD chunk form for one chunk of prompt tokens (fp32); `scan_torch` runs it over one sequence's
   prompt tokens on the CHUNK grid, carrying the state from chunk to chunk.

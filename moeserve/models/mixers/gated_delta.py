@@ -5,7 +5,7 @@ Per token (transformers' Qwen3NextGatedDeltaNet, operation for operation):
     q, k, v, z, b, a = in_proj(x)              # one Linear: the checkpoint's projections stacked at load
     q, k, v = silu(causal_conv(q, k, v))       # depthwise conv over the last `conv_kernel` tokens of the sequence
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
-    o = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)      # models/gated_delta_rule.py, state [Hv, dk, dv]
+    o = gated_delta_rule(l2norm(q), l2norm(k), v, g, beta)      # models/mixers/gated_delta_rule.py, state [Hv, dk, dv]
     out = out_proj(rms_norm(o) * w * silu(z))  # per value head
 
 Sequence memory (state/kinds.py RecurrentState): per sequence a slot holding the last conv_kernel - 1 conv inputs
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
-from moeserve.models.layers import ForwardBatch, TokenMixer, not_in_gemv_layout
-from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.layers.base import ForwardBatch, TokenMixer, not_in_gemv_layout
+from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.mixers.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
 from moeserve.models.spec import LinearAttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
 

@@ -1,7 +1,7 @@
 """The tool-call parsers' interface and shared parts (`ToolParser`, `TaggedToolParser`, call grammars) and the
-Qwen3 JSON format; the registry that picks a format from a chat template is `tool_parsers.py`, the XML, GLM,
-DeepSeek and Kimi-K2 formats are `tool_parsers_xml.py`, `tool_parsers_deepseek.py` and `tool_parsers_kimi.py` (kept
-apart so no module imports back into the registry).
+Qwen3 JSON format; the registry that picks a format from a chat template is this package's `__init__.py`, the XML,
+GLM, DeepSeek and Kimi-K2 formats are `xml.py`, `deepseek.py` and `kimi.py` (kept apart so no module imports back
+into the registry).
 
 Tool calls in a model's text output, one parser class per format behind `ToolParser`, picked from the chat
 template by `tool_parser_for` (callers never branch on the format).

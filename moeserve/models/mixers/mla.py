@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from moeserve.models.layers import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
-from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.layers.base import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
+from moeserve.models.layers.linear import Linear, in_row_blocks
 from moeserve.models.loader import WeightLoader
-from moeserve.models.query_blocks import QUERY_BLOCK, query_blocks
+from moeserve.models.mixers.query_blocks import QUERY_BLOCK, query_blocks
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
 from moeserve.state.kv_cache import PagedKVCache

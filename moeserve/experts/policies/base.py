@@ -1,6 +1,6 @@
 """The eviction-policy interface and the structures the policies share (pure Python): `EvictionPolicy`, `Key`,
 `NoVictimError`, a heap with lazy deletion (`LazyHeap`) and one per layer (`LayerHeaps`). The policies are in
-experts/policies.py (registry, LRU, LFU, static, Belady) and experts/policies_lfru.py (LFRU)."""
+experts/policies/__init__.py (registry, LRU, LFU, static, Belady) and experts/policies/lfru.py (LFRU)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Container
 
 from moeserve.errors import ConfigError
-from moeserve.experts.policy_base import (
+from moeserve.experts.policies.base import (
     EvictionPolicy,
     Key,
     NoVictimError,

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 / DeepSeek-R1 tool calls (tool_parsers.py has the interface and the registry).
+"""DeepSeek-V3 / DeepSeek-R1 tool calls (tool_parsers/base.py has the interface, tool_parsers/__init__.py the registry).
 
 The format, as DeepSeek's chat template renders an assistant's calls (each tag one token of its tokenizer):
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moeserve.server.tool_parser_base import JsonArgumentsToolParser, json_call_grammar
+from moeserve.server.tool_parsers.base import JsonArgumentsToolParser, json_call_grammar
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -27,11 +27,8 @@ from moeserve.checkpoint.safetensors_file import TensorRef
 from moeserve.errors import ConfigError, UnsupportedModelError
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
-from moeserve.models.expert_sources import Int8ExpertSource, InterleavedExpertSource
-from moeserve.models.quantized import check_dense_shape, checkpoint_scheme
-from moeserve.models.registry import Architecture
-from moeserve.models.spec import ModelSpec
-from moeserve.models.unit_math import (
+from moeserve.models.experts.sources import Int8ExpertSource, InterleavedExpertSource
+from moeserve.models.experts.unit_math import (
     DequantizingKernel,
     ExpertMath,
     GptOssMath,
@@ -46,6 +43,9 @@ from moeserve.models.unit_math import (
     relu2_expert,
     swiglu_expert,
 )
+from moeserve.models.quantized import check_dense_shape, checkpoint_scheme
+from moeserve.models.registry import Architecture
+from moeserve.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What the store's own prefetch reads: the same decision in the engine and in `moeserve simulate` (pure Python).
 
 At each layer call (its experts known) `OnlineGuesses.observe` teaches the `AffinityPredictor`
-(experts/affinity.py) and `predict` names the next MoE layer's experts with at least `min_prob` calibrated chance,
+(experts/prefetch/affinity.py) and `predict` names the next MoE layer's experts with at least `min_prob` calibrated chance,
 most likely first. Once the call's experts are in, `choose` keeps those already cached (to protect them until that
 layer runs) and the uncached ones only while such guesses have been used often enough to pay for their read
 (`ReadCalibration`): the predictor's calibration covers every guess, and the likely ones are mostly cached
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
-from moeserve.experts.affinity import AffinityPredictor
-from moeserve.experts.prefetch_auto import PrefetchAuto, PrefetchCounts
+from moeserve.experts.prefetch.affinity import AffinityPredictor
+from moeserve.experts.prefetch.auto import PrefetchAuto, PrefetchCounts
 
 PROBE_EVERY = 8  # with the read gate shut, the predictor guesses on one layer call in this many
 PROBE_AFTER = 64  # ... once this many first uncached guesses were scored (before that it always guesses)

@@ -3,7 +3,7 @@ chat template by `tool_parser_for` (callers never branch on the format)."""
 
 from __future__ import annotations
 
-from moeserve.server.tool_parser_base import (
+from moeserve.server.tool_parsers.base import (
     Qwen3JsonToolParser,
     ToolCallDelta,
     ToolParse,
@@ -11,9 +11,9 @@ from moeserve.server.tool_parser_base import (
     json_value_end,
     parameters_schema,
 )
-from moeserve.server.tool_parsers_deepseek import DeepSeekV3ToolParser
-from moeserve.server.tool_parsers_kimi import KimiK2ToolParser
-from moeserve.server.tool_parsers_xml import Glm45ToolParser, Qwen3XmlToolParser
+from moeserve.server.tool_parsers.deepseek import DeepSeekV3ToolParser
+from moeserve.server.tool_parsers.kimi import KimiK2ToolParser
+from moeserve.server.tool_parsers.xml import Glm45ToolParser, Qwen3XmlToolParser
 
 # Most specific first: the XML-format and GLM templates also mention <tool_call>.
 TOOL_PARSERS: list[type[ToolParser]] = [Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser, KimiK2ToolParser,

@@ -9,7 +9,7 @@ One JSON object per line, one line per MoE layer call::
 A step is one forward pass of the batch (``step`` never decreases); ``experts`` holds one row of ``top_k`` ids
 per token of the batch. Header fields that are absent are inferred from the records, and the reader says which.
 Every error names the line. The records read into the same `Step` lists as the binary format's
-(`moeserve.experts.trace`), so everything downstream is shared.
+(`moeserve.experts.traces.moetrace`), so everything downstream is shared.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from moeserve.experts.trace import (
+from moeserve.experts.traces.moetrace import (
     MAGIC,
     MAX_EXPERTS,
     LayerRecord,

@@ -17,7 +17,7 @@ from moeserve.checkpoint.safetensors_file import Placer, TensorRef
 from moeserve.experts.spill import UnitSpill, fingerprint, open_or_build
 from moeserve.experts.unit import ExpertSource, UnitLayout
 from moeserve.formats.int8 import quantize_int8_per_channel
-from moeserve.models.linear import pack_int8_rows
+from moeserve.models.layers.linear import pack_int8_rows
 
 
 class Int8ExpertSource(ExpertSource):

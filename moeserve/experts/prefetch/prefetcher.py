@@ -1,6 +1,6 @@
 """Prefetch: load the experts predicted for the next MoE layer in a background thread, so I/O overlaps compute.
 
-Once a layer's experts are acquired (`after_acquire`), the store's own guesses (experts/guess.py) or the caller's
+Once a layer's experts are acquired (`after_acquire`), the store's own guesses (experts/prefetch/guess.py) or the caller's
 hint name the next layer's likely experts. Those already cached are protected, the others queued here
 (`SlotCache.plan_prefetch`). The thread reads them, most likely first, each into a free slot or the slot of a
 victim that is neither pinned by the compute thread, nor being loaded, nor protected (the guessing layer's
@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from moeserve.experts.guess import OnlineGuesses
+from moeserve.experts.prefetch.guess import OnlineGuesses
 from moeserve.experts.reads import ReadUnit
 from moeserve.experts.slot_cache import Key, SlotCache
 

@@ -12,7 +12,7 @@ mamba2_scan_); the state is carried from chunk to chunk in order, so a prompt pr
 (state/kinds.py RecurrentState.prefill_end) gives the same bits as one pass. Tokens after the prompt (decode, or
 output recomputed after a preemption) take the selective-state update (`ssd_step`), in the dtypes transformers'
 step uses. Which form a token takes depends on its position only. The conv, the scan and the selective-state
-update run through `kernels` (models/mamba2_ssd.py: torch, or the C++ ops mamba2_conv_ / mamba2_scan_ /
+update run through `kernels` (models/mixers/mamba2_ssd.py: torch, or the C++ ops mamba2_conv_ / mamba2_scan_ /
 mamba2_step_ for the whole batch in one call each), chosen once per process. Shapes: N tokens, H heads, P
 head_dim, G groups, S state size, C conv channels.
 """
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.layers import ForwardBatch, TokenMixer, not_in_gemv_layout
-from moeserve.models.linear import Linear, in_row_blocks
-from moeserve.models.mamba2_ssd import Mamba2Kernels, Piece, TorchMamba2, choose_mamba2_kernels
+from moeserve.models.layers.base import ForwardBatch, TokenMixer, not_in_gemv_layout
+from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.mixers.mamba2_ssd import Mamba2Kernels, Piece, TorchMamba2, choose_mamba2_kernels
 from moeserve.models.spec import MambaSpec
 from moeserve.state.kv_cache import PagedKVCache
 

@@ -17,7 +17,7 @@ Every operation is O(1) or O(log n) amortised (OrderedDict, heaps with lazy dele
 `choose_victim` also looks at one candidate per MoE layer (O(layers), never O(cache)). See docs/policies.md.
 
 This module holds the registry (`make_policy`), LRU, LFU, static, Belady and `DeferredHits`; the interface and shared
-heaps are in experts/policy_base.py, the LFRU family in experts/policies_lfru.py (all re-exported here).
+heaps are in experts/policies/base.py, the LFRU family in experts/policies/lfru.py (all re-exported here).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from moeserve.errors import ConfigError
-from moeserve.experts.policies_lfru import AdaptiveLFRUPolicy, LFRUPolicy, _LayerRecency
-from moeserve.experts.policies_reuse import ReusePolicy
-from moeserve.experts.policy_base import (
+from moeserve.experts.policies.base import (
     EvictionPolicy,
     Key,
     LayerHeaps,
@@ -40,6 +38,8 @@ from moeserve.experts.policy_base import (
     first_unpinned,
     no_victim,
 )
+from moeserve.experts.policies.lfru import AdaptiveLFRUPolicy, LFRUPolicy, _LayerRecency
+from moeserve.experts.policies.reuse import ReusePolicy
 
 __all__ = [
     "DEFAULT_POLICY", "ONLINE_POLICY_NAMES", "POLICY_NAMES", "AdaptiveLFRUPolicy", "BeladyPolicy", "DeferredHits",

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.experts.store import ExpertWeights
-from moeserve.models.linear import in_row_blocks
-from moeserve.models.unit_math import FusedUnits, UnitMath
+from moeserve.models.experts.unit_math import FusedUnits, UnitMath
+from moeserve.models.layers.linear import in_row_blocks
 
 Chunk = list[tuple[int, ExpertWeights]]  # (expert id, its unit's field views), ascending ids
 

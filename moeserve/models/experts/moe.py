@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from moeserve.experts.store import ExpertStore
-from moeserve.models import linear
-from moeserve.models.expert_kernels import ExpertKernel, RoutedTokens
-from moeserve.models.layers import MLP, DenseMLP, not_in_gemv_layout
-from moeserve.models.linear import Linear, in_row_blocks
+from moeserve.models.experts.kernels import ExpertKernel, RoutedTokens
+from moeserve.models.layers import linear
+from moeserve.models.layers.base import MLP, DenseMLP, not_in_gemv_layout
+from moeserve.models.layers.linear import Linear, in_row_blocks
 from moeserve.models.spec import MoeSpec
 
 

@@ -1,4 +1,4 @@
-"""Tool-call formats that write each argument as a key and a raw value between tags (tool_parsers.py has the
+"""Tool-call formats that write each argument as a key and a raw value between tags (tool_parsers/__init__.py has the
 interface and the registry):
 
 - `qwen3_xml` (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=f>\\n<parameter=x>\\nvalue\\n</parameter>\\n
@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from moeserve.server.tool_parser_base import CALL_OPEN, TaggedToolParser, ToolParse, parameters_schema
+from moeserve.server.tool_parsers.base import CALL_OPEN, TaggedToolParser, ToolParse, parameters_schema
 
 
 def typed_value(text: str, schema: dict[str, Any] | None) -> Any:

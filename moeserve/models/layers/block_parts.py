@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.layers import MLP, DenseMLP, ForwardBatch, Rotary, TokenMixer
-from moeserve.models.linear import Linear
+from moeserve.models.layers.base import MLP, DenseMLP, ForwardBatch, Rotary, TokenMixer
+from moeserve.models.layers.linear import Linear
 from moeserve.state.kv_cache import PagedKVCache
 
 

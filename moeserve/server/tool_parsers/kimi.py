@@ -1,4 +1,4 @@
-"""Kimi-K2 tool calls (tool_parsers.py has the interface and the registry).
+"""Kimi-K2 tool calls (tool_parsers/base.py has the interface, tool_parsers/__init__.py the registry).
 
 The format, as Kimi-K2's chat template renders an assistant's calls and as the model writes them:
 
@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from moeserve.server.tool_parser_base import JsonArgumentsToolParser, json_call_grammar
+from moeserve.server.tool_parsers.base import JsonArgumentsToolParser, json_call_grammar
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, CALL_END, ARGUMENT_BEGIN = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from moeserve.errors import ConfigError
-from moeserve.experts.policy_base import EvictionPolicy, Key, LazyHeap, no_victim
+from moeserve.experts.policies.base import EvictionPolicy, Key, LazyHeap, no_victim
 
 Signature = tuple[int, int, int]  # (layer, expert, 1 if the use came one visit after the previous one else 0)
 
