@@ -50,6 +50,7 @@ from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers.base import ForwardBatch
 from moeserve.models.mixers.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions, build_model
+from moeserve.models.numerics import choose_numerics
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings
 from moeserve.state.kv_cache import (
@@ -129,11 +130,11 @@ class LLMEngine:
         self._block_bytes = group_block_bytes(self.kv_groups, s.block_size, spec.attention.num_kv_heads,
                                               spec.attention.head_dim, self.dtype)
         plan, budget, store_options, load_bytes, kv_bytes = self._plan_memory(ckpt, spec, s)
+        numerics, numerics_reason = choose_numerics(self.cpp_kernels, s.batch_invariant, self.dtype, self.device)
         with _progress(load_bytes) as advance:
             self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
                                      plan, budget.capacity, s.cache_policy, advance, store_options,
-                                     ModelOptions(self.cpp_kernels, s.quantization == "int8", s.batch_invariant,
-                                                  s.decode_step))
+                                     ModelOptions(numerics, numerics_reason, s.quantization == "int8", s.decode_step))
         self._chose("expert store", self.model.store.describe())
         for name, reason in self.model.choices:
             self._chose(name, reason)

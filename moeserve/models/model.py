@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,6 +41,7 @@ from moeserve.models.mixers.attention import Attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mixers.mla import build_mla
+from moeserve.models.numerics import Numerics
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
 from moeserve.models.registry import Architecture, WeightNames
@@ -53,10 +54,18 @@ from moeserve.state.kv_cache import PagedKVCache
 class ModelOptions:
     """How the model computes (EngineSettings: kernels, quantization, batch_invariant, decode_step)."""
 
-    cpp: bool = False  # the moeserve C++ ops are loaded: dense Linears, norms, attention, experts use them
-    dense_int8: bool = False  # quantization="int8": dense Linears as int8 (with `cpp`; see build_model)
-    batch_invariant: bool = False  # every op reduces each row alone, in one fixed order, whatever the batch
+    numerics: Numerics = field(default_factory=Numerics)  # C++ ops or torch, batch invariance, row block
+    numerics_reason: str = ""  # why these numerics (choose_numerics), for the start-up log
+    dense_int8: bool = False  # quantization="int8": dense Linears as int8 (with the C++ ops; see build_model)
     decode_step: str = "auto"  # auto, fused, per_op (decode_stack.choose_decode_step)
+
+    @property
+    def cpp(self) -> bool:
+        return self.numerics.cpp
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.numerics.batch_invariant
 
 
 class MoeModel:
@@ -135,10 +144,9 @@ def link_prefetch(blocks: list[MoEBlock]) -> None:
         block.predict_next = nxt
 
 
-def effective_options(options: ModelOptions, dtype: torch.dtype, device: torch.device) -> ModelOptions:
-    """The C++ ops cover bf16 and fp32 on CPU; elsewhere `cpp` (and the int8 dense GEMV with it) is off."""
-    cpp = options.cpp and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-    return ModelOptions(cpp, options.dense_int8 and cpp, options.batch_invariant, options.decode_step)
+def effective_options(options: ModelOptions) -> ModelOptions:
+    """The int8 dense GEMV is a C++ op: without the C++ ops (`numerics.cpp`) the dense Linears stay as they are."""
+    return replace(options, dense_int8=options.dense_int8 and options.numerics.cpp)
 
 
 def build_model(
@@ -161,8 +169,9 @@ def build_model(
     expert gate stay in the compute dtype (tiny, and they pick the experts: a flipped choice costs more than their
     bytes save), and so does the embedding (a token reads one row of it)."""
     asked = options or ModelOptions()
-    opts = effective_options(asked, dtype, device)
-    block = choose_row_block() if opts.batch_invariant else ""  # before any Linear is built
+    opts = effective_options(asked)
+    if opts.batch_invariant:
+        choose_row_block()  # the torch fallbacks' row block: linear.ROW_BLOCK, the same rule as opts.numerics.row_block
     choices: list[tuple[str, str]] = []
     load = WeightLoader(ckpt, dtype, device, progress, opts.cpp, opts.dense_int8, opts.batch_invariant)
     names, h = arch.names, spec.hidden_size
@@ -202,7 +211,7 @@ def build_model(
     if store.prefetcher is not None:
         link_prefetch(model.moe_blocks)
     model.dequantized_linears = load.dequantized_linears
-    model.choices = choices + model.choices + [("batch invariance", _invariance_reason(opts, block))]
+    model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or opts.numerics.id)]
     int8 = _int8_summary(asked, opts, load.int8_linears, dtype)
     if int8:
         model.choices.append(("dense layers (quantization=int8)", int8))
@@ -235,15 +244,6 @@ def _norm(load: WeightLoader, name: str, spec: ModelSpec, shape: tuple[int, ...]
     weight = load.tensor(name, shape or (spec.hidden_size,), RMS_NORMS[spec.norm_style][1])
     offset = NORM_OFFSETS.get(spec.norm_style)
     return weight.add_(offset) if offset else weight
-
-
-def _invariance_reason(opts: ModelOptions, block: str) -> str:
-    if not opts.batch_invariant:
-        return "off (set): torch's batch-dependent GEMMs and attention where the C++ ops do not apply"
-    if not opts.cpp:
-        return (f"on (kernels=torch: GEMMs in fixed blocks of {block}, attention sequence by sequence; torch's "
-                "CPU norms and softmax reduce each row alone)")
-    return f"on (every op reduces each row in one fixed order; torch fallbacks in fixed blocks of {block})"
 
 
 def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dtype: torch.dtype) -> str:
