@@ -44,12 +44,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moeserve.bench import probes  # noqa: E402
 from moeserve.bench.ceilings import resident_step_bytes  # noqa: E402
 from moeserve.bench.runner import machine_info, make_prompts  # noqa: E402
 from moeserve.bench.shapes import SHAPES, BenchShape  # noqa: E402
 from moeserve.bench.synth import default_cache_dir, ensure_checkpoint  # noqa: E402
-from moeserve.memory.bandwidth import ram_copy_bandwidth  # noqa: E402
+from moeserve.memory import probes  # noqa: E402
+from moeserve.memory.probes import ram_copy_bandwidth  # noqa: E402
 
 SECTION = "Sequence memory (paged KV, chunked prefill, prefix caching)"
 PRE_PAGING = "bdd20de"

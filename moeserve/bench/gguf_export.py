@@ -19,12 +19,13 @@ from typing import cast
 
 import torch
 
-from moeserve.bench import gguf_arch, gguf_file, pagecache
+from moeserve.bench import gguf_arch, gguf_file
 from moeserve.bench.gguf_file import GGUF_KINDS, Entry
 from moeserve.bench.shape_base import Shape
 from moeserve.bench.shapes import BenchShape
 from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
 from moeserve.errors import ConfigError
+from moeserve.memory import pagecache
 
 __all__ = ["GGUF_KINDS", "GGUF_WRITERS", "ensure_gguf", "gguf_path", "write_gguf"]
 log = logging.getLogger("moeserve.bench")

@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from moeserve.bench import ceilings, memlimit, pagecache, probes
+from moeserve.bench import ceilings, memlimit
 from moeserve.bench.shape_base import Shape
 from moeserve.bench.worker import BenchWorkerError, Worker
 from moeserve.errors import MoeserveError
+from moeserve.memory import pagecache, probes
 
 log = logging.getLogger("moeserve.bench")
 

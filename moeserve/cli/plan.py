@@ -74,19 +74,15 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     fast_bw = host_bw = disk_bw = None
     if not args.no_probe:
-        from moeserve.memory.bandwidth import (
-            disk_read_bandwidth,
-            host_to_device_bandwidth,
-            ram_copy_bandwidth,
-        )
+        from moeserve.memory.probes import host_to_device_bandwidth, ram_copy_bandwidth, tensor_read_bandwidth
 
         ram = ram_copy_bandwidth()
-        disk = disk_read_bandwidth(expert_refs if has_weights(ckpt) else [])  # no weights: no disk to probe
+        disk = tensor_read_bandwidth(expert_refs if has_weights(ckpt) else [])  # no weights: no disk to probe
         fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
         disk_bw = disk.bytes_per_s if disk is not None else None
         h2d = None
         if device.type == "cuda" and not topology.unified:  # pragma: no cover - needs a GPU
-            from moeserve.experts.transfer import CudaOps
+            from moeserve.memory.device import CudaOps
 
             h2d = host_to_device_bandwidth(CudaOps(device), device)
             host_bw = h2d.bytes_per_s

@@ -44,9 +44,10 @@ from moeserve.experts.quota import make_quota
 from moeserve.experts.reads import MissReader, Read
 from moeserve.experts.slot_cache import Key, LayerStats, SlotCache, StoreStats, format_stats
 from moeserve.experts.tiers import HostTier, Loader, Tier
-from moeserve.experts.transfer import CudaOps, DeviceOps, HostToDevice
+from moeserve.experts.transfer import HostToDevice
 from moeserve.experts.unit import ExpertSource
 from moeserve.experts.verify import ReferenceScan
+from moeserve.memory.device import CudaOps, DeviceOps
 from moeserve.memory.hugepages import huge_page_bytes, thp_mode
 
 __all__ = ["ExpertStore", "ExpertWeights", "LayerStats", "StoreOptions", "StoreStats", "format_stats"]

@@ -1,10 +1,19 @@
-"""Drop the files the benchmark wrote (or reads as inputs) from the page cache, and measure what of them is there.
+"""Drop files (or byte ranges of them) from the page cache, and measure how much of a file is there.
 
-Why: a file written by the bench process (the GGUF export: 7.7 GB for the large shape; the synthetic checkpoint)
-stays in the page cache, charged to the bench's own cgroup. A peer started next in a memory cgroup of its own
-then maps those pages without being charged for them: under `--memory-limit-gb 4`, llama.cpp ran with 7.4 GiB
-resident and 0.18 GiB charged, not limited at all. Dropping them first (fsync, so no dirty page is left to stay,
-then POSIX_FADV_DONTNEED) makes every engine read its weights into its own cgroup.
+The one place the package asks the kernel to forget a file's cached pages (fsync, so no dirty page is left to
+stay, then POSIX_FADV_DONTNEED). Two users:
+
+- the bandwidth probes (memory/probes.py) drop what they are about to read, so the figure is the device's and
+  not the page cache's;
+- the benchmark (bench/runner.py, bench/gguf_export.py) drops the files it wrote or reads as inputs. A file
+  written by the bench process (the GGUF export: 7.7 GB for the large shape; the synthetic checkpoint) stays in
+  the page cache, charged to the bench's own cgroup. A peer started next in a memory cgroup of its own then maps
+  those pages without being charged for them: under `--memory-limit-gb 4`, llama.cpp ran with 7.4 GiB resident
+  and 0.18 GiB charged, not limited at all. Dropping them first makes every engine read its weights into its own
+  cgroup.
+
+Readers that drop what they have just read as part of their I/O path (checkpoint/safetensors_file.py,
+experts/spill.py) call posix_fadvise themselves on the descriptor they already hold.
 
 `resident_bytes` asks the kernel (mincore(2) on a read-only mapping) how much of a file is in the page cache.
 """
@@ -20,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-log = logging.getLogger("moeserve.bench")
+log = logging.getLogger("moeserve")
 
 
 @dataclass
@@ -77,16 +86,17 @@ def resident_bytes(path: str | Path) -> int | None:
         os.close(fd)
 
 
-def drop_file(path: str | Path) -> None:
-    """fsync `path`, then tell the kernel its cached pages are not needed (POSIX_FADV_DONTNEED). OSError on
-    failure, also where the platform has no posix_fadvise."""
+def drop_file(path: str | Path, offset: int = 0, nbytes: int = 0) -> None:
+    """fsync `path`, then tell the kernel its cached pages of `nbytes` bytes from `offset` (0: to the end of the
+    file) are not needed (POSIX_FADV_DONTNEED). OSError on failure, also where the platform has no
+    posix_fadvise. Pages mapped by a process stay whatever is asked."""
     fadvise = getattr(os, "posix_fadvise", None)
     if fadvise is None:
         raise OSError("posix_fadvise is not available on this platform")
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # written pages must be clean to be dropped
-        fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
 

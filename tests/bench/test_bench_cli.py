@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from moeserve.bench import probes
 from moeserve.cli import main
+from moeserve.memory import probes
 
 
 def _bench(tmp_path, *extra: str) -> dict:

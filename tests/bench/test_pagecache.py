@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from moeserve.bench import pagecache, report
+from moeserve.bench import report
+from moeserve.memory import pagecache
 
 
 def _written(path, nbytes: int = 8 << 20):

@@ -1,6 +1,6 @@
 """An asynchronous fake fast tier: the CUDA semantics the expert store relies on, run by threads on CPU memory.
 
-`AsyncFakeOps` implements `DeviceOps` (experts/transfer.py), the one seam through which the store, its loader,
+`AsyncFakeOps` implements `DeviceOps` (memory/device.py), the one seam through which the store, its loader,
 host tier and copier touch a device. Its two streams are worker threads that run their work in order, each item
 after a random delay (or, for a "late" stream, only once something waits for it), so:
 
@@ -36,7 +36,7 @@ from typing import Literal
 
 import torch
 
-from moeserve.experts.transfer import DeviceOps
+from moeserve.memory.device import DeviceOps
 
 Timing = Literal["random", "late"]  # random: each item after a random delay; late: only once something waits
 KernelTiming = Literal["random", "late", "host"]  # host: kernels run on the calling thread (module docstring)

@@ -401,7 +401,7 @@ def test_compute_thread_never_sees_a_half_written_unit_under_concurrent_prefetch
 
 
 def test_host_tier_serves_evicted_units_without_disk_reads():
-    from moeserve.experts.transfer import DeviceOps
+    from moeserve.memory.device import DeviceOps
 
     class NoPinOps(DeviceOps):  # a CPU stand-in: pinning unavailable, synchronous copies
         def empty_pinned(self, nbytes):

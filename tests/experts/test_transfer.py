@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from moeserve.experts.store import ExpertStore, StoreOptions
-from moeserve.experts.transfer import DeviceOps, HostToDevice
+from moeserve.experts.transfer import HostToDevice
+from moeserve.memory.device import DeviceOps
 from tests.experts.test_store import WIDTH, FakeSource, use
 
 
@@ -146,7 +147,7 @@ def test_cuda_ops_record_copy_events_the_host_waits_on_without_spinning(monkeypa
     # CudaOps against a stand-in of torch.cuda's Stream / Event / stream(): the calls it makes, on CPU tensors.
     import contextlib
 
-    from moeserve.experts.transfer import CudaOps
+    from moeserve.memory.device import CudaOps
 
     current = StandInStream()
     StandInEvent.made = []

@@ -20,7 +20,7 @@ def pinned_bytes() -> int:
 
 
 def test_chunks_are_pinned_unrounded_and_released_on_close():
-    from moeserve.experts.transfer import CudaOps
+    from moeserve.memory.device import CudaOps
 
     device = torch.device("cuda")
     torch.cuda.init()

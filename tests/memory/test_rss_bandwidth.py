@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.memory.bandwidth import disk_read_bandwidth, ram_copy_bandwidth
+from moeserve.memory.probes import ram_copy_bandwidth, tensor_read_bandwidth
 from moeserve.memory.rss import current_rss_bytes, peak_rss_bytes
 
 
@@ -23,15 +23,15 @@ def test_probes_measure_positive_bandwidth(tiny_checkpoint):
     assert ram.bytes_per_s > 0 and ram.nbytes == 8 * 2**20
     ckpt = open_checkpoint(tiny_checkpoint("qwen3_moe"))
     refs = [r for n, r in ckpt.tensors.items() if ".experts." in n]
-    disk = disk_read_bandwidth(refs, max_bytes=64 * 1024)
+    disk = tensor_read_bandwidth(refs, max_bytes=64 * 1024)
     assert disk is not None and disk.bytes_per_s > 0 and 64 * 1024 <= disk.nbytes < 64 * 1024 + refs[0].nbytes
-    assert disk_read_bandwidth([]) is None
+    assert tensor_read_bandwidth([]) is None
 
 
 def test_the_host_to_device_probe_falls_back_to_pageable_copies_and_says_so():
     """Where pinning is unavailable (WSL, a locked-memory limit) the probe does not crash: it copies from pageable
     memory with blocking copies, as the engine will, and its note says why. The device ops are the fake fast tier's."""
-    from moeserve.memory.bandwidth import host_to_device_bandwidth
+    from moeserve.memory.probes import host_to_device_bandwidth
     from tests.experts.async_device import AsyncFakeOps
 
     for limit, note in ((None, ""), (0, "pinned memory unavailable (fake: cannot pin 1048576 bytes (limit 0)): "
