@@ -38,7 +38,7 @@ def gguf_path(checkpoint_dir: Path, kind: str) -> Path:
 def ensure_gguf(checkpoint_dir: Path, shape: Shape, kind: str = "bf16") -> Path:
     """The GGUF of the checkpoint in `checkpoint_dir`, writing it first if it is not there. A GGUF just written is
     dropped from the page cache (its pages would be charged to this process, and a peer mapping them in a memory
-    cgroup of its own would not be: bench/pagecache.py)."""
+    cgroup of its own would not be: memory/pagecache.py)."""
     out = gguf_path(checkpoint_dir, kind)
     if out.is_file():
         return out

@@ -119,7 +119,7 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
 
 def drop_inputs(paths: list[Path], engine: str) -> pagecache.DropReport:
     """Drop the bench's files from the page cache before `engine` starts, so it reads its weights into its own
-    memory (and cgroup) instead of mapping pages another process left there, uncharged (bench/pagecache.py)."""
+    memory (and cgroup) instead of mapping pages another process left there, uncharged (memory/pagecache.py)."""
     report = pagecache.drop(paths)
     log.info("before %s: %s", engine, report.describe())
     return report
