@@ -28,7 +28,7 @@ from moeserve.models.layers.linear import Linear  # noqa: E402
 from moeserve.models.mixers.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form  # noqa: E402
 from moeserve.models.mixers.gated_delta_rule import chunk_form, l2norm  # noqa: E402
 from moeserve.models.spec import LinearAttentionSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
+from scripts.kernel_bench_setup import add_threads_flag, bench_numerics, prepare, print_ratios  # noqa: E402
 
 FORMS: dict[str, ChunkForm] = {"torch": chunk_form, "cpp": cpp_chunk_form}
 
@@ -54,12 +54,13 @@ def build(la: LinearAttentionSpec, hidden: int, eps: float, gen: torch.Generator
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
     rows = la.conv_dim + la.value_dim + 2 * la.num_v_heads  # q, k, v | z | b, a
-    in_proj = Linear(rand(rows, hidden), None, cpp=True, invariant=True)
-    out_proj = Linear(rand(hidden, la.value_dim), None, cpp=True, invariant=True)
+    numerics = bench_numerics()
+    in_proj = Linear(rand(rows, hidden), None, numerics)
+    out_proj = Linear(rand(hidden, la.value_dim), None, numerics)
     a_log = torch.log(torch.rand(la.num_v_heads, generator=gen) * 15 + 1).to(dtype)
     return GatedDeltaNet(la, 0, in_proj, out_proj, rand(la.conv_dim, la.conv_kernel, scale=0.3), a_log,
                          rand(la.num_v_heads, scale=0.5), (1 + rand(la.v_head_dim, scale=0.2)).to(dtype), eps,
-                         invariant=True, cpp=True)
+                         numerics)
 
 
 def prompt_batch(n: int) -> ForwardBatch:

@@ -28,7 +28,7 @@ from moeserve.models.layers.linear import Linear  # noqa: E402
 from moeserve.models.mixers.mamba2 import Mamba2Mixer  # noqa: E402
 from moeserve.models.mixers.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
 from moeserve.models.spec import ModelSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
+from scripts.kernel_bench_setup import add_threads_flag, bench_numerics, prepare, print_ratios  # noqa: E402
 
 
 class RecurrentSlots:
@@ -54,13 +54,14 @@ def build(spec: ModelSpec, dtype: torch.dtype, mamba: Mamba2Kernels, gen: torch.
     def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
-    in_proj = Linear(rand(m.inner + m.conv_dim + m.num_heads, h), None, cpp=True, invariant=True)
-    out_proj = Linear(rand(h, m.inner), None, cpp=True, invariant=True)
+    numerics = bench_numerics()
+    in_proj = Linear(rand(m.inner + m.conv_dim + m.num_heads, h), None, numerics)
+    out_proj = Linear(rand(h, m.inner), None, numerics)
     conv = (rand(m.conv_dim, m.conv_kernel, scale=0.3), rand(m.conv_dim, scale=0.1))
     a_log = torch.log(torch.rand(m.num_heads, generator=gen) * 15 + 1).to(dtype)
     return Mamba2Mixer(m, 0, in_proj, out_proj, conv, a_log, (1 + rand(m.num_heads, scale=0.2)).to(dtype),
                        (-3 + rand(m.num_heads, scale=0.5)).to(dtype), (1 + rand(m.inner, scale=0.2)).to(dtype),
-                       True, mamba)
+                       numerics, mamba)
 
 
 def decode_batch(batch: int, start: int) -> ForwardBatch:
@@ -79,9 +80,9 @@ def kernels_part(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, kv: Re
 
     def run() -> torch.Tensor:
         conv = mixer.kernels.conv(xbc, mixer.conv_weight, mixer.conv_bias, kv.conv, pieces)
-        x = mixer._rows(F.silu, conv)
-        t = mixer._rows(lambda v: F.softplus(v + mixer.dt_bias), dt)
-        decay = mixer._rows(lambda v: torch.exp(v.float() * mixer.a), t)
+        x = mixer.numerics.rows(F.silu, conv)
+        t = mixer.numerics.rows(lambda v: F.softplus(v + mixer.dt_bias), dt)
+        decay = mixer.numerics.rows(lambda v: torch.exp(v.float() * mixer.a), t)
         return mixer.kernels.step(x, t, decay, mixer.d, kv.states, rows, slots, mixer.spec)
 
     return run

@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from moeserve import kernels  # noqa: E402
 from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups  # noqa: E402
+from moeserve.models.numerics import Numerics  # noqa: E402
 from moeserve.models.registry import get_architecture  # noqa: E402
 
 CONFIG = ROOT / "tests" / "data" / "reference_configs" / "DeepSeek-V3.json"
@@ -40,7 +41,8 @@ def main() -> None:
     assert moe is not None
     gen = torch.Generator().manual_seed(0)
     bias = torch.randn(moe.num_experts, generator=gen) * 0.1
-    routings = {"torch": SigmoidGroups(moe, bias, True), "cpp": CppSigmoidGroups(moe, bias, True)}
+    numerics = Numerics(cpp=True, batch_invariant=True)  # row blocks of the default 16 rows
+    routings = {"torch": SigmoidGroups(moe, bias, numerics), "cpp": CppSigmoidGroups(moe, bias, numerics)}
     print(f"DeepSeek-V3 noaux_tc routing, row blocks on, {torch.get_num_threads()} threads, {args.rounds} rounds x "
           f"{args.calls} calls, alternated")
     for n in args.batches:

@@ -1,6 +1,6 @@
 """Shared start of the one-layer kernel benchmarks (scripts/bench_mamba2_step.py, bench_gated_delta.py): the
---threads flag, the C++ kernels loaded (or exit naming why not), the row block chosen, and the ModelSpec of a
-published config in tests/data/reference_configs."""
+--threads flag, the C++ kernels loaded (or exit naming why not), the numerics the layers are built with (C++ ops,
+batch-invariant, this CPU's row block), and the ModelSpec of a published config in tests/data/reference_configs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moeserve import kernels
-from moeserve.models.layers.linear import choose_row_block
+from moeserve.models.numerics import Numerics, choose_row_block
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import ModelSpec
 
@@ -25,16 +25,20 @@ def add_threads_flag(ap: argparse.ArgumentParser) -> None:
 
 
 def prepare(args: argparse.Namespace, script: str, config_name: str) -> ModelSpec:
-    """Threads set, kernels loaded, row block chosen; the spec of CONFIGS / config_name."""
+    """Threads set, kernels loaded; the spec of CONFIGS / config_name."""
     if args.threads:
         torch.set_num_threads(args.threads)
     status = kernels.load()
     if not status.available:
         sys.exit(f"{script}: the C++ kernels are not available: {status.reason}")
-    choose_row_block()
     path = CONFIGS / config_name
     config = json.loads(path.read_text())
     return get_architecture(config, str(path)).spec(config, str(path))
+
+
+def bench_numerics() -> Numerics:
+    """The numerics of the benchmarked layers: the C++ ops on, batch-invariant, in this CPU's row block."""
+    return Numerics(cpp=True, batch_invariant=True, row_block=choose_row_block()[0])
 
 
 def print_ratios(times: dict[tuple[str, str], list[float]], parts: tuple[str, ...], unit: str = "ms",

@@ -32,7 +32,6 @@ import torch
 
 from moeserve.errors import ConfigError
 from moeserve.models.experts.kernels import FUSED_MAX_TOKENS
-from moeserve.models.layers import linear
 from moeserve.models.layers.base import ForwardBatch, scales_in_fp32
 from moeserve.models.passes import LayerPass
 from moeserve.state.kv_cache import PagedKVCache
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
 
 def why_not_fused(model: MoeModel) -> str | None:
     """None when `model` can run decode steps as one DecodeStack call, else the reason (one line)."""
-    if not model.options.cpp:
+    if not model.options.numerics.cpp:
         return "the C++ kernels are off"
     if model.embed.device.type != "cpu" or model.embed.dtype != torch.bfloat16:
         return "it runs bf16 on CPU only"
@@ -78,7 +77,7 @@ class _Fused(LayerPass):
     def _build(self, kv: PagedKVCache) -> Any:
         model = self.model
         spec = model.spec
-        row_block = linear.ROW_BLOCK if model.options.batch_invariant else 0  # the per-op path's torch row blocks
+        row_block = model.options.numerics.invariant_rows  # the per-op path's torch row blocks (0: batch-variant)
         stack = torch.classes.moeserve.DecodeStack(spec.hidden_size, spec.rms_norm_eps,
                                                    scales_in_fp32(spec.norm_style), row_block, model.final_norm)
         for layer in model.layers:

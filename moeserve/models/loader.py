@@ -13,6 +13,7 @@ import torch
 from moeserve.checkpoint.finite import check_tensor
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.models.layers.linear import Linear
+from moeserve.models.numerics import Numerics
 from moeserve.models.quantized import checkpoint_scheme, dequantize_at_load, is_stored_dense, linear_format
 
 
@@ -20,12 +21,11 @@ class WeightLoader:
     """Reads named tensors from the checkpoint into the compute dtype on the compute device."""
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device,
-                 progress: Callable[[int], None] | None = None, cpp: bool = False, int8: bool = False,
-                 invariant: bool = False) -> None:
+                 progress: Callable[[int], None] | None = None, numerics: Numerics = Numerics(),
+                 int8: bool = False) -> None:
         self.ckpt, self.dtype, self.device, self.progress = ckpt, dtype, device, progress
-        self.cpp = cpp  # dense Linears in the C++ GEMV's layout where it applies (see Linear)
+        self.numerics = numerics  # every Linear's: the C++ GEMV's layout where it applies, batch invariance
         self.int8 = int8  # quantization="int8": dense Linears (but routers, gates) as int8 codes (see Linear)
-        self.invariant = invariant  # batch-invariant Linears (see linear.ROW_BLOCK)
         self.int8_linears = 0  # how many Linears were quantized to int8 at load
         self.resident_bytes = 0
         self.scheme = checkpoint_scheme(ckpt)
@@ -64,7 +64,7 @@ class WeightLoader:
     def make_linear(self, weight: torch.Tensor, b: torch.Tensor | None, quantize: bool = True) -> Linear:
         """A Linear of `weight` (already counted in resident_bytes at its loaded size); int8 when this load
         quantizes dense Linears and `quantize` (routers and gates pass False), with resident_bytes corrected."""
-        lin = Linear(weight, b, self.cpp, int8=self.int8 and quantize, invariant=self.invariant)
+        lin = Linear(weight, b, self.numerics, int8=self.int8 and quantize)
         if lin.layout == "int8":
             self.int8_linears += 1
             self.resident_bytes += lin.nbytes - weight.numel() * weight.element_size() - (

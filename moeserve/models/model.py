@@ -35,7 +35,7 @@ from moeserve.models.layers.base import (
     scales_in_fp32,
 )
 from moeserve.models.layers.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
-from moeserve.models.layers.linear import Linear, choose_row_block, in_row_blocks
+from moeserve.models.layers.linear import Linear
 from moeserve.models.loader import WeightLoader
 from moeserve.models.mixers.attention import Attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
@@ -59,14 +59,6 @@ class ModelOptions:
     dense_int8: bool = False  # quantization="int8": dense Linears as int8 (with the C++ ops; see build_model)
     decode_step: str = "auto"  # auto, fused, per_op (decode_stack.choose_decode_step)
 
-    @property
-    def cpp(self) -> bool:
-        return self.numerics.cpp
-
-    @property
-    def batch_invariant(self) -> bool:
-        return self.numerics.batch_invariant
-
 
 class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
@@ -81,7 +73,7 @@ class MoeModel:
         self.norm = RMS_NORMS[spec.norm_style][0]
         eps = spec.rms_norm_eps
         self.layer_pass: LayerPass = (CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
-                                      if options.cpp else TorchLayers(layers, final_norm, self.norm, eps))
+                                      if options.numerics.cpp else TorchLayers(layers, final_norm, self.norm, eps))
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
         self._forced = False  # routing forced (force_routing, benchmark only): the layer pass runs
@@ -115,7 +107,7 @@ class MoeModel:
         if self._head is not None:
             return self._head(last).float()
         tied = functools.partial(torch.nn.functional.linear, weight=self.embed)  # tied: the head is the embedding
-        return (in_row_blocks(tied, last) if self.options.batch_invariant else tied(last)).float()
+        return self.options.numerics.rows(tied, last).float()
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -170,15 +162,14 @@ def build_model(
     bytes save), and so does the embedding (a token reads one row of it)."""
     asked = options or ModelOptions()
     opts = effective_options(asked)
-    if opts.batch_invariant:
-        choose_row_block()  # the torch fallbacks' row block: linear.ROW_BLOCK, the same rule as opts.numerics.row_block
+    numerics = opts.numerics
     choices: list[tuple[str, str]] = []
-    load = WeightLoader(ckpt, dtype, device, progress, opts.cpp, opts.dense_int8, opts.batch_invariant)
+    load = WeightLoader(ckpt, dtype, device, progress, numerics, opts.dense_int8)
     names, h = arch.names, spec.hidden_size
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
-    kernel = choose_expert_kernel(plan.math, opts.cpp, dtype, opts.batch_invariant, device, top_k=spec.moe.top_k)
+    kernel = choose_expert_kernel(plan.math, numerics, dtype, device, top_k=spec.moe.top_k)
     choices.append(("expert kernel", kernel.describe()))
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
@@ -211,7 +202,7 @@ def build_model(
     if store.prefetcher is not None:
         link_prefetch(model.moe_blocks)
     model.dequantized_linears = load.dequantized_linears
-    model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or opts.numerics.id)]
+    model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or numerics.id)]
     int8 = _int8_summary(asked, opts, load.int8_linears, dtype)
     if int8:
         model.choices.append(("dense layers (quantization=int8)", int8))
@@ -288,8 +279,8 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
             router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
         bias = (load.tensor(n(names.router_correction_bias), (m.num_experts,), torch.float32)
                 if m.correction_bias else None)
-        routing = choose_routing(m, opts.cpp, opts.batch_invariant, bias)
-        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.batch_invariant)
+        routing = choose_routing(m, opts.numerics, bias)
+        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.numerics)
     else:
         mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
                          spec.dense_intermediate_size, opts)
@@ -308,9 +299,9 @@ def _dense_mlp(load: WeightLoader, spec: ModelSpec, names: tuple[str, str, str],
     gate, up, down = (t.format(L=L) for t in names)
     h = spec.hidden_size
     if spec.mlp_kind == "relu2":
-        return Relu2MLP(load.linear(up, width, h), load.linear(down, h, width), opts.batch_invariant)
+        return Relu2MLP(load.linear(up, width, h), load.linear(down, h, width), opts.numerics)
     return DenseMLP(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
-                    opts.batch_invariant)
+                    opts.numerics)
 
 
 def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
@@ -320,11 +311,11 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     if L in spec.mixerless_layers:
         return NoMixer()
     if spec.mamba is not None and L in spec.mamba.layers:
-        return build_mamba(load, arch, spec, L, opts.batch_invariant, opts.cpp)
+        return build_mamba(load, arch, spec, L, opts.numerics)
     if not spec.attention_layers[L]:
-        return build_gated_delta(load, arch, spec, L, opts.batch_invariant, opts.cpp)
+        return build_gated_delta(load, arch, spec, L, opts.numerics)
     if spec.mla is not None:
-        return build_mla(load, arch, spec, L, rotary, opts.batch_invariant)
+        return build_mla(load, arch, spec, L, rotary, opts.numerics)
     return _build_attention(load, arch, spec, L, rotary, opts)
 
 
@@ -348,7 +339,7 @@ def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L:
         o=load.linear(n(names.o_proj), h, a.num_heads * a.head_dim, a.o_bias),
         q_norm=q_norm, k_norm=k_norm,
         sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,
-        rotary=rotary, eps=spec.rms_norm_eps, cpp=opts.cpp, invariant=opts.batch_invariant,
+        rotary=rotary, eps=spec.rms_norm_eps, numerics=opts.numerics,
         qk_norm=RMS_NORMS[spec.norm_style][0] if a.qk_norm == "per_head" else RMS_NORMS["cast_then_scale"][0],
     )
 

@@ -9,6 +9,7 @@ import torch
 
 from moeserve.formats.int8 import quantize_int8_per_channel
 from moeserve.models.layers.linear import Linear, pack_int8_rows, unpack_int8_rows
+from moeserve.models.numerics import Numerics
 from tests.kernels.ops import cpp_ops
 
 
@@ -98,13 +99,14 @@ def test_int8_linear_layout() -> None:
     cpp_ops()
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(10, 64, generator=gen).bfloat16()
-    lin = Linear(w, cpp=True, int8=True)
+    lin = Linear(w, numerics=Numerics(cpp=True), int8=True)
     assert lin.layout == "int8"
     assert lin.nbytes == 10 * 64 + 10 * 4  # codes + float32 scales
     codes, scale = quantize_int8_per_channel(w)
     assert torch.equal(lin.weight, (codes.float() * scale[:, None]).bfloat16())  # dequantized copy
     x = torch.randn(3, 64, generator=gen).bfloat16()
     assert (lin(x).double() - reference(x, codes, scale, None)).abs().max() < 0.05
-    assert Linear(w, cpp=False, int8=True).layout != "int8"  # int8 only with the C++ kernels
-    assert Linear(w.float(), cpp=True, int8=True).layout != "int8"  # and bf16 compute
-    assert Linear(torch.randn(4, 48).bfloat16(), cpp=True, int8=True).layout != "int8"  # and K % 32 == 0
+    assert Linear(w, numerics=Numerics(), int8=True).layout != "int8"  # int8 only with the C++ kernels
+    assert Linear(w.float(), numerics=Numerics(cpp=True), int8=True).layout != "int8"  # and bf16 compute
+    cpp = Numerics(cpp=True)
+    assert Linear(torch.randn(4, 48).bfloat16(), numerics=cpp, int8=True).layout != "int8"  # and K % 32 == 0

@@ -111,7 +111,7 @@ def run_with(folder: Path, prompts: list[list[int]], mamba: type[Mamba2Kernels],
     """The prompts decoded together (the shared exactness driver: bf16, default settings but kernels=cpp) with the
     Mamba-2 layers' kernels built as `mamba`."""
     with monkeypatch.context() as patch:
-        patch.setattr(mamba2, "choose_mamba2_kernels", lambda cpp: mamba())
+        patch.setattr(mamba2, "choose_mamba2_kernels", lambda numerics: mamba())
         return X.run_together(folder, prompts, steps=8, kernels="cpp")
 
 
@@ -123,7 +123,7 @@ def test_model_with_the_cpp_mamba_ops_gives_the_torch_bits(tmp_path: Path, monke
     and kernels=torch by design, and so does the C++ scan; each matches transformers in fp32:
     test_nemotron_h.test_tiny_matches_transformers with kernels auto (= cpp here) and torch.)"""
     cpp_ops()
-    from tests.models.nemotron_h_checkpoints import write_nemotron_h
+    from tests.fixtures.nemotron_h import write_nemotron_h
 
     folder = write_nemotron_h(tmp_path / "bf16", torch.bfloat16)
     prompts = X.random_prompts(3, (150, 5, 70))
@@ -136,7 +136,7 @@ def test_kernels_cpp_chooses_the_cpp_scan_and_says_so(tmp_path: Path) -> None:
     """kernels=cpp builds the Mamba-2 layers on CppMamba2 (scan, step and conv in C++), named in the start-up
     line."""
     cpp_ops()
-    from tests.models.nemotron_h_checkpoints import write_nemotron_h
+    from tests.fixtures.nemotron_h import write_nemotron_h
 
     llm = X.open_llm(write_nemotron_h(tmp_path / "bf16", torch.bfloat16), kernels="cpp")
     mixers = [layer.attn for layer in llm.engine.model.layers if isinstance(layer.attn, Mamba2Mixer)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups, choose_routing
-from moeserve.models.layers import linear
+from moeserve.models.numerics import Numerics
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
 from tests.kernels.ops import cpp_ops
@@ -51,10 +51,10 @@ def logits_and_bias(n: int, e: int, ties: bool, dtype: torch.dtype, seed: int) -
     return logits.to(dtype), bias
 
 
-def assert_same_routing(moe: MoeSpec, logits: torch.Tensor, bias: torch.Tensor, invariant: bool) -> None:
+def assert_same_routing(moe: MoeSpec, logits: torch.Tensor, bias: torch.Tensor, numerics: Numerics) -> None:
     x = torch.zeros(logits.shape[0], 4)
-    want = SigmoidGroups(moe, bias, invariant).route(x, logits)
-    got = CppSigmoidGroups(moe, bias, invariant).route(x, logits)
+    want = SigmoidGroups(moe, bias, numerics).route(x, logits)
+    got = CppSigmoidGroups(moe, bias, numerics).route(x, logits)
     assert torch.equal(got.ids, want.ids), "expert ids (and their order)"
     assert torch.equal(got.token_of, want.token_of) and got.spans == want.spans, "grouping"
     assert got.weight_of.dtype == want.weight_of.dtype == torch.float32
@@ -69,21 +69,20 @@ def test_published_routers_equal_the_torch_ops(name: str, dtype: torch.dtype, ti
     for n in (1, 2, 7, 16, 33, 64):
         logits, bias = logits_and_bias(n, moe.num_experts, ties, dtype, seed=n)
         for invariant in (True, False):
-            assert_same_routing(moe, logits, bias, invariant)
+            assert_same_routing(moe, logits, bias, Numerics(cpp=True, batch_invariant=invariant))
 
 
 @pytest.mark.parametrize("row_block", [16, 32])
 @pytest.mark.parametrize("shape", [(20, 4, 2, 3, False), (10, 5, 3, 4, True), (12, 1, 1, 12, True),
                                    (256, 8, 4, 8, False)], ids=["e20", "e10", "k=e", "dsv3-no-norm"])
-def test_made_up_routers_and_row_blocks(shape: tuple[int, int, int, int, bool], row_block: int,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear, "ROW_BLOCK", row_block)
+def test_made_up_routers_and_row_blocks(shape: tuple[int, int, int, int, bool], row_block: int) -> None:
     moe = with_groups(*shape)
     for n in (1, 3, 7, 31, 45):
         for ties in (False, True):
             logits, bias = logits_and_bias(n, moe.num_experts, ties, torch.float32, seed=n + 100)
             for invariant in (True, False):
-                assert_same_routing(moe, logits, bias, invariant)
+                assert_same_routing(moe, logits, bias, Numerics(cpp=True, batch_invariant=invariant,
+                                                                row_block=row_block))
 
 
 def test_ties_really_tie() -> None:
@@ -100,10 +99,10 @@ def test_ties_really_tie() -> None:
 def test_chosen_when_the_cpp_kernels_are_on() -> None:
     moe = published_moe("DeepSeek-V3")
     bias = torch.zeros(moe.num_experts)
-    cpp = choose_routing(moe, cpp=True, invariant=True, correction_bias=bias)
+    cpp = choose_routing(moe, Numerics(cpp=True, batch_invariant=True), correction_bias=bias)
     assert type(cpp) is CppSigmoidGroups and "C++ moe_route_noaux" in cpp.describe()
     assert cpp.why_not_stacked() is None  # the decode stack routes by the same op (DecodeStack.route_by_noaux)
-    assert type(choose_routing(moe, cpp=False, invariant=True, correction_bias=bias)) is SigmoidGroups
+    assert type(choose_routing(moe, Numerics(cpp=False, batch_invariant=True), correction_bias=bias)) is SigmoidGroups
 
 
 def test_bad_groups_are_refused() -> None:

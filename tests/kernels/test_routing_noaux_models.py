@@ -5,6 +5,7 @@ together (prefill rows and decode rows both routed)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +26,8 @@ def run(folder: Path, torch_routing: bool, dtype: str, monkeypatch: pytest.Monke
     """(logits of each step, outputs, the routing classes the model built) with kernels=cpp."""
     built: list[type] = []
 
-    def choose(spec, cpp, invariant, bias):  # noqa: ANN001, ANN202 - moe.choose_routing's signature
-        routing = choose_routing(spec, cpp and not torch_routing, invariant, bias)
+    def choose(spec, numerics, bias):  # noqa: ANN001, ANN202 - moe.choose_routing's signature
+        routing = choose_routing(spec, replace(numerics, cpp=numerics.cpp and not torch_routing), bias)
         built.append(type(routing))
         return routing
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.bench.checkpoints import ARCHS
 from moeserve.models import model as model_module
 from moeserve.models.experts.kernels import (
     ENTRY_ROWS,
@@ -25,7 +26,7 @@ from moeserve.models.experts.kernels import (
     choose_expert_kernel,
 )
 from moeserve.models.experts.unit_math import SwiGLUMath
-from tests.conftest import ARCHS
+from moeserve.models.numerics import Numerics
 from tests.engine.test_parity_transformers import PROMPTS, hf_greedy, hf_model
 from tests.experts.test_three_tiers import FORMATS, folder_of
 
@@ -65,12 +66,13 @@ def run(kernel, routed: RoutedTokens, w: dict, chunk: int) -> torch.Tensor:  # t
 @pytest.mark.parametrize("invariant", [False, True])
 def test_batched_equals_the_loop_in_float32_and_its_bits_never_depend_on_the_chunking(invariant: bool,
                                                                                       group: int) -> None:
-    batched = BatchedExperts(SwiGLUMath(), invariant, "test", group)
+    numerics = Numerics(batch_invariant=invariant)
+    batched = BatchedExperts(SwiGLUMath(), numerics, "test", group)
     for n in (1, 3, 40):  # decode-sized, and a prefill whose expert 0 has more than ENTRY_ROWS tokens
         routed = routing(n, seed=n, dtype=torch.float32)
         assert n < 40 or max(hi - lo for lo, hi in routed.spans.values()) > ENTRY_ROWS
         w = units(torch.float32)
-        loop = run(TorchExperts(SwiGLUMath(), invariant), routed, w, E)
+        loop = run(TorchExperts(SwiGLUMath(), numerics), routed, w, E)
         torch.testing.assert_close(run(batched, routed, w, E), loop, rtol=1e-5, atol=1e-5)
         routed16, w16 = routing(n, seed=n, dtype=torch.bfloat16), units(torch.bfloat16)
         resident = run(batched, routed16, w16, E)  # one chunk: all experts
@@ -79,7 +81,7 @@ def test_batched_equals_the_loop_in_float32_and_its_bits_never_depend_on_the_chu
 
 
 def test_batch_invariant_mode_gives_a_token_the_same_bits_whatever_the_other_tokens() -> None:
-    batched, w = BatchedExperts(SwiGLUMath(), True, "test"), units(torch.bfloat16)
+    batched, w = BatchedExperts(SwiGLUMath(), Numerics(batch_invariant=True), "test"), units(torch.bfloat16)
     full = routing(40, seed=7, dtype=torch.bfloat16)
     out = run(batched, full, w, E)
     for t in (0, 17, 39):  # the same token alone, with its own routing
@@ -104,13 +106,13 @@ def test_the_ordered_add_is_the_loops_adds_bit_for_bit() -> None:
 
 def test_the_device_chooses_the_batched_kernel_and_the_log_says_why() -> None:
     math = SwiGLUMath()
-    cuda = choose_expert_kernel(math, False, torch.bfloat16, False, torch.device("cuda"))
+    cuda = choose_expert_kernel(math, Numerics(), torch.bfloat16, torch.device("cuda"))
     assert isinstance(cuda, BatchedExperts) and cuda.describe().startswith("batched (on cuda: SwiGLUMath stacked")
     assert cuda.group == GROUP and "in calls of 8 x 16 rows" in cuda.describe()
-    top2 = choose_expert_kernel(math, False, torch.bfloat16, False, torch.device("cuda"), top_k=2)
+    top2 = choose_expert_kernel(math, Numerics(), torch.bfloat16, torch.device("cuda"), top_k=2)
     assert isinstance(top2, BatchedExperts) and top2.group == 2  # one token's experts: one call, no padding
-    assert isinstance(choose_expert_kernel(math, False, torch.bfloat16, False), TorchExperts)  # CPU, no C++
-    asked = choose_expert_kernel(math, True, torch.bfloat16, False, batched=True)
+    assert isinstance(choose_expert_kernel(math, Numerics(), torch.bfloat16), TorchExperts)  # CPU, no C++
+    asked = choose_expert_kernel(math, Numerics(cpp=True), torch.bfloat16, batched=True)
     assert isinstance(asked, BatchedExperts) and "asked for" in asked.describe()
 
 
@@ -137,7 +139,7 @@ def greedy(folder, kernel: str = "batched", **settings):  # type: ignore[no-unty
 @pytest.mark.parametrize("arch", [*ARCHS, "gpt_oss"])
 def test_batched_kernel_matches_transformers_in_float32(tiny_checkpoint, batched, arch: str) -> None:
     if arch == "gpt_oss":
-        from tests.models import checkpoints as C
+        from tests.fixtures import checkpoints as C
 
         folder = C.write_gpt_oss(tiny_checkpoint("qwen3_moe").parent / "gpt_oss_f32", dtype="float32")
     else:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moeserve.engine.llm import LLM
-from tests.models.nemotron_h_checkpoints import TINY_PATTERN, write_nemotron_h
+from tests.fixtures.nemotron_h import TINY_PATTERN, write_nemotron_h
 from tests.models.test_decode_stack_kinds import (
     BATCH_1,
     BATCH_3,

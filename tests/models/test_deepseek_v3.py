@@ -50,7 +50,7 @@ def write_tiny(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, 
     """A random DeepseekV3ForCausalLM saved by transformers' save_pretrained (correction biases randomized)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.models.checkpoints import randomize_zero_inits
+    from moeserve.bench.checkpoints import randomize_zero_inits
 
     config = AutoConfig.for_model("deepseek_v3", **{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -159,7 +159,7 @@ def test_offloaded_equals_resident_in_bf16(tiny) -> None:
 def deepseek_header_only(folder: Path, config: dict[str, Any]) -> Path:
     """A bf16 checkpoint of `config` with real headers and no data (tests.models.checkpoints.write_header_only), the
     tensor names and shapes of the published DeepSeek-V3 checkpoints written out here, MTP layers included."""
-    from tests.models.checkpoints import write_header_only
+    from tests.fixtures.checkpoints import write_header_only
 
     c = config
     h, nh, q_lora, kv_lora = c["hidden_size"], c["num_attention_heads"], c["q_lora_rank"], c["kv_lora_rank"]
@@ -216,7 +216,7 @@ def fp8(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the tiny model with every *_proj Linear in FP8 with 32x32 blocks as DeepSeek-V3 ships them: weight float8_e4m3fn,
     weight_scale_inv float32; router and lm_head bf16, the reference: the same model with each of those Linears
     replaced by a numpy decoder's dequantization, fp32). Widths 72 / 40 / 24 / 112 leave partial edge blocks."""
-    from tests.models import checkpoints as C
+    from tests.fixtures import checkpoints as C
 
     root = tmp_path_factory.mktemp("fp8")
     src = write_tiny(root / "bf16", torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)

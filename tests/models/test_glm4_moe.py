@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from moeserve import LLM, SamplingParams
 from moeserve.errors import CheckpointError
 from moeserve.models.experts.moe import CppRouting, SigmoidGroups, SoftmaxTopk, TopkSoftmax, choose_routing
+from moeserve.models.numerics import Numerics
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
 from tests.engine.test_parity_transformers import (
@@ -73,7 +74,8 @@ def test_routing_equals_transformers_router(name: str, invariant: bool) -> None:
     ref, x = transformers_router(*shape, hidden=64, seed=len(name))
     with torch.no_grad():
         logits, ref_weights, ref_ids = ref(x)
-    routing = SigmoidGroups(moe_spec(*shape), ref.e_score_correction_bias.detach().clone(), invariant)
+    routing = SigmoidGroups(moe_spec(*shape), ref.e_score_correction_bias.detach().clone(),
+                            Numerics(batch_invariant=invariant))
     weights, ids = routing.weights_and_ids(logits)
     assert weights.dtype == torch.float32 and ids.shape == ref_ids.shape
     assert by_expert(weights, ids) == by_expert(ref_weights, ref_ids)  # same experts, same fp32 weights
@@ -94,7 +96,8 @@ def test_groups_and_bias_change_the_choice(name: str) -> None:
     chosen = [set(row) for row in ref_ids.tolist()]
     scores = logits.sigmoid()
     no_groups = torch.topk(scores + ref.e_score_correction_bias, k, dim=-1).indices.tolist()
-    no_bias = SigmoidGroups(moe_spec(*ROUTERS[name]), torch.zeros(experts), False).weights_and_ids(logits)[1].tolist()
+    unbiased = SigmoidGroups(moe_spec(*ROUTERS[name]), torch.zeros(experts), Numerics())
+    no_bias = unbiased.weights_and_ids(logits)[1].tolist()
     assert sum(set(a) != b for a, b in zip(no_groups, chosen)) > 0
     assert sum(set(a) != b for a, b in zip(no_bias, chosen)) > 0
 
@@ -104,7 +107,8 @@ def test_routing_of_a_row_never_depends_on_the_batch(name: str) -> None:
     shape = ROUTERS[name]
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(41, shape[0], generator=gen)
-    routing = SigmoidGroups(moe_spec(*shape), torch.randn(shape[0], generator=gen) * 0.1, invariant=True)
+    bias = torch.randn(shape[0], generator=gen) * 0.1
+    routing = SigmoidGroups(moe_spec(*shape), bias, Numerics(batch_invariant=True))
     weights, ids = routing.weights_and_ids(logits)
     for i in (0, 17, 40):
         w1, i1 = routing.weights_and_ids(logits[i : i + 1])
@@ -113,16 +117,16 @@ def test_routing_of_a_row_never_depends_on_the_batch(name: str) -> None:
 
 def test_each_rule_chooses_its_routing_once() -> None:
     spec = moe_spec(*ROUTERS["deepseek-v3"])
-    groups = choose_routing(spec, cpp=False, invariant=True, correction_bias=torch.zeros(256))
+    groups = choose_routing(spec, Numerics(batch_invariant=True), correction_bias=torch.zeros(256))
     assert type(groups) is SigmoidGroups  # torch; C++ (kernels on): tests/kernels/test_routing_noaux.py
     assert groups.why_not_stacked() == "sigmoid_groups routing (no decode-stack mode)"
     assert "torch" in groups.describe()
     for rule, cls, mode in (("softmax_topk", SoftmaxTopk, 0), ("topk_softmax", TopkSoftmax, 1)):
         other = MoeSpec(num_experts=8, top_k=2, intermediate_size=8, norm_topk_prob=True, routing=rule,  # type: ignore[arg-type]
                         router_bias=False, weights_in_fp32=False, expert_kind="swiglu", shared_intermediate_size=0)
-        cpp = choose_routing(other, cpp=True, invariant=True, correction_bias=None)
+        cpp = choose_routing(other, Numerics(cpp=True, batch_invariant=True), correction_bias=None)
         assert isinstance(cpp, CppRouting) and cpp.stack_mode == mode and cpp.why_not_stacked() is None
-        assert type(choose_routing(other, cpp=False, invariant=True, correction_bias=None)) is cls
+        assert type(choose_routing(other, Numerics(batch_invariant=True), correction_bias=None)) is cls
 
 
 # The published zai-org/GLM-4.5-Air config.json (shared/reference/configs/GLM-4.5-Air.json), the fields read.

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.bench.real_dims import write_gpt_oss_mxfp4
 from moeserve.models.layers.base import rope_inv_freq
 from moeserve.models.registry import get_architecture
-from tests.models.checkpoints import write_gpt_oss, write_gpt_oss_mxfp4
+from tests.fixtures.checkpoints import write_gpt_oss
 
 STEPS = 16
 PROMPTS = [[5], [11, 42, 7, 99, 3, 8], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200], list(range(40, 63))]
@@ -116,7 +117,7 @@ def test_gpt_oss_20b_shapes_plan_and_report(tmp_path: Path) -> None:
     from moeserve.checkpoint.folder import open_checkpoint
     from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import describe_formats
-    from tests.models.checkpoints import gpt_oss_20b_header_only
+    from tests.fixtures.checkpoints import gpt_oss_20b_header_only
 
     ckpt = open_checkpoint(gpt_oss_20b_header_only(tmp_path / "gpt-oss-20b"))
     arch = get_architecture(ckpt.config, "c")

@@ -29,9 +29,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.errors import UnsupportedModelError
 from moeserve.formats import load_quant_scheme
-from tests.conftest import write_tiny_checkpoint
 from tests.models import exactness as X
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.layers.linear import Linear, _can_pack
+from moeserve.models.numerics import Numerics
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -72,7 +73,7 @@ def test_interleaved_linear_against_fp64(threads, out_f, in_f, bias):
         gen = torch.Generator().manual_seed(out_f + in_f)
         w = torch.randn(out_f, in_f, generator=gen).bfloat16()
         b = torch.randn(out_f, generator=gen).bfloat16() if bias else None
-        lin = Linear(w.clone(), b, cpp=True)
+        lin = Linear(w.clone(), b, Numerics(cpp=True))
         assert lin.layout == "interleaved" and not lin.packed
         assert torch.equal(lin.weight, w)
         x_all = torch.randn(70, in_f, generator=gen).bfloat16()
@@ -94,7 +95,7 @@ def test_interleaved_linear_against_fp64(threads, out_f, in_f, bias):
 
 def test_interleaved_layout_only_where_it_applies():
     _gemv_ops()
-    assert Linear(torch.randn(8, 64).bfloat16(), cpp=True).layout == "interleaved"
-    assert Linear(torch.randn(8, 48).bfloat16(), cpp=True).layout != "interleaved"  # 48 % 32 != 0
-    assert Linear(torch.randn(8, 64), cpp=True).layout == "plain"  # fp32
+    assert Linear(torch.randn(8, 64).bfloat16(), numerics=Numerics(cpp=True)).layout == "interleaved"
+    assert Linear(torch.randn(8, 48).bfloat16(), numerics=Numerics(cpp=True)).layout != "interleaved"  # 48 % 32 != 0
+    assert Linear(torch.randn(8, 64), numerics=Numerics(cpp=True)).layout == "plain"  # fp32
     assert Linear(torch.randn(8, 64).bfloat16()).layout != "interleaved"  # C++ kernels off

@@ -23,9 +23,9 @@ from moeserve import LLM
 from moeserve.errors import CheckpointError
 from moeserve.models.registry import get_architecture
 from tests.engine.test_parity_transformers import hf_model
+from tests.fixtures.nemotron_h import NEMOTRON_3_NANO, write_nemotron_h
 from tests.models import exactness as X
 from tests.models.exactness import STEPS, assert_matches_transformers
-from tests.models.nemotron_h_checkpoints import NEMOTRON_3_NANO, write_nemotron_h
 from tests.models.test_qwen3_next import long_prompts
 
 
@@ -127,7 +127,7 @@ def test_nvfp4_modelopt_experts_quantized_in_every_tier(tmp_path: Path) -> None:
     own compressor): the relu2 experts stay NVFP4 in the store (a miss reads exactly one expert's stored bytes,
     under 0.35x its bf16 size) and one expert slot gives the resident run's tokens and logprobs bit for bit (bf16);
     in fp32, transformers' greedy tokens and logprobs within 1e-4 on the same bytes dequantized."""
-    from tests.models import checkpoints as C
+    from tests.fixtures import checkpoints as C
     from tests.models.test_quantized import greedy
 
     src = write_nemotron_h(tmp_path / "bf16", torch.bfloat16, moe_shared_expert_intermediate_size=48)

@@ -30,11 +30,11 @@ from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.engine.sizing import spec_kv_groups
 from moeserve.memory.rss import current_rss_bytes
 from moeserve.models.validate import read_model
+from tests.fixtures.nemotron_h import write_nemotron_h
+from tests.fixtures.real_dims import write_nemotron_nano, write_qwen35
 from tests.logits_capture import capturing_logits
 from tests.models import exactness as X
 from tests.models.exactness import STEPS
-from tests.models.nemotron_h_checkpoints import write_nemotron_h
-from tests.models.real_dims_checkpoints import write_nemotron_nano, write_qwen35
 
 SHARED = 300
 

@@ -23,7 +23,7 @@ from moeserve.errors import UnsupportedModelError
 from moeserve.models.experts.plans import expert_plan
 from moeserve.models.experts.unit_math import DequantizingKernel
 from moeserve.models.inventory import describe_formats
-from tests.models import checkpoints as C
+from tests.fixtures import checkpoints as C
 
 STEPS = 16
 PROMPTS = [[5, 9], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200]]

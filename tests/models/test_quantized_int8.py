@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.errors import ConfigError
-from tests.conftest import write_tiny_checkpoint
-from tests.models import checkpoints as C
+from tests.fixtures import checkpoints as C
 
 PROMPTS = [[5, 9], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200]]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)

@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from moeserve import LLM
 from moeserve.errors import UnsupportedModelError
 from moeserve.formats import load_quant_scheme
+from tests.fixtures import qwen3_5_nvfp4 as Q
 from tests.models import exactness as X
-from tests.models import qwen3_5_nvfp4_checkpoints as Q
 from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, long_prompts
 
 VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
@@ -193,7 +193,7 @@ def test_real_dims_loads_and_offloaded_equals_resident(
     experts NVFP4 in every tier; the test's peak RSS stays under 6 GiB. The bf16 checkpoint is the real-dims
     exactness module's (tests/models/test_real_dims_exactness.py SHARED): written once per session."""
     from moeserve.memory.rss import current_rss_bytes, peak_rss_bytes
-    from tests.models.real_dims_checkpoints import BUILDERS
+    from tests.fixtures.real_dims import BUILDERS
 
     peak_reset = _reset_peak_rss()
     src = checkpoint_once("real_dims-Qwen3.5-35B-A3B", BUILDERS["Qwen3.5-35B-A3B"])

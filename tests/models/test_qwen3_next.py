@@ -137,7 +137,7 @@ def write_tiny_qwen35(folder: Path) -> Path:
     tensors the published checkpoints carry (transformers' class has none)."""
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    from tests.models.checkpoints import randomize_zero_inits
+    from moeserve.bench.checkpoints import randomize_zero_inits
 
     config = Qwen3_5MoeConfig(text_config=TINY_QWEN35_TEXT, vision_config=dict(
         depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))

@@ -36,8 +36,8 @@ import pytest
 import torch
 
 from moeserve.memory.rss import current_rss_bytes
+from tests.fixtures.real_dims import BUILDERS, VOCAB
 from tests.models import exactness as X
-from tests.models.real_dims_checkpoints import BUILDERS, VOCAB
 
 pytestmark = pytest.mark.slow
 

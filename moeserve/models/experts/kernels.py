@@ -28,7 +28,7 @@ import torch
 
 from moeserve.experts.store import ExpertWeights
 from moeserve.models.experts.unit_math import FusedUnits, UnitMath
-from moeserve.models.layers.linear import in_row_blocks
+from moeserve.models.numerics import Numerics
 
 Chunk = list[tuple[int, ExpertWeights]]  # (expert id, its unit's field views), ascending ids
 
@@ -98,13 +98,13 @@ class ExpertKernel(ABC):
 
 class TorchExperts(ExpertKernel):
     """The per-expert loop with torch: the plan's UnitMath on each expert's rows. Batch-invariant: in fixed
-    blocks of rows (linear.ROW_BLOCK), so a row's result never depends on how many rows share the call."""
+    blocks of rows (Numerics.rows), so a row's result never depends on how many rows share the call."""
 
     name = "torch"
 
-    def __init__(self, math: UnitMath, invariant: bool) -> None:
+    def __init__(self, math: UnitMath, numerics: Numerics) -> None:
         super().__init__(math)
-        self.invariant = invariant
+        self.numerics = numerics
 
     def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
         x, token_of, weight_of = routed.x, routed.token_of, routed.weight_of
@@ -114,7 +114,7 @@ class TorchExperts(ExpertKernel):
                 tokens = token_of[lo:hi]
                 fn = self.math.bind(w)  # per-unit work (dequantization) once, whatever the number of row blocks
                 rows = x[tokens]
-                y = (in_row_blocks(fn, rows) if self.invariant else fn(rows)) * weight_of[lo:hi, None]
+                y = self.numerics.rows(fn, rows) * weight_of[lo:hi, None]
                 # A token picks an expert at most once, so `tokens` has no repeats and a gathered add is the
                 # same single rounding as index_add_, whose CPU kernel is slow for bf16.
                 out[tokens] += y.to(out.dtype)
@@ -125,7 +125,8 @@ class TorchExperts(ExpertKernel):
         return self.math.loop_units()
 
     def describe(self) -> str:
-        return f"torch ({type(self.math).__name__} per expert{', in fixed row blocks' if self.invariant else ''})"
+        blocks = ", in fixed row blocks" if self.numerics.batch_invariant else ""
+        return f"torch ({type(self.math).__name__} per expert{blocks})"
 
 
 class BatchedExperts(ExpertKernel):
@@ -144,9 +145,10 @@ class BatchedExperts(ExpertKernel):
 
     name = "batched"
 
-    def __init__(self, math: UnitMath, invariant: bool, why: str, group: int = GROUP) -> None:
+    def __init__(self, math: UnitMath, numerics: Numerics, why: str, group: int = GROUP) -> None:
         super().__init__(math)
-        self.invariant, self.why, self.group = invariant, why, group
+        self.numerics = numerics  # batch-invariant: every expert in ENTRY_ROWS blocks, however many tokens it has
+        self.why, self.group = why, group
 
     def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
         for chunk in chunks:
@@ -155,7 +157,7 @@ class BatchedExperts(ExpertKernel):
             entries: list[tuple[ExpertWeights, int, int]] = []  # (unit, first pair, end pair), <= ENTRY_ROWS
             for e, w in chunk:
                 lo, hi = routed.spans[e]
-                if hi - lo > ENTRY_ROWS and not self.invariant:
+                if hi - lo > ENTRY_ROWS and not self.numerics.batch_invariant:
                     y[lo - first : hi - first] = self.math.bind(w)(routed.x[routed.token_of[lo:hi]])
                 else:
                     entries += [(w, s, min(s + ENTRY_ROWS, hi)) for s in range(lo, hi, ENTRY_ROWS)]
@@ -183,7 +185,7 @@ class BatchedExperts(ExpertKernel):
         y[pair_index[real] - first] = out[real]
 
     def describe(self) -> str:
-        blocks = "every expert" if self.invariant else f"experts of <= {ENTRY_ROWS} tokens"
+        blocks = "every expert" if self.numerics.batch_invariant else f"experts of <= {ENTRY_ROWS} tokens"
         return (f"batched ({self.why}: {type(self.math).__name__} stacked, {blocks} in calls of {self.group} x "
                 f"{ENTRY_ROWS} rows; experts added in ascending order)")
 
@@ -246,14 +248,15 @@ class CppSwiGLU(_FusedSwiGLU):
         self.name = "cpp-swiglu" + ("-int8" if units.int8 else "")
 
     def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
-        if routed.num_tokens > FUSED_MAX_TOKENS and not self.fallback.invariant:
+        if routed.num_tokens > FUSED_MAX_TOKENS and not self.fallback.numerics.batch_invariant:
             self.fallback.run(out, routed, chunks)
         else:
             super().run(out, routed, chunks)
 
     def describe(self) -> str:
         return (f"{self.name} (the fused C++ op on [out, in] units up to {FUSED_MAX_TOKENS} tokens"
-                + (", every batch: batch-invariant)" if self.fallback.invariant else ", the torch loop above)"))
+                + (", every batch: batch-invariant)" if self.fallback.numerics.batch_invariant
+                   else ", the torch loop above)"))
 
 
 class CppInterleavedSwiGLU(_FusedSwiGLU):
@@ -269,18 +272,18 @@ class CppInterleavedSwiGLU(_FusedSwiGLU):
         return f"{self.name} (the fused C++ op on row-interleaved units, every batch)"
 
 
-def choose_expert_kernel(math: UnitMath, cpp: bool, dtype: torch.dtype, invariant: bool,
-                         device: torch.device = CPU, batched: bool | None = None, top_k: int = GROUP) -> ExpertKernel:
+def choose_expert_kernel(math: UnitMath, numerics: Numerics, dtype: torch.dtype, device: torch.device = CPU,
+                         batched: bool | None = None, top_k: int = GROUP) -> ExpertKernel:
     """The kernel for units computed by `math`: on a GPU (any device but the CPU) the batched torch kernel;
-    on the CPU a fused C++ op where the units and the compute dtype allow it and the C++ kernels are on (`cpp`),
+    on the CPU a fused C++ op where the units and the compute dtype allow it and the C++ ops compute (`numerics.cpp`),
     else the torch loop. `batched`: True or False overrides the device's choice (tests run the batched kernel on
     the CPU through the fake fast tier). `top_k`: experts per token, the batched kernel's group (at most GROUP)."""
     if batched if batched is not None else device.type != "cpu":
         why = f"on {device.type}" if batched is None else "asked for"
-        return BatchedExperts(math, invariant, why, max(1, min(top_k, GROUP)))
-    torch_loop = TorchExperts(math, invariant)
+        return BatchedExperts(math, numerics, why, max(1, min(top_k, GROUP)))
+    torch_loop = TorchExperts(math, numerics)
     units = math.fused_units()
-    if not cpp or units is None:
+    if not numerics.cpp or units is None:
         return torch_loop
     if units.interleaved:
         return CppInterleavedSwiGLU(math, units)

@@ -18,9 +18,9 @@ import torch
 
 from moeserve.experts.store import ExpertStore
 from moeserve.models.experts.kernels import ExpertKernel, RoutedTokens
-from moeserve.models.layers import linear
 from moeserve.models.layers.base import MLP, DenseMLP, not_in_gemv_layout
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import MoeSpec
 
 
@@ -106,23 +106,24 @@ class SigmoidGroups(TorchRouting):
     groups (of n_group) whose top-2 scores sum highest and takes the top-k experts of those; the weights are the
     chosen experts' unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor, in fp32.
 
-    Batch-invariant (`invariant`): in fixed blocks of rows (linear.in_row_blocks), since torch's vectorised sigmoid
+    Batch-invariant (`numerics`): in fixed blocks of rows (Numerics.rows), since torch's vectorised sigmoid
     finishes a tensor's tail with scalar code that rounds otherwise: which scores fall in the tail must not depend on
     the batch."""
 
-    def __init__(self, spec: MoeSpec, correction_bias: torch.Tensor, invariant: bool) -> None:
+    def __init__(self, spec: MoeSpec, correction_bias: torch.Tensor, numerics: Numerics) -> None:
         super().__init__(spec)
         self.bias = correction_bias  # [E] fp32
-        self.invariant = invariant
+        self.numerics = numerics
 
     def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
         return router(x.float())  # [N, E] fp32: the router weight is held in fp32 (MoeSpec.router_fp32)
 
     def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.invariant:
+        if not self.numerics.batch_invariant:
             return self._weights_and_ids(logits)
         k = self.spec.top_k
-        both = in_row_blocks(lambda rows: torch.cat([t.float() for t in self._weights_and_ids(rows)], dim=1), logits)
+        both = self.numerics.rows(lambda rows: torch.cat([t.float() for t in self._weights_and_ids(rows)], dim=1),
+                                  logits)
         return both[:, :k], both[:, k:].long()  # ids < 2^24: exact in fp32
 
     def _weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,9 +151,9 @@ class CppSigmoidGroups(SigmoidGroups):
 
     def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
         s = self.spec
-        row_block = linear.ROW_BLOCK if self.invariant else 0  # read per call: set once at start-up for this CPU
         token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_noaux(
-            logits, self.bias, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor, row_block)
+            logits, self.bias, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor,
+            self.numerics.invariant_rows)  # the torch path's row blocks (0: one block, batch-variant)
         return RoutedTokens.from_counts(x, ids, token_of, weight_of, counts.tolist())  # the one host sync per layer
 
     def describe(self) -> str:
@@ -211,15 +212,16 @@ class CppRouting(Routing):
         return f"C++ moe_route_pairs ({self.spec.routing})"
 
 
-def choose_routing(spec: MoeSpec, cpp: bool, invariant: bool, correction_bias: torch.Tensor | None) -> Routing:
-    """The Routing of `spec.routing`: its C++ op when the C++ kernels are on and the op has the rule, else torch.
+def choose_routing(spec: MoeSpec, numerics: Numerics, correction_bias: torch.Tensor | None) -> Routing:
+    """The Routing of `spec.routing`: its C++ op when the C++ ops compute (`numerics.cpp`) and the op has the rule,
+    else torch.
     `correction_bias`: the layer's e_score_correction_bias [E] (fp32) when the rule has one. The only place that
     asks which rule a model routes by."""
     if spec.routing == "sigmoid_groups":
         assert correction_bias is not None
-        return (CppSigmoidGroups if cpp else SigmoidGroups)(spec, correction_bias, invariant)
+        return (CppSigmoidGroups if numerics.cpp else SigmoidGroups)(spec, correction_bias, numerics)
     rule: TorchRouting = SoftmaxTopk(spec) if spec.routing == "softmax_topk" else TopkSoftmax(spec)
-    return CppRouting(spec, rule.stack_mode) if cpp and rule.stack_mode is not None else rule
+    return CppRouting(spec, rule.stack_mode) if numerics.cpp and rule.stack_mode is not None else rule
 
 
 class MoEBlock(MLP):
@@ -228,9 +230,9 @@ class MoEBlock(MLP):
 
     def __init__(self, spec: MoeSpec, layer: int, router: Linear, store: ExpertStore, experts: ExpertKernel,
                  routing: Routing, shared: DenseMLP | None = None, shared_gate: Linear | None = None,
-                 invariant: bool = False) -> None:
+                 numerics: Numerics = Numerics()) -> None:
         self.spec, self.layer, self.router, self.store = spec, layer, router, store
-        self.invariant = invariant  # the gated shared expert in fixed row blocks (see DenseMLP)
+        self.numerics = numerics  # batch-invariant: the gated shared expert in fixed row blocks (see DenseMLP)
         self.experts, self.routing = experts, routing
         self.shared, self.shared_gate = shared, shared_gate
         # (layer, topk ids [N, k], experts predicted for the next MoE layer or None): --record-trace
@@ -266,7 +268,7 @@ class MoEBlock(MLP):
         out = torch.zeros_like(x)
         self.experts.run(out, routed, self.store.experts(self.layer, routed.experts, prefetch=hint))
         if self.shared_gate is not None:
-            out = out + (in_row_blocks(self._gated_shared, x) if self.invariant else self._gated_shared(x))
+            out = out + self.numerics.rows(self._gated_shared, x)
         elif self.shared is not None:
             out = out + self.shared(x)  # ungated (DenseMLP keeps its own row blocks)
         return out

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import RopeSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -194,12 +195,12 @@ class DenseMLP(MLP):
     element-wise ops see one shape too (torch's vectorized loops finish a tensor's tail with scalar code that
     rounds otherwise: which elements fall in the tail must not depend on the batch)."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear, invariant: bool = False) -> None:
+    def __init__(self, gate: Linear, up: Linear, down: Linear, numerics: Numerics = Numerics()) -> None:
         self.gate, self.up, self.down = gate, up, down
-        self.invariant = invariant
+        self.numerics = numerics
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return in_row_blocks(self._mlp, x) if self.invariant else self._mlp(x)
+        return self.numerics.rows(self._mlp, x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))

@@ -18,14 +18,15 @@ import torch.nn.functional as F
 
 from moeserve.models.layers.base import MLP, DenseMLP, ForwardBatch, Rotary, TokenMixer
 from moeserve.models.layers.linear import Linear
+from moeserve.models.numerics import Numerics
 from moeserve.state.kv_cache import PagedKVCache
 
 
 class Relu2MLP(DenseMLP):
     """down(relu(up(x))^2) (transformers' ACT2FN["relu2"]); row blocks as DenseMLP when batch-invariant."""
 
-    def __init__(self, up: Linear, down: Linear, invariant: bool = False) -> None:  # noqa: D107 - no gate
-        self.up, self.down, self.invariant = up, down, invariant
+    def __init__(self, up: Linear, down: Linear, numerics: Numerics = Numerics()) -> None:  # noqa: D107 - no gate
+        self.up, self.down, self.numerics = up, down, numerics
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.square(F.relu(self.up(x))))

@@ -1,50 +1,16 @@
-"""Dense Linears in the layout chosen once at load, and the fixed row blocks of batch-invariant torch ops.
+"""Dense Linears in the layout chosen once at load.
 
-A Linear never changes layout after it is built; `invariant` (batch-invariant numerics) is given at build too.
+A Linear never changes layout after it is built; its `numerics` (C++ ops, batch invariance) are given at build too.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
 from moeserve.memory.hugepages import on_huge_pages
-
-# Batch invariance (EngineSettings.batch_invariant): torch's CPU GEMMs pick their blocking by the row count, so a row's
-# result changes with the number of rows beside it (measured: F.linear bf16 [1, 2880] x [2880, 5760]^T differs at 33+
-# rows). Where moeserve's C++ ops (one fixed order per row) do not apply, torch ops see rows in blocks of exactly
-# ROW_BLOCK (the last one zero-padded): one call shape for every batch, and within a call shape a row's result does not
-# depend on its position or neighbours (tests/engine/test_batch_invariance.py checks both).
-# The block is chosen once per process from the CPU (choose_row_block, logged): with AMX, a 32-row bf16 GEMM costs
-# about what a 1-row one does; without it, every padded row is compute.
-ROW_BLOCK_AMX, ROW_BLOCK_DEFAULT = 32, 16
-ROW_BLOCK = ROW_BLOCK_DEFAULT
-
-
-def choose_row_block() -> str:
-    """Sets ROW_BLOCK for this CPU; returns the reason for the start-up log."""
-    global ROW_BLOCK
-    try:
-        flags = open("/proc/cpuinfo").read()  # noqa: SIM115 - read once at start-up
-    except OSError:
-        flags = ""
-    amx = " amx_bf16" in flags
-    ROW_BLOCK = ROW_BLOCK_AMX if amx else ROW_BLOCK_DEFAULT
-    return f"{ROW_BLOCK} rows ({'AMX: a padded row costs little' if amx else 'no AMX: padded rows are compute'})"
-
-
-def in_row_blocks(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn(x) for a row-wise fn, computed on blocks of exactly ROW_BLOCK rows of x [N, ...]."""
-    n, block = x.shape[0], ROW_BLOCK
-    pad = -n % block
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-    outs = [fn(x[i : i + block]) for i in range(0, n + pad, block)]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out[:n] if pad else out
+from moeserve.models.numerics import Numerics
 
 
 class Linear:
@@ -67,11 +33,12 @@ class Linear:
     `weight` gives a plain copy for inspection (dequantized for "int8"), never used on the hot path.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, cpp: bool = False,
-                 int8: bool = False, invariant: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, numerics: Numerics = Numerics(),
+                 int8: bool = False) -> None:
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
         self.bias = bias
         self._scale: torch.Tensor | None = None
+        cpp = numerics.cpp
         if cpp and int8 and can_quantize_int8(weight, bias):
             self.layout = "int8"
             codes, self._scale = quantize_int8_per_channel(weight)
@@ -86,7 +53,7 @@ class Linear:
         else:
             self.layout = "plain"
             self._weight = weight
-        self.invariant = invariant  # "onednn" / "plain" in fixed row blocks (see ROW_BLOCK)
+        self.numerics = numerics  # batch-invariant: "onednn" / "plain" in fixed row blocks (Numerics.rows)
 
     @property
     def packed(self) -> bool:
@@ -112,8 +79,8 @@ class Linear:
                                                               self.bias)
         if self.layout == "interleaved":
             return torch.ops.moeserve.linear_interleaved(x, self._weight, self.out_features, self.bias)
-        if self.invariant and x.dim() == 2:
-            return in_row_blocks(self._torch_linear, x)
+        if x.dim() == 2:
+            return self.numerics.rows(self._torch_linear, x)
         return self._torch_linear(x)
 
     def _torch_linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.layers.base import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
 from moeserve.models.mixers.query_blocks import query_blocks
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import AttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -24,9 +25,10 @@ class Attention(TokenMixer):
     q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits), and
     with `spec.output_gate` a fourth part, the gate [N, nh*d]: the output is multiplied by sigmoid(gate) before
     o_proj (Qwen3-Next). `qk_norm` is the per-head norm function (rms_norm; rms_norm_fp32_scale for zero-centred
-    norms, which the C++ op does not do: they run in torch before it). With `cpp` set (the moeserve C++ ops are loaded), the per-head q/k norm, the rotary embedding and the KV
-    write run as one op, and decode-only batches attend with one op; the torch path is kept operation for
-    operation as transformers computes it and is what `kernels=torch` runs.
+    norms, which the C++ op does not do: they run in torch before it). With `numerics.cpp` (the moeserve C++ ops are
+    loaded), the per-head q/k norm, the rotary embedding and the KV write run as one op, and decode-only batches
+    attend with one op; the torch path is kept operation for operation as transformers computes it and is what
+    `kernels=torch` runs.
     """
 
     def __init__(
@@ -40,8 +42,7 @@ class Attention(TokenMixer):
         sinks: torch.Tensor | None,
         rotary: Rotary,
         eps: float,
-        cpp: bool = False,
-        invariant: bool = False,
+        numerics: Numerics = Numerics(),
         qk_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
     ) -> None:
         self.spec, self.layer = spec, layer
@@ -54,8 +55,7 @@ class Attention(TokenMixer):
         self.rotary, self.eps = rotary, eps
         self.window = spec.sliding_window[layer]
         self.scale = spec.head_dim**-0.5
-        self.cpp = cpp  # the moeserve C++ ops (ModelOptions.cpp)
-        self.invariant = invariant  # batch-invariant: the torch path runs every batch sequence by sequence
+        self.numerics = numerics  # the C++ ops; batch-invariant: the torch path attends in aligned query blocks
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         s = self.spec
@@ -66,7 +66,7 @@ class Attention(TokenMixer):
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
         if s.clip_qkv is not None:
             q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
-        if self.cpp:
+        if self.numerics.cpp:
             if self.qk_norm is not rms_norm and s.qk_norm == "per_head":  # a norm the C++ op does not do
                 q, k = self._per_head_norms(q, k, n)
             out = self._cpp_attention(q, k, v, batch, kv)
@@ -79,7 +79,7 @@ class Attention(TokenMixer):
             q, k = q.view(n, s.num_heads, s.head_dim), k.view(n, s.num_kv_heads, s.head_dim)
         q = self.rotary.apply(q, batch.positions)
         k = self.rotary.apply(k, batch.positions)
-        if self.invariant:
+        if self.numerics.batch_invariant:
             self._write(k, v, batch, kv)
             out = self._aligned_blocks(q, batch, kv)
         elif batch.decode_only and len(batch.num_new) > 1 and _padding_is_small(batch.starts, self.rotary.cos.shape[0]):
@@ -100,9 +100,9 @@ class Attention(TokenMixer):
         """out * sigmoid(gate) with an output gate (in the compute dtype, as transformers), else out."""
         if not gate:
             return out
-        if self.invariant:  # element-wise ops in fixed row blocks (their vector tails must not move with N)
+        if self.numerics.batch_invariant:  # element-wise ops in fixed row blocks (vector tails must not move with N)
             both = torch.cat([out, gate[0]], dim=-1)
-            return in_row_blocks(lambda t: t[:, : out.shape[1]] * torch.sigmoid(t[:, out.shape[1]:]), both)
+            return self.numerics.rows(lambda t: t[:, : out.shape[1]] * torch.sigmoid(t[:, out.shape[1]:]), both)
         return out * torch.sigmoid(gate[0])
 
     def linears(self) -> list[Linear]:
@@ -139,7 +139,7 @@ class Attention(TokenMixer):
         # Every token, prefill or decode, alone or beside others: one op that attends each query row on its own
         # (keys up to its position), with one fixed reduction order, so a request's numbers never depend on the batch.
         # batch_invariant=False: prefill and mixed batches take torch's attention (flash SDPA) as before.
-        if not self.invariant and not batch.decode_only:
+        if not self.numerics.batch_invariant and not batch.decode_only:
             return self._per_sequence(q, None, None, batch, kv)
         return torch.ops.moeserve.decode_attention(q, kc, vc, batch.block_tables[g], batch.rows, batch.positions,
                                                    self.window or 0, self.scale, self._sinks_f32)

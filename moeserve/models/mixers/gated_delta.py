@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.layers.base import ForwardBatch, TokenMixer, not_in_gemv_layout
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
 from moeserve.models.mixers.gated_delta_rule import CHUNK, chunk_form, l2norm, recurrent_step
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import LinearAttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -54,7 +55,7 @@ def cpp_chunk_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 class GatedDeltaNet(TokenMixer):
     def __init__(self, spec: LinearAttentionSpec, layer: int, in_proj: Linear, out_proj: Linear,
                  conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, norm: torch.Tensor,
-                 eps: float, invariant: bool = False, cpp: bool = False) -> None:
+                 eps: float, numerics: Numerics = Numerics()) -> None:
         """in_proj: rows [q (Hk*dk), k (Hk*dk), v (Hv*dv), z (Hv*dv), b (Hv), a (Hv)]; conv_weight [C, K] (a view of
         the checkpoint's [C, 1, K]), a_log, dt_bias [Hv] and norm [dv], all in the compute dtype."""
         self.spec, self.layer = spec, layer
@@ -63,9 +64,8 @@ class GatedDeltaNet(TokenMixer):
         self.a_log, self.dt_bias, self.norm, self.eps = a_log, dt_bias, norm, eps
         s = spec
         self.split = [s.conv_dim, s.value_dim, s.num_v_heads, s.num_v_heads]
-        self.invariant = invariant
-        self.cpp = cpp  # the moeserve C++ ops are loaded: decode-only batches take gated_delta_step_
-        self.chunk_form: ChunkForm = cpp_chunk_form if cpp else chunk_form  # prompt tokens
+        self.numerics = numerics  # the C++ ops: decode-only batches take gated_delta_step_
+        self.chunk_form: ChunkForm = cpp_chunk_form if numerics.cpp else chunk_form  # prompt tokens
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         mixed, z, b, a = self.in_proj(x).split_with_sizes(self.split, dim=-1)  # [N, C], [N, Hv*dv], [N, Hv] x2
@@ -76,7 +76,7 @@ class GatedDeltaNet(TokenMixer):
         gates = torch.cat([b, a], dim=-1)
         qkv, beta, g, decay = self._rowwise(self._activate, mixed, gates)
         prompts = batch.prompt_lens or [s + n if n > 1 else s for s, n in zip(batch.starts, batch.num_new)]
-        if self.cpp and batch.decode_only and self.stack_takes(batch):
+        if self.numerics.cpp and batch.decode_only and self.stack_takes(batch):
             q, k, v = self._heads(qkv)
             core = torch.ops.moeserve.gated_delta_step_(q, k, v, decay, beta, states,
                                                         torch.tensor(slots, dtype=torch.long))
@@ -119,7 +119,7 @@ class GatedDeltaNet(TokenMixer):
         """fn(*parts) for a row-wise fn of [N, ...] tensors of one dtype; batch-invariant: in fixed row blocks
         (element-wise ops round a tensor's vector tail otherwise, and which rows fall there must not depend on the
         batch). The blocks' outputs travel as fp32 (exact for bf16 and fp32) and return in their own dtypes."""
-        if not self.invariant:
+        if not self.numerics.batch_invariant:
             return list(fn(*parts))
         widths = [p.shape[1] for p in parts]
         layout: list[tuple[torch.Size, torch.dtype]] = []  # each output's row shape and dtype
@@ -129,7 +129,7 @@ class GatedDeltaNet(TokenMixer):
             layout[:] = [(p.shape[1:], p.dtype) for p in pieces]
             return torch.cat([p.reshape(p.shape[0], -1).float() for p in pieces], dim=-1)
 
-        flat = in_row_blocks(block, torch.cat(parts, dim=-1))
+        flat = self.numerics.rows(block, torch.cat(parts, dim=-1))
         sizes = [shape.numel() for shape, _ in layout]
         return [t.reshape(-1, *shape).to(dt) for t, (shape, dt) in zip(flat.split(sizes, dim=-1), layout)]
 
@@ -181,8 +181,9 @@ class GatedDeltaNet(TokenMixer):
 
     def describe(self) -> str:
         """The start-up log's line: how prompt and decode tokens are computed, and why."""
-        how = "C++ gated_delta_chunk_" if self.cpp else "torch"
-        step = ("C++ gated_delta_step_, one call per decode-only batch (the C++ kernels are on)" if self.cpp else
+        cpp = self.numerics.cpp
+        how = "C++ gated_delta_chunk_" if cpp else "torch"
+        step = ("C++ gated_delta_step_, one call per decode-only batch (the C++ kernels are on)" if cpp else
                 "the torch recurrent step per sequence (kernels=torch, not CPU, or the C++ kernels are unavailable)")
         return (f"Gated DeltaNet: prompt tokens in chunks of {CHUNK} positions ({how}, fp32), later tokens by {step}; "
                 "state slots per sequence in the sequence memory")
@@ -207,8 +208,8 @@ class GatedDeltaNet(TokenMixer):
                               [s.num_k_heads, s.num_v_heads, s.k_head_dim, s.v_head_dim, kv.group_of(self.layer)])
 
 
-def build_gated_delta(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, invariant: bool,
-                      cpp: bool) -> GatedDeltaNet:
+def build_gated_delta(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int,
+                      numerics: Numerics) -> GatedDeltaNet:
     """Layer L's Gated DeltaNet from the checkpoint (`load`: a models.loader.WeightLoader). The input projections
     are stacked into one Linear with rows in the order GatedDeltaNet reads them: Qwen3-Next's, grouped per key
     head ([Hk, (q, k, v, z)] and [Hk, (b, a)]), are regrouped; Qwen3.5's are in that order already. Each output
@@ -230,7 +231,7 @@ def build_gated_delta(load: WeightLoader, arch: Architecture, spec: ModelSpec, L
     return GatedDeltaNet(
         la, L, in_proj, load.linear(n(names.linear_out), h, la.value_dim), conv,
         load.tensor(n(names.linear_a_log), (la.num_v_heads,)), load.tensor(n(names.linear_dt_bias), (la.num_v_heads,)),
-        load.tensor(n(names.linear_norm), (la.v_head_dim,)), spec.rms_norm_eps, invariant, cpp)
+        load.tensor(n(names.linear_norm), (la.v_head_dim,)), spec.rms_norm_eps, numerics)
 
 
 def _regroup_qkvz_ba(la: LinearAttentionSpec, qkvz: torch.Tensor, ba: torch.Tensor, h: int) -> list[torch.Tensor]:

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.models.layers.base import ForwardBatch, TokenMixer, not_in_gemv_layout
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
 from moeserve.models.mixers.mamba2_ssd import Mamba2Kernels, Piece, TorchMamba2, choose_mamba2_kernels
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import MambaSpec
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -34,7 +35,7 @@ from moeserve.state.kv_cache import PagedKVCache
 class Mamba2Mixer(TokenMixer):
     def __init__(self, spec: MambaSpec, layer: int, in_proj: Linear, out_proj: Linear,  # noqa: PLR0913
                  conv: tuple[torch.Tensor, torch.Tensor | None], a_log: torch.Tensor, d: torch.Tensor,
-                 dt_bias: torch.Tensor, norm: torch.Tensor, invariant: bool = False,
+                 dt_bias: torch.Tensor, norm: torch.Tensor, numerics: Numerics = Numerics(),
                  kernels: Mamba2Kernels | None = None) -> None:
         """in_proj rows [z (inner), xBC (C), dt (H)]; conv = (weight [C, K], bias [C] or None); a_log, d, dt_bias [H]
         and norm [inner] in the compute dtype; `kernels` run the conv, the prompt scan and the selective-state
@@ -45,7 +46,9 @@ class Mamba2Mixer(TokenMixer):
         self.a = -torch.exp(a_log.float())  # [H] fp32
         self.d, self.dt_bias, self.norm = d, dt_bias, norm
         self.split = [spec.inner, spec.conv_dim, spec.num_heads]
-        self.invariant = invariant
+        # Batch-invariant: the row-wise ops in fixed blocks of rows (element-wise ops round a tensor's vectorised
+        # tail otherwise, and which rows fall there must not depend on the batch).
+        self.numerics = numerics
         self.kernels = kernels or TorchMamba2()
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
@@ -56,8 +59,8 @@ class Mamba2Mixer(TokenMixer):
         for n, start, slot in zip(batch.num_new, batch.starts, slots):
             pieces.append((off, n, start, slot))
             off += n
-        xbc = self._rows(F.silu, self.kernels.conv(xbc, self.conv_weight, self.conv_bias, conv_states, pieces))
-        dt = self._rows(lambda t: F.softplus(t + self.dt_bias), dt)  # [N, H] compute dtype
+        xbc = self.numerics.rows(F.silu, self.kernels.conv(xbc, self.conv_weight, self.conv_bias, conv_states, pieces))
+        dt = self.numerics.rows(lambda t: F.softplus(t + self.dt_bias), dt)  # [N, H] compute dtype
         prompts = batch.prompt_lens or [s + n if n > 1 else s for s, n in zip(batch.starts, batch.num_new)]
         s = self.spec
         y = x.new_empty((x.shape[0], s.num_heads, s.head_dim), dtype=torch.float32)
@@ -77,18 +80,13 @@ class Mamba2Mixer(TokenMixer):
             dt_scan = dt.clamp(min=s.time_step_min).float()  # [N, H] (transformers clamps prompt tokens' dt)
             self.kernels.scan(xbc, dt_scan, self.a, self.d.float(), states, y, scans, s)
         if step_rows:
-            decay = self._rows(lambda t: torch.exp(t.float() * self.a), dt)  # [N, H] fp32
+            decay = self.numerics.rows(lambda t: torch.exp(t.float() * self.a), dt)  # [N, H] fp32
             y[step_rows] = self.kernels.step(xbc, dt, decay, self.d, states, step_rows, step_slots, s).float()
             for r in step_rows:
                 stepped[r] = True
         flags = torch.tensor(stepped, dtype=torch.float32, device=x.device)[:, None]
-        normed = self._rows(self._gated_norm, torch.cat([y.reshape(x.shape[0], -1), z.float(), flags], dim=-1))
+        normed = self.numerics.rows(self._gated_norm, torch.cat([y.reshape(x.shape[0], -1), z.float(), flags], dim=-1))
         return self.out_proj(normed.to(x.dtype))
-
-    def _rows(self, fn: Any, t: torch.Tensor) -> torch.Tensor:
-        """fn of a row-wise op; batch-invariant: in fixed blocks of rows (element-wise ops round a tensor's
-        vectorised tail otherwise, and which rows fall there must not depend on the batch)."""
-        return in_row_blocks(fn, t) if self.invariant else fn(t)
 
     def _gated_norm(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [n, 2 inner + 1] = (y fp32, z, stepped flag): y * silu(z) RMS-normed per group of inner / n_groups
@@ -128,9 +126,9 @@ class Mamba2Mixer(TokenMixer):
                          [s.num_heads, s.head_dim, s.n_groups, s.state_size, kv.group_of(self.layer)], s.eps)
 
 
-def build_mamba(load: Any, arch: Any, spec: Any, L: int, invariant: bool, cpp: bool = False) -> Mamba2Mixer:
-    """Layer L's Mamba-2 mixer from the checkpoint (`load`: a models.loader.WeightLoader); `cpp`: the moeserve C++
-    ops are loaded (mamba2_ssd.choose_mamba2_kernels)."""
+def build_mamba(load: Any, arch: Any, spec: Any, L: int, numerics: Numerics) -> Mamba2Mixer:
+    """Layer L's Mamba-2 mixer from the checkpoint (`load`: a models.loader.WeightLoader); `numerics.cpp`: the
+    moeserve C++ ops compute (mamba2_ssd.choose_mamba2_kernels)."""
     m, names, h = spec.mamba, arch.names, spec.hidden_size
 
     def n(template: str) -> str:
@@ -144,5 +142,5 @@ def build_mamba(load: Any, arch: Any, spec: Any, L: int, invariant: bool, cpp: b
         m, L, load.linear(n(names.mamba_in), rows, h, m.proj_bias), load.linear(n(names.mamba_out), h, m.inner,
                                                                                  m.proj_bias),
         (conv, conv_bias), load.tensor(n(names.mamba_a_log), heads), load.tensor(n(names.mamba_d), heads),
-        load.tensor(n(names.mamba_dt_bias), heads), load.tensor(n(names.mamba_norm), (m.inner,)), invariant,
-        choose_mamba2_kernels(cpp))
+        load.tensor(n(names.mamba_dt_bias), heads), load.tensor(n(names.mamba_norm), (m.inner,)), numerics,
+        choose_mamba2_kernels(numerics))

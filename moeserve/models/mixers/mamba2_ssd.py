@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
+from moeserve.models.numerics import Numerics
 from moeserve.models.spec import MambaSpec
 
 Piece = tuple[int, int, int, int]  # (offset in the batch, new tokens, first position, state slot) of a sequence
@@ -211,6 +212,6 @@ class CppMamba2(Mamba2Kernels):
 MAMBA2_KERNELS: dict[str, type[Mamba2Kernels]] = {"torch": TorchMamba2, "cpp": CppMamba2}
 
 
-def choose_mamba2_kernels(cpp: bool) -> Mamba2Kernels:
-    """The C++ ops when the model runs with them (ModelOptions.cpp: loaded, CPU, bf16 or fp32), else torch."""
-    return MAMBA2_KERNELS["cpp" if cpp else "torch"]()
+def choose_mamba2_kernels(numerics: Numerics) -> Mamba2Kernels:
+    """The C++ ops when the model runs with them (numerics.cpp: loaded, CPU, bf16 or fp32), else torch."""
+    return MAMBA2_KERNELS["cpp" if numerics.cpp else "torch"]()

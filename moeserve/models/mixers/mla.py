@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from moeserve.models.layers.base import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
-from moeserve.models.layers.linear import Linear, in_row_blocks
+from moeserve.models.layers.linear import Linear
 from moeserve.models.loader import WeightLoader
 from moeserve.models.mixers.query_blocks import QUERY_BLOCK, query_blocks
+from moeserve.models.numerics import Numerics
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
 from moeserve.state.kv_cache import PagedKVCache
@@ -35,7 +36,7 @@ from moeserve.state.kv_cache import PagedKVCache
 class MlaAttention(TokenMixer):
     def __init__(self, spec: MlaSpec, num_heads: int, layer: int, q_a: Linear | None, q_a_norm: torch.Tensor | None,
                  q: Linear, kv_a: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o: Linear, rotary: Rotary,
-                 eps: float, invariant: bool = False) -> None:
+                 eps: float, numerics: Numerics = Numerics()) -> None:
         """q_a / q_a_norm: the query's low-rank pair (None without q_lora_rank: `q` is q_proj, else q_b_proj);
         kv_b: kv_b_proj's weight [nh * (nope + v), R], split here into W_UK [nh, nope, R] and W_UV^T [nh, R, v]."""
         self.spec, self.num_heads, self.layer = spec, num_heads, layer
@@ -43,7 +44,7 @@ class MlaAttention(TokenMixer):
         per_head = kv_b.view(num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
         self.w_uk = per_head[:, : spec.qk_nope_head_dim].contiguous()  # [nh, nope, R]
         self.w_uv_t = per_head[:, spec.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [nh, R, v]
-        self.rotary, self.eps, self.invariant = rotary, eps, invariant
+        self.rotary, self.eps, self.numerics = rotary, eps, numerics
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         s, n = self.spec, x.shape[0]
@@ -65,9 +66,7 @@ class MlaAttention(TokenMixer):
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm (fp32, cast, then scaled); batch-invariant: in fixed row blocks."""
-        if self.invariant:
-            return in_row_blocks(lambda t: rms_norm(t, weight, self.eps), x)
-        return rms_norm(x, weight, self.eps)
+        return self.numerics.rows(lambda t: rms_norm(t, weight, self.eps), x)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [N, heads, r] rotated at `positions`: DeepSeek's interleaved pairs (x0, x1), (x2, x3)... give the
@@ -126,7 +125,7 @@ class MlaAttention(TokenMixer):
 
 
 def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
-              invariant: bool) -> MlaAttention:
+              numerics: Numerics) -> MlaAttention:
     """Layer L's latent attention from the checkpoint (the shapes models/validate.py checked)."""
     m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
     assert m is not None
@@ -145,7 +144,7 @@ def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, r
     kv_a_norm = load.tensor(n(names.mla_kv_a_norm), (m.kv_lora_rank,))
     kv_b = load.linear_weight(n(names.mla_kv_b), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
     o = load.linear(n(names.o_proj), h, nh * m.v_head_dim, m.bias)
-    return MlaAttention(m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, invariant)
+    return MlaAttention(m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, numerics)
 
 
 def kv_per_token_line(spec: ModelSpec, itemsize: int) -> str | None:
