@@ -22,8 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from tests.models.checkpoints import write_gpt_oss_mxfp4  # noqa: E402
-from tests.real_dims import REAL_DIMS, VOCAB, write_real_dims  # noqa: E402
+from moeserve.bench.real_dims import (  # noqa: E402
+    REAL_DIMS,
+    VOCAB,
+    write_gpt_oss_mxfp4,  # noqa: E402
+    write_real_dims,
+)
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import moeserve.checkpoint.finite as finite  # noqa: E402
+from moeserve.bench.checkpoints import SYNTH_CONFIG, write_synthetic_checkpoint  # noqa: E402
 from moeserve.engine.llm import LLM  # noqa: E402
-from tests.test_offload_rss import SYNTH_CONFIG, write_synthetic_checkpoint  # noqa: E402
 
 REAL_IS_FINITE = finite.is_finite
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moeserve.bench.checkpoints import write_synthetic_checkpoint  # noqa: E402
 from moeserve.engine.llm import LLM  # noqa: E402
 from moeserve.engine.sampling_params import SamplingParams  # noqa: E402
-from tests.test_offload_rss import write_synthetic_checkpoint  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 8, 123, 456, 789, 1011, 12, 13, 14, 15]
 TRACE_PROMPT = [900, 31, 2, 444, 87, 6, 3000, 71]

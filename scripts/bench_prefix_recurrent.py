@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moeserve import LLM, SamplingParams  # noqa: E402
-from tests.models.real_dims_checkpoints import write_qwen35  # noqa: E402
+from moeserve.bench.real_dims import write_qwen35  # noqa: E402
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:

@@ -87,7 +87,7 @@ def engine_throughput(model: Path | None, rounds: int, tokens: int) -> None:
     if model is None:
         from tokenizers import Tokenizer
 
-        from tests.conftest import write_tiny_checkpoint, write_tiny_tokenizer
+        from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_tokenizer
 
         model = write_tiny_tokenizer(Path(tempfile.mkdtemp()) / "tiny")
         tok = Tokenizer.from_file(str(model / "tokenizer.json"))

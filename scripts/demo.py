@@ -29,7 +29,7 @@ def pick_model(tmp: Path) -> tuple[Path, str]:
 
     from tokenizers import Tokenizer
 
-    from tests.conftest import write_tiny_checkpoint, write_tiny_tokenizer
+    from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_tokenizer
 
     folder = tmp / "tiny-random"
     write_tiny_tokenizer(folder)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_offload_rss import write_synthetic_checkpoint
+from moeserve.bench.checkpoints import write_synthetic_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeserve.bench.checkpoints import ARCHS
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.experts.traces.moetrace import read_trace
-from tests.conftest import ARCHS
 from tests.logits_capture import generate_capturing_logits
 
 PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250]}, {"prompt_token_ids": [11, 5, 77]}]

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeserve.bench.real_dims import REAL_DIMS
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from tests.logits_capture import generate_capturing_logits
-from tests.real_dims import REAL_DIMS
 
 pytestmark = pytest.mark.slow
 

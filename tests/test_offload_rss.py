@@ -2,7 +2,7 @@
 peak RSS must stay under what it keeps (resident weights + KV cache + expert cache) plus a small stated overhead.
 
 The checkpoint is synthetic but in the real Hugging Face Qwen3-MoE layout (per-expert gate/up/down Linears,
-sharded, with model.safetensors.index.json). It is written tensor by tensor in safetensors format, never held
+sharded, with model.safetensors.index.json): moeserve/bench/checkpoints.py writes it tensor by tensor, never held
 in memory (one tensor at a time), once per test session.
 """
 
@@ -10,93 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-# 8 layers x 64 experts of 3 x 1024 x 768 bf16 (4.5 MiB) = 2.25 GiB of experts; ~60 MiB of everything else.
-SYNTH_CONFIG = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=1024, intermediate_size=2048,
-    moe_intermediate_size=768, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-    num_experts=64, num_experts_per_tok=4, vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-6,
-    rope_theta=10000.0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
-    dtype="bfloat16", eos_token_id=0, bos_token_id=1,
-)
+from moeserve.bench.checkpoints import write_synthetic_checkpoint
+
 EXPERT_CACHE_GB = 0.5
 # Beyond what the engine keeps: activations of a short prompt, the Python objects describing ~1.6k tensors
 # (header refs, expert source lists), the slot views, glibc/torch allocator slack. Staging (counted by the store) is
 # the O_DIRECT read buffer of each reading thread here: the stored dtype is the compute dtype.
 OVERHEAD_BYTES = 96 * 2**20  # measured: ~10 MiB at load, ~35 MiB after generating
-
-
-def synth_tensors(cfg: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor of a Qwen3-MoE checkpoint with config `cfg`, shard by shard order."""
-    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"]
-    nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    yield "model.embed_tokens.weight", (cfg["vocab_size"], h)
-    for L in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{L}."
-        yield from (
-            (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (nh * d, h)), (p + "self_attn.k_proj.weight", (nkv * d, h)),
-            (p + "self_attn.v_proj.weight", (nkv * d, h)), (p + "self_attn.o_proj.weight", (h, nh * d)),
-            (p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,)),
-            (p + "mlp.gate.weight", (e, h)),
-        )
-        for x in range(e):
-            q = f"{p}mlp.experts.{x}."
-            yield from ((q + "gate_proj.weight", (i, h)), (q + "up_proj.weight", (i, h)), (q + "down_proj.weight", (h, i)))
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (cfg["vocab_size"], h)
-
-
-def _values(name: str, shape: tuple[int, ...], bases: dict) -> torch.Tensor:
-    """Deterministic weights: norms are ones; matrices are a per-shape random base, shifted per tensor (cheap)."""
-    if len(shape) == 1:
-        return torch.ones(shape, dtype=torch.bfloat16)
-    if shape not in bases:
-        g = torch.Generator().manual_seed(len(bases))
-        bases[shape] = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
-    shift = sum(map(ord, name)) % shape[1]
-    return torch.roll(bases[shape], shifts=shift, dims=1)
-
-
-def write_synthetic_checkpoint(folder: Path, cfg: dict = SYNTH_CONFIG, layers_per_shard: int = 2) -> Path:
-    """Stream a safetensors checkpoint to `folder`, one tensor in memory at a time. Returns `folder`."""
-    folder.mkdir(parents=True, exist_ok=True)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    for name, shape in synth_tensors(cfg):
-        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
-        want = 0 if layer < 0 else 1 + layer // layers_per_shard
-        while len(shards) <= want:
-            shards.append([])
-        shards[want].append((name, shape))
-    weight_map, bases, total = {}, {}, 0
-    for index, tensors in enumerate(shards):
-        fname = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
-        for name, shape in tensors:
-            nbytes = 2 * int(torch.Size(shape).numel())
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
-            weight_map[name] = fname
-        blob = json.dumps(header).encode()
-        blob += b" " * (-len(blob) % 8)
-        with open(folder / fname, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            for name, shape in tensors:
-                f.write(_values(name, shape, bases).view(torch.uint8).numpy().tobytes())
-            total += offset
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
 
 
 CHILD = textwrap.dedent("""

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.checkpoint.corrupt import (
+from tests.fixtures.corrupt import (
     WEIGHTS,
     flip_bytes,
     header_of,

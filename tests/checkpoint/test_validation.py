@@ -16,7 +16,7 @@ from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.engine.llm import LLM
 from moeserve.errors import CheckpointError, ConfigError
 from moeserve.models.validate import read_model
-from tests.checkpoint.corrupt import (
+from tests.fixtures.corrupt import (
     WEIGHTS,
     header_of,
     outcome,

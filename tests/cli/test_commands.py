@@ -6,9 +6,9 @@ import io
 import json
 import re
 
+from moeserve.bench.checkpoints import TINY_CONFIGS
 from moeserve.cli import main
 from moeserve.cli.inspect import inspect_checkpoint
-from tests.conftest import TINY_CONFIGS
 
 
 def test_generate_json_matches_python_api(tiny_text_model, capsys) -> None:

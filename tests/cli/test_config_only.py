@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.checkpoint.safetensors_file import DTYPES
 from moeserve.cli import main
@@ -22,9 +23,8 @@ from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint
 from moeserve.models.experts.plans import EXPERT_PLANNERS
 from moeserve.models.registry import get_architecture
 from moeserve.models.validate import is_skipped
-from tests.conftest import write_tiny_checkpoint
-from tests.models import checkpoints as C
-from tests.models.nemotron_h_checkpoints import TINY, TINY_PATTERN, randomize_mamba
+from tests.fixtures import checkpoints as C
+from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35
 

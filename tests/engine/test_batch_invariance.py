@@ -11,9 +11,9 @@ import random
 
 import pytest
 
+from moeserve.bench.real_dims import VOCAB
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
-from tests.real_dims import VOCAB
 
 pytestmark = pytest.mark.slow
 

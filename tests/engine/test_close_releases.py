@@ -148,7 +148,7 @@ CHILD = textwrap.dedent("""
 def test_a_second_engine_after_close_does_not_hold_two_models(tmp_path: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tests.conftest import INIT_RANGE
+    from moeserve.bench.checkpoints import INIT_RANGE
 
     kwargs = {**BIG, "initializer_range": INIT_RANGE}
     config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
+from moeserve.bench.checkpoints import write_tiny_tokenizer
 from moeserve.engine.llm_engine import demo_model_path
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.tokenizer import Tokenizer
-from tests.conftest import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="module", params=["tiny_byte_level", "demo"])

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from moeserve import SamplingParams
-from tests.conftest import write_tiny_tokenizer
-from tests.models.nemotron_h_checkpoints import write_nemotron_h
+from moeserve.bench.checkpoints import write_tiny_tokenizer
+from tests.fixtures.nemotron_h import write_nemotron_h
 from tests.server.conftest import engine_factory
 from tests.server.test_verified_bytes import check_only_requests_needing_a_changed_unit_fail
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from tests.conftest import ARCHS
+from moeserve.bench.checkpoints import ARCHS
 
 STEPS = 16
 PROMPTS = [[5], [11, 42, 7, 99, 3], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200], list(range(40, 63))]

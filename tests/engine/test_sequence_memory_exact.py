@@ -14,10 +14,10 @@ import random
 import pytest
 import torch
 
+from moeserve.bench.real_dims import VOCAB
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.state.kv_cache import fixed_pool_bytes
-from tests.real_dims import VOCAB
 
 pytestmark = pytest.mark.slow
 

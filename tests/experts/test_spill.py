@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.errors import CorruptUnitError
 from moeserve.experts import spill
 from moeserve.experts.verify import UnitVerifier, choose_checksum
-from tests.conftest import write_tiny_checkpoint
 
 KEYS = [(layer, e) for layer in (0, 1) for e in range(5)]
 NBYTES = 1000  # not a multiple of the 4096-byte stride on purpose

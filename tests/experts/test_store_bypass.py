@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.bench.simulate import calls_from_steps, simulate
 from moeserve.engine.llm import LLM
 from moeserve.engine.sampling_params import SamplingParams
@@ -26,12 +27,11 @@ from moeserve.experts.policies import DeferredHits, LRUPolicy, make_policy
 from moeserve.experts.policies.base import Key
 from moeserve.experts.store import ExpertStore
 from moeserve.experts.traces.moetrace import read_trace
-from tests.conftest import write_tiny_checkpoint
 from tests.experts.test_sim_engine_replay import DEMO
 from tests.experts.test_sim_engine_replay import run as run_demo
 from tests.experts.test_three_tiers import three_tiers  # noqa: F401 - the fixture
+from tests.fixtures import checkpoints as C
 from tests.logits_capture import generate_capturing_logits
-from tests.models import checkpoints as C
 
 PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250, 8, 61]}, {"prompt_token_ids": [11, 5, 77]},
            {"prompt_token_ids": [200, 4]}]

@@ -21,16 +21,16 @@ from typing import Any
 import pytest
 import torch
 
+from moeserve.bench.checkpoints import ARCHS, write_tiny_checkpoint
 from moeserve.engine.llm import LLM
 from moeserve.engine.llm_engine import LLMEngine
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.experts.store import ExpertStore
 from moeserve.experts.transfer import HostToDevice
 from moeserve.memory.chunks import plan_chunks
-from tests.conftest import ARCHS, write_tiny_checkpoint
 from tests.experts.async_device import AsyncFakeOps, Timing
+from tests.fixtures import checkpoints as C
 from tests.logits_capture import generate_capturing_logits
-from tests.models import checkpoints as C
 
 PROMPTS = [{"prompt_token_ids": [3, 17, 42, 9, 250, 8, 61]}, {"prompt_token_ids": [11, 5, 77]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)

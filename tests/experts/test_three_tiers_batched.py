@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import pytest
 
+from moeserve.bench.checkpoints import ARCHS
 from moeserve.models import model as model_module
 from moeserve.models.experts.kernels import BatchedExperts, choose_expert_kernel
-from tests.conftest import ARCHS
 from tests.experts.test_three_tiers import FORMATS, check_three_tiers_equal_resident, folder_of, three_tiers
 
 __all__ = ["folder_of", "three_tiers"]  # fixtures, used by name

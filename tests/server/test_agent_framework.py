@@ -18,7 +18,7 @@ from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.conftest import write_tiny_checkpoint
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from tests.server.conftest import MODEL_NAME, start_subprocess_server, wait_healthy
 from tests.server.test_chat_tools import QWEN3_TEMPLATE, _model_folder
 

@@ -21,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import write_tiny_checkpoint
+from moeserve.bench.checkpoints import write_tiny_checkpoint
 from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
 from tests.server.test_chat_tools import (
     ASK,

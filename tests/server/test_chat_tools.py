@@ -16,9 +16,9 @@ from typing import Any
 import openai
 import pytest
 
+from moeserve.bench.checkpoints import write_tiny_tokenizer
 from moeserve.engine.outputs import CompletionOutput, RequestOutput
 from moeserve.tokenizer import Tokenizer
-from tests.conftest import write_tiny_tokenizer
 from tests.server.conftest import MODEL_NAME, ThreadServer, make_state
 from tests.server.test_harmony_chat import ScriptedEngine
 

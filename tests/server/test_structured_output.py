@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import write_tiny_checkpoint, write_tiny_tokenizer
+from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_tokenizer
 from tests.server.conftest import MODEL_NAME, ThreadServer, engine_factory, make_state
 
 MESSAGES = [{"role": "user", "content": "Describe a person as JSON"}]

@@ -14,6 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 
+from moeserve.bench.checkpoints import write_tiny_tokenizer
 from moeserve.engine.grammar import (
     GrammarCompiler,
     GrammarSpec,
@@ -32,7 +33,6 @@ from moeserve.server.tool_parsers import (
     tool_parser_for,
 )
 from moeserve.server.tool_parsers.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
-from tests.conftest import write_tiny_tokenizer
 from tests.server.test_tool_parsers import WEATHER, assert_no_tag_piece, run_tools, split_every_way
 
 TEMPLATES = Path(__file__).parent / "templates"
