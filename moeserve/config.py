@@ -100,6 +100,12 @@ class EngineSettings(BaseModel):
         "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "
         "torch ops only, auto = cpp when it builds"
     )
+    cpu_isa: Literal["auto", "avx2", "generic"] = Field(
+        "auto", description="ISA the C++ kernels are compiled for: auto = this CPU's own (-march=native); avx2 = "
+        "x86-64-v3 (AVX2, FMA, F16C); generic = baseline x86-64, scalar paths (elsewhere the compiler's default). "
+        "For tests, and for building kernels that a narrower CPU can run; the bf16 GEMV and expert op give the same "
+        "bits on every level. Each level is its own cached library; the start-up log says which was built"
+    )
     expert_layout: Literal["auto", "interleaved", "plain"] = Field(
         "auto", description="how experts are held: interleaved = rows in blocks of 4 for the fused C++ op (bf16 or "
         "int8 SwiGLU experts with kernels=cpp), plain = as stored; auto = interleaved where it applies"

@@ -34,7 +34,7 @@ def test_missing_compiler_falls_back_with_reason(monkeypatch, fresh_status):
 def test_torch_setting_never_builds(monkeypatch, fresh_status):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
     assert kernels.choose("torch") == (False, "kernels=torch")
-    assert kernels._status is None  # nothing was attempted
+    assert kernels._statuses == {}  # nothing was attempted
 
 
 def test_cache_folder_respects_xdg(monkeypatch, tmp_path):

@@ -26,7 +26,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+// The AVX-512 attention exists only where the build's ISA has it (-march=native on such a CPU): an avx2 or generic
+// build (kernels/__init__.py) never chooses it, and non-x86 compilers have no immintrin.h.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && defined(__FMA__)
+#define MOESERVE_HAVE_AVX512_ATTENTION 1
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <vector>
@@ -218,6 +223,7 @@ static inline __attribute__((always_inline)) void attend_group(const T* q, const
       float scale, const float *sinks, float *scratch, T *out
 #define MOESERVE_ATTEND_CALL q, kr, vr, lo, hi, group, d, scale, sinks, scratch, out
 
+#if defined(MOESERVE_HAVE_AVX512_ATTENTION)
 #define MOESERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
 MOESERVE_AVX512 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -347,15 +353,21 @@ static void attend_wide(MOESERVE_ATTEND_ARGS) {
   }
 }
 
+#endif  // MOESERVE_HAVE_AVX512_ATTENTION
+
 template <typename T>
 static void attend_generic(MOESERVE_ATTEND_ARGS) {
   attend_group<T>(MOESERVE_ATTEND_CALL);
 }
 
 static bool cpu_has_avx512() {
+#if defined(MOESERVE_HAVE_AVX512_ATTENTION)
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
   return has;
+#else
+  return false;
+#endif
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -425,10 +437,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
         const Rows<T> vr{vp + g * v_cache.stride(1), t, v_cache.stride(0), v_cache.stride(2), bs};
         T* o = op + (i * nh + g * group) * d;
         const float* sk = sink == nullptr ? nullptr : sink + g * group;
-        if (wide && d % 16 == 0 && d <= 256)
+#if defined(MOESERVE_HAVE_AVX512_ATTENTION)
+        if (wide && d % 16 == 0 && d <= 256) {
           attend_wide<T>(qg, kr, vr, lo, hi, group, d, sc, sk, scratch.data(), o);
-        else
-          attend_generic<T>(qg, kr, vr, lo, hi, group, d, sc, sk, scratch.data(), o);
+          continue;
+        }
+#endif
+        attend_generic<T>(qg, kr, vr, lo, hi, group, d, sc, sk, scratch.data(), o);
       }
     });
   });

@@ -77,8 +77,9 @@ __attribute__((target("sse4.2"))) static void crc4_hw(const uint8_t* const* p, c
 }
 #endif
 
+// Also bounded by the build's ISA: a generic build (kernels/__init__.py, no SSE4.2) takes the table (same values).
 static bool has_sse42() {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__SSE4_2__)
   static const bool has = __builtin_cpu_supports("sse4.2");
   return has;
 #else

@@ -7,22 +7,24 @@
 // rows. Measured on the 2-core bench machine: one sequential stream reads at ~25 GB/s per thread, while 2 or 4
 // rows read side by side from the plain layout (or oneDNN's packed GEMV) reach 11-13 GB/s.
 //
-// Dot products use AVX512-BF16 (vdpbf16ps: products exact in fp32, pairs summed in fp32) with one fp32
-// accumulator per (input row, output row), chunks added in order, a fixed reduction tree at the end, then the
-// bias in fp32 and one rounding to bf16. Each output therefore depends only on its own input row: the same bits
-// whatever the batch size or the thread count. Input rows go 4 at a time over a block held in L1, in tiles of
-// 32 rows per pass over the weight (prefill reads the weight once per 32 tokens).
+// Dot products follow the project's one canonical order (csrc/canonical_dot.h: 16 fp32 lanes as AVX512-BF16's
+// vdpbf16ps fills them, chunks in order, a fixed halving sum; AVX512-BF16, AVX2 + FMA and scalar code give the same
+// bits), one per (input row, output row); then the bias in fp32 and one rounding to bf16. Each output therefore
+// depends only on its own input row: the same bits whatever the batch size, the thread count or the ISA. Input rows
+// go 4 at a time over a block held in L1, in tiles of 32 rows per pass over the weight (prefill reads the weight
+// once per 32 tokens).
 
 #include <ATen/ATen.h>
 
 #include "ops.h"
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
+#include "canonical_dot.h"
 #include "norm_common.h"
 
 namespace moeserve_dense {
@@ -34,55 +36,32 @@ constexpr int64_t kRowTile = 32;  // input rows per pass over the weight
 // prefetcher alone falls behind. Measured 14 -> 16-19 GB/s at 8 rows; at 1 row, on the 2-core EPYC of
 // 2026-11-23 (scripts/bench_gemv.py, variants alternated, 3 rounds): 28-33 -> 37-52 GB/s (an older measurement
 // on another day had it cost at 1 row; distances of 1-8 KiB were within noise of each other).
-constexpr int64_t kPrefetch = 4096;
+constexpr int64_t kPrefetchBytes = 8192;
 
-#define MOESERVE_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+static inline float finish(float dot, const float* bias, int64_t n) { return bias != nullptr ? dot + bias[n] : dot; }
 
-MOESERVE_BF16_TARGET static inline float finish(__m512 acc, const float* bias, int64_t n) {
-  const float s = _mm512_reduce_add_ps(acc);
-  return bias != nullptr ? s + bias[n] : s;
+// Block b of 4 output rows against MB input rows (x, row stride xs).
+template <int MB>
+static void blocks4(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k, const float* bias, uint16_t* y,
+                    int64_t ys, int64_t b, bool prefetch) {
+  const uint16_t* xr[MB];
+  for (int m = 0; m < MB; ++m) xr[m] = x + m * xs;
+  float res[MB][4];
+  moeserve_canon::block4_dots<MB>(wp + b * 4 * k, k, xr, res, prefetch ? kPrefetchBytes : 0);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) y[m * ys + 4 * b + r] = bf16_bits(finish(res[m][r], bias, 4 * b + r));
 }
 
-// Blocks [b0, b1) of 4 output rows, input rows [m0, m0 + MB): MB * 4 accumulators.
+// Plain rows [n0, n1) (the N % 4 leftover rows), MB input rows.
 template <int MB>
-MOESERVE_BF16_TARGET static void blocks4(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t k,
-                                         const float* bias, uint16_t* y, int64_t ys, int64_t b0, int64_t b1,
-                                         bool prefetch) {
-  const int64_t chunks = k / 32;
-  for (int64_t b = b0; b < b1; ++b) {
-    __m512 acc[MB][4];
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
-    const uint16_t* blk = wp + b * 4 * k;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* wc = blk + c * 128;
-      if (prefetch)
-        for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(wc + kPrefetch + 32 * l), _MM_HINT_T0);
-      __m512bh w[4];
-      for (int r = 0; r < 4; ++r) w[r] = (__m512bh)_mm512_loadu_si512(wc + 32 * r);
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * xs + c * 32);
-        for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], w[r], xv);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < 4; ++r) y[m * ys + 4 * b + r] = bf16_bits(finish(acc[m][r], bias, 4 * b + r));
-  }
-}
-
-// Plain rows [n0, n1) (the N % 4 leftover rows), input rows [m0, m0 + MB).
-template <int MB>
-MOESERVE_BF16_TARGET static void plain_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t k,
-                                            const float* bias, uint16_t* y, int64_t ys, int64_t n0, int64_t n1) {
+static void plain_rows(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t k, const float* bias, uint16_t* y,
+                       int64_t ys, int64_t n0, int64_t n1) {
+  const uint16_t* xr[MB];
+  for (int m = 0; m < MB; ++m) xr[m] = x + m * xs;
   for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[MB];
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k / 32; ++c) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * k + c * 32);
-      for (int m = 0; m < MB; ++m)
-        acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(x + m * xs + c * 32));
-    }
-    for (int m = 0; m < MB; ++m) y[m * ys + n] = bf16_bits(finish(acc[m], bias, n));
+    float res[MB];
+    moeserve_canon::row_dots<MB>(w + n * k, k, xr, res);
+    for (int m = 0; m < MB; ++m) y[m * ys + n] = bf16_bits(finish(res[m], bias, n));
   }
 }
 
@@ -98,10 +77,10 @@ static void tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n, i
       const uint16_t* xm = x + m * xs;
       uint16_t* ym = y + m * ys;
       switch (std::min<int64_t>(4, m1 - m)) {
-        case 1: blocks4<1>(xm, xs, wp, k, bias, ym, ys, b, b + 1, pf); break;
-        case 2: blocks4<2>(xm, xs, wp, k, bias, ym, ys, b, b + 1, pf); break;
-        case 3: blocks4<3>(xm, xs, wp, k, bias, ym, ys, b, b + 1, pf); break;
-        default: blocks4<4>(xm, xs, wp, k, bias, ym, ys, b, b + 1, pf); break;
+        case 1: blocks4<1>(xm, xs, wp, k, bias, ym, ys, b, pf); break;
+        case 2: blocks4<2>(xm, xs, wp, k, bias, ym, ys, b, pf); break;
+        case 3: blocks4<3>(xm, xs, wp, k, bias, ym, ys, b, pf); break;
+        default: blocks4<4>(xm, xs, wp, k, bias, ym, ys, b, pf); break;
       }
     }
   }
@@ -120,18 +99,15 @@ static void tile(const uint16_t* x, int64_t xs, const uint16_t* wp, int64_t n, i
   }
 }
 
-static bool cpu_has_avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  return has;
-}
+// The canonical order compiles on every ISA (AVX512-BF16, AVX2 + FMA, scalar): the op is always there.
+bool gemv_supported() { return true; }
 
-bool gemv_supported() { return cpu_has_avx512_bf16(); }
+// Which implementation of the canonical order this build runs: "avx512bf16", "avx2" or "scalar".
+std::string canonical_dot_isa() { return moeserve_canon::implementation(); }
 
 // x [..., K] bf16, packed weight (numel N*K, layout above), bias [N] bf16 or None -> y [..., N] bf16.
 at::Tensor linear_interleaved(const at::Tensor& x_in, const at::Tensor& packed, int64_t n,
                               const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(cpu_has_avx512_bf16(), "linear_interleaved: this CPU has no AVX512-BF16");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   x_in.device().is_cpu() && packed.is_contiguous(),
               "linear_interleaved: bf16 CPU tensors, packed weight contiguous");
@@ -163,4 +139,5 @@ TORCH_LIBRARY_FRAGMENT(moeserve, m) {
   m.def("linear_interleaved(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor",
         &moeserve_dense::linear_interleaved);
   m.def("gemv_bf16_supported() -> bool", &moeserve_dense::gemv_supported);
+  m.def("canonical_dot_isa() -> str", &moeserve_dense::canonical_dot_isa);
 }

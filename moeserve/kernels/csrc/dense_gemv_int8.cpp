@@ -24,7 +24,6 @@
 
 #include "ops.h"
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -42,17 +41,20 @@ constexpr int64_t kRowTile = 32;  // input rows per pass over the weight
 // falls behind): at 1 row 31-34 -> 34-42 GB/s of codes (scripts/bench_gemv.py, 2026-11-23).
 constexpr int64_t kPrefetchBytes = 8192;
 
+static inline float finish(float dot, const float* scale, const float* bias, int64_t n) {
+  const float s = dot * scale[n];
+  return bias != nullptr ? s + bias[n] : s;
+}
+
+// The AVX512-BF16 path exists only where the build's ISA has it (int8_codes.h): an avx2 or generic build never
+// chooses it, whatever the CPU.
+#if defined(MOESERVE_HAVE_I8_DECODE)
 // 32 plain two's-complement codes at p (a leftover row) -> 32 bf16 values (exact).
 MOESERVE_I8_TARGET static inline __m512bh codes_bf16(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   const __m512 hi =
       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   return _mm512_cvtne2ps_pbh(hi, lo);  // element i = code i
-}
-
-static inline float finish(float dot, const float* scale, const float* bias, int64_t n) {
-  const float s = dot * scale[n];
-  return bias != nullptr ? s + bias[n] : s;
 }
 
 // Blocks [b0, b1) of 4 output rows, MB input rows: MB * 4 accumulators.
@@ -133,6 +135,7 @@ static void tile_bf16(const uint16_t* x, int64_t xs, const int8_t* wp, int64_t n
     }
   }
 }
+#endif  // MOESERVE_HAVE_I8_DECODE
 
 static inline float sign_magnitude(int8_t byte) {
   const auto u = static_cast<uint8_t>(byte);
@@ -176,10 +179,14 @@ static void tile_portable(const uint16_t* x, int64_t xs, const int8_t* wp, int64
 }
 
 static bool cpu_has_avx512_bf16_vbmi() {
+#if defined(MOESERVE_HAVE_I8_DECODE)
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16") &&
                           __builtin_cpu_supports("avx512vbmi");
   return has;
+#else
+  return false;
+#endif
 }
 
 // x [..., K] bf16, packed codes (numel N*K, layout above), scale [N] float32, bias [N] bf16 or None,
@@ -212,10 +219,13 @@ at::Tensor linear_interleaved_int8(const at::Tensor& x_in, const at::Tensor& pac
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     for (int64_t m0 = 0; m0 < m; m0 += kRowTile) {
       const int64_t m1 = std::min(m, m0 + kRowTile);
-      if (fast)
+#if defined(MOESERVE_HAVE_I8_DECODE)
+      if (fast) {
         tile_bf16(xp, k, wp, n, k, sp, bp, yp, n, m0, m1, u0, u1);
-      else
-        tile_portable(xp, k, wp, n, k, sp, bp, yp, n, m0, m1, u0, u1);
+        continue;
+      }
+#endif
+      tile_portable(xp, k, wp, n, k, sp, bp, yp, n, m0, m1, u0, u1);
     }
   });
   return y;

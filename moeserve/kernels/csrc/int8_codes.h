@@ -1,12 +1,17 @@
 // Sign-magnitude int8 codes in the row-interleaved block layout -> bf16 (exact), shared by the dense int8 GEMV
 // (dense_gemv_int8.cpp, where the layout is described) and the fused int8 expert op (moe_experts.cpp).
+// Compiled only where the build's ISA has AVX512-BF16 and VBMI (native on such a CPU): an avx2 or generic build
+// (kernels/__init__.py) must never choose this code, and non-x86 compilers have no immintrin.h.
 #pragma once
-
-#include <immintrin.h>
 
 #include <cstdint>
 
 #include "norm_common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__) && \
+    defined(__AVX512VBMI__)
+#define MOESERVE_HAVE_I8_DECODE 1
+#include <immintrin.h>
 
 #define MOESERVE_I8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma")))
 
@@ -46,3 +51,5 @@ MOESERVE_I8_TARGET static inline void decode_pair(const int8_t* p, const Lut& t,
 }
 
 }  // namespace moeserve_csrc
+
+#endif  // MOESERVE_HAVE_I8_DECODE

@@ -38,6 +38,7 @@
 #include <cstring>
 #include <vector>
 
+#include "canonical_dot.h"
 #include "int8_codes.h"
 #include "norm_common.h"
 
@@ -361,35 +362,28 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
 // 1.17x faster than one row at a time on the plain layout (28.5 vs 24.3 GB/s), which itself beats 4 plain rows
 // side by side (4 streams per thread); the whole op in scripts/bench_gemv.py: 1.07-1.12x.
 //
-// Numerics: each (token, row) dot product is ONE fp32 accumulator over the 32-element chunks in order (vdpbf16ps:
-// products exact, pairs summed in fp32), then a fixed reduction tree; then exactly the roundings of the plain path
+// Numerics: each (token, row) dot product follows the canonical order (csrc/canonical_dot.h: 16 fp32 lanes as
+// vdpbf16ps fills them over the 32-element chunks in order, a fixed halving sum; the same bits on AVX512-BF16, AVX2
+// and scalar builds), then exactly the roundings of the plain path
 // (g, u, silu, product, down output, times the weight, the add into `out`, expert after expert). Results differ
 // from the plain layout's (two accumulators) only by the summation order inside a dot product; resident and
 // offloaded units both hold this layout, so they stay bit-identical. Any token count: with more than one token
 // an expert's block stays in L1 while groups of 4 tokens pass over it (prefill reads each weight once).
 
-#if defined(__AVX512BF16__)
-// The 4 rows of chunk c of a block as bf16 vectors: bf16 units read them, int8 units decode their codes (exact).
+// The block kinds: dots<MB>(blk, k, xs, res, prefetch) gives res[m][r] = dot(row r of the block, xs[m]), m < MB.
+// bf16 units run the canonical order (csrc/canonical_dot.h) on any ISA; int8 units decode their codes to bf16
+// (exact) with AVX512-VBMI and multiply them with vdpbf16ps, so they exist only where those do.
 struct Bf16Block {
   using T = uint16_t;
-  static constexpr int64_t kChunkBytes = 4 * 32 * 2;
-  void rows(const T* blk, int64_t c, __m512bh* w) const {
-    for (int r = 0; r < 4; ++r) w[r] = (__m512bh)_mm512_loadu_si512(blk + c * 128 + 32 * r);
+  template <int MB>
+  void dots(const T* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], bool prefetch) const {
+    moeserve_canon::block4_dots<MB>(blk, k, xs, res, prefetch ? 4096 : 0);
   }
 };
-#if defined(__AVX512VBMI__)
-struct Int8Block {  // sign-magnitude codes in pack_int8_rows' layout (see csrc/dense_gemv_int8.cpp)
-  using T = int8_t;
-  static constexpr int64_t kChunkBytes = 4 * 32;
-  moeserve_csrc::Lut lut = moeserve_csrc::make_lut();
-  void rows(const T* blk, int64_t c, __m512bh* w) const {
-    moeserve_csrc::decode_pair(blk + c * 128, lut, w[0], w[1]);
-    moeserve_csrc::decode_pair(blk + c * 128 + 64, lut, w[2], w[3]);
-  }
-};
-#endif
 
-// res[m][r] = dot(row r of the block, xs[m]) for MB tokens.
+#if defined(MOESERVE_HAVE_I8_DECODE)  // int8_codes.h: the build's ISA has AVX512-BF16 and VBMI
+// res[m][r] = dot(row r of the block, xs[m]) for MB tokens, the block's rows decoded by dec.rows (vdpbf16ps: the
+// canonical order on the decoded bf16).
 template <int MB, typename B>
 inline void block_dots(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, float (*res)[4],
                        bool prefetch) {
@@ -411,6 +405,21 @@ inline void block_dots(const B& dec, const typename B::T* blk, int64_t k, const 
     for (int r = 0; r < 4; ++r) res[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+struct Int8Block {  // sign-magnitude codes in pack_int8_rows' layout (see csrc/dense_gemv_int8.cpp)
+  using T = int8_t;
+  static constexpr int64_t kChunkBytes = 4 * 32;
+  moeserve_csrc::Lut lut = moeserve_csrc::make_lut();
+  void rows(const T* blk, int64_t c, __m512bh* w) const {
+    moeserve_csrc::decode_pair(blk + c * 128, lut, w[0], w[1]);
+    moeserve_csrc::decode_pair(blk + c * 128 + 64, lut, w[2], w[3]);
+  }
+  template <int MB>
+  void dots(const T* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], bool prefetch) const {
+    block_dots<MB>(*this, blk, k, xs, res, prefetch);
+  }
+};
+#endif
+
 // Calls fn(t0, g, res) for each group of up to 4 of the nt tokens xs against one block.
 template <typename B, typename Fn>
 inline void over_token_groups(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, int64_t nt,
@@ -422,10 +431,10 @@ inline void over_token_groups(const B& dec, const typename B::T* blk, int64_t k,
     // GEMV and the plain-layout op (scripts/bench_gemv.py, variants alternated, 2026-11-23).
     const bool pf = t0 == 0;
     switch (std::min<int64_t>(4, nt - t0)) {
-      case 1: block_dots<1>(dec, blk, k, xs + t0, res, pf); break;
-      case 2: block_dots<2>(dec, blk, k, xs + t0, res, pf); break;
-      case 3: block_dots<3>(dec, blk, k, xs + t0, res, pf); break;
-      default: block_dots<4>(dec, blk, k, xs + t0, res, pf); break;
+      case 1: dec.template dots<1>(blk, k, xs + t0, res, pf); break;
+      case 2: dec.template dots<2>(blk, k, xs + t0, res, pf); break;
+      case 3: dec.template dots<3>(blk, k, xs + t0, res, pf); break;
+      default: dec.template dots<4>(blk, k, xs + t0, res, pf); break;
     }
     fn(t0, std::min<int64_t>(4, nt - t0), res);
   }
@@ -494,18 +503,12 @@ void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz,
     }
   }
 }
-#endif
 
-bool interleaved_supported() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
+// bf16 units: the canonical order compiles on every ISA, so the op is always there.
+bool interleaved_supported() { return true; }
 
 bool int8_interleaved_supported() {
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(MOESERVE_HAVE_I8_DECODE)  // int8_codes.h: the build's ISA has AVX512-BF16 and VBMI
   return true;
 #else
   return false;
@@ -630,7 +633,6 @@ at::Tensor moe_swiglu_int8_(at::Tensor out, const at::Tensor& x, at::TensorList 
 // The same on units in the row-interleaved layout (see above): gate_up and down as flat bf16 [2I*H] and [H*I].
 at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList down,
                                    const at::Tensor& token_of, const at::Tensor& weight_of, at::IntArrayRef bounds_ref) {
-  TORCH_CHECK(interleaved_supported(), "moe_swiglu_interleaved_: built without AVX512-BF16");
   const std::vector<int64_t> bounds(bounds_ref.begin(), bounds_ref.end());
   check_common(out, x, token_of, weight_of, bounds, gate_up.size());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "moe_swiglu_interleaved_: bf16 x");
@@ -648,10 +650,8 @@ at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::Tens
   int64_t unused_isz = 0, pairs = 0;
   std::vector<Expert> experts = collect(x, gate_up, down, bounds, unused_isz, pairs);
   if (experts.empty()) return out;
-#if defined(__AVX512BF16__)
   run_interleaved<Bf16Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), h,
                   isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
-#endif
   return out;
 }
 
@@ -692,7 +692,7 @@ at::Tensor moe_swiglu_int8_interleaved_(at::Tensor out, const at::Tensor& x, at:
     }
   }
   if (experts.empty()) return out;
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(MOESERVE_HAVE_I8_DECODE)  // int8_codes.h: the build's ISA has AVX512-BF16 and VBMI
   run_interleaved<Int8Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
                              h, isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
 #endif

@@ -1,0 +1,268 @@
+// The project's ONE per-row reduction order for bf16 dot products (the dense GEMV, dense_gemv.cpp, and the
+// row-interleaved bf16 expert op, moe_experts.cpp): the order AVX512-BF16 computes them in, stated so that every
+// ISA gives the same bits. For a row w and an input x of K = 32 * C elements (bf16):
+//
+//   16 fp32 lanes, all +0; lane i owns elements 2i and 2i + 1 of every 32-element chunk.
+//   for each chunk c = 0 .. C-1, in order, and each lane i (Intel's VDPBF16PS pseudo-code, odd element first):
+//       lane[i] = F(w[32c + 2i + 1], x[32c + 2i + 1], lane[i])
+//       lane[i] = F(w[32c + 2i],     x[32c + 2i],     lane[i])
+//     F(a, b, acc) = acc + a * b as VDPBF16PS does it, whatever MXCSR holds: a bf16 with a zero exponent (a
+//     denormal) reads as a zero of its sign (DAZ); the exact a * b + acc is rounded ONCE to fp32, nearest-even;
+//     a result whose magnitude, rounded with an unbounded exponent, is below 2^-126 becomes a zero of its sign
+//     (FTZ, tininess after rounding, as x86 detects it). The lanes are therefore never denormal.
+//   then the fixed halving sum of GCC's _mm512_reduce_add_ps (avx512fintrin.h), in plain fp32 adds (the caller's
+//   MXCSR, like any other fp32 code): s8[i] = lane[i+8] + lane[i], s4[i] = s8[i+4] + s8[i],
+//   s2[i] = s4[i] + s4[i+2], dot = s2[0] + s2[1].
+//
+// Callers then add their bias (fp32) and round once to bf16 (NaN -> the one quiet NaN, so NaN payloads, the only
+// thing the operand order of an add could change, never reach an output).
+//
+// Implementations, chosen at compile time by the build's ISA (kernels/__init__.py: native, avx2, generic):
+// - AVX512-BF16: vdpbf16ps does F on 16 lanes, 32 elements per instruction.
+// - AVX2 + FMA: the 16 lanes in two __m256 (lanes 0-7: the chunk's first 16 elements, 8-15: the next 16), bf16
+//   -> fp32 by a mask (odd elements: the high halves of the 32-bit words) and a shift (even ones). F is
+//   vfmadd (one rounding) under MXCSR DAZ + FTZ + round-to-nearest, set around the lane loop and restored before
+//   the halving sum: x86's FTZ is the same flush (after rounding) and DAZ the same zeroing (bf16 denormals are
+//   fp32 denormals; the lanes never are). Checked against vdpbf16ps on edge inputs (tests/kernels/
+//   test_canonical_isa.py). A product of two bf16 is exact in fp32 only when it is normal: a mul then add
+//   would round a denormal product first, so the FMA is needed.
+// - scalar (any CPU, the reference): F in double (the product of two 8-bit significands is exact, the sum rounded
+//   once to 53 bits, then to 24: correct, as 53 >= 2 * 24 + 2), the flush decided on the value rounded with an
+//   unbounded exponent (scaled by 2^100 into the normal range). Independent of the FP environment.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define MOESERVE_CANON_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MOESERVE_CANON_AVX2 1
+#else
+#define MOESERVE_CANON_SCALAR 1
+#endif
+
+#if defined(MOESERVE_CANON_AVX512) || defined(MOESERVE_CANON_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace moeserve_canon {
+
+// Which implementation this translation unit compiled (reported by the canonical_dot_isa op).
+inline const char* implementation() {
+#if defined(MOESERVE_CANON_AVX512)
+  return "avx512bf16";
+#elif defined(MOESERVE_CANON_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// ------------------------------------------------------------------------------------------- scalar reference
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bf16 -> fp32 with DAZ: a zero exponent reads as a zero of the same sign.
+inline float daz_bf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  return from_bits((b & 0x7F80u) == 0 ? (u & 0x80000000u) : u);
+}
+
+// F(a, b, acc) of the header comment, a and b already through daz_bf16, acc never denormal.
+inline float fma_ftz(float a, float b, float acc) {
+  const double s = static_cast<double>(acc) + static_cast<double>(a) * static_cast<double>(b);
+  if (!(s < 0x1p-126 && s > -0x1p-126)) return static_cast<float>(s);  // normal (or inf / NaN): one rounding
+  // |s| < 2^-126: the fp32 rounding with an unbounded exponent, in the normal range once scaled by 2^100
+  const float scaled = static_cast<float>(s * 0x1p100);
+  if (scaled < 0x1p-26f && scaled > -0x1p-26f) return std::signbit(s) ? -0.0f : 0.0f;  // flushed (or zero)
+  return s < 0 ? -0x1p-126f : 0x1p-126f;  // rounded up to the smallest normal
+}
+
+// The halving sum (destroys l[0..7]).
+inline float halving_sum16(float* l) {
+  for (int i = 0; i < 8; ++i) l[i] = l[i + 8] + l[i];
+  for (int i = 0; i < 4; ++i) l[i] = l[i + 4] + l[i];
+  for (int i = 0; i < 2; ++i) l[i] = l[i] + l[i + 2];
+  return l[0] + l[1];
+}
+
+// One 32-element chunk into the 16 lanes.
+inline void chunk_scalar(float* lanes, const uint16_t* w, const uint16_t* x) {
+  for (int i = 0; i < 16; ++i) {
+    lanes[i] = fma_ftz(daz_bf16(w[2 * i + 1]), daz_bf16(x[2 * i + 1]), lanes[i]);
+    lanes[i] = fma_ftz(daz_bf16(w[2 * i]), daz_bf16(x[2 * i]), lanes[i]);
+  }
+}
+
+// The canonical dot of one plain row w [k] with x [k], k % 32 == 0: the reference every path must equal.
+inline float dot_scalar(const uint16_t* w, const uint16_t* x, int64_t k) {
+  float lanes[16] = {};
+  for (int64_t c = 0; c < k / 32; ++c) chunk_scalar(lanes, w + 32 * c, x + 32 * c);
+  return halving_sum16(lanes);
+}
+
+
+// ------------------------------------------------------------------------------------------ the kernels
+// block4_dots<MB>(blk, k, xs, res, pf): res[m][r] = dot(row r of a 4-row block in the row-interleaved layout
+//   (chunk c of row r at blk + c * 128 + 32 * r, see dense_gemv.cpp), xs[m]) for m < MB (1..4); pf > 0 fetches
+//   pf bytes ahead along the block's stream by hand (the first pass over a block, the one reading memory).
+// row_dots<MB>(w, k, xs, res): res[m] = dot(plain row w, xs[m]) for m < MB (1..4).
+// k % 32 == 0 in both.
+
+#if defined(MOESERVE_CANON_AVX512)
+
+template <int MB>
+inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  const char* bytes = reinterpret_cast<const char*>(blk);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    if (pf > 0)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(bytes + c * 256 + pf + 64 * l, _MM_HINT_T0);
+    __m512bh w[4];
+    for (int r = 0; r < 4; ++r) w[r] = (__m512bh)_mm512_loadu_si512(blk + c * 128 + 32 * r);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[m] + c * 32);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], w[r], xv);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) res[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int MB>
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k / 32; ++c) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + c * 32);
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(xs[m] + c * 32));
+  }
+  for (int m = 0; m < MB; ++m) res[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+#elif defined(MOESERVE_CANON_AVX2)
+
+// MXCSR for the lane FMAs: DAZ (bit 6), FTZ (bit 15), round to nearest (bits 13-14 clear); returns the caller's.
+inline unsigned enter_lane_mode() {
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr((saved & ~0x6000u) | 0x8040u);
+  return saved;
+}
+
+// Pins v between two MXCSR writes: the compiler may not move the FMAs that make or use it across them.
+inline void pin(__m256& v) { asm volatile("" : "+x"(v)); }
+
+// The 16 bf16 at p as (odd elements, even elements) in fp32: lane j of each holds elements 2j + 1 and 2j.
+struct Pairs {
+  __m256 odd, even;
+};
+inline Pairs load_pairs(const uint16_t* p) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)))),
+          _mm256_castsi256_ps(_mm256_slli_epi32(v, 16))};
+}
+
+// acc = F(w odd, x odd, acc) then F(w even, x even, acc): lanes of one half-chunk.
+inline __m256 pair_step(__m256 acc, const Pairs& w, const Pairs& x) {
+  return _mm256_fmadd_ps(w.even, x.even, _mm256_fmadd_ps(w.odd, x.odd, acc));
+}
+
+// _mm512_reduce_add_ps's tree on lanes 0-7 (lo) and 8-15 (hi).
+inline float halving_sum(__m256 lo, __m256 hi) {
+  const __m256 t3 = _mm256_add_ps(hi, lo);
+  const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+  const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
+}
+
+// Up to 2 input rows at once: 8 * MB accumulators, the x pairs of a chunk in registers (16 ymm at MB = 1).
+template <int MB>
+inline void block4_avx2(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
+  __m256 acc[MB][4][2];
+  const unsigned saved = enter_lane_mode();
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < 2; ++h) pin(acc[m][r][h] = _mm256_setzero_ps());
+  const char* bytes = reinterpret_cast<const char*>(blk);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    if (pf > 0)
+      for (int l = 0; l < 4; ++l) _mm_prefetch(bytes + c * 256 + pf + 64 * l, _MM_HINT_T0);
+    Pairs xv[MB][2];
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < 2; ++h) xv[m][h] = load_pairs(xs[m] + c * 32 + 16 * h);
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const Pairs wv = load_pairs(blk + c * 128 + 32 * r + 16 * h);
+        for (int m = 0; m < MB; ++m) acc[m][r][h] = pair_step(acc[m][r][h], wv, xv[m][h]);
+      }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r)
+      for (int h = 0; h < 2; ++h) pin(acc[m][r][h]);
+  _mm_setcsr(saved);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) {
+      pin(acc[m][r][0]);
+      pin(acc[m][r][1]);
+      res[m][r] = halving_sum(acc[m][r][0], acc[m][r][1]);
+    }
+}
+
+template <int MB>
+inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
+  if constexpr (MB <= 2) {
+    block4_avx2<MB>(blk, k, xs, res, pf);
+  } else {  // 3 or 4 rows: two passes, the second over the block the first left in L1/L2
+    block4_avx2<2>(blk, k, xs, res, pf);
+    block4_avx2<MB - 2>(blk, k, xs + 2, res + 2, 0);
+  }
+}
+
+template <int MB>
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+  __m256 acc[MB][2];
+  const unsigned saved = enter_lane_mode();
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < 2; ++h) pin(acc[m][h] = _mm256_setzero_ps());
+  for (int64_t c = 0; c < k / 32; ++c)
+    for (int h = 0; h < 2; ++h) {
+      const Pairs wv = load_pairs(w + c * 32 + 16 * h);
+      for (int m = 0; m < MB; ++m) acc[m][h] = pair_step(acc[m][h], wv, load_pairs(xs[m] + c * 32 + 16 * h));
+    }
+  for (int m = 0; m < MB; ++m)
+    for (int h = 0; h < 2; ++h) pin(acc[m][h]);
+  _mm_setcsr(saved);
+  for (int m = 0; m < MB; ++m) {
+    pin(acc[m][0]);
+    pin(acc[m][1]);
+    res[m] = halving_sum(acc[m][0], acc[m][1]);
+  }
+}
+
+#else  // scalar
+
+template <int MB>
+inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t) {
+  float lanes[MB][4][16] = {};
+  for (int64_t c = 0; c < k / 32; ++c)  // chunk after chunk: the block read as one stream
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < MB; ++m) chunk_scalar(lanes[m][r], blk + c * 128 + 32 * r, xs[m] + c * 32);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) res[m][r] = halving_sum16(lanes[m][r]);
+}
+
+template <int MB>
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+  for (int m = 0; m < MB; ++m) res[m] = dot_scalar(w, xs[m], k);
+}
+
+#endif
+
+}  // namespace moeserve_canon
