@@ -1,25 +1,30 @@
 """`moeserve plan MODEL [--memory-gb N] [engine settings]`: will it fit, how, and how fast can it go? Loads no weights.
 
-Reads config.json and the shard headers (or config.json alone: models/config_only.py) and sizes every tier (the engine setting memory_gb: --memory-gb,
-MOESERVE_MEMORY_GB; default free memory less headroom; host_cache_gb; unified_memory) with memory/sizing.py
-`size_tiers`, the function the engine calls at start-up, printing the same "name: value" lines the engine logs.
-The runtime part is RUNTIME_OVERHEAD_BYTES (plan is not the serving process, which measures its own RSS) plus one
+Reads config.json and the shard headers (or config.json alone: models/config_only.py) and makes the engine's own
+start-up plan (engine/plan.py `make_engine_plan`; every tier sized by memory/sizing.py `size_tiers` from the engine
+setting memory_gb: --memory-gb, MOESERVE_MEMORY_GB; default free memory less headroom; host_cache_gb;
+unified_memory), printing from it the same "name: value" lines the engine logs. The runtime part is
+RUNTIME_OVERHEAD_BYTES (plan is not the serving process, which measures its own RSS: `PlanningProbe`) plus one
 step's activations. Then it probes RAM and disk bandwidth for a fraction of a second (skip with --no-probe), and
 host -> GPU copies on a discrete GPU (pageable where pinning is unavailable, said so), and prints the decode speed
 ceilings that follow.
-Refuses (exit 1, one line) what the engine would refuse: a budget the parts cannot fit in.
+Refuses (exit 1, one line) what the engine's plan refuses: a setting that cannot apply, a budget the parts cannot
+fit in.
 """
 
 from __future__ import annotations
 
 import argparse
-
-import torch
+from typing import TYPE_CHECKING
 
 from moeserve.cli.common import add_engine_arguments, add_model_argument, engine_settings
 from moeserve.config import EngineSettings
-from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES, MemoryPlan, ModelFootprint, decode_ceiling, make_plan
-from moeserve.memory.split import MemoryNeeds
+from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES, MemoryPlan, ModelFootprint, decode_ceiling
+
+if TYPE_CHECKING:
+    from moeserve.checkpoint.folder import Checkpoint
+    from moeserve.engine.plan import EnginePlan
+    from moeserve.models.spec import ModelSpec
 
 MiB = 2**20
 
@@ -33,33 +38,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moeserve.engine.llm_engine import DTYPES, demo_model_path
-    from moeserve.engine.sizing import spec_kv_groups
-    from moeserve.memory.topology import detect_topology
-    from moeserve.models.config_only import has_weights, open_for_sizing
-    from moeserve.models.mixers.mla import kv_per_token_line
+    from moeserve.engine.llm_engine import demo_model_path
+    from moeserve.engine.plan import PlanningProbe, make_engine_plan
+    from moeserve.models.config_only import open_for_sizing
     from moeserve.models.validate import read_model
-    from moeserve.state.kv_cache import prefix_snapshots
 
     s = engine_settings(args, config_file_ok=True)
     ckpt = open_for_sizing(s.model or str(demo_model_path()))
-    arch, spec = read_model(ckpt)
-    device = torch.device("cuda" if s.device == "cuda" or (s.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
-    footprint, dtype_name, expert_refs = _footprint(ckpt, arch, spec, s)
-    topology = detect_topology(device, s.unified_memory)
-    needs = _needs(spec, s, dtype_name, footprint)
-    plan = make_plan(footprint, needs, topology, s)
-    print(f"model: {ckpt.path} ({spec.architecture}), dtype {dtype_name}, device {device.type}")
+    try:
+        arch, spec = read_model(ckpt)
+        plan = make_engine_plan(ckpt, arch, spec, s, PlanningProbe())  # the engine's own plan, from shapes alone
+        memory = MemoryPlan(_footprint(plan, spec), plan.sizes)
+        _print_plan(plan, memory, ckpt, spec, s)
+        fast_bw = host_bw = disk_bw = None
+        if not args.no_probe:
+            fast_bw, host_bw, disk_bw = _bandwidths(plan, ckpt)
+        for line in _ceilings(memory, fast_bw, host_bw, disk_bw, plan.device.type):
+            print(line)
+    finally:
+        ckpt.close()
+    return 0
+
+
+def _print_plan(plan: EnginePlan, memory: MemoryPlan, ckpt: Checkpoint, spec: ModelSpec, s: EngineSettings) -> None:
+    """The sizes of `plan`: the lines the engine logs at start-up, then the sequence state, runtime and experts."""
+    from moeserve.models.config_only import has_weights
+
+    print(f"model: {ckpt.path} ({spec.architecture}), dtype {plan.dtype_name}, device {plan.device.type}")
     if not has_weights(ckpt):
         print("weights: none here; sized from config.json and the architecture spec (moeserve/models/config_only.py)")
     for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
-    kv_line = kv_per_token_line(spec, DTYPES[dtype_name].itemsize)  # latent attention: what its cache saves
+    kv_line = dict(plan.kv_choices).get("KV per token")  # latent attention: what its cache saves
     if kv_line is not None:
         print(f"KV per token: {kv_line}")
-    recurrent = any(not g.kind.holds_token_blocks for g in spec_kv_groups(spec))
-    snapshots = prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching) if recurrent else 0
+    needs = plan.needs
+    recurrent = any(not g.kind.holds_token_blocks for g in plan.kv_groups)
+    snapshots = plan.prefix_snapshots if recurrent else 0
     with_snapshots = f" and {snapshots} recurrent-state prefix snapshots" if snapshots else ""
     print(f"sequence state: {needs.kv_bytes_per_token} bytes/token in the full-attention (or latent) layers' cache; "
           f"{needs.kv_fixed_bytes / MiB:.1f} MiB fixed for {s.max_num_seqs} sequences whatever their length"
@@ -70,74 +85,51 @@ def run(args: argparse.Namespace) -> int:
               f"(plan is not that process; the engine measures its own) + {acts}")
     else:  # a budget derived from free memory: the process's own RSS is outside it (memory/split.py)
         print(f"runtime: {acts}; the serving process's own RSS is outside free memory, not charged")
-    for line in _sizes(plan):
+    for line in _sizes(memory):
         print(line)
-    fast_bw = host_bw = disk_bw = None
-    if not args.no_probe:
-        from moeserve.memory.probes import host_to_device_bandwidth, ram_copy_bandwidth, tensor_read_bandwidth
-
-        ram = ram_copy_bandwidth()
-        disk = tensor_read_bandwidth(expert_refs if has_weights(ckpt) else [])  # no weights: no disk to probe
-        fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
-        disk_bw = disk.bytes_per_s if disk is not None else None
-        h2d = None
-        if device.type == "cuda" and not topology.unified:  # pragma: no cover - needs a GPU
-            from moeserve.memory.device import CudaOps
-
-            h2d = host_to_device_bandwidth(CudaOps(device), device)
-            host_bw = h2d.bytes_per_s
-        print(f"bandwidth: RAM copy {ram.gb_per_s:.1f} GB/s"
-              + (f"; disk read {disk.gb_per_s:.2f} GB/s (cold, {disk.nbytes / MiB:.0f} MiB{_note(disk.note)})"
-                 if disk is not None else "")
-              + (f"; host->GPU {h2d.gb_per_s:.1f} GB/s{_note(h2d.note)}" if h2d is not None else ""))
-    for line in _ceilings(plan, fast_bw, host_bw, disk_bw, device.type):
-        print(line)
-    ckpt.close()
-    return 0
 
 
-def _needs(spec, s: EngineSettings, dtype_name: str, f: ModelFootprint) -> MemoryNeeds:  # noqa: ANN001
-    """MemoryNeeds as the engine computes them, with RUNTIME_OVERHEAD_BYTES for the serving process's RSS."""
-    from moeserve.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPES
-    from moeserve.engine.sizing import memory_needs
+def _bandwidths(plan: EnginePlan, ckpt: Checkpoint) -> tuple[float | None, float | None, float | None]:
+    """Probe RAM, disk (the checkpoint's own expert tensors) and host -> GPU copies; print them and return (fast
+    tier, host tier, disk) bytes/s, None where not measured."""
+    from moeserve.memory.probes import host_to_device_bandwidth, ram_copy_bandwidth, tensor_read_bandwidth
+    from moeserve.models.config_only import has_weights
 
-    batched = s.max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, s.max_num_seqs)
-    return memory_needs(spec, s, DTYPES[dtype_name], f.resident_bytes, f.unit_nbytes, f.total_experts, batched,
-                        RUNTIME_OVERHEAD_BYTES)
+    device, topology = plan.device, plan.sizes.topology
+    expert_refs = [r for fs in plan.expert_plan.sources.values() for f in fs for r in f.refs]
+    host_bw = None
+    ram = ram_copy_bandwidth()
+    disk = tensor_read_bandwidth(expert_refs if has_weights(ckpt) else [])  # no weights: no disk to probe
+    fast_bw = ram.bytes_per_s if device.type == "cpu" or topology.unified else None
+    disk_bw = disk.bytes_per_s if disk is not None else None
+    h2d = None
+    if device.type == "cuda" and not topology.unified:  # pragma: no cover - needs a GPU
+        from moeserve.memory.device import CudaOps
+
+        h2d = host_to_device_bandwidth(CudaOps(device), device)
+        host_bw = h2d.bytes_per_s
+    print(f"bandwidth: RAM copy {ram.gb_per_s:.1f} GB/s"
+          + (f"; disk read {disk.gb_per_s:.2f} GB/s (cold, {disk.nbytes / MiB:.0f} MiB{_note(disk.note)})"
+             if disk is not None else "")
+          + (f"; host->GPU {h2d.gb_per_s:.1f} GB/s{_note(h2d.note)}" if h2d is not None else ""))
+    return fast_bw, host_bw, disk_bw
 
 
-def _footprint(ckpt, arch, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal glue
-    """(ModelFootprint, dtype name, expert TensorRefs) as the engine would choose them."""
-    from moeserve.engine.llm_engine import _CODE_TO_NAME, DTYPES
-    from moeserve.models.experts.plans import expert_plan, int8_expert_plan
-    from moeserve.models.inventory import resident_nbytes
-
-    dtype_name: str
-    if s.dtype != "auto":
-        dtype_name = s.dtype
-    elif spec.config_dtype in DTYPES:
-        dtype_name = str(spec.config_dtype)
-    else:
-        dtype_name = _CODE_TO_NAME.get(ckpt.stored_dtype(), "bfloat16")
-    dtype = DTYPES[dtype_name]
-    plan = expert_plan(ckpt, arch, spec, dtype)
-    if s.quantization == "int8":  # as the engine holds them: int8 codes + scales in the fast tier
-        plan = int8_expert_plan(plan, dtype)
-    refs = [r for fs in plan.sources.values() for f in fs for r in f.refs]
-    # Stacked expert tensors (gpt-oss) and quantized dense Linears counted as the engine counts them.
-    nonexpert = resident_nbytes(ckpt, plan, dtype)
-    first = next(iter(plan.sources.values()))
-    footprint = ModelFootprint(
-        resident_bytes=nonexpert,
-        embed_bytes=spec.vocab_size * spec.hidden_size * dtype.itemsize,
-        hidden_bytes=spec.hidden_size * dtype.itemsize,
-        unit_nbytes=plan.layout.nbytes,
+def _footprint(plan: EnginePlan, spec: ModelSpec) -> ModelFootprint:
+    """The model's sizes in the plan's compute dtype, as the engine holds it (experts int8 under
+    quantization=int8; stacked expert tensors and quantized dense Linears counted as the engine counts them)."""
+    itemsize = plan.dtype.itemsize
+    first = next(iter(plan.expert_plan.sources.values()))
+    return ModelFootprint(
+        resident_bytes=plan.needs.resident_bytes,
+        embed_bytes=spec.vocab_size * spec.hidden_size * itemsize,
+        hidden_bytes=spec.hidden_size * itemsize,
+        unit_nbytes=plan.needs.unit_nbytes,
         stored_unit_nbytes=sum(r.nbytes for f in first for r in f.refs),
         num_moe_layers=len(spec.moe_layer_ids),
         num_experts=spec.moe.num_experts,
         top_k=spec.moe.top_k,
     )
-    return footprint, dtype_name, refs
 
 
 def _sizes(plan: MemoryPlan) -> list[str]:

@@ -1,73 +1,47 @@
-"""LLMEngine: load a model, then run `step()` = schedule -> forward -> sample -> update.
+"""LLMEngine: build what the start-up plan says, then run `step()` = schedule -> forward -> sample -> update.
 
 Single-threaded by design: the HTTP server drives it from one background thread (see moeserve.server), the
-offline `LLM` drives it in a loop. Every choice made on the user's behalf is logged with its reason.
+offline `LLM` drives it in a loop. Every choice is made before anything is allocated, by engine/plan.py
+`make_engine_plan` (the function `moeserve plan` prints from), and logged with its reason.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
-from moeserve import kernels
-from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.config import EngineSettings, did_you_mean
+from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
+from moeserve.config import EngineSettings
+from moeserve.engine.choices import kv_cache_line
 from moeserve.engine.grammar import GrammarCompiler
 from moeserve.engine.outputs import RequestOutput
+from moeserve.engine.plan import EnginePlan, StartupProbe, make_engine_plan
 from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
-from moeserve.engine.sizing import memory_needs, spec_kv_groups
-from moeserve.errors import CheckpointError, ConfigError, ExpertLoadError, MoeserveError, RequestError
-from moeserve.experts.calls import static_policy_options
-from moeserve.experts.policies import ONLINE_POLICY_NAMES
-from moeserve.experts.spill import default_spill_root
-from moeserve.experts.store import StoreOptions
+from moeserve.errors import CheckpointError, ExpertLoadError, MoeserveError, RequestError
 from moeserve.experts.traces.jsonl import open_trace_writer
 from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
-from moeserve.memory.budget import ExpertBudget
 from moeserve.memory.rss import fix_mmap_threshold
-from moeserve.memory.sizing import size_tiers
-from moeserve.memory.topology import detect_topology
-from moeserve.models.experts.plans import (
-    can_interleave_experts,
-    expert_plan,
-    int8_expert_plan,
-    interleaved_expert_plan,
-)
-from moeserve.models.inventory import resident_nbytes
 from moeserve.models.layers.base import ForwardBatch
-from moeserve.models.mixers.mla import kv_per_token_line
-from moeserve.models.model import ModelOptions, build_model
-from moeserve.models.numerics import choose_numerics
+from moeserve.models.model import MoeModel, build_model
+from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings
-from moeserve.state.kv_cache import (
-    PagedKVCache,
-    group_block_bytes,
-    prefix_snapshots,
-    size_pools,
-    snapshot_line,
-)
+from moeserve.state.kv_cache import KVGroup, PagedKVCache
 from moeserve.state.manager import SequenceMemory
 from moeserve.tokenizer import Tokenizer
 
 log = logging.getLogger("moeserve")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CODE_TO_NAME = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def demo_model_path() -> Path:
@@ -101,86 +75,61 @@ class LLMEngine:
         self.closed = False  # close(): the weights are gone
         check_engine_settings(settings)  # a bad setting or path: one line now, not after the weights are read
         self.settings = s = settings
-        self._choices: dict[str, str] = {}  # every start-up choice, by name: see `choices`
+        self._choices: dict[str, str] = {}
+        # every choice made at start-up, by name, as the log printed it (value and reason): read-only
+        self.choices = MappingProxyType(self._choices)
         model_path = s.model or str(demo_model_path())
         if s.model is None:
             log.info("model: none given, using the bundled demo model %s", model_path)
         self.checkpoint = ckpt = open_checkpoint(model_path)
         self.arch, self.spec = read_model(ckpt)  # config bounds and tensor shapes checked: nothing sized yet
-        spec = self.spec
-        self.device = self._choose_device(s.device)
-        self.dtype = self._choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype())
-        self._choose_threads(s.threads)
-        self._chose("allocator", fix_mmap_threshold())
-        self.max_model_len: int = self._choose_max_model_len(s.max_model_len, spec.max_position_embeddings)  # type: ignore[assignment]
+        probe = StartupProbe(fix_mmap_threshold())  # before the tokenizer and the weights allocate
         self.tokenizer = None
         if not s.skip_tokenizer_init:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
-        self.eos_token_ids = self._eos_ids()
-
-        self.cpp_kernels = self._choose_kernels(s.kernels)
-        self.max_num_batched_tokens = self._choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs)
-        self.kv_groups = spec_kv_groups(spec, prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching))
-        step = max(g.kind.prefill_step for g in self.kv_groups)
-        if self.max_num_batched_tokens < step + s.max_num_seqs:
-            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} is too small for this model: its "
-                              f"recurrent layers compute prompts in chunks of {step} positions, so a step needs room "
-                              f"for one chunk beside max_num_seqs={s.max_num_seqs} decode tokens (set at least "
-                              f"{step + s.max_num_seqs})")
-        self._block_bytes = group_block_bytes(self.kv_groups, s.block_size, spec.attention.num_kv_heads,
-                                              spec.attention.head_dim, self.dtype)
-        plan, budget, store_options, load_bytes, kv_bytes = self._plan_memory(ckpt, spec, s)
-        numerics, numerics_reason = choose_numerics(self.cpp_kernels, s.batch_invariant, self.dtype, self.device)
-        with _progress(load_bytes) as advance:
-            self.model = build_model(ckpt, self.arch, spec, self.dtype, self.device, self.max_model_len,
-                                     plan, budget.capacity, s.cache_policy, advance, store_options,
-                                     ModelOptions(numerics, numerics_reason, s.quantization == "int8", s.decode_step))
-        self._chose("expert store", self.model.store.describe())
-        for name, reason in self.model.choices:
-            self._chose(name, reason)
-        self.trace = self._open_trace(s.record_trace, s.record_trace_format, model_path)
-        num_blocks = size_pools(self.kv_groups, self._block_bytes, kv_bytes, s.block_size, s.max_num_seqs,
-                                self.max_num_batched_tokens, self.max_model_len)
-        self.kv = PagedKVCache(self.kv_groups, num_blocks, s.block_size, spec.attention.num_kv_heads,
-                               spec.attention.head_dim, self.dtype, self.device)
-        self.memory = SequenceMemory([g.kind for g in self.kv_groups], num_blocks, s.block_size,
-                                     s.enable_prefix_caching)
-        no_reuse = [g.kind.name for g in self.kv_groups if not g.kind.caches_prefixes]
-        why = (f" ({no_reuse[0]} layers: a state is valid only at the position it was left at)"
-               if no_reuse and s.enable_prefix_caching else "")
-        self._chose("KV cache", f"paged: {self.kv.describe()} ({self.dtype_name}); prefix caching "
-                                f"{'on' if self.memory.prefix_caching else 'off'}{why}")
-        snapshots = snapshot_line(self.kv_groups, self._block_bytes, s.max_num_seqs, s.block_size)
-        if snapshots is not None:
-            self._chose("prefix snapshots", snapshots)
-        kv_line = kv_per_token_line(spec, self.dtype.itemsize)
-        if kv_line is not None:
-            self._chose("KV per token", kv_line)
+        self.eos_token_ids = eos_token_ids(ckpt, self.tokenizer)
+        # after the tokenizer: the split charges the process's RSS (memory_gb), the tokenizer's included
+        self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe)
+        self.kernel_seconds = probe.kernel_seconds  # a first build takes minutes: kept out of the load time
+        self._log_choices(plan.choices)
+        torch.set_num_threads(plan.threads)
+        self.device, self.dtype, self.dtype_name = plan.device, plan.dtype, plan.dtype_name
+        self.max_model_len, self.max_num_batched_tokens = plan.max_model_len, plan.max_num_batched_tokens
+        self.kv_groups: list[KVGroup] = list(plan.kv_groups)
+        self._build(plan, model_path)
         self.scheduler = Scheduler(s.max_num_seqs, self.max_num_batched_tokens, self.memory)
-        decode_token = None
-        if self.tokenizer is not None:
-            tok = self.tokenizer
-            decode_token = lambda i: tok.decode([i], skip_special_tokens=False)  # noqa: E731
-        self.sampler = Sampler(decode_token, s.seed)
+        self.sampler = Sampler(_token_decoder(self.tokenizer), s.seed)
         self.requests: dict[str, Request] = {}
         self._next_id = 0
         self.load_seconds = time.monotonic() - t0 - self.kernel_seconds
-        build = f"; the C++ kernels took {self.kernel_seconds:.0f} s more" if self.kernel_seconds >= 1 else ""
-        log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB%s)",
-                 self.load_seconds, self.model.resident_bytes / 2**20, self.model.store.cache_nbytes / 2**20, build)
-        if self.model.dequantized_linears:
-            log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
-                     len(self.model.dequantized_linears), self.dtype_name)
+        _log_loaded(self.model, self.load_seconds, self.kernel_seconds, self.dtype_name)
 
-    def _chose(self, name: str, text: str) -> None:
-        """A choice made at start-up: logged ("name: value (reason)") and kept in `choices`."""
-        log.info("%s: %s", name, text)
-        self._choices[name] = text
+    def _build(self, plan: EnginePlan, model_path: str) -> None:
+        """The model (its weights streamed with a progress bar), the trace writer, the KV cache and the sequence
+        memory, as `plan` sizes them; each built part's choices logged."""
+        s, spec = self.settings, self.spec
+        with _progress(plan.load_bytes) as advance:
+            self.model = build_model(self.checkpoint, self.arch, spec, plan.dtype, plan.device, plan.max_model_len,
+                                     plan.expert_plan, plan.expert_capacity, s.cache_policy, advance,
+                                     plan.store_options, plan.model_options)
+        self._log_choices([("expert store", self.model.store.describe()), *self.model.choices])
+        self.trace = open_trace(s.record_trace, s.record_trace_format, model_path, spec, self.model)
+        if self.trace is not None:
+            weakref.finalize(self, self.trace.close)  # flushed at exit even when nobody calls close()
+        a = spec.attention
+        self.kv = PagedKVCache(plan.kv_groups, plan.kv_blocks, s.block_size, a.num_kv_heads, a.head_dim, plan.dtype,
+                               plan.device)
+        self.memory = SequenceMemory([g.kind for g in plan.kv_groups], plan.kv_blocks, s.block_size,
+                                     s.enable_prefix_caching)
+        kv_line = kv_cache_line(self.kv.describe(), plan.dtype, self.memory.prefix_caching, plan.kv_groups,
+                                s.enable_prefix_caching)
+        self._log_choices([("KV cache", kv_line), *plan.kv_choices])
 
-    @property
-    def choices(self) -> Mapping[str, str]:
-        """Every choice made at start-up, by name, as the log printed it (value and reason): read-only."""
-        return MappingProxyType(self._choices)
+    def _log_choices(self, choices: Iterable[tuple[str, str]]) -> None:
+        """Choices made at start-up: each logged ("name: value (reason)") and kept in `choices`."""
+        for name, text in choices:
+            log.info("%s: %s", name, text)
+            self._choices[name] = text
 
     @cached_property
     def grammar_compiler(self) -> GrammarCompiler | None:
@@ -203,156 +152,6 @@ class LLMEngine:
         scan = self.model.store.start_reference_scan(idle)
         if scan is not None:
             weakref.finalize(self, scan.stop, False)
-
-    # ---------------------------------------------------------------------------------------- choices
-    def _plan_memory(self, ckpt, spec, s: EngineSettings):  # noqa: ANN001, ANN202 - internal
-        """Expert plan, fast-tier budget, store options and bytes to load, each choice logged with its reason."""
-        dense_plan = plan = expert_plan(ckpt, self.arch, spec, self.dtype)
-        spill = None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
-        if s.quantization == "int8":
-            plan = int8_expert_plan(dense_plan, self.dtype, spill)
-        nonexpert = resident_nbytes(ckpt, plan, self.dtype)  # quantized Linears at their dequantized size
-        total_experts = len(plan.sources)
-        needs = memory_needs(spec, s, self.dtype, nonexpert, plan.layout.nbytes, total_experts,
-                             self.max_num_batched_tokens)
-        # every tier sized by the function `moeserve plan` calls (memory/sizing.py), its lines logged as printed there
-        sizes = size_tiers(needs, detect_topology(self.device, s.unified_memory), s)
-        for name, line in sizes.lines:
-            self._chose(name, line)
-        split, host = sizes.split, sizes.host
-        self.max_model_len, kv_bytes = split.max_model_len, split.kv_bytes
-        budget = ExpertBudget(split.expert_capacity, split.expert_bytes, split.lines[2][1])
-        self._staging_estimate = split.staging_bytes
-        # the layout holds the same bytes per unit, so the budget above stands
-        if self._choose_expert_layout(dense_plan, s.quantization, s.expert_layout):
-            plan = (int8_expert_plan(dense_plan, self.dtype, spill, interleaved=True) if s.quantization == "int8"
-                    else interleaved_expert_plan(dense_plan))
-        self._chose("experts", f"{plan.description} (quantization={s.quantization})")
-        store_options = self._store_options(s, budget.capacity, host.capacity)
-
-        preloaded = total_experts * plan.layout.nbytes if budget.capacity >= total_experts else 0
-        load_bytes = nonexpert + preloaded
-        return plan, budget, store_options, load_bytes, kv_bytes
-
-    def _choose_expert_layout(self, plan, quantization: str, want: str) -> bool:  # noqa: ANN001 - ExpertPlan
-        """True: hold the experts row-interleaved for the fused C++ ops (logged with the reason either way);
-        expert_layout=interleaved raises ConfigError where it cannot apply.
-
-        The choice never depends on where the experts live: the plain and interleaved ops round bf16 differently
-        once a row spans several blocks, so an offloaded run must use the layout (and op) a resident one uses, or
-        offloading would change the numbers. Offloaded bf16 misses are permuted to the interleaved layout as they
-        leave the read buffer (interleaved measured 0.96-1.05x plain there), int8 ones are read interleaved."""
-        if want == "plain":
-            self._chose("expert layout", "plain (set)")
-            return False
-        why_not = None if self.cpp_kernels else "kernels=torch or the C++ kernels are unavailable"
-        why_not = why_not or can_interleave_experts(plan, self.dtype)
-        if why_not is None:
-            op = "moe_int8_interleaved_supported" if quantization == "int8" else "moe_interleaved_supported"
-            if not bool(getattr(torch.ops.moeserve, op)()):
-                why_not = "the kernels were built without AVX512-BF16" + ("/VBMI" if quantization == "int8" else "")
-        if why_not is not None and want == "interleaved":
-            raise ConfigError(f"expert_layout=interleaved is not possible here: {why_not} (use auto or plain)")
-        self._chose("expert layout", ("rows interleaved in blocks of 4 (the fused C++ op streams each block; "
-                                       f"{'set' if want == 'interleaved' else 'auto'})") if why_not is None
-                 else f"plain ({why_not})")
-        return why_not is None
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-    def _choose_device(self, want: str) -> torch.device:
-        if want == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device=cuda but no CUDA device is available (use device=cpu or auto)")
-        if want == "auto":
-            dev = "cuda" if torch.cuda.is_available() else "cpu"
-            self._chose("device", f"{dev} (auto: {'CUDA available' if dev == 'cuda' else 'no CUDA device'})")
-            return torch.device(dev)
-        self._chose("device", f"{want} (set)")
-        return torch.device(want)
-
-    def _choose_dtype(self, want: str, config_dtype: str | None, stored_code: str) -> torch.dtype:
-        if want != "auto":
-            self._chose("dtype", f"{want} (set)")
-            return DTYPES[want]
-        name = config_dtype if config_dtype in DTYPES else _CODE_TO_NAME.get(stored_code, "bfloat16")
-        why = "config.json dtype" if config_dtype in DTYPES else f"most weights are stored as {stored_code}"
-        self._chose("dtype", f"{name} (auto: {why})")
-        return DTYPES[str(name)]
-
-    def _choose_threads(self, want: int | None) -> None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        n = want or cores
-        torch.set_num_threads(n)
-        self._chose("threads", f"{n} ({'set' if want else f'auto: all {cores} usable cores'})")
-
-    def _choose_kernels(self, want: str) -> bool:
-        """The moeserve C++ ops (norms, attention, dense GEMVs; each where its dtype applies) or torch's only;
-        kernels=cpp raises ConfigError when they cannot be built or run here."""
-        t0 = time.monotonic()
-        use, reason = kernels.choose(want, self.device.type)
-        self.kernel_seconds = time.monotonic() - t0  # a first build takes minutes: kept out of the load time
-        self._chose("kernels", f"{'cpp' if use else 'torch'} ({want}: {reason})")
-        return use
-
-    def _choose_max_model_len(self, want: int | None, model_max: int) -> int | None:
-        """The set max_model_len checked against the model's; None: memory/split.py picks it (logged there)."""
-        if want is not None and want > model_max:
-            raise ConfigError(f"max_model_len={want} exceeds the model's max_position_embeddings={model_max}")
-        return want
-
-    def _choose_batched_tokens(self, want: int | None, max_num_seqs: int) -> int:
-        n = want if want is not None else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-        if n < max_num_seqs:
-            raise ConfigError(f"max_num_batched_tokens={n} cannot hold one decode token of each of "
-                              f"max_num_seqs={max_num_seqs} sequences: raise it or lower max_num_seqs")
-        self._chose("max_num_batched_tokens", f"{n} ({'set' if want is not None else 'default'}): longer prompts "
-                    "are prefilled in chunks of this many tokens between decode steps")
-        return n
-
-    def _eos_ids(self) -> set[int]:
-        gen = self.checkpoint.generation_config.get("eos_token_id")
-        cfg = self.checkpoint.config.get("eos_token_id")
-        for value, file in ((gen, "generation_config.json"), (cfg, "config.json")):
-            if value is not None:
-                ids = value if isinstance(value, list) else [value]
-                if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-                    raise CheckpointError(f"{self.checkpoint.path / file}: 'eos_token_id' must be a token id or a "
-                                          f"list of token ids, got {str(value)[:40]}")
-                return set(ids)
-        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        return {tok_eos} if tok_eos is not None else set()
-
-    def _store_options(self, s: EngineSettings, capacity: int, host_capacity: int) -> StoreOptions:
-        if s.cache_policy not in ONLINE_POLICY_NAMES:
-            hint = did_you_mean(s.cache_policy, list(ONLINE_POLICY_NAMES))
-            raise ConfigError(f"unknown cache_policy '{s.cache_policy}'{hint}")
-        options: dict[str, Any] = {}
-        if s.cache_policy == "static":
-            if s.cache_trace is None:
-                raise ConfigError("cache_policy=static pins the most used experts of a recorded trace: set "
-                                  "cache_trace=FILE (record one with record_trace=FILE)")
-            options = static_policy_options(s.cache_trace, capacity)
-        return StoreOptions(policy=s.cache_policy, policy_options=options, host_capacity=host_capacity,
-                            prefetch=s.prefetch is not False, prefetch_auto=s.prefetch == "auto",
-                            cache_mode=s.expert_cache_mode, admission=s.expert_admission)
-
-    def _open_trace(self, path: str | None, fmt: str, model_path: str) -> FailSafeWriter | None:
-        """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses)."""
-        if path is None:
-            return None
-        spec = self.spec
-        header = TraceHeader(model=Path(model_path).name, num_layers=spec.num_layers,
-                             num_experts=spec.moe.num_experts, top_k=spec.moe.top_k,
-                             moe_layers=tuple(spec.moe_layer_ids))
-        # A failing write (full disk) disables recording with one error line; it never stops generation.
-        model = self.model  # not `self`: the writer's callback would make a cycle through the engine
-        writer = FailSafeWriter(open_trace_writer(path, header, fmt), path, lambda: model.set_trace_hook(None))
-        weakref.finalize(self, writer.close)  # flushed at exit even when nobody calls close()
-        model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
-        log.info("record_trace: writing routing of every step to %s (%s)", path, fmt)
-        return writer
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -470,7 +269,7 @@ class LLMEngine:
         return outputs
 
     def _run_step(self, scheduled: list[tuple[Sequence, int]]) -> list[RequestOutput]:
-        batch = self._build_batch(scheduled)
+        batch = build_batch(scheduled, self.kv_groups, self.kv.block_size, self.device)
         self.kv.copy_blocks(self.memory.take_copies())  # recurrent prefix snapshots restored into new slots
         logits = self.model.forward(batch, self.kv)
         if self.trace is not None:
@@ -500,39 +299,6 @@ class LLMEngine:
             except ExpertLoadError as err:
                 outputs += self._fail_request(request_id, err)
         return outputs
-
-    def _build_batch(self, scheduled: list[tuple[Sequence, int]]) -> ForwardBatch:
-        """The step's tokens and, per KV group, their cache rows and the sequences' block tables."""
-        bs = self.kv.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        rows: list[int] = []
-        groups = range(len(self.kv_groups))
-        slots: list[list[int]] = [[] for _ in groups]
-        for b, (seq, n) in enumerate(scheduled):
-            start = seq.num_cached
-            tokens += seq.tokens_to_compute(n)
-            span = range(start, start + n)
-            positions += span
-            rows += [b] * n
-            assert seq.blocks is not None
-            for g in groups:
-                table, kind = seq.blocks.tables[g], self.kv_groups[g].kind
-                slots[g] += [kind.slot_of(table, p, bs) for p in span]
-        tables = [[seq.blocks.tables[g] for seq, _ in scheduled] for g in groups]  # type: ignore[union-attr]
-        dev = self.device
-        decode_only = len(tokens) == len(scheduled)
-        return ForwardBatch(
-            token_ids=torch.tensor(tokens, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            starts=[seq.num_cached for seq, _ in scheduled],
-            num_new=[n for _, n in scheduled],
-            slot_mappings=[torch.tensor(m, dtype=torch.long, device=dev) for m in slots],
-            block_tables=[_table_tensor(t, dev) for t in tables],
-            tables=tables,
-            rows=None if decode_only else torch.tensor(rows, dtype=torch.long, device=dev),
-            prompt_lens=[len(seq.prompt_token_ids) for seq, _ in scheduled],
-        )
 
     def _update(self, seqs: list[Sequence], samples: list) -> list[RequestOutput]:
         now = time.monotonic()
@@ -574,6 +340,84 @@ class LLMEngine:
     def _check_open(self) -> None:
         if self.closed:
             raise MoeserveError("this engine was closed (LLMEngine.close()): open a new one")
+
+
+def eos_token_ids(ckpt: Checkpoint, tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end a sequence: generation_config.json's eos_token_id, else config.json's, else the
+    tokenizer's. CheckpointError when the file's value is not a token id or a list of them."""
+    gen = ckpt.generation_config.get("eos_token_id")
+    cfg = ckpt.config.get("eos_token_id")
+    for value, file in ((gen, "generation_config.json"), (cfg, "config.json")):
+        if value is not None:
+            ids = value if isinstance(value, list) else [value]
+            if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+                raise CheckpointError(f"{ckpt.path / file}: 'eos_token_id' must be a token id or a "
+                                      f"list of token ids, got {str(value)[:40]}")
+            return set(ids)
+    tok_eos = tokenizer.eos_token_id if tokenizer is not None else None
+    return {tok_eos} if tok_eos is not None else set()
+
+
+def open_trace(path: str | None, fmt: str, model_path: str, spec: ModelSpec, model: MoeModel) -> FailSafeWriter | None:
+    """--record-trace: which experts each token used in each MoE layer (and the prefetch guesses); None without."""
+    if path is None:
+        return None
+    header = TraceHeader(model=Path(model_path).name, num_layers=spec.num_layers, num_experts=spec.moe.num_experts,
+                         top_k=spec.moe.top_k, moe_layers=tuple(spec.moe_layer_ids))
+    # A failing write (full disk) disables recording with one error line; it never stops generation.
+    writer = FailSafeWriter(open_trace_writer(path, header, fmt), path, lambda: model.set_trace_hook(None))
+    model.set_trace_hook(lambda layer, ids, predicted: writer.record(layer, ids.cpu().numpy(), predicted))
+    log.info("record_trace: writing routing of every step to %s (%s)", path, fmt)
+    return writer
+
+
+def _token_decoder(tokenizer: Tokenizer | None) -> Callable[[int], str] | None:
+    """One token id -> its text, special tokens kept (the sampler's logprob entries); None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    return lambda i: tokenizer.decode([i], skip_special_tokens=False)
+
+
+def _log_loaded(model: MoeModel, load_seconds: float, kernel_seconds: float, dtype_name: str) -> None:
+    build = f"; the C++ kernels took {kernel_seconds:.0f} s more" if kernel_seconds >= 1 else ""
+    log.info("Loading weights took %.2f seconds (resident %.1f MiB, expert cache %.1f MiB%s)",
+             load_seconds, model.resident_bytes / 2**20, model.store.cache_nbytes / 2**20, build)
+    if model.dequantized_linears:
+        log.info("dense layers: %d quantized Linears (attention, shared/dense MLPs) dequantized to %s at load",
+                 len(model.dequantized_linears), dtype_name)
+
+
+def build_batch(scheduled: list[tuple[Sequence, int]], kv_groups: list[KVGroup], block_size: int,
+                device: torch.device) -> ForwardBatch:
+    """The step's tokens and, per KV group, their cache rows and the sequences' block tables."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    rows: list[int] = []
+    groups = range(len(kv_groups))
+    slots: list[list[int]] = [[] for _ in groups]
+    for b, (seq, n) in enumerate(scheduled):
+        start = seq.num_cached
+        tokens += seq.tokens_to_compute(n)
+        span = range(start, start + n)
+        positions += span
+        rows += [b] * n
+        assert seq.blocks is not None
+        for g in groups:
+            table, kind = seq.blocks.tables[g], kv_groups[g].kind
+            slots[g] += [kind.slot_of(table, p, block_size) for p in span]
+    tables = [[seq.blocks.tables[g] for seq, _ in scheduled] for g in groups]  # type: ignore[union-attr]
+    decode_only = len(tokens) == len(scheduled)
+    return ForwardBatch(
+        token_ids=torch.tensor(tokens, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        starts=[seq.num_cached for seq, _ in scheduled],
+        num_new=[n for _, n in scheduled],
+        slot_mappings=[torch.tensor(m, dtype=torch.long, device=device) for m in slots],
+        block_tables=[_table_tensor(t, device) for t in tables],
+        tables=tables,
+        rows=None if decode_only else torch.tensor(rows, dtype=torch.long, device=device),
+        prompt_lens=[len(seq.prompt_token_ids) for seq, _ in scheduled],
+    )
 
 
 def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -1,28 +1,31 @@
-"""What the engine sizes from a model's shapes before anything is loaded, shared with `moeserve plan` and the
-bench's ceilings: the sequence-memory groups of a model (`spec_kv_groups`) and what the memory split divides the
-budget among (`memory_needs`)."""
+"""What the engine sizes from a model's shapes before anything is loaded (engine/plan.py, which `moeserve plan`
+calls too), shared with the bench's ceilings: the sequence-memory groups of a model (`spec_kv_groups`) and what
+the memory split divides the budget among (`memory_needs`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from moeserve.config import EngineSettings
 from moeserve.experts.store import BYPASS_BUFFERS
-from moeserve.memory.split import MemoryNeeds, activation_bytes, process_rss_bytes
+from moeserve.memory.split import MemoryNeeds, activation_bytes
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
 from moeserve.state.kinds import LatentKV, RecurrentState
-from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, group_block_bytes, kv_groups, prefix_snapshots
+from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, kv_groups
 
 
-def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, unit: int, total: int,  # noqa: ANN001
-                 batched_tokens: int, runtime_bytes: int | None = None) -> MemoryNeeds:
-    """What memory/split.py splits the budget among (the engine at start-up and `moeserve plan` alike): sizes from
-    shapes, the runtime measured in this process now (`runtime_bytes` instead: `plan` is not the serving process)."""
-    groups = spec_kv_groups(spec, prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching))
+def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[KVGroup],  # noqa: ANN001
+                 block_bytes: Sequence[int], nonexpert: int, unit: int, total: int, batched_tokens: int,
+                 runtime_bytes: int) -> MemoryNeeds:
+    """What memory/split.py splits the budget among (engine/plan.py, for the engine and `moeserve plan` alike):
+    sizes from shapes (`groups` and their `block_bytes` as the engine holds them), and `runtime_bytes`, what the
+    process holds before the weights (the engine measures its RSS; `plan` states a figure). The runtime and the
+    sliding-window pools are sized for the set max_model_len or the model's full context."""
     a, m = spec.attention, spec.moe
-    block_bytes = group_block_bytes(groups, s.block_size, a.num_kv_heads, a.head_dim, dtype)
     model_max = s.max_model_len or spec.max_position_embeddings
     fixed_kv, kv_per_token = fixed_pool_bytes(groups, block_bytes, s.block_size, s.max_num_seqs, batched_tokens,
                                               model_max)
@@ -33,12 +36,11 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, nonexpert: int, un
                             (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
                             dtype.itemsize, context=model_max, kv_width=kv_width)
     rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
-    # the store's read buffers (checked against the store's own figure once built), + admission=policy's bypass buffer
+    # the store's read buffers, + admission=policy's bypass buffers
     staging = (4 + (BYPASS_BUFFERS if s.expert_admission == "policy" else 0)) * unit
     workspace = batched_workspace_bytes(spec.hidden_size, m.intermediate_size or 0, dtype.itemsize, unit)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
-                       staging, acts + rotary, process_rss_bytes() if runtime_bytes is None else runtime_bytes,
-                       workspace)
+                       staging, acts + rotary, runtime_bytes, workspace)
 
 
 def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec

@@ -2,9 +2,10 @@
 
 Every byte has an owner: resident weights (everything but experts), the expert store's read buffers, the runtime
 (interpreter, torch, activations), the KV pool, the expert cache in the fast tier, the host tier (discrete CUDA
-only). Every tier is sized by `memory/sizing.py` `size_tiers`, the very function the engine calls at start-up: the
-fast tier split by `memory/split.py` from the memory budget (`memory_gb`, or free memory less headroom), the host
-tier from host RAM in pinned chunks; it refuses, one line, what cannot fit.
+only). Every tier is sized by `memory/sizing.py` `size_tiers`, the very function the engine's start-up plan calls
+(engine/plan.py, from which `moeserve plan` builds its MemoryPlan): the fast tier split by `memory/split.py` from
+the memory budget (`memory_gb`, or free memory less headroom), the host tier from host RAM in pinned chunks; it
+refuses, one line, what cannot fit.
 
 Speed ceilings for decode (batch 1), from bytes per token and measured bandwidths:
 - fast tier: every resident weight but the embedding table (one row) plus top-k experts per MoE layer;
@@ -48,9 +49,15 @@ class ModelFootprint:
 @dataclass(frozen=True)
 class MemoryPlan:
     footprint: ModelFootprint
-    split: MemorySplit  # the fast tier, as the engine will split it
-    host: HostBudget
-    sizes: TierSizes  # both, with the lines the engine logs
+    sizes: TierSizes  # the fast tier as the engine splits it, and the host tier, with the lines the engine logs
+
+    @property
+    def split(self) -> MemorySplit:
+        return self.sizes.split
+
+    @property
+    def host(self) -> HostBudget:
+        return self.sizes.host
 
     @property
     def capacity(self) -> int:  # experts in the fast tier
@@ -95,8 +102,7 @@ class MemoryPlan:
 
 def make_plan(footprint: ModelFootprint, needs: MemoryNeeds, topology: MemoryTopology, s: TierSettings) -> MemoryPlan:
     """The tiers sized by `size_tiers`, the engine's own function (ConfigError when they cannot fit)."""
-    sizes = size_tiers(needs, topology, s)
-    return MemoryPlan(footprint, sizes.split, sizes.host, sizes)
+    return MemoryPlan(footprint, size_tiers(needs, topology, s))
 
 
 def decode_ceiling(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, disk_bw: float | None,

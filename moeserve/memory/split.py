@@ -89,118 +89,163 @@ def kv_for(needs: MemoryNeeds, tokens: int, seqs: int = 1) -> int:
     return needs.kv_fixed_bytes + needs.kv_bytes_per_token * seqs * (tokens + needs.block_size)
 
 
+@dataclass(frozen=True)
+class _Budget:
+    """Step 1: the budget, how error lines name it and what they tell the user to change, and the runtime charged."""
+
+    nbytes: int
+    of: str  # "memory_gb=4", or "the 3.1 GiB derived from free memory"
+    why: str  # the "memory budget" line's head: the figure and where it came from
+    to_raise: str  # what to change to raise it
+    runtime: int  # activations and rotary tables, plus, with memory_gb, the process's RSS and its growth
+
+
+@dataclass(frozen=True)
+class _Room:
+    """Steps 2-3: what the fixed parts leave and the least KV pool (one sequence of `min_ctx` tokens)."""
+
+    fixed: int  # resident weights + read buffers + runtime
+    room: int  # the budget less `fixed`
+    parts: str  # the fixed parts, named with their sizes, for error lines
+    ctx: int  # max_model_len, or the model's
+    min_ctx: int  # the shortest context a sequence must be able to hold
+    kv_min: int  # KV of one `min_ctx`-token sequence
+
+
 def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb: float | None,
                  kv_cache_gb: float | None, max_model_len: int | None, max_num_seqs: int,
                  free_bytes: int) -> MemorySplit:
     """Split the budget among the parts (module docstring). Raises ConfigError, one line, when it cannot fit."""
-    n, unit = needs, needs.unit_nbytes
+    n = needs
     if max_model_len is not None and max_model_len > n.model_max_len:
         raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                           f"{n.model_max_len}")
-    # 1. the budget
-    if memory_gb is not None:
-        budget = int(memory_gb * GiB)
-        of = f"memory_gb={memory_gb:g}"
-        budget_why = f"{fmt_bytes(budget)} ({of}, set" + (
-            f"; warning: only {fmt_bytes(free_bytes)} is free now, the OS may swap)" if budget > free_bytes else ")")
-        raise_budget = "raise memory_gb"
-        runtime = n.overhead_bytes + n.process_bytes + process_growth_bytes(n.process_bytes)
-    else:
-        headroom = max(HEADROOM_MIN_BYTES, int(free_bytes * HEADROOM_FRACTION))
-        budget = max(0, free_bytes - headroom)
-        of = f"the {fmt_bytes(budget)} derived from free memory"
-        budget_why = (f"{fmt_bytes(budget)} (derived: {fmt_bytes(free_bytes)} free less {fmt_bytes(headroom)} "
-                      "headroom; set memory_gb to choose it)")
-        raise_budget = "free memory or set memory_gb"
-        runtime = n.overhead_bytes  # the process's own RSS is not in free_bytes
-    # 2. the fixed parts
-    fixed = n.resident_bytes + n.staging_bytes + runtime
-    room = budget - fixed
-    fixed_parts = (f"resident weights {fmt_bytes(n.resident_bytes)} + read buffers {fmt_bytes(n.staging_bytes)} + "
-                   f"runtime {fmt_bytes(runtime)}")
-    # 3. the minimum
-    ctx = max_model_len or n.model_max_len
-    min_ctx = max_model_len or min(MIN_CONTEXT, n.model_max_len)
-    kv_min = kv_for(n, min_ctx)
-    if room < kv_min + unit:
-        lower = "lower max_model_len or max_num_batched_tokens" if max_model_len is not None else \
-            "lower max_num_batched_tokens"
-        raise ConfigError(f"does not fit: {fixed_parts} + KV of one {min_ctx}-token sequence {fmt_bytes(kv_min)} + "
-                          f"one expert {fmt_bytes(unit)} = {fmt_bytes(fixed + kv_min + unit)} exceed {of}; "
-                          f"{raise_budget}, or {lower} (its activations are in the runtime)")
-    all_bytes = unit * n.total_experts
-    want_kv = kv_for(n, ctx, max_num_seqs)
-    full = f"{max_num_seqs} sequences x {ctx} tokens"
-    # 4. an explicit expert cache
-    capacity: int | None = None
-    if expert_cache_gb is not None:
-        capacity = max(1, min(n.total_experts, int(expert_cache_gb * GiB) // unit))
-        if capacity * unit > room - kv_min:
-            raise ConfigError(f"does not fit: {fixed_parts} + expert cache {fmt_bytes(capacity * unit)} "
-                              f"(expert_cache_gb={expert_cache_gb:g}) + KV of one {min_ctx}-token sequence "
-                              f"{fmt_bytes(kv_min)} exceed {of}; lower expert_cache_gb or {raise_budget}")
-    # 5. the KV pool
-    if kv_cache_gb is not None:
-        kv, kv_why = int(kv_cache_gb * GiB), f"kv_cache_gb={kv_cache_gb:g}, set"
-        if kv < kv_min:
-            raise ConfigError(f"kv_cache_gb={kv_cache_gb:g} ({fmt_bytes(kv)}) cannot hold one {min_ctx}-token "
-                              f"sequence ({fmt_bytes(kv_min)}): raise kv_cache_gb"
-                              + (" or lower max_model_len" if max_model_len is not None else ""))
-        need = kv + (unit if capacity is None else capacity * unit)
-        if need > room:
-            experts = (f"one expert {fmt_bytes(unit)}" if capacity is None else
-                       f"expert cache {fmt_bytes(capacity * unit)} (expert_cache_gb={expert_cache_gb:g})")
-            raise ConfigError(f"does not fit: {fixed_parts} + KV pool {fmt_bytes(kv)} (kv_cache_gb={kv_cache_gb:g})"
-                              f" + {experts} = {fmt_bytes(fixed + need)} exceed {of}; lower kv_cache_gb"
-                              + (" or expert_cache_gb" if capacity is not None else "") + f", or {raise_budget}")
-    elif capacity is not None:
-        kv = min(want_kv, room - capacity * unit)
-        kv_why = "what expert_cache_gb leaves" + (f", capped at {full}" if kv == want_kv else "")
-    elif room - all_bytes >= want_kv:
-        kv, kv_why = want_kv, f"{full}, beside all experts"
-    else:
-        share = min(kv_for(n, ctx), int(KV_SHARE * room))
-        kv = min(max(share, kv_min, room - all_bytes), room - unit)
-        if kv == room - all_bytes and kv > max(share, kv_min):
-            kv_why = f"what all experts leave, less than {full}"
-        elif kv == kv_for(n, ctx):
-            kv_why = f"one {ctx}-token sequence: the experts do not all fit, they get the rest"
-        elif kv == kv_min:
-            kv_why = f"one {min_ctx}-token sequence, the least: the experts do not all fit, they get the rest"
-        else:
-            kv_why = f"{KV_SHARE:.0%} of what the fixed parts leave: the experts do not all fit, they get the rest"
-    # 6. the expert cache from what is left
-    if capacity is None:
-        capacity = min(n.total_experts, (room - kv) // unit)
+    budget = _budget(n, memory_gb, free_bytes)
+    r = _room(n, budget, max_model_len)
+    capacity = None if expert_cache_gb is None else _set_capacity(n, budget, r, expert_cache_gb)
+    kv, kv_why = _kv_pool(n, budget, r, capacity, kv_cache_gb, expert_cache_gb, max_model_len, max_num_seqs)
+    if capacity is None:  # 6. the expert cache from what is left
+        capacity = min(n.total_experts, (r.room - kv) // n.unit_nbytes)
         exp_why = ("all fit" if capacity == n.total_experts else
                    "what the other parts leave; the rest are read from disk on demand")
     else:
         exp_why = f"expert_cache_gb={expert_cache_gb:g}, set" + (
-            ", capped at all" if capacity == n.total_experts and int((expert_cache_gb or 0) * GiB) > all_bytes else "")
-    expert_bytes = capacity * unit
-    # 7. max_model_len
-    if max_model_len is None:
-        fits = (kv - n.kv_fixed_bytes) // n.kv_bytes_per_token - n.block_size if n.kv_bytes_per_token else ctx
-        if fits < ctx:
-            ctx = max(min_ctx, fits // LEN_MULTIPLE * LEN_MULTIPLE)
-            ctx_line = (f"{ctx} (auto: the model's {n.model_max_len} does not fit the {fmt_bytes(kv)} KV pool of "
-                        f"{of}; set max_model_len or {raise_budget})")
-        else:
-            ctx_line = f"{ctx} (auto: the model's max_position_embeddings)"
-    else:
-        ctx_line = f"{max_model_len} (set)"
-    total = fixed + kv + expert_bytes
+            ", capped at all" if capacity == n.total_experts and
+            int((expert_cache_gb or 0) * GiB) > n.unit_nbytes * n.total_experts else "")
+    expert_bytes = capacity * n.unit_nbytes
+    ctx, ctx_line = _context(n, budget, r, kv, max_model_len)
+    total = r.fixed + kv + expert_bytes
     lines = (
-        ("memory budget", f"{budget_why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
-                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(runtime)} + KV pool "
+        ("memory budget", f"{budget.why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
+                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(budget.runtime)} + KV pool "
                           f"{fmt_bytes(kv)} + experts {fmt_bytes(expert_bytes)} = {fmt_bytes(total)}"),
         ("KV pool", f"{fmt_bytes(kv)} ({kv_why})"),
         ("placement", f"{capacity} of {n.total_experts} experts in the fast tier, {fmt_bytes(expert_bytes)} "
-                      f"({fmt_bytes(unit)} each; {exp_why})"),
+                      f"({fmt_bytes(n.unit_nbytes)} each; {exp_why})"),
         ("max_model_len", ctx_line),
     )
-    return MemorySplit(None if memory_gb is None else budget, budget, n.resident_bytes, n.staging_bytes,
-                       runtime, capacity, expert_bytes, kv, ctx, lines)
+    return MemorySplit(None if memory_gb is None else budget.nbytes, budget.nbytes, n.resident_bytes,
+                       n.staging_bytes, budget.runtime, capacity, expert_bytes, kv, ctx, lines)
+
+
+def _budget(n: MemoryNeeds, memory_gb: float | None, free_bytes: int) -> _Budget:
+    """1. memory_gb, or free memory less headroom (the process's own RSS is then outside it, not charged)."""
+    if memory_gb is not None:
+        budget = int(memory_gb * GiB)
+        why = f"{fmt_bytes(budget)} (memory_gb={memory_gb:g}, set" + (
+            f"; warning: only {fmt_bytes(free_bytes)} is free now, the OS may swap)" if budget > free_bytes else ")")
+        runtime = n.overhead_bytes + n.process_bytes + process_growth_bytes(n.process_bytes)
+        return _Budget(budget, f"memory_gb={memory_gb:g}", why, "raise memory_gb", runtime)
+    headroom = max(HEADROOM_MIN_BYTES, int(free_bytes * HEADROOM_FRACTION))
+    budget = max(0, free_bytes - headroom)
+    why = (f"{fmt_bytes(budget)} (derived: {fmt_bytes(free_bytes)} free less {fmt_bytes(headroom)} "
+           "headroom; set memory_gb to choose it)")
+    return _Budget(budget, f"the {fmt_bytes(budget)} derived from free memory", why,
+                   "free memory or set memory_gb", n.overhead_bytes)
+
+
+def _room(n: MemoryNeeds, b: _Budget, max_model_len: int | None) -> _Room:
+    """2. the fixed parts first; 3. what they leave must hold one expert and the KV of one sequence."""
+    fixed = n.resident_bytes + n.staging_bytes + b.runtime
+    parts = (f"resident weights {fmt_bytes(n.resident_bytes)} + read buffers {fmt_bytes(n.staging_bytes)} + "
+             f"runtime {fmt_bytes(b.runtime)}")
+    min_ctx = max_model_len or min(MIN_CONTEXT, n.model_max_len)
+    r = _Room(fixed, b.nbytes - fixed, parts, max_model_len or n.model_max_len, min_ctx, kv_for(n, min_ctx))
+    unit = n.unit_nbytes
+    if r.room < r.kv_min + unit:
+        lower = "lower max_model_len or max_num_batched_tokens" if max_model_len is not None else \
+            "lower max_num_batched_tokens"
+        raise ConfigError(f"does not fit: {parts} + KV of one {min_ctx}-token sequence {fmt_bytes(r.kv_min)} + "
+                          f"one expert {fmt_bytes(unit)} = {fmt_bytes(fixed + r.kv_min + unit)} exceed {b.of}; "
+                          f"{b.to_raise}, or {lower} (its activations are in the runtime)")
+    return r
+
+
+def _set_capacity(n: MemoryNeeds, b: _Budget, r: _Room, expert_cache_gb: float) -> int:
+    """4. expert_cache_gb: that many whole experts (at least one, at most all), beside the least KV pool."""
+    unit = n.unit_nbytes
+    capacity = max(1, min(n.total_experts, int(expert_cache_gb * GiB) // unit))
+    if capacity * unit > r.room - r.kv_min:
+        raise ConfigError(f"does not fit: {r.parts} + expert cache {fmt_bytes(capacity * unit)} "
+                          f"(expert_cache_gb={expert_cache_gb:g}) + KV of one {r.min_ctx}-token sequence "
+                          f"{fmt_bytes(r.kv_min)} exceed {b.of}; lower expert_cache_gb or {b.to_raise}")
+    return capacity
+
+
+def _kv_pool(n: MemoryNeeds, b: _Budget, r: _Room, capacity: int | None, kv_cache_gb: float | None,
+             expert_cache_gb: float | None, max_model_len: int | None, max_num_seqs: int) -> tuple[int, str]:
+    """5. (KV pool bytes, why): kv_cache_gb; else what expert_cache_gb leaves; else a full pool beside all experts
+    when it fits; else `_shared_kv_pool`."""
+    unit, want_kv = n.unit_nbytes, kv_for(n, r.ctx, max_num_seqs)
+    full = f"{max_num_seqs} sequences x {r.ctx} tokens"
+    if kv_cache_gb is not None:
+        kv = int(kv_cache_gb * GiB)
+        if kv < r.kv_min:
+            raise ConfigError(f"kv_cache_gb={kv_cache_gb:g} ({fmt_bytes(kv)}) cannot hold one {r.min_ctx}-token "
+                              f"sequence ({fmt_bytes(r.kv_min)}): raise kv_cache_gb"
+                              + (" or lower max_model_len" if max_model_len is not None else ""))
+        need = kv + (unit if capacity is None else capacity * unit)
+        if need > r.room:
+            experts = (f"one expert {fmt_bytes(unit)}" if capacity is None else
+                       f"expert cache {fmt_bytes(capacity * unit)} (expert_cache_gb={expert_cache_gb:g})")
+            raise ConfigError(f"does not fit: {r.parts} + KV pool {fmt_bytes(kv)} (kv_cache_gb={kv_cache_gb:g})"
+                              f" + {experts} = {fmt_bytes(r.fixed + need)} exceed {b.of}; lower kv_cache_gb"
+                              + (" or expert_cache_gb" if capacity is not None else "") + f", or {b.to_raise}")
+        return kv, f"kv_cache_gb={kv_cache_gb:g}, set"
+    if capacity is not None:
+        kv = min(want_kv, r.room - capacity * unit)
+        return kv, "what expert_cache_gb leaves" + (f", capped at {full}" if kv == want_kv else "")
+    if r.room - unit * n.total_experts >= want_kv:
+        return want_kv, f"{full}, beside all experts"
+    return _shared_kv_pool(n, r, full)
+
+
+def _shared_kv_pool(n: MemoryNeeds, r: _Room, full: str) -> tuple[int, str]:
+    """5, when the experts do not all fit: min(one full-context sequence, KV_SHARE of room), never less than the
+    least pool, never so much that not one expert fits, more when all experts fit beside a larger pool."""
+    all_bytes = n.unit_nbytes * n.total_experts
+    share = min(kv_for(n, r.ctx), int(KV_SHARE * r.room))
+    kv = min(max(share, r.kv_min, r.room - all_bytes), r.room - n.unit_nbytes)
+    if kv == r.room - all_bytes and kv > max(share, r.kv_min):
+        return kv, f"what all experts leave, less than {full}"
+    if kv == kv_for(n, r.ctx):
+        return kv, f"one {r.ctx}-token sequence: the experts do not all fit, they get the rest"
+    if kv == r.kv_min:
+        return kv, f"one {r.min_ctx}-token sequence, the least: the experts do not all fit, they get the rest"
+    return kv, f"{KV_SHARE:.0%} of what the fixed parts leave: the experts do not all fit, they get the rest"
+
+
+def _context(n: MemoryNeeds, b: _Budget, r: _Room, kv: int, max_model_len: int | None) -> tuple[int, str]:
+    """7. (max_model_len, its line): as set, else the model's lowered to what one sequence can hold in the pool."""
+    if max_model_len is not None:
+        return r.ctx, f"{max_model_len} (set)"
+    ctx = r.ctx
+    fits = (kv - n.kv_fixed_bytes) // n.kv_bytes_per_token - n.block_size if n.kv_bytes_per_token else ctx
+    if fits < ctx:
+        ctx = max(r.min_ctx, fits // LEN_MULTIPLE * LEN_MULTIPLE)
+        return ctx, (f"{ctx} (auto: the model's {n.model_max_len} does not fit the {fmt_bytes(kv)} KV pool of "
+                     f"{b.of}; set max_model_len or {b.to_raise})")
+    return ctx, f"{ctx} (auto: the model's max_position_embeddings)"
 
 
 # ------------------------------------------------------------------------------------------------ runtime

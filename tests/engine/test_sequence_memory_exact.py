@@ -124,7 +124,7 @@ def test_preempted_sequences_finish_with_their_solo_tokens(real_checkpoint, name
     finally:
         llm.engine.close()
     e = llm.engine
-    fixed, per_token = fixed_pool_bytes(e.kv_groups, e._block_bytes, 16, 8, e.max_num_batched_tokens, 128)
+    fixed, per_token = fixed_pool_bytes(e.kv_groups, e.plan.block_bytes, 16, 8, e.max_num_batched_tokens, 128)
     tight = LLM(str(folder), skip_tokenizer_init=True, max_model_len=128, enable_prefix_caching=False,
                 kv_cache_gb=(fixed + 12 * 16 * per_token) / 2**30)
     try:

@@ -2,7 +2,7 @@
 <- host tier (RAM) <- disk, equal to the all-resident run bit for bit, for every architecture and every stored
 format, in the default dtype (bf16 for these checkpoints) with default settings.
 
-The test hook, `three_tiers`, is test-only (no user setting): it wraps `LLMEngine._store_options` so that the
+The test hook, `three_tiers`, is test-only (no user setting): it wraps `store_options` of engine/plan.py so that the
 engine's store gets `AsyncFakeOps` as its device ops (copies run late on the fake copy stream, the model's ops run
 on the calling thread, which is the fake's compute stream) and a host tier smaller than the experts, so host-tier
 evictions happen. Everything else is the engine as a user builds it: the real store, loader, host tier, copier,
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from moeserve.bench.checkpoints import ARCHS, write_tiny_checkpoint
+from moeserve.engine import plan as engine_plan
 from moeserve.engine.llm import LLM
-from moeserve.engine.llm_engine import LLMEngine
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.experts.store import ExpertStore
 from moeserve.experts.transfer import HostToDevice
@@ -73,16 +73,16 @@ def three_tiers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[int], lis
     """`install(host_units)`: from now on every engine built gets the fake fast tier and a host tier of
     `host_units` units. Returns the list the fakes made are appended to (closed at teardown)."""
     made: list[AsyncFakeOps] = []
-    original = LLMEngine._store_options
+    original = engine_plan.store_options
 
     def install(host_units: int, seed: int = 0, copies: Timing = "late",
                 pin_limit_bytes: int | None = None) -> list[AsyncFakeOps]:
-        def store_options(self: LLMEngine, s: Any, capacity: int, host_capacity: int) -> Any:
+        def store_options(s: Any, capacity: int, host_capacity: int) -> Any:
             ops = AsyncFakeOps(seed, copies=copies, kernels="host", pin_limit_bytes=pin_limit_bytes)
             made.append(ops)
-            return replace(original(self, s, capacity, host_capacity), host_capacity=host_units, ops=ops)
+            return replace(original(s, capacity, host_capacity), host_capacity=host_units, ops=ops)
 
-        monkeypatch.setattr(LLMEngine, "_store_options", store_options)
+        monkeypatch.setattr(engine_plan, "store_options", store_options)
         return made
 
     yield install

@@ -29,11 +29,10 @@ class _Stop(Exception):
 def _fake_gpu(monkeypatch: pytest.MonkeyPatch, host_free: int) -> None:
     machine = Machine(host_total_bytes=64 * GiB, host_free_bytes=host_free, gpu=RTX_5080, gpu_free_bytes=2 * GiB)
     monkeypatch.setattr(topology, "read_machine", lambda device: machine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device=cuda is chosen; nothing runs on it
 
 
 def _engine_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, **settings: object) -> list[str]:
-    monkeypatch.setattr(LLMEngine, "_choose_device", lambda self, want: torch.device("cuda"))
-
     def stop(*args: object, **kwargs: object) -> None:
         raise _Stop
 

@@ -104,7 +104,7 @@ def _run(folder: Path, batches: list[list[list[int]]], steps: int, settings: dic
                 batch_steps.append(len(logits) - before)
     finally:
         engine.close()
-    pools = (engine.kv_groups, engine._block_bytes, engine.settings.max_num_seqs, engine.max_num_batched_tokens)
+    pools = (engine.kv_groups, engine.plan.block_bytes, engine.settings.max_num_seqs, engine.max_num_batched_tokens)
     store = engine.model.store
     return Run(logits, outs, store.unit_nbytes, dict(engine.choices), pools, batch_steps, store.stats.misses,
                [i in fused for i in range(len(logits))])
