@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeserve.bench.real_dims import write_real_dims  # noqa: E402
-from scripts.bench_serve import wait_healthy  # noqa: E402
+from moeserve.bench.server_process import wait_healthy  # noqa: E402
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, delay: float) -> list:

@@ -120,9 +120,19 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         module.register(sub)
-    for command in sub.choices.values():
+    for command in _nested_parsers(parser):
         _add_log_flags(command, top=False)
     return parser
+
+
+def _nested_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every (sub)command parser under `parser`, at any depth (`moeserve bench offload`, `moeserve trace convert`)."""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                found += [command, *_nested_parsers(command)]
+    return found
 
 
 def _refuse_unknown(parser: argparse.ArgumentParser, args: argparse.Namespace, unknown: list[str]) -> None:

@@ -1,8 +1,10 @@
-"""`moeserve bench`: build a synthetic model (cached), probe the machine, time moeserve and its peers side by side."""
+"""`moeserve bench`: build a synthetic model (cached), probe the machine, time moeserve and its peers side by side;
+`moeserve bench VARIANT` runs one of the other benchmarks (moeserve/bench/variants/)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import shutil
@@ -53,6 +55,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this file")
     p.add_argument("--build-only", action="store_true", help="build the synthetic model and exit")
     p.set_defaults(func=run)
+    _register_variants(p)
+
+
+def _register_variants(parser: argparse.ArgumentParser) -> None:
+    """`moeserve bench VARIANT [flags]`: each variant module of moeserve.bench.variants adds its own parser."""
+    from moeserve.bench.variants import VARIANTS
+
+    variants = parser.add_subparsers(dest="bench_variant", metavar="VARIANT", parser_class=type(parser),
+                                     title="variants (moeserve bench VARIANT --help)")
+    for name in VARIANTS:
+        importlib.import_module(f"moeserve.bench.variants.{name}").register(variants)
 
 
 def _csv(value: str, valid: tuple[str, ...], what: str) -> tuple[str, ...]:
