@@ -8,9 +8,11 @@ branch on where a trace came from.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from moeserve.bench.flame import load_flame, write_flame
 from moeserve.experts.traces.jsonl import file_format, read_jsonl_trace, write_trace_file
@@ -18,6 +20,7 @@ from moeserve.experts.traces.moetrace import Step, TraceError, TraceHeader, read
 
 INPUT_FORMATS = ("auto", "moetrace", "jsonl", "flame")
 OUTPUT_FORMATS = ("jsonl", "moetrace", "flame")
+T = TypeVar("T")
 
 
 @dataclass
@@ -68,3 +71,14 @@ def convert(
         raise TraceError(f"{dest}: the output would overwrite the input")
     trace = load_trace(source, source_fmt)
     return trace, write_trace(dest, trace.header, trace.steps, to)
+
+
+def shuffled(steps: list[T], warmup_fraction: float, seed: int) -> list[T]:
+    """`steps` with the fitting part (the first `warmup_fraction`, the simulator's split) and the evaluated part
+    each permuted at random, steps kept whole: the permutation test of `moeserve trace shuffle`."""
+    split = int(len(steps) * warmup_fraction)
+    rng = random.Random(seed)
+    fit, evaluated = steps[:split], steps[split:]
+    rng.shuffle(fit)
+    rng.shuffle(evaluated)
+    return fit + evaluated

@@ -1,48 +1,44 @@
-"""scripts/trace_shuffle.py: the permutation test of docs/flame-bound.md keeps every step whole and each part's
+"""`moeserve trace shuffle`: the permutation test of docs/flame-bound.md keeps every step whole and each part's
 multiset of steps, and only moves steps within their part."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from moeserve.bench.traces import load_trace
+from moeserve.bench.traces import load_trace, shuffled
+from moeserve.cli import main
+from tests.experts.policy_traces import FLAME
 
-ROOT = Path(__file__).resolve().parents[2]
-from tests.experts.policy_traces import FLAME  # noqa: E402
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("trace_shuffle", ROOT / "scripts" / "trace_shuffle.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+DEMO_TRACE = Path(__file__).resolve().parents[1] / "experts" / "data" / "demo-batch1.jsonl"
 
 
 def test_parts_permuted_separately_steps_whole() -> None:
     steps = [[("L0", i), ("L1", i * 7)] for i in range(101)]
-    out = _script().shuffled(list(steps), 0.5, seed=3)
+    out = shuffled(list(steps), 0.5, seed=3)
     split = int(101 * 0.5)
     assert Counter(map(repr, out[:split])) == Counter(map(repr, steps[:split]))
     assert Counter(map(repr, out[split:])) == Counter(map(repr, steps[split:]))
     assert out != steps  # the order did change
     assert all(a[1][1] == 7 * a[0][1] for a in out)  # each step's layers travel together
-    assert _script().shuffled(list(steps), 0.5, seed=3) == out  # the seed fixes it
+    assert shuffled(list(steps), 0.5, seed=3) == out  # the seed fixes it
 
 
-def test_written_copy_reads_back(tmp_path: Path) -> None:
-    if not FLAME.is_dir():
+@pytest.mark.parametrize(("trace", "steps"), [(DEMO_TRACE, 256), (FLAME, 2048)], ids=["demo", "flame"])
+def test_written_copy_reads_back(trace: Path, steps: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not trace.exists():
         pytest.skip("the shared FLAME trace is not on this machine")
-    import subprocess
-    import sys
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "trace_shuffle.py"), str(FLAME), "--out", str(tmp_path),
-                    "--seeds", "5"], check=True, capture_output=True)
+    assert main(["trace", "shuffle", str(trace), "--out", str(tmp_path), "--seeds", "5"]) == 0
     original = [repr(s) for s in load_trace(tmp_path / "original.jsonl").steps]
     copy = [repr(s) for s in load_trace(tmp_path / "seed5.jsonl").steps]
     half = len(original) // 2
-    assert len(copy) == len(original) == 2048
+    assert len(copy) == len(original) == steps
     assert Counter(copy[half:]) == Counter(original[half:]) and copy != original
+    assert f"seed5.jsonl: {len(copy)} steps" in capsys.readouterr().out
+
+
+def test_bad_seeds_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["trace", "shuffle", str(DEMO_TRACE), "--out", str(tmp_path), "--seeds", "a"]) == 1
+    assert "--seeds 'a': expected comma-separated integers" in capsys.readouterr().err

@@ -2,8 +2,8 @@
 checkout; 8 MoE layers x 64 experts, top-6, 16,384 layer calls) and two decode traces of the bundled demo model
 (4 layers x 8 experts, top-2) recorded with
 
-    .venv/bin/python scripts/record_demo_traces.py --out DIR --tokens 64 --prompts 4 --batch 4   # batch1.jsonl
-    .venv/bin/python scripts/record_demo_traces.py --out DIR --tokens 64 --prompts 8 --batch 4   # batch4.jsonl
+    moeserve trace record --out DIR --tokens 64 --prompts 4 --batch 4   # batch1.jsonl
+    moeserve trace record --out DIR --tokens 64 --prompts 8 --batch 4   # batch4.jsonl
 
 kept in tests/experts/data (docs/trace-format.md), so no test records them again."""
 
