@@ -1,4 +1,4 @@
-"""scripts/policy_cost.py: the deeper-cycle replay (`--stack`) keeps every call and numbers the layers apart; a run
+"""research/policy_cost.py: the deeper-cycle replay (`--stack`) keeps every call and numbers the layers apart; a run
 prints a row per policy, the same hit rate for the default policy of HEAD (`--before`) as for today's."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ DEMO_TRACE = ROOT / "tests" / "experts" / "data" / "demo-batch1.jsonl"
 
 
 def load_script():  # noqa: ANN201
-    spec = importlib.util.spec_from_file_location("policy_cost", ROOT / "scripts" / "policy_cost.py")
+    spec = importlib.util.spec_from_file_location("policy_cost", ROOT / "research" / "policy_cost.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -34,7 +34,7 @@ def test_stacked_steps_side_by_side_are_one_step_of_more_layers() -> None:
 
 @pytest.mark.skipif(not (ROOT / ".git").exists(), reason="not a git checkout")
 def test_a_run_times_today_and_heads_default_policy_with_the_same_hits() -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "policy_cost.py"), str(DEMO_TRACE), "--capacity",
+    out = subprocess.run([sys.executable, str(ROOT / "research" / "policy_cost.py"), str(DEMO_TRACE), "--capacity",
                           "12", "--rounds", "1", "--policy", "lru,lfru", "--before", "HEAD", "--stack", "2"],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     rows = {line.split()[0]: line.split() for line in out.splitlines()[2:] if "(deferred)" not in line}

@@ -7,28 +7,24 @@ Two figures: the whole mixer call (in_proj, conv, the gates, the chunk form, the
 the chunk form is the same code in both, with the C++ kernels on as under kernels=auto) and the chunk form alone on
 the layer's real input shapes. Random weights; the sequence starts from a zero state each call.
 
-    .venv/bin/python scripts/bench_gated_delta.py [--rounds 5] [--tokens 512] [--threads N]
+    .venv/bin/python research/bench_gated_delta.py [--rounds 5] [--tokens 512] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from moeserve.models.layers.base import ForwardBatch  # noqa: E402
-from moeserve.models.layers.linear import Linear  # noqa: E402
-from moeserve.models.mixers.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form  # noqa: E402
-from moeserve.models.mixers.gated_delta_rule import chunk_form, l2norm  # noqa: E402
-from moeserve.models.spec import LinearAttentionSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, bench_numerics, prepare, print_ratios  # noqa: E402
+from moeserve.bench.kernel_setup import add_threads_flag, bench_numerics, prepare, print_ratios
+from moeserve.models.layers.base import ForwardBatch
+from moeserve.models.layers.linear import Linear
+from moeserve.models.mixers.gated_delta import ChunkForm, GatedDeltaNet, cpp_chunk_form
+from moeserve.models.mixers.gated_delta_rule import chunk_form, l2norm
+from moeserve.models.spec import LinearAttentionSpec
 
 FORMS: dict[str, ChunkForm] = {"torch": chunk_form, "cpp": cpp_chunk_form}
 
@@ -45,6 +41,9 @@ class RecurrentSlot:
 
     def group_of(self, layer: int) -> int:
         return 0
+
+# published config.json files (copies in the checkout's tests/data; read as data, nothing of tests is imported)
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference_configs"
 
 
 def build(la: LinearAttentionSpec, hidden: int, eps: float, gen: torch.Generator) -> GatedDeltaNet:
@@ -81,7 +80,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     add_threads_flag(ap)
     args = ap.parse_args()
-    spec = prepare(args, "bench_gated_delta", "Qwen3-Next-80B-A3B.json")
+    spec = prepare(args, "bench_gated_delta", CONFIGS / "Qwen3-Next-80B-A3B.json")
     la = spec.linear_attention
     assert la is not None
     gen = torch.Generator().manual_seed(0)

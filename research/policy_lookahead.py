@@ -3,10 +3,10 @@ the next `L` layer calls (an oracle no online policy has): keys needed within th
 those calls' layers that they do not need wait one more cycle. If even this barely beats LFRU, no predictor of the
 next calls (the token's own previous-layer choices, co-occurrence) can do much better by eviction alone.
 
-    .venv/bin/python scripts/policy_lookahead.py /work/shared/traces/flame-moe-290m --capacity 64,128,256 \
+    .venv/bin/python research/policy_lookahead.py /work/shared/traces/flame-moe-290m --capacity 64,128,256 \
         --lookahead 0,1,2,7
 
-Evaluated like scripts/policy_table.py: the second half of the steps, from a cold cache, demand loading. Slow
+Evaluated like research/policy_table.py: the second half of the steps, from a cold cache, demand loading. Slow
 (the victim is found by a scan of the cache): a measurement, not a policy.
 """
 

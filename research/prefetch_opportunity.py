@@ -1,6 +1,6 @@
 """How much of an offloaded decode's misses any router-based guess could have prefetched, and at what waste.
 
-    .venv/bin/python scripts/prefetch_opportunity.py ~/.cache/moeserve/bench/large-bf16 [--expert-cache-gb 1.5]
+    .venv/bin/python research/prefetch_opportunity.py ~/.cache/moeserve/bench/large-bf16 [--expert-cache-gb 1.5]
         [--tokens 64] [--distances 1,2,4,8]
 
 Decodes the bench's batch-1 prompt with moeserve (per-op steps, so every MoE block sees its input) and keeps each
@@ -60,7 +60,8 @@ def main() -> None:
     with torch.no_grad():
         steps = len(inputs[blocks[0].layer])
         x = [torch.cat(inputs[b.layer]) for b in blocks]  # per MoE layer index: [steps, H]
-        actual = [b.route(x[i])[1].tolist() for i, b in enumerate(blocks)]  # [layer][step] -> top-k ids
+        actual = [b.routing.route(x[i], b.routing.logits(b.router, x[i])).ids.tolist()  # [layer][step] -> top-k
+                  for i, b in enumerate(blocks)]
         # [layer][step] -> the ids layer i's router picks on layer i-d's input (nothing for the first d layers)
         guesses = {d: [torch.topk(b.router(x[i - d]), b.spec.top_k, dim=-1).indices.tolist() if i >= d
                        else [[] for _ in range(steps)] for i, b in enumerate(blocks)] for d in distances}

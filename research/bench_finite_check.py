@@ -1,7 +1,7 @@
-"""What the NaN/inf check costs at load: a synthetic Qwen3-MoE checkpoint (the layout of tests/test_offload_rss.py)
+"""What the NaN/inf check costs at load: a synthetic Qwen3-MoE checkpoint (moeserve/bench/checkpoints.py)
 loaded resident, alternating rounds with the check on and off, plus the time spent inside the check itself.
 
-    .venv/bin/python scripts/bench_finite_check.py [--layers 4] [--rounds 3] [--folder /tmp/finite-bench]
+    .venv/bin/python research/bench_finite_check.py [--layers 4] [--experts 64] [--rounds 3] [--folder /tmp/finite-bench]
 
 Every load reads the file from disk (the reader drops the page cache it used), so the on/off difference is within
 the disk's noise; the time inside the check (`is_finite`, summed) is the direct measure.
@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import moeserve.checkpoint.finite as finite  # noqa: E402
-from moeserve.bench.checkpoints import SYNTH_CONFIG, write_synthetic_checkpoint  # noqa: E402
-from moeserve.engine.llm import LLM  # noqa: E402
+import moeserve.checkpoint.finite as finite
+from moeserve.bench.checkpoints import SYNTH_CONFIG, write_synthetic_checkpoint
+from moeserve.engine.llm import LLM
 
 REAL_IS_FINITE = finite.is_finite
 
@@ -50,11 +47,12 @@ def load_seconds(folder: Path, check: bool) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=SYNTH_CONFIG["num_experts"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--folder", default="/tmp/finite-bench")
     args = ap.parse_args()
     folder = Path(args.folder)
-    cfg = {**SYNTH_CONFIG, "num_hidden_layers": args.layers}
+    cfg = {**SYNTH_CONFIG, "num_hidden_layers": args.layers, "num_experts": args.experts}
     if not (folder / "config.json").is_file() or json.loads((folder / "config.json").read_text()) != cfg:
         write_synthetic_checkpoint(folder, cfg)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))

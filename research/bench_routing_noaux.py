@@ -2,7 +2,7 @@
 4 kept, top 8), in fixed row blocks as under batch_invariant: the torch ops (moe.SigmoidGroups) vs the C++ op
 (moe.CppSigmoidGroups), alternated round by round, per batch size; printed, no assertion. Random fp32 logits.
 
-    .venv/bin/python scripts/bench_routing_noaux.py [--rounds 7] [--calls 200] [--batches 1 64 2048]
+    .venv/bin/python research/bench_routing_noaux.py [--rounds 7] [--calls 200] [--batches 1 64 2048]
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moeserve import kernels
+from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups
+from moeserve.models.numerics import Numerics
+from moeserve.models.registry import get_architecture
 
-from moeserve import kernels  # noqa: E402
-from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups  # noqa: E402
-from moeserve.models.numerics import Numerics  # noqa: E402
-from moeserve.models.registry import get_architecture  # noqa: E402
-
-CONFIG = ROOT / "tests" / "data" / "reference_configs" / "DeepSeek-V3.json"
+# a published config.json (the copy in the checkout's tests/data; read as data, nothing of tests is imported)
+CONFIG = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference_configs" / "DeepSeek-V3.json"
 
 
 def main() -> None:

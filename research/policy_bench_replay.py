@@ -5,7 +5,7 @@ The engine decodes as `moeserve bench` does (batch 1, random prompts, greedy) on
 while it records the layer calls it actually made; the store's per-layer (hits, misses) and bypasses are then set
 beside `simulate(...)` replaying that recorded trace at the same capacity, with and without admission control.
 
-    .venv/bin/python scripts/policy_bench_replay.py --shape large --fraction 0.25 \\
+    .venv/bin/python research/policy_bench_replay.py --shape large --fraction 0.25 \\
         --route-trace /work/shared/traces/flame-moe-290m --prompts 3 --tokens 32
 
 Counts only: no timing, so the machine's load does not matter.

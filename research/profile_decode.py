@@ -1,6 +1,6 @@
 """Profile batch-1 greedy decode with torch.profiler and print the ops by self CPU time.
 
-    .venv/bin/python scripts/profile_decode.py ~/.cache/moeserve/bench/small-bf16 [--steps 9] [--kernels auto]
+    .venv/bin/python research/profile_decode.py ~/.cache/moeserve/bench/small-bf16 [--steps 9] [--kernels auto]
 """
 
 from __future__ import annotations

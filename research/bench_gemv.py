@@ -1,6 +1,6 @@
 """Streaming speed of the C++ weight kernels against a plain fp32 sum over the same bytes, alternated.
 
-    .venv/bin/python scripts/bench_gemv.py [--threads 2]
+    .venv/bin/python research/bench_gemv.py [--threads 2]
 
 Per round: the fused MoE op (`moe_swiglu_`, one token, 4 experts of the small bench shape per call), the same on
 units in the row-interleaved layout (`moe_swiglu_interleaved_`), the dense

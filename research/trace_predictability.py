@@ -6,7 +6,7 @@ steps and scored on the second ("out of sample": what an online predictor could 
 history), and fitted on the second half itself ("in sample": an optimistic bound; the predictor has seen the
 answers). Per step; meaningful for batch-1 traces (one token per step). docs/flame-bound.md:
 
-    .venv/bin/python scripts/trace_predictability.py /work/shared/traces/flame-moe-290m
+    .venv/bin/python research/trace_predictability.py /work/shared/traces/flame-moe-290m
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 agreement with the bf16 engine and the logit differences, for bf16 / int8 experts only (kernels=torch,
 dense Linears bf16) / int8 experts + dense Linears (kernels=cpp).
 
-    .venv/bin/python scripts/int8_accuracy.py [--tokens 2048] [--window 256]
+    python scripts/demo_corpus.py --dump /tmp/austen      # the six novels as text, once
+    .venv/bin/python research/int8_accuracy.py --text /tmp/austen/persuasion.txt [--tokens 2048] [--window 256]
 
-The text is the start of the held-out novel (scripts/demo_corpus.py: never seen by the model nor its tokenizer),
-in non-overlapping windows; every position of a window is decoded one token at a time, so each engine predicts
+The text is the start of the held-out novel (persuasion.txt: never seen by the model nor its tokenizer), in
+non-overlapping windows; every position of a window is decoded one token at a time, so each engine predicts
 every next token from the same context.
 """
 
@@ -13,19 +14,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 
 from moeserve import LLM
+from moeserve.engine.llm_engine import demo_model_path
 from moeserve.models.layers.base import ForwardBatch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import demo_corpus  # noqa: E402
-
-MODEL = ROOT / "moeserve" / "demo_model"
 
 
 @torch.inference_mode()
@@ -52,16 +47,18 @@ def window_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--text", type=Path, required=True,
+                    help="held-out text, e.g. persuasion.txt of `python scripts/demo_corpus.py --dump DIR`")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=256)
     args = ap.parse_args()
-    text = demo_corpus.load_books()[demo_corpus.HELDOUT_BOOK]
+    text = args.text.read_text(encoding="utf-8")
     configs = {
         "bf16": dict(kernels="cpp"),
         "int8 experts": dict(kernels="torch", quantization="int8", int8_cache_dir="off"),
         "int8 experts+dense": dict(kernels="cpp", quantization="int8", int8_cache_dir="off"),
     }
-    llms = {name: LLM(str(MODEL), dtype="bfloat16", max_model_len=args.window + 1, **kw)
+    llms = {name: LLM(str(demo_model_path()), dtype="bfloat16", max_model_len=args.window + 1, **kw)
             for name, kw in configs.items()}
     tok = next(iter(llms.values())).engine.tokenizer
     assert tok is not None
@@ -73,7 +70,7 @@ def main() -> None:
             logits[name].append(window_logits(llm, w[:-1]))
     targets = torch.cat([torch.tensor(w[1:]) for w in windows])
     ref = torch.cat(logits["bf16"])
-    print(f"demo model, {targets.numel()} held-out tokens ({demo_corpus.HELDOUT_BOOK}), windows of {args.window}")
+    print(f"demo model, {targets.numel()} held-out tokens ({args.text.name}), windows of {args.window}")
     for name in llms:
         lg = torch.cat(logits[name])
         ppl = math.exp(torch.nn.functional.cross_entropy(lg, targets).item())

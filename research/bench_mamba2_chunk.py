@@ -7,44 +7,36 @@ Two parts per kernel, each in wall and in process CPU time: the SSD chunk scan a
 the whole mixer call on a fresh sequence (in_proj, conv, scan, gated norm, out_proj; the same C++ GEMMs, conv and
 norm in both: the C++ kernels are on, as under kernels=cpp). Random weights.
 
-    .venv/bin/python scripts/bench_mamba2_chunk.py [--rounds 5] [--calls 3] [--tokens 512] [--threads N]
+    .venv/bin/python research/bench_mamba2_chunk.py [--rounds 5] [--calls 3] [--tokens 512] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moeserve.bench.kernel_setup import (
+    RecurrentSlots,
+    add_threads_flag,
+    mamba2_pair,
+    per_call_ms,
+    prepare,
+    print_ratios,
+)
+from moeserve.models.layers.base import ForwardBatch
 
-from moeserve.models.layers.base import ForwardBatch  # noqa: E402
-from moeserve.models.mixers.mamba2_ssd import CppMamba2, TorchMamba2  # noqa: E402
-from scripts.bench_mamba2_step import RecurrentSlots, build  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, prepare, print_ratios  # noqa: E402
+# published config.json files (copies in the checkout's tests/data; read as data, nothing of tests is imported)
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference_configs"
 
 
 def prefill_batch(tokens: int) -> ForwardBatch:
     """One fresh sequence (slot 0) whose whole prompt of `tokens` tokens is in the batch."""
     return ForwardBatch(torch.zeros(tokens, dtype=torch.long), torch.arange(tokens), [0], [tokens],
                         [torch.zeros(tokens, dtype=torch.long)], [torch.tensor([[0]])], [[[0]]], prompt_lens=[tokens])
-
-
-def per_call_ms(fn: Callable[[], object], calls: int) -> tuple[float, float]:
-    """(wall, CPU) milliseconds per call after one warm-up call: on a shared machine the CPU time of the process
-    (all its threads) moves less with the others' load than the wall time."""
-    fn()
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - wall) / calls * 1e3, (time.process_time() - cpu) / calls * 1e3
 
 
 def main() -> None:
@@ -54,12 +46,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=512)
     add_threads_flag(ap)
     args = ap.parse_args()
-    spec = prepare(args, "bench_mamba2_chunk", "Nemotron-3-Nano-30B-A3B.json")
+    spec = prepare(args, "bench_mamba2_chunk", CONFIGS / "Nemotron-3-Nano-30B-A3B.json")
     m, n = spec.mamba, args.tokens
     assert m is not None
     dtype, gen = torch.bfloat16, torch.Generator().manual_seed(0)
-    mixers = {name: build(spec, dtype, kind(), torch.Generator().manual_seed(0))
-              for name, kind in (("torch", TorchMamba2), ("cpp", CppMamba2))}
+    mixers = mamba2_pair(spec, dtype)
     kv = RecurrentSlots(spec, 1, dtype)
     x = torch.randn(n, spec.hidden_size, generator=gen).to(dtype)
     xbc = F.silu(torch.randn(n, m.conv_dim, generator=gen)).to(dtype)

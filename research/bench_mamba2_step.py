@@ -6,62 +6,31 @@ Two figures per kernel: the whole mixer call (in_proj and out_proj are the same 
 are on, as under kernels=cpp) and the part the kernels choice changes (conv, SiLU, softplus, decay, the
 selective-state update). Random weights; the state and conv history advance every call, as in decoding.
 
-    .venv/bin/python scripts/bench_mamba2_step.py [--rounds 7] [--calls 50] [--batch 1] [--threads N]
+    .venv/bin/python research/bench_mamba2_step.py [--rounds 7] [--calls 50] [--batch 1] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from moeserve.bench.kernel_setup import (
+    RecurrentSlots,
+    add_threads_flag,
+    mamba2_pair,
+    per_call_ms,
+    prepare,
+    print_ratios,
+)
+from moeserve.models.layers.base import ForwardBatch
+from moeserve.models.mixers.mamba2 import Mamba2Mixer
 
-from moeserve.models.layers.base import ForwardBatch  # noqa: E402
-from moeserve.models.layers.linear import Linear  # noqa: E402
-from moeserve.models.mixers.mamba2 import Mamba2Mixer  # noqa: E402
-from moeserve.models.mixers.mamba2_ssd import CppMamba2, Mamba2Kernels, TorchMamba2  # noqa: E402
-from moeserve.models.spec import ModelSpec  # noqa: E402
-from scripts.kernel_bench_setup import add_threads_flag, bench_numerics, prepare, print_ratios  # noqa: E402
-
-
-class RecurrentSlots:
-    """What Mamba2Mixer reads of the sequence memory: one group, `slots` conv histories and states."""
-
-    def __init__(self, spec: ModelSpec, slots: int, dtype: torch.dtype) -> None:
-        m = spec.mamba
-        assert m is not None
-        self.conv = torch.randn(slots, m.conv_kernel - 1, m.conv_dim).to(dtype)
-        self.states = torch.randn(slots, m.num_heads, m.head_dim, m.state_size) * 0.1
-
-    def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.conv, self.states
-
-    def group_of(self, layer: int) -> int:
-        return 0
-
-
-def build(spec: ModelSpec, dtype: torch.dtype, mamba: Mamba2Kernels, gen: torch.Generator) -> Mamba2Mixer:
-    m, h = spec.mamba, spec.hidden_size
-    assert m is not None
-
-    def rand(*shape: int, scale: float = 0.02) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
-
-    numerics = bench_numerics()
-    in_proj = Linear(rand(m.inner + m.conv_dim + m.num_heads, h), None, numerics)
-    out_proj = Linear(rand(h, m.inner), None, numerics)
-    conv = (rand(m.conv_dim, m.conv_kernel, scale=0.3), rand(m.conv_dim, scale=0.1))
-    a_log = torch.log(torch.rand(m.num_heads, generator=gen) * 15 + 1).to(dtype)
-    return Mamba2Mixer(m, 0, in_proj, out_proj, conv, a_log, (1 + rand(m.num_heads, scale=0.2)).to(dtype),
-                       (-3 + rand(m.num_heads, scale=0.5)).to(dtype), (1 + rand(m.inner, scale=0.2)).to(dtype),
-                       numerics, mamba)
+# published config.json files (copies in the checkout's tests/data; read as data, nothing of tests is imported)
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "data" / "reference_configs"
 
 
 def decode_batch(batch: int, start: int) -> ForwardBatch:
@@ -88,14 +57,6 @@ def kernels_part(mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, kv: Re
     return run
 
 
-def per_call_ms(fn: Callable[[], object], calls: int) -> float:
-    fn()
-    begin = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - begin) / calls * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -103,10 +64,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     add_threads_flag(ap)
     args = ap.parse_args()
-    spec = prepare(args, "bench_mamba2_step", "Nemotron-3-Nano-30B-A3B.json")
+    spec = prepare(args, "bench_mamba2_step", CONFIGS / "Nemotron-3-Nano-30B-A3B.json")
     dtype, gen = torch.bfloat16, torch.Generator().manual_seed(0)
-    mixers = {name: build(spec, dtype, kind(), torch.Generator().manual_seed(0))
-              for name, kind in (("torch", TorchMamba2), ("cpp", CppMamba2))}
+    mixers = mamba2_pair(spec, dtype)
     kv = RecurrentSlots(spec, args.batch, dtype)
     x = (torch.randn(args.batch, spec.hidden_size, generator=gen)).to(dtype)
     m = spec.mamba
@@ -119,9 +79,9 @@ def main() -> None:
           f"{args.rounds} rounds x {args.calls} calls, alternated")
     for _ in range(args.rounds):
         for name, mixer in mixers.items():
-            times.setdefault(("mixer", name), []).append(per_call_ms(lambda mx=mixer: mx(x, batch, kv), args.calls))
+            times.setdefault(("mixer", name), []).append(per_call_ms(lambda mx=mixer: mx(x, batch, kv), args.calls)[0])
             part = kernels_part(mixer, xbc, dt, kv, args.batch)
-            times.setdefault(("kernels", name), []).append(per_call_ms(part, args.calls))
+            times.setdefault(("kernels", name), []).append(per_call_ms(part, args.calls)[0])
     print_ratios(times, ("mixer", "kernels"))
 
 

@@ -4,7 +4,7 @@ its lock per layer call (pin, begin_call with its on_hit calls, take_miss_slot w
 on_insert, finish_read, release), and inside that the policy's own methods. A micro-benchmark, not a test: the
 figures depend on the machine and its load; compare policies within one run (they alternate, `--rounds` times).
 
-    .venv/bin/python scripts/policy_cost.py /work/shared/traces/flame-moe-290m --capacity 128 --rounds 3
+    .venv/bin/python research/policy_cost.py /work/shared/traces/flame-moe-290m --capacity 128 --rounds 3
 
 `--before REV` adds the default policy as git revision REV had it (experts/policies/lfru.py), as `lfru@REV`, to the
 alternation: a before/after figure from one run. `--stack K` replays K consecutive steps side by side as one step of

@@ -2,7 +2,7 @@
 expert_admission=always vs policy, same prompts, same sampled tokens, same cache; hit rate and bytes read per
 token from the store's own counters, then the recorded trace replayed through `simulate(admission=...)` as a check.
 
-    .venv/bin/python scripts/admission_demo.py --experts 12 --batch 8 --tokens 128 --policy lfru
+    .venv/bin/python research/admission_demo.py --experts 12 --batch 8 --tokens 128 --policy lfru
 
 Counts are exact (the tokens do not depend on the placement, so both runs route the same); tokens/s is printed
 but depends on the machine's load.

@@ -2,7 +2,7 @@
 routing trace, and the issue-19 target per capacity: the best online policy (prefetch allowed) against demand-only
 Belady, in hit rate (>= 0.9x) and in reads (<= 1.5x).
 
-    .venv/bin/python scripts/policy_table.py /work/shared/traces/flame-moe-290m \
+    .venv/bin/python research/policy_table.py /work/shared/traces/flame-moe-290m \
         --capacity 64,96,128,192,256,384 --out /tmp/flame-table.md --json /tmp/flame-table.json
 
 Long grids can run in parts (e.g. one process per capacity mode, each with --json) and be put together with

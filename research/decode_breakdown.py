@@ -1,8 +1,8 @@
 """Where a batch-1 decode step's time goes, without a profiler's overhead, decode steps only (a 1-token run is
 subtracted). Any architecture: attention, Gated DeltaNet, MLA and Mamba-2 layers, dense and MoE FFNs.
 
-    .venv/bin/python scripts/decode_breakdown.py --shape hybrid [--rounds 3] [--tokens 32] [--threads N]
-    .venv/bin/python scripts/decode_breakdown.py ~/.cache/moeserve/bench/small-bf16 [--decode-step auto|fused|per_op]
+    .venv/bin/python research/decode_breakdown.py --shape hybrid [--rounds 3] [--tokens 32] [--threads N]
+    .venv/bin/python research/decode_breakdown.py ~/.cache/moeserve/bench/small-bf16 [--decode-step auto|fused|per_op]
 
 `--shape NAME`: a bench shape's synthetic checkpoint (`moeserve bench` builds the same one, cached).
 
