@@ -6,8 +6,8 @@
 Prints one line per figure: README words and lines, docs lines under dated headings (a heading naming a date,
 an issue, a session, a pass or a round: history that belongs in git), package files over 500 lines, functions
 over 60 lines, classes over 20 methods, module globals rewritten after import (`global` statements), import
-cycles in the package (strongly connected groups of modules, and of top-level subpackages), scripts that patch
-`sys.path` or import from `tests`. Reads files only (ast), imports nothing of the package.
+cycles in the package (strongly connected groups of modules, and of top-level subpackages), scripts (scripts/ and
+research/) that patch `sys.path` or import from `tests`. Reads files only (ast), imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -149,6 +149,27 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return out
 
 
+def patches_sys_path(path: str, text: str) -> bool:
+    """Whether a script changes sys.path: a Python script calls sys.path.insert/append/extend or assigns to
+    sys.path (read from its ast, so a mention in a string or comment does not count); a shell script names it."""
+    if not path.endswith(".py"):
+        return "sys.path" in text
+
+    def is_sys_path(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys")
+
+    for node in ast.walk(ast.parse(text)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value)
+                and node.func.attr in ("insert", "append", "extend")):
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign) else []
+        if any(is_sys_path(t.value if isinstance(t, ast.Subscript) else t) for t in targets):
+            return True
+    return False
+
+
 def measure(t: Tree) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     readme = t.read("README.md")
@@ -181,7 +202,7 @@ def measure(t: Tree) -> list[tuple[str, str]]:
     pkg_cycles = cycles(package_graph(graph))
     rows.append(("import cycles between subpackages", f"{len(pkg_cycles)} " + " | ".join(" ".join(c) for c in pkg_cycles)))
     script_files = [p for folder in ("scripts", "research") for ext in (".py", ".sh") for p in t.files(folder, ext)]
-    patch = [p for p in script_files if "sys.path" in t.read(p)]
+    patch = [p for p in script_files if patches_sys_path(p, t.read(p))]
     from_tests = [p for p in script_files if re.search(r"^\s*(from|import) tests\b", t.read(p), re.M)]
     rows.append(("scripts / lines", f"{len(script_files)} / {sum(len(t.read(p).splitlines()) for p in script_files)}"))
     rows.append(("scripts patching sys.path", f"{len(patch)}"))

@@ -39,10 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+import demo_corpus  # scripts/demo_corpus.py: a script's own folder is importable
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "moeserve" / "demo_model"
