@@ -1,11 +1,12 @@
 # Two commands for a fresh machine (see README.md):
 #   make run    installs everything into .venv, then serves the demo model and queries it
-#   make test   installs everything into .venv, then runs lint, type checks and the test suite
+#   make test   installs everything into .venv, then runs lint, type checks and the whole test suite (what CI runs)
+# and, while working: make test-fast   the fast tier of the tests only (tests/tiers.py), a few minutes
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 
 # The C++ kernels are built here (announced, one line per compiled source; minutes the first time, cached in
 # ~/.cache/moeserve/kernels afterwards) so that the first `serve` does not. Without a compiler the engine runs
@@ -33,3 +34,7 @@ lint: setup
 
 test: lint
 	bash scripts/run_tests.sh $(PY)
+
+# The tests not marked slow (tests/tiers.py says which are), without lint and type checks (make lint).
+test-fast: setup
+	bash scripts/run_tests.sh $(PY) fast

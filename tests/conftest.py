@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_text_model
+from tests import tiers
 
 
 @pytest.fixture(scope="session")
@@ -87,7 +88,13 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(tiers.SlowFastTests(), "moeserve-slow-fast-tests")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker: the tier markers must be on by then
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tiers.mark_slow(items)  # the test tiers (make test, make test-fast): tests/tiers.py
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not has_cuda():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
 
 from moeserve.models.mixers.mamba2_ssd import CHUNK, CppMamba2, Mamba2Kernels, Piece, TorchMamba2
 from moeserve.models.spec import MambaSpec
@@ -60,6 +59,9 @@ def relative(got: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kernels", [CppMamba2, TorchMamba2], ids=["cpp", "torch"])
 def test_scan_within_1e6_of_transformers(kernels: type[Mamba2Kernels], shape: str, n: int) -> None:
+    # transformers' modeling module takes seconds to import: here, not at collection
+    from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
+
     cpp_ops()
     spec = spec_of(*SHAPES[shape])
     h, g, p, s = SHAPES[shape]
