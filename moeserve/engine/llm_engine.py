@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -89,9 +89,8 @@ class LLMEngine:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
         self.eos_token_ids = eos_token_ids(ckpt, self.tokenizer)
         # after the tokenizer: the split charges the process's RSS (memory_gb), the tokenizer's included
-        self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe)
+        self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe, self._chose)
         self.kernel_seconds = probe.kernel_seconds  # a first build takes minutes: kept out of the load time
-        self._log_choices(plan.choices)
         torch.set_num_threads(plan.threads)
         self.device, self.dtype, self.dtype_name = plan.device, plan.dtype, plan.dtype_name
         self.max_model_len, self.max_num_batched_tokens = plan.max_model_len, plan.max_num_batched_tokens
@@ -112,7 +111,8 @@ class LLMEngine:
             self.model = build_model(self.checkpoint, self.arch, spec, plan.dtype, plan.device, plan.max_model_len,
                                      plan.expert_plan, plan.expert_capacity, s.cache_policy, advance,
                                      plan.store_options, plan.model_options)
-        self._log_choices([("expert store", self.model.store.describe()), *self.model.choices])
+        for name, text in [("expert store", self.model.store.describe()), *self.model.choices]:
+            self._chose(name, text)
         self.trace = open_trace(s.record_trace, s.record_trace_format, model_path, spec, self.model)
         if self.trace is not None:
             weakref.finalize(self, self.trace.close)  # flushed at exit even when nobody calls close()
@@ -123,13 +123,13 @@ class LLMEngine:
                                      s.enable_prefix_caching)
         kv_line = kv_cache_line(self.kv.describe(), plan.dtype, self.memory.prefix_caching, plan.kv_groups,
                                 s.enable_prefix_caching)
-        self._log_choices([("KV cache", kv_line), *plan.kv_choices])
+        for name, text in [("KV cache", kv_line), *plan.kv_choices]:
+            self._chose(name, text)
 
-    def _log_choices(self, choices: Iterable[tuple[str, str]]) -> None:
-        """Choices made at start-up: each logged ("name: value (reason)") and kept in `choices`."""
-        for name, text in choices:
-            log.info("%s: %s", name, text)
-            self._choices[name] = text
+    def _chose(self, name: str, text: str) -> None:
+        """A choice made at start-up: logged ("name: value (reason)") and kept in `choices`."""
+        log.info("%s: %s", name, text)
+        self._choices[name] = text
 
     @cached_property
     def grammar_compiler(self) -> GrammarCompiler | None:

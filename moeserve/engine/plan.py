@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -165,27 +166,36 @@ class EnginePlan:
         return ModelOptions(self.numerics, self.numerics_reason, self.dense_int8, self.decode_step)
 
 
-class _Lines(list[tuple[str, str]]):
-    """The (name, line) of each choice in the order made."""
+class _Lines:
+    """The (name, line) of each choice in the order made, each told to `told` as it is made."""
+
+    def __init__(self, told: Callable[[str, str], None]) -> None:
+        self.items: list[tuple[str, str]] = []
+        self.told = told
+
+    def add(self, name: str, line: str) -> None:
+        self.items.append((name, line))
+        self.told(name, line)
 
     def take(self, name: str, choice: tuple[T, str]) -> T:
         value, line = choice
-        self.append((name, line))
+        self.add(name, line)
         return value
 
 
 def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: EngineSettings,
-                     probe: StartupProbe) -> EnginePlan:
-    """Every start-up choice for `ckpt` (a config-only checkpoint too) under settings `s`. Raises ConfigError, one
+                     probe: StartupProbe, told: Callable[[str, str], None] = lambda name, line: None) -> EnginePlan:
+    """Every start-up choice for `ckpt` (a config-only checkpoint too) under settings `s`; `told(name, line)` hears
+    each as it is made (the engine logs it: the lines before a refusal are logged too). Raises ConfigError, one
     line, for a setting that cannot apply or a budget the parts cannot fit in; allocates nothing."""
-    lines = _Lines()
+    lines = _Lines(told)
     device = lines.take("device", choose_device(s.device, probe.cuda_available()))
     dtype = lines.take("dtype", choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype()))
     threads = lines.take("threads", choose_threads(s.threads, probe.usable_cores()))
-    lines.append(("allocator", probe.allocator))
+    lines.add("allocator", probe.allocator)
     check_max_model_len(s.max_model_len, spec.max_position_embeddings)
     cpp, why = probe.kernels(s.kernels, device.type, s.cpu_isa)
-    lines.append(("kernels", kernels_line(s.kernels, cpp, why)))
+    lines.add("kernels", kernels_line(s.kernels, cpp, why))
     batched = lines.take("max_num_batched_tokens", choose_batched_tokens(s.max_num_batched_tokens, s.max_num_seqs))
     snapshots = prefix_snapshots(s.max_num_seqs, s.enable_prefix_caching)
     groups = spec_kv_groups(spec, snapshots)
@@ -198,11 +208,12 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
                          batched, probe.runtime_bytes())
     # every tier sized by the function memory/sizing.py gives both the engine and `moeserve plan`
     sizes = size_tiers(needs, probe.topology(device, s.unified_memory), s)
-    lines += sizes.lines
+    for name, line in sizes.lines:
+        lines.add(name, line)
     interleaved = lines.take("expert layout", choose_expert_layout(dense, dtype, s.quantization, s.expert_layout,
                                                                    cpp, probe.interleaved_ops))
     held = _held_plan(dense, sized, dtype, s, interleaved)  # the same bytes per unit: the split above stands
-    lines.append(("experts", f"{held.description} (quantization={s.quantization})"))
+    lines.add("experts", f"{held.description} (quantization={s.quantization})")
     split = sizes.split
     options = store_options(s, split.expert_capacity, sizes.host.capacity)
     numerics, numerics_reason = choose_numerics(cpp, s.batch_invariant, dtype, device)
@@ -210,7 +221,7 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
                            split.max_model_len)
     return EnginePlan(device, dtype, threads, cpp, numerics, numerics_reason, s.quantization == "int8",
                       s.decode_step, batched, tuple(groups), tuple(block_bytes), tuple(kv_blocks), snapshots, needs,
-                      sizes, held, options, tuple(lines), _kv_choices(spec, dtype, groups, block_bytes, s))
+                      sizes, held, options, tuple(lines.items), _kv_choices(spec, dtype, groups, block_bytes, s))
 
 
 def _spill_root(s: EngineSettings) -> Path | None:

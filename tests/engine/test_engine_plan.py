@@ -4,6 +4,7 @@ here: no kernels loaded, no RSS measured), on a checkpoint's headers or config.j
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -74,11 +75,12 @@ class FakeProbe(StartupProbe):
         return self.interleaved
 
 
-def _plan(probe: StartupProbe | None = None, path: Path | None = None, **settings: object) -> EnginePlan:
+def _plan(probe: StartupProbe | None = None, path: Path | None = None,
+          told: Callable[[str, str], None] = lambda name, line: None, **settings: object) -> EnginePlan:
     ckpt = open_checkpoint(str(demo_model_path())) if path is None else config_only_checkpoint(path)
     arch, spec = read_model(ckpt)
     s = EngineSettings(skip_tokenizer_init=True, **settings)  # type: ignore[arg-type]
-    return make_engine_plan(ckpt, arch, spec, s, probe or FakeProbe())
+    return make_engine_plan(ckpt, arch, spec, s, probe or FakeProbe(), told)
 
 
 # ------------------------------------------------------------------------------------------ the choices, alone
@@ -195,8 +197,13 @@ def test_settings_reach_the_plan() -> None:
 def test_refusals_come_from_the_plan() -> None:
     with pytest.raises(ConfigError, match="device=cuda but no CUDA device"):
         _plan(device="cuda")
+    told: list[tuple[str, str]] = []
     with pytest.raises(ConfigError, match="does not fit"):
-        _plan(memory_gb=0.1)
+        _plan(told=lambda name, line: told.append((name, line)), memory_gb=0.1)
+    assert [name for name, _ in told] == PLAN_CHOICES[:6]  # each told as made: the log has them before the error
+    told.clear()
+    plan = _plan(told=lambda name, line: told.append((name, line)))
+    assert tuple(told) == plan.choices
 
 
 def test_a_config_only_checkpoint_plans_alike() -> None:
