@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -94,6 +94,25 @@ def _keyed_docs(app: FastAPI, auth: list[Any]) -> None:
 def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
     """The app. With `manage_engine`, startup starts the engine thread (the model loads in the background while
     /health answers 503) and shutdown stops it."""
+    keyed = state.settings.api_key is not None
+    app = FastAPI(title="moeserve", version="0.1.0", lifespan=_lifespan(state, manage_engine),
+                  description="OpenAI-compatible server for Mixture-of-Experts models larger than memory.",
+                  openapi_url=None if keyed else "/openapi.json", docs_url=None if keyed else "/docs",
+                  redoc_url=None if keyed else "/redoc")
+    app.state.server = state
+    install_error_handlers(app)
+    app.add_middleware(RequestGuard, max_body_bytes=int(state.settings.max_request_body_mb * 1e6))
+    auth = [_api_key_check(state)]
+    if keyed:
+        _keyed_docs(app, auth)
+    _add_service_routes(app, state)
+    _add_openai_routes(app, state, auth)
+    _add_token_routes(app, state, auth)
+    return app
+
+
+def _lifespan(state: ServerState, manage_engine: bool) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup and shutdown: the engine thread and the periodic stats line (with `manage_engine`)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -111,17 +130,11 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                 state.engine.shutdown()
             state.close()
 
-    keyed = state.settings.api_key is not None
-    app = FastAPI(title="moeserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server for Mixture-of-Experts models larger than memory.",
-                  openapi_url=None if keyed else "/openapi.json", docs_url=None if keyed else "/docs",
-                  redoc_url=None if keyed else "/redoc")
-    app.state.server = state
-    install_error_handlers(app)
-    app.add_middleware(RequestGuard, max_body_bytes=int(state.settings.max_request_body_mb * 1e6))
-    auth = [_api_key_check(state)]
-    if keyed:
-        _keyed_docs(app, auth)
+    return lifespan
+
+
+def _add_service_routes(app: FastAPI, state: ServerState) -> None:
+    """/health (no key: load balancers probe it) and /metrics (Prometheus text)."""
 
     @app.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
     async def health(strict: bool = False) -> Response:
@@ -145,6 +158,10 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         return PlainTextResponse(state.metrics.render(state.engine),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+
+def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+    """The OpenAI endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+
     @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
         max_len = state.max_model_len if state.engine.state == State.READY else None
@@ -159,6 +176,10 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
               responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(body, raw, state)
+
+
+def _add_token_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+    """vLLM's /tokenize and /detokenize."""
 
     @app.post("/tokenize", response_model=TokenizeResponse, dependencies=auth, responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
@@ -188,5 +209,3 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
             raise APIError(400, f"token id {bad[0]} is out of range for vocabulary size {vocab}", param="tokens")
         text = await state.off_loop(state.tokenizer.decode, body.tokens, skip_special_tokens=False)
         return DetokenizeResponse(prompt=text)
-
-    return app
