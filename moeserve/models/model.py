@@ -165,7 +165,7 @@ def build_model(
     numerics = opts.numerics
     choices: list[tuple[str, str]] = []
     load = WeightLoader(ckpt, dtype, device, progress, numerics, opts.dense_int8)
-    names, h = arch.names, spec.hidden_size
+    names = arch.names
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
@@ -175,6 +175,24 @@ def build_model(
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
+    choices += _layer_choices(ckpt, arch, spec, layers, load)
+    final_norm = _norm(load, names.final_norm, spec)
+    head = _lm_head(load, ckpt, names, spec, embed, opts.dense_int8)
+    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts)
+    if store.prefetcher is not None:
+        link_prefetch(model.moe_blocks)
+    model.dequantized_linears = load.dequantized_linears
+    model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or numerics.id)]
+    int8 = _int8_summary(asked, opts, load.int8_linears, dtype)
+    if int8:
+        model.choices.append(("dense layers (quantization=int8)", int8))
+    return model
+
+
+def _layer_choices(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, layers: list[DecoderLayer],
+                   load: WeightLoader) -> list[tuple[str, str]]:
+    """The start-up lines that describe the built layers: routing, skipped and unserved tensors, recurrent mixers."""
+    choices: list[tuple[str, str]] = []
     moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
     if moe_blocks:  # a config may make every layer dense (mlp_only_layers)
         choices.append(("routing", moe_blocks[0].routing.describe()))
@@ -190,23 +208,18 @@ def build_model(
     mambas = [layer.attn for layer in layers if isinstance(layer.attn, Mamba2Mixer)]
     if mambas:
         choices.append(("mamba", f"{len(mambas)} layers; {mambas[0].describe()}"))
-    final_norm = _norm(load, names.final_norm, spec)
-    head: Linear | None = None  # tied: the embedding table itself (see MoeModel.forward)
+    return choices
+
+
+def _lm_head(load: WeightLoader, ckpt: Checkpoint, names: WeightNames, spec: ModelSpec, embed: torch.Tensor,
+             dense_int8: bool) -> Linear | None:
+    """The LM head, or None when tied to the embedding (MoeModel.forward then multiplies by the table itself)."""
     if spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight"):
-        if opts.dense_int8:  # an int8 copy of the tied table for the head; lookups keep the table itself
-            load.resident_bytes += embed.numel() * embed.element_size()
-            head = load.make_linear(embed, None)
-    else:
-        head = load.make_linear(load.linear_weight(names.lm_head, spec.vocab_size, h), None)
-    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts)
-    if store.prefetcher is not None:
-        link_prefetch(model.moe_blocks)
-    model.dequantized_linears = load.dequantized_linears
-    model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or numerics.id)]
-    int8 = _int8_summary(asked, opts, load.int8_linears, dtype)
-    if int8:
-        model.choices.append(("dense layers (quantization=int8)", int8))
-    return model
+        if not dense_int8:
+            return None
+        load.resident_bytes += embed.numel() * embed.element_size()  # an int8 copy of the tied table for the head
+        return load.make_linear(embed, None)  # lookups keep the table itself
+    return load.make_linear(load.linear_weight(names.lm_head, spec.vocab_size, spec.hidden_size), None)
 
 
 def _unserved(ckpt: Checkpoint, arch: Architecture) -> list[tuple[str, str]]:
