@@ -70,68 +70,90 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
     rows = []
     for r in results:
         ours = by_key.get((r.case, "moeserve"))
-        # moeserve and its variants: their own store counters; other engines: moeserve's (same model and cache)
-        # moeserve's counters summed over all runs: every engine's runs see the same prompts (and, with a route
-        # trace, the same trace tokens), where one run each would compare different stretches of the routing
-        ref_run = _summed_run(r) if r.engine.startswith("moeserve") or not ours else _summed_run(ours)
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
-        int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
-        engine_key = "moeserve-int8" if int8 else r.engine
-        bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
-        store = ref_run.get("store") or {}
-        steps = int(ref_run["steps"])
-        dense = dense_bytes(cfg, r.engine, engine_key, bpp, tokens_per_step)
-        if store:
-            step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, steps, dense)
-        else:
-            step = ceilings.resident_step_bytes(cfg.shape, bpp[1], tokens_per_step)
-        sequence = 0 if r.case == "prefill" else tokens_per_step * per_sequence
-        step = ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk, sequence)
-        disk_bw = bandwidths["disk_bytes_per_s"]
-        best_ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"], disk_bw,
-                                                          tokens_per_step)
-        tps = r.median_tokens_per_s
-        # Each run against the ceiling of the memory bandwidth probed right before its round (runner.run_cases);
-        # the row gives the medians. Without such probes (older JSON), the best probe of before and after.
-        timed = [run for run in r.runs if run["seconds"] > 0]
-        if timed and all(run.get("memory_bytes_per_s") for run in timed):
-            beside = [ceilings.tokens_per_second_ceiling(step, run["memory_bytes_per_s"], disk_bw, tokens_per_step)
-                      for run in timed]
-            ceiling = statistics.median(beside)
-            fraction = statistics.median(run["tokens"] / run["seconds"] / c for run, c in zip(timed, beside))
-        else:
-            ceiling, fraction = best_ceiling, ceilings.fraction_of_ceiling(tps, best_ceiling)
-        mine = _summed_run(r).get("store") or {}
-        accesses = mine.get("hits", 0) + mine.get("misses", 0)
-        tokens = sum(run["tokens"] for run in r.runs)
-        rows.append({
-            "case": r.case, "engine": r.engine, "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
-            "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
-            "runs_load_average": [run.get("load_average") for run in r.runs],
-            "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": fraction,
-            # against the better memory probe of before and after the whole run (another moment than the runs)
-            "best_probe_ceiling_tokens_per_s": best_ceiling,
-            "fraction_of_best_probe_ceiling": ceilings.fraction_of_ceiling(tps, best_ceiling),
-            "runs_store": [run.get("store") for run in r.runs],
-            "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
-            # with --memory-limit-gb: the most its cgroup held at once, page cache included (None: no limit)
-            "memory_peak_bytes": max((run.get("cgroup_peak_bytes") or 0 for run in r.runs), default=0) or None,
-            "load_peak_rss_bytes": load_rss.get(r.engine),
-            "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
-            "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
-            "sequence_bytes_per_token": step.sequence_bytes / tokens_per_step,
-            # measured by moeserve's store; unknown for peers (None)
-            "bytes_per_token_disk": (mine.get("bytes_from_disk", mine.get("bytes_read", 0)) / tokens) if mine else None,
-            "bytes_per_token_host": (mine.get("bytes_from_host", 0) / tokens) if mine else None,
-            "prefetched_per_token": (mine.get("prefetched", 0) / tokens) if mine else None,
-            # misses read into a bypass buffer, not cached (expert_admission=policy; counted in the misses)
-            "bypassed_per_token": (mine.get("bypassed", 0) / tokens) if mine else None,
-            # how many times faster moeserve is than this engine, paired run by run
-            "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None,
-        })
+        step = _step_bytes(cfg, r, ours, tokens_per_step, per_sequence)
+        rows.append({"case": r.case, "engine": r.engine, **_speed_fields(r, step, bandwidths, tokens_per_step),
+                     **_memory_fields(r, load_rss), **_traffic_fields(r, step, tokens_per_step),
+                     # how many times faster moeserve is than this engine, paired run by run
+                     "moeserve_speedup": paired_ratio(ours, r) if ours and r is not ours else None})
     return {"shape": cfg.shape.name, "checkpoint": str(cfg.checkpoint), "machine": machine,
             "bandwidths": bandwidths, "settings": _settings(cfg), "rows": rows, "sequence_memory": seq_memory,
             "skipped": [{"engine": s.engine, "reason": s.reason} for s in skipped]}
+
+
+def _step_bytes(cfg: BenchConfig, r: CaseResult, ours: CaseResult | None, tokens_per_step: int,
+                per_sequence: float) -> ceilings.StepBytes:
+    """Bytes one step of `r`'s engine reads: dense weights, experts from fast memory and disk, sequence memory."""
+    # moeserve and its variants: their own store counters; other engines: moeserve's (same model and cache)
+    # moeserve's counters summed over all runs: every engine's runs see the same prompts (and, with a route
+    # trace, the same trace tokens), where one run each would compare different stretches of the routing
+    ref_run = _summed_run(r) if r.engine.startswith("moeserve") or not ours else _summed_run(ours)
+    int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
+    engine_key = "moeserve-int8" if int8 else r.engine
+    bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
+    store = ref_run.get("store") or {}
+    dense = dense_bytes(cfg, r.engine, engine_key, bpp, tokens_per_step)
+    if store:
+        step = step_bytes_from_store(cfg, bpp, tokens_per_step, store, int(ref_run["steps"]), dense)
+    else:
+        step = ceilings.resident_step_bytes(cfg.shape, bpp[1], tokens_per_step)
+    sequence = 0 if r.case == "prefill" else tokens_per_step * per_sequence
+    return ceilings.StepBytes(dense, step.expert_bytes_fast, step.expert_bytes_disk, sequence)
+
+
+def _speed_fields(r: CaseResult, step: ceilings.StepBytes, bandwidths: dict[str, float],
+                  tokens_per_step: int) -> dict[str, Any]:
+    """tokens/s and its fraction of the ceiling: each run against the ceiling of the memory bandwidth probed right
+    before its round (runner.run_cases), the row giving the medians; without such probes (older JSON), the best
+    probe of before and after."""
+    disk_bw = bandwidths["disk_bytes_per_s"]
+    best_ceiling = ceilings.tokens_per_second_ceiling(step, bandwidths["memory_bytes_per_s"], disk_bw,
+                                                      tokens_per_step)
+    tps = r.median_tokens_per_s
+    timed = [run for run in r.runs if run["seconds"] > 0]
+    if timed and all(run.get("memory_bytes_per_s") for run in timed):
+        beside = [ceilings.tokens_per_second_ceiling(step, run["memory_bytes_per_s"], disk_bw, tokens_per_step)
+                  for run in timed]
+        ceiling = statistics.median(beside)
+        fraction = statistics.median(run["tokens"] / run["seconds"] / c for run, c in zip(timed, beside))
+    else:
+        ceiling, fraction = best_ceiling, ceilings.fraction_of_ceiling(tps, best_ceiling)
+    return {
+        "tokens_per_s": tps, "runs_tokens_per_s": r.tokens_per_s,
+        "runs_memory_bytes_per_s": [run.get("memory_bytes_per_s") for run in r.runs],
+        "runs_load_average": [run.get("load_average") for run in r.runs],
+        "ceiling_tokens_per_s": ceiling, "fraction_of_ceiling": fraction,
+        # against the better memory probe of before and after the whole run (another moment than the runs)
+        "best_probe_ceiling_tokens_per_s": best_ceiling,
+        "fraction_of_best_probe_ceiling": ceilings.fraction_of_ceiling(tps, best_ceiling),
+    }
+
+
+def _memory_fields(r: CaseResult, load_rss: dict[str, int]) -> dict[str, Any]:
+    return {
+        "runs_store": [run.get("store") for run in r.runs],
+        "peak_rss_bytes": max(run["peak_rss_bytes"] for run in r.runs),
+        # with --memory-limit-gb: the most its cgroup held at once, page cache included (None: no limit)
+        "memory_peak_bytes": max((run.get("cgroup_peak_bytes") or 0 for run in r.runs), default=0) or None,
+        "load_peak_rss_bytes": load_rss.get(r.engine),
+    }
+
+
+def _traffic_fields(r: CaseResult, step: ceilings.StepBytes, tokens_per_step: int) -> dict[str, Any]:
+    """Bytes per token by tier and the expert hit rate, measured by moeserve's store (None for peers)."""
+    mine = _summed_run(r).get("store") or {}
+    accesses = mine.get("hits", 0) + mine.get("misses", 0)
+    tokens = sum(run["tokens"] for run in r.runs)
+    return {
+        "expert_hit_rate": (mine.get("hits", 0) / accesses) if accesses else None,
+        "bytes_per_token_memory": step.fast_bytes / tokens_per_step,
+        "sequence_bytes_per_token": step.sequence_bytes / tokens_per_step,
+        "bytes_per_token_disk": (mine.get("bytes_from_disk", mine.get("bytes_read", 0)) / tokens) if mine else None,
+        "bytes_per_token_host": (mine.get("bytes_from_host", 0) / tokens) if mine else None,
+        "prefetched_per_token": (mine.get("prefetched", 0) / tokens) if mine else None,
+        # misses read into a bypass buffer, not cached (expert_admission=policy; counted in the misses)
+        "bypassed_per_token": (mine.get("bypassed", 0) / tokens) if mine else None,
+    }
 
 
 def _summed_run(r: CaseResult) -> dict[str, Any]:
