@@ -3,16 +3,39 @@ that takes too long is listed at the end of the run."""
 
 from __future__ import annotations
 
+import ast
 from types import SimpleNamespace
+from typing import Any
 
 from tests import tiers
 
 
-def test_every_listed_slow_path_is_a_test_module_or_folder() -> None:
-    for path, why in tiers.SLOW.items():
+def test_every_listed_slow_entry_exists() -> None:
+    """A listed folder, module or test that was moved or renamed would quietly put its tests back in the fast tier."""
+    for entry, why in tiers.SLOW.items():
+        path, _, test = entry.partition("::")
         where = tiers.TESTS / path
-        assert where.is_dir() or (where.is_file() and where.name.startswith("test_")), f"tests/tiers.py: {path}"
-        assert why, f"tests/tiers.py: say why {path} is slow"
+        assert where.is_dir() or (where.is_file() and where.name.startswith("test_")), f"tests/tiers.py: {entry}"
+        if test:
+            defined = {node.name for node in ast.parse(where.read_text()).body
+                       if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+            assert test in defined, f"tests/tiers.py: no {test} in {path}"
+        assert why, f"tests/tiers.py: say why {entry} is slow"
+
+
+def test_a_listed_module_or_test_is_slow_and_its_neighbours_are_not() -> None:
+    entry = next(e for e in tiers.SLOW if "::" in e)
+    module, _, test = entry.partition("::")
+
+    def item(nodeid: str) -> Any:
+        return SimpleNamespace(path=tiers.TESTS / module, nodeid=nodeid)
+
+    assert tiers.listed(item(f"tests/{module}::{test}"))
+    assert tiers.listed(item(f"tests/{module}::{test}[param-1]"))
+    assert not tiers.listed(item(f"tests/{module}::{test}_and_more"))
+    assert not tiers.listed(item(f"tests/{module}::test_something_else"))
+    folder = next(e for e in tiers.SLOW if "::" not in e)
+    assert tiers.listed(SimpleNamespace(path=tiers.TESTS / folder, nodeid=f"tests/{folder}::test_x"))
 
 
 def test_a_slow_test_outside_the_slow_tier_is_listed() -> None:

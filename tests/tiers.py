@@ -4,17 +4,17 @@
 - `make test-fast` runs the tests not marked `slow` (`pytest -m "not slow"`): the unit and contract tests, a few
   minutes on 2 cores.
 
-A test is `slow` when it is marked so itself (`@pytest.mark.slow`, a module's `pytestmark`, a slow `pytest.param`)
-or when its module or folder is listed in `SLOW` below: modules whose tests each build engines at real dimensions,
-serve over HTTP, compare against transformers at length or fuzz, where one test costs seconds to minutes. A module
-is listed whole when most of its time is in such tests; a single slow test in an otherwise quick module is marked
-where it is written. Per-test durations of the whole suite (`--junitxml`, `--durations=0`) decide which.
+A test is `slow` when it is marked so where it is written (`@pytest.mark.slow`, a module's `pytestmark`, a slow
+`pytest.param`), or when it is listed in `SLOW` below: a folder, a module, or one test of a module (`module::name`,
+every parametrization of it). What goes there: a whole model against transformers' decode, the same sequences
+solo and batched with preemption, whole-trace simulations, benchmark runs and fuzzing at size: seconds to a
+minute each, where a unit or contract test takes well under one. List the module when most of its time is such
+tests, the test otherwise. Per-test durations of the whole suite (`--junitxml`, `--durations=0`) decide which.
 
 So that a new slow test does not quietly make the fast tier slow, every run ends with the tests outside the slow
-tier that took longer than `FAST_TEST_LIMIT_S` (setup, call and teardown together: a session fixture's first
-build is counted in its first user). Mark such a test `slow`, list its module below, or make it quicker.
+tier that took longer than `FAST_TEST_LIMIT_S` (setup, call and teardown together: a session fixture's first build
+counts in its first user). Mark such a test `slow`, list it below, or make it quicker.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,24 +23,58 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 
-# Paths under tests/ (a module or a folder) whose every test is in the slow tier; the reason for each.
+# Under tests/: a folder, a module, or `module::test`, and why it is slow. Seconds: all its tests, from one run on 2
+# cores shared at a load of 5-8, where the tests left in the fast tier took 471 s (215 s on the same cores quiet).
 SLOW: dict[str, str] = {
+    "engine/test_parity_transformers.py": "every architecture's batched greedy decode against transformers (470 s)",
+    "bench/test_simulate_oracle.py": "oracle prefetch simulated over the flame trace at every capacity (83 s)",
+    "bench/test_trace_convert.py": "a slice of the FLAME trace converted and simulated (32 s)",
+    "bench/test_arch_shapes.py": "the hybrid, MLA and Mamba-2 shapes written, loaded and benchmarked (20 s)",
+    "bench/test_cli_simulate.py": "`moeserve simulate` end to end (13 s)",
+    "bench/test_memlimit.py": "a worker held to a real cgroup memory limit (11 s)",
+    "bench/test_simulate_flame.py": "the FLAME traces simulated against their published figures (10 s)",
+    "bench/test_trace_shuffle.py": "the permutation test on the FLAME trace (7 s)",
+    "checkpoint/test_fuzz_checkpoints.py::test_size_bombs_end_in_one_line_with_bounded_memory":
+        "each size bomb run through a command under a memory bound (59 s)",
+    "models/test_quantized.py::test_offloaded_equals_resident_and_a_miss_reads_the_stored_bytes":
+        "each quantized format's engine, resident and offloaded with a one-expert cache (35 s)",
+    "models/test_quantized_int8.py::test_int8_experts_offloaded_equal_resident_and_cost_little_accuracy":
+        "int8 experts offloaded and resident, and against bf16 (11 s)",
+    "models/test_glm4_moe.py::test_variants_match_transformers": "GLM-4 MoE variants against transformers (31 s)",
+    "models/test_qwen3_next.py::test_tiny_qwen3_next_matches_transformers": "Qwen3-Next against transformers (17 s)",
+    "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
+        "Qwen3-Next solo, batched and preempted (11 s)",
+    "models/test_nemotron_h.py::test_tiny_matches_transformers": "Nemotron-H against transformers (17 s)",
+    "models/test_nemotron_h.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
+        "Nemotron-H solo, batched and preempted (14 s)",
+    "models/test_qwen3_5_nvfp4.py::test_matches_transformers_on_the_dequantized_bytes":
+        "Qwen3.5 NVFP4 against transformers (13 s)",
+    "models/test_qwen3_5_nvfp4.py::test_qwen3_next_nvfp4_matches_transformers":
+        "Qwen3-Next NVFP4 against transformers (10 s)",
+    "models/test_prefix_cache_recurrent.py::test_nemotron_h_evicted_snapshots_fall_back_to_recompute":
+        "Nemotron-H prefix snapshots evicted and recomputed (11 s)",
+    "experts/test_admission_victim.py::test_admitted_misses_choose_their_victim_once_and_cache_the_same":
+        "a trace replayed with every policy, capacity and admission mode (15 s)",
 }
 
 FAST_TEST_LIMIT_S = 10.0  # a test outside the slow tier taking longer is listed at the end of the run
 
 
-def slow_paths() -> list[Path]:
-    """The listed paths, resolved under tests/."""
-    return [TESTS / p for p in SLOW]
+def listed(item: pytest.Item) -> bool:
+    """`item` lies in a folder or module listed in SLOW, or is (a parametrization of) a test listed there."""
+    try:
+        module = Path(item.path).resolve().relative_to(TESTS).as_posix()
+    except ValueError:  # a test outside tests/
+        return False
+    test = item.nodeid.split("::", 1)[1].split("[")[0] if "::" in item.nodeid else ""
+    names = (module, f"{module}::{test}")
+    return any(name == entry or name.startswith((entry + "/", entry + "::")) for entry in SLOW for name in names)
 
 
 def mark_slow(items: list[pytest.Item]) -> None:
-    """Add the `slow` marker to every item whose module lies in a listed path."""
-    paths = slow_paths()
+    """Add the `slow` marker to every item listed in SLOW."""
     for item in items:
-        where = Path(item.path)
-        if any(where == p or p in where.parents for p in paths):
+        if listed(item):
             item.add_marker(pytest.mark.slow)
 
 
