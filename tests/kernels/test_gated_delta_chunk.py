@@ -14,10 +14,10 @@ import torch
 
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, cpp_chunk_form
 from moeserve.models.mixers.gated_delta_rule import CHUNK, chunk_form, l2norm
-from tests.kernels.ops import cpp_ops
+from tests.kernels.ops import lazy_ops
 from tests.models.test_gated_delta_rule import inputs, reference
 
-ops = cpp_ops()
+ops = lazy_ops()
 SHAPES = {"tiny": (4, 16, 8), "odd": (3, 20, 36), "qwen3-next": (32, 128, 128)}
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moeserve.models.layers.linear import interleave_rows
-from tests.kernels.ops import cpp_ops
+from tests.kernels.ops import lazy_ops
 
-ops = cpp_ops()
+ops = lazy_ops()
 
 
 @pytest.mark.parametrize("n,k", [(4, 32), (8, 96), (1024, 512), (512, 1536)])

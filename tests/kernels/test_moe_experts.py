@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from moeserve.formats.int8 import dequantize_int8_per_channel, quantize_int8_per_channel
 from moeserve.models.experts.unit_math import swiglu_expert
-from tests.kernels.ops import cpp_ops
+from tests.kernels.ops import lazy_ops
 
-ops = cpp_ops()
+ops = lazy_ops()
 
 
 def routing(n: int, e: int, k: int, gen: torch.Generator, repeat_expert: int | None = None):

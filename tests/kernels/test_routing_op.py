@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.ops import cpp_ops
+from tests.kernels.ops import lazy_ops
 
-ops = cpp_ops()
+ops = lazy_ops()
 
 
 def torch_reference(logits: torch.Tensor, k: int, mode: int, norm: bool, fp32_weights: bool):
