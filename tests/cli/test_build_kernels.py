@@ -67,7 +67,7 @@ def test_the_load_time_leaves_the_kernel_build_out(tiny_text_model, monkeypatch,
     from moeserve.config import EngineSettings, build_settings
     from moeserve.engine.llm_engine import LLMEngine
 
-    def slow_choose(setting: str, device_type: str = "cpu") -> tuple[bool, str]:
+    def slow_choose(setting: str, device_type: str = "cpu", isa: str = "auto") -> tuple[bool, str]:
         time.sleep(1.0)
         return False, "kernels=torch"
 
