@@ -29,7 +29,7 @@ run: setup
 	$(PY) scripts/demo.py
 
 lint: setup
-	$(VENV)/bin/ruff check moeserve tests scripts
+	$(VENV)/bin/ruff check moeserve tests scripts research
 	$(VENV)/bin/mypy moeserve
 
 test: lint
