@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import os
 import re
 import struct
 import subprocess
@@ -48,7 +47,7 @@ BOOKS = {
 # The book that is never trained on (tokenizer included) and is used for perplexity.
 HELDOUT_BOOK = "persuasion"
 
-DEFAULT_CACHE = Path(os.environ.get("MOESERVE_DEMO_CACHE", Path.home() / ".cache" / "moeserve-demo"))
+DEFAULT_CACHE = Path.home() / ".cache" / "moeserve-demo"  # --cache DIR elsewhere (no MOESERVE_* variable: moeserve refuses unknown ones)
 
 
 # ----------------------------------------------------------------------------- fetching
