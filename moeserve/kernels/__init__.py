@@ -11,6 +11,8 @@ API (other modules rely on exactly this):
 - The ops are then reachable as ``torch.ops.moeserve.<name>``. Each .cpp registers its ops with
   ``TORCH_LIBRARY_FRAGMENT(moeserve, m)`` (fragments, so any number of files can add ops to the one namespace).
   Headers shared by several files live in ``csrc/*.h``; they are part of the build hash.
+- ``build_subset(cpp_names, isa) -> Path``: a library of only those sources, built or cached, NOT loaded (tests
+  that run a few ops on every ISA level in subprocesses: tests/kernels/test_canonical_isa.py).
 - ``choose(setting, device_type, isa) -> (use_cpp, reason)`` for EngineSettings.kernels and .cpu_isa: "auto" = the
   C++ ops when they build, "cpp" = raise ConfigError when they cannot, "torch" = never load them; the reason names
   the ISA the library was built for.
@@ -161,13 +163,13 @@ def _atomic_build(target: Path, build: Callable[[Path], None]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _build(cxx: str, isa: str = "native") -> tuple[Path, str]:
+def _build(cxx: str, isa: str = "native", only: tuple[str, ...] | None = None) -> tuple[Path, str]:
     """(library path, how it was obtained). Raises RuntimeError with a one-line reason.
 
     Each .cpp is compiled to an object cached by its own key (its text, the headers, torch, compiler, flags, CPU),
     in parallel; the library, keyed by all of them, links the objects. Editing one file recompiles that file. One
     process builds at a time (_build_lock); one that waited finds the library the other built."""
-    lib, cpp_files, objs = _build_plan(cxx, isa)
+    lib, cpp_files, objs = _build_plan(cxx, isa, only)
     if lib.exists():
         return lib, f"cached {lib}"
     with _build_lock(cache_root()) as waited_s:
@@ -176,11 +178,15 @@ def _build(cxx: str, isa: str = "native") -> tuple[Path, str]:
         return lib, _compile_and_link(cxx, lib, cpp_files, objs, isa)
 
 
-def _build_plan(cxx: str, isa: str = "native") -> tuple[Path, list[Path], list[Path]]:
-    """(library path, .cpp files, their object paths): the cache keys of this compiler, torch and CPU."""
+def _build_plan(cxx: str, isa: str = "native", only: tuple[str, ...] | None = None
+                ) -> tuple[Path, list[Path], list[Path]]:
+    """(library path, .cpp files, their object paths): the cache keys of this compiler, torch and CPU. `only`: just
+    these .cpp names (build_subset); their objects are those of the full library."""
     if shutil.which(cxx) is None:
         raise RuntimeError(f"C++ compiler '{cxx}' not found (set CXX or install g++)")
-    cpp_files = sorted(CSRC.glob("*.cpp"))
+    cpp_files = [f for f in sorted(CSRC.glob("*.cpp")) if only is None or f.name in only]
+    if only is not None and len(cpp_files) != len(set(only)):
+        raise RuntimeError(f"no such C++ sources in {CSRC}: {sorted(set(only) - {f.name for f in cpp_files})}")
     headers = sorted(CSRC.glob("*.h"))
     if not cpp_files:
         raise RuntimeError(f"no C++ sources in {CSRC}")
@@ -257,6 +263,18 @@ def _estimate_seconds(sources: int, workers: int) -> str:
     """About how long `sources` files take on `workers` parallel compilers, quiet to busy: "90-720"."""
     rounds = -(-sources // workers)
     return "-".join(str(rounds * s) for s in SOURCE_COMPILE_SECONDS)
+
+
+def build_subset(cpp_names: tuple[str, ...], isa: str = "native") -> Path:
+    """Builds (or finds cached) a library of only these csrc/*.cpp files for ISA level `isa`, and returns its path
+    WITHOUT loading it: for a test that runs a few ops on every ISA level, each in a subprocess that loads it (every
+    source for every level costs minutes of CI). The objects are the full library's (same keys), so the ops' code is
+    that of the full library. Raises RuntimeError with a one-line reason (also when this CPU cannot run `isa`)."""
+    level = isa_level(isa)
+    why_not = _unrunnable(level)
+    if why_not is not None:
+        raise RuntimeError(why_not)
+    return _build(_compiler(), level, tuple(cpp_names))[0]
 
 
 def isa_level(isa: str) -> str:

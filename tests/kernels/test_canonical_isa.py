@@ -3,7 +3,9 @@
 
 Each ISA level is its own library, and a process loads one (torch cannot unload one): the other levels run in
 subprocesses (`python -m tests.kernels.test_canonical_isa <isa> <inputs> <outputs>`), on inputs saved by the test.
-Outputs are compared as bits (int16 views): -0 vs +0 and NaN payloads count.
+Those build only the sources that register the ops compared (kernels.build_subset: the same objects as the full
+library of that level, minutes less of CI than every source for every level). Outputs are compared as bits (int16
+views): -0 vs +0 and NaN payloads count.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -217,6 +220,19 @@ def expert_cases() -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------- running one library
+OPS = ("linear_interleaved", "moe_swiglu_interleaved_", "canonical_dot_isa")  # what run_ops calls
+
+
+def sources_of(ops: tuple[str, ...]) -> tuple[str, ...]:
+    """The csrc/*.cpp files that register these ops (`m.def("name(`): the subset library of the other ISA levels. A
+    file that needs another's symbols fails to load there, loudly (the subprocess's error fails the test)."""
+    texts = {f.name: f.read_text() for f in kernels.CSRC.glob("*.cpp")}
+    found = {op: [name for name, text in texts.items() if re.search(rf'm\.def\("{re.escape(op)}\(', text)] for op in ops}
+    missing = [op for op, files in found.items() if not files]
+    assert not missing, f"no csrc/*.cpp registers {missing}"
+    return tuple(sorted({name for files in found.values() for name in files}))
+
+
 def run_ops(linear: list[dict], experts: list[dict]) -> dict[str, list[torch.Tensor]]:
     """The loaded library's outputs on the cases (in this process)."""
     ops = torch.ops.moeserve
@@ -284,12 +300,15 @@ def test_loaded_library_equals_the_reference(cases):
 
 @pytest.mark.slow
 def test_every_isa_gives_the_same_bits(cases, tmp_path):
-    """native, avx2 and generic libraries (each built once, then cached) on the same inputs: the same bits, and
-    those of the reference."""
+    """This process's library (native) and the avx2 and generic builds of the ops' sources (each built once, then
+    cached) on the same inputs: the same bits, and those of the reference."""
+    from tests.kernels.ops import cpp_ops
+
+    cpp_ops()
     inputs = tmp_path / "inputs.pt"
     torch.save({"linear": cases["linear"], "experts": cases["experts"]}, inputs)
-    results = {}
-    for isa in ("native", "avx2", "generic"):
+    results = {"native": run_ops(cases["linear"], cases["experts"])}
+    for isa in ("avx2", "generic"):
         run_isa_subprocess(isa, inputs, tmp_path / f"{isa}.pt")
         results[isa] = torch.load(tmp_path / f"{isa}.pt")
     assert results["avx2"]["isa"] == ["avx2"] and results["generic"]["isa"] == ["scalar"]
@@ -319,12 +338,15 @@ def test_one_isa_per_process():
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: load the `isa` library, run the saved cases, save the outputs. Exit 3: not available."""
+    """Subprocess entry: build and load the `isa` library of the ops' sources, run the saved cases, save the
+    outputs. Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`: as kernels.load)."""
     isa, inputs, outputs = argv
-    status = kernels.load(isa)
-    if not status.available:
-        print(f"isa={isa} kernels not available: {status.reason}")
+    try:
+        library = kernels.build_subset(sources_of(OPS), isa)
+    except RuntimeError as err:
+        print(f"isa={isa} kernels not available: {err}")
         return 3
+    torch.ops.load_library(str(library))
     cases = torch.load(inputs)
     torch.save(run_ops(cases["linear"], cases["experts"]), outputs)
     return 0
