@@ -8,7 +8,7 @@ its file and how many of its values are NaN or infinite.
 The check is one `torch.aminmax` over the tensor: it propagates NaN and carries +-inf to its result, reads the
 tensor once and allocates nothing of its size (``isfinite(t).all()`` writes a bool per element first; measured
 0.36 ms against 7.2 ms for a 9.4 MB bf16 expert in cache on this 2-core machine). Over a whole resident load it
-runs at memory speed: 0.15 s for 1.16 GiB, 3% of that load (scripts/bench_finite_check.py).
+runs at memory speed: 0.15 s for 1.16 GiB, 3% of that load (research/bench_finite_check.py).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def check_expert_unit(source: ExpertSource, layer: int, expert: int, unit_bytes:
 def check_loaded_units(source: ExpertSource, slot_of: Mapping[tuple[int, int], int], pool: torch.Tensor) -> None:
     """`check_expert_unit` for every unit `slot_of` maps to a row of `pool` ([slots, unit bytes]; every copy to
     the device landed). Measured 0.15 s for 1.16 GiB of bf16 units after a resident load (8 GB/s, 3% of that
-    load here; scripts/bench_finite_check.py); checking each unit right after its read is no faster."""
+    load here; research/bench_finite_check.py); checking each unit right after its read is no faster."""
     for (layer, expert), slot in slot_of.items():
         check_expert_unit(source, layer, expert, pool[slot])
 

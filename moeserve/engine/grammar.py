@@ -191,7 +191,7 @@ class GrammarProcessor(LogitsProcessor):
         self.bitmask = np.zeros((vocab_size + 31) // 32, dtype=np.int32)  # bit t % 32 of word t // 32: token t
         self.grammar_eos = [t for t in grammar_eos if t < vocab_size]
         self.end_token_ids = [t for t in end_token_ids if t < vocab_size]
-        self.mask_seconds = 0.0  # time spent computing and applying masks (scripts/bench_structured.py reads it)
+        self.mask_seconds = 0.0  # time spent computing and applying masks (`moeserve bench structured` reads it)
         self.masks = 0
 
     def allowed(self) -> np.ndarray:

@@ -22,7 +22,7 @@ checksums written when they were made.)
 
 The checksum (`choose_checksum`): the C++ op `unit_checksum` (csrc/checksum.cpp: CRC-32C in 4 stripes, 24-26 GB/s
 on the 2-core dev VM against 1.5-2.3 GB/s for the uncached read of a 9.4 MB unit: 6-9% of a miss) where the C++
-kernels are loaded, else zlib's CRC-32 (3.1-3.6 GB/s: 65-75% of a miss; scripts/bench_checksum.py). The name of
+kernels are loaded, else zlib's CRC-32 (3.1-3.6 GB/s: 65-75% of a miss; `moeserve bench checksum`). The name of
 the one in use is written into spill headers; a verifier seeded from a header uses that header's checksum.
 """
 
