@@ -28,13 +28,6 @@ HEADROOM_FRACTION = 0.10
 HEADROOM_MIN_BYTES = 1 * GiB
 
 
-@dataclass(frozen=True)
-class ExpertBudget:
-    capacity: int  # experts held in the fast tier
-    cache_bytes: int
-    reason: str
-
-
 def available_memory_bytes() -> int:
     """Memory the OS could give us now (MemAvailable), not counting what we already hold."""
     return int(psutil.virtual_memory().available)
