@@ -2,11 +2,12 @@
 #   make run    installs everything into .venv, then serves the demo model and queries it
 #   make test   installs everything into .venv, then runs lint, type checks and the whole test suite (what CI runs)
 # and, while working: make test-fast   the fast tier of the tests only (tests/tiers.py), a few minutes
+#                    make test-as-avx2  every test as on an AVX2-only CPU, on a wider one (tests/cpu_emulation)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast lint
+.PHONY: setup run test test-fast test-as-avx2 lint
 
 # The C++ kernels are built here (announced, one line per compiled source; minutes the first time, cached in
 # ~/.cache/moeserve/kernels afterwards) so that the first `serve` does not. Without a compiler the engine runs
@@ -38,3 +39,9 @@ test: lint
 # The tests not marked slow (tests/tiers.py says which are), without lint and type checks (make lint).
 test-fast: setup
 	bash scripts/run_tests.sh $(PY) fast
+
+# Every test as on an AVX2-only CPU (one of CI's machines), on a wider x86 one: our kernels built for avx2, ATen's
+# avx2 kernels, oneDNN off (tests/cpu_emulation). TIER=fast for the fast tier only.
+TIER ?= all
+test-as-avx2: setup
+	TESTS_EMULATE_CPU=avx2 ATEN_CPU_CAPABILITY=avx2 bash scripts/run_tests.sh $(PY) $(TIER)

@@ -4,6 +4,10 @@
 architecture, built once per test session per argument set. `tiny_text_model` adds a byte-level BPE tokenizer
 (trained with the `tokenizers` library) with a ChatML chat template, for tests that need text. The writers live in
 moeserve/bench/checkpoints.py and real_dims.py (the benchmarks use them too) and tests/fixtures/.
+
+`TESTS_EMULATE_CPU=avx2` (with `ATEN_CPU_CAPABILITY=avx2`; `make test-as-avx2` sets both) runs the suite as on an
+AVX2-only CPU on a wider one (tests/cpu_emulation says what changes and what cannot): one of CI's machines is an
+AVX2-only AMD EPYC. Not a MOESERVE_* name: moeserve refuses unknown MOESERVE_* variables.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import pytest
 import torch
 
 from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_text_model
-from tests import tiers
+from tests import cpu_emulation, tiers
+
+# TESTS_EMULATE_CPU=avx2 (`make test-as-avx2`): the run as on an AVX2-only CPU, on a wider one: our kernels built for
+# avx2 (MOESERVE_CPU_ISA), ATen's avx2 kernels, oneDNN off, here and in subprocesses (tests/cpu_emulation). Applied
+# at import, before any torch op: ATen picks its CPU kernels at the first one.
+EMULATION = cpu_emulation.apply()
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +95,15 @@ def tiny_text_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def has_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return EMULATION
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:  # -q hides the header: say it at the end too
+    if EMULATION:
+        terminalreporter.write_line(EMULATION)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -20,6 +20,7 @@ from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.errors import CorruptUnitError
 from moeserve.experts import spill
 from moeserve.experts.verify import UnitVerifier, choose_checksum
+from tests.kernels.ops import suite_isa
 
 KEYS = [(layer, e) for layer in (0, 1) for e in range(5)]
 NBYTES = 1000  # not a multiple of the 4096-byte stride on purpose
@@ -126,7 +127,7 @@ def test_a_spill_made_with_another_checksum_is_used_and_still_checked(tmp_path, 
     from moeserve import kernels
     from moeserve.experts.verify import ZLIB, Checksum
 
-    kernels.load()  # this process's own checksum is then the C++ one, where it builds
+    kernels.load(suite_isa())  # this process's own checksum is then the C++ one, where it builds
     spill.open_or_build(tmp_path, "fp1", KEYS, NBYTES, Maker(), "test units", checksum=ZLIB).close()
     path = tmp_path / "fp1" / "units.bin"
     maker = Maker()

@@ -6,14 +6,23 @@ first op a test calls, not when pytest imports the module to collect it (a build
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from moeserve import kernels
 
 
+def suite_isa() -> str:
+    """The ISA level of the library this test run loads: the one its engines use (MOESERVE_CPU_ISA, else auto =
+    native). One library per process: a test that loaded another would make every later engine of the run refuse
+    the C++ kernels (tests/cpu_emulation runs the suite with MOESERVE_CPU_ISA=avx2)."""
+    return kernels.isa_level(os.environ.get("MOESERVE_CPU_ISA") or "auto")
+
+
 def cpp_ops():  # noqa: ANN201 - torch.ops namespace
-    status = kernels.load()
+    status = kernels.load(suite_isa())
     if not status.available:
         pytest.skip(f"moeserve C++ kernels not available: {status.reason}")
     return torch.ops.moeserve

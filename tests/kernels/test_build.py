@@ -11,6 +11,7 @@ import pytest
 
 from moeserve import kernels
 from moeserve.errors import ConfigError
+from tests.kernels.ops import suite_isa
 
 
 @pytest.fixture
@@ -22,13 +23,13 @@ def fresh_status():
 
 def test_missing_compiler_falls_back_with_reason(monkeypatch, fresh_status):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    status = kernels.load()
+    status = kernels.load(suite_isa())
     assert not status.available
     assert "/nonexistent/g++" in status.reason and "not found" in status.reason
-    use, reason = kernels.choose("auto")
+    use, reason = kernels.choose("auto", isa=suite_isa())
     assert not use and "torch fallback" in reason and "not found" in reason
     with pytest.raises(ConfigError, match="kernels=cpp"):
-        kernels.choose("cpp")
+        kernels.choose("cpp", isa=suite_isa())
 
 
 def test_torch_setting_never_builds(monkeypatch, fresh_status):
@@ -43,7 +44,7 @@ def test_cache_folder_respects_xdg(monkeypatch, tmp_path):
 
 
 def test_every_cpp_is_compiled_into_one_library():
-    status = kernels.load()
+    status = kernels.load(suite_isa())
     if not status.available:
         pytest.skip(status.reason)
     cpps = sorted(kernels.CSRC.glob("*.cpp"))
@@ -57,7 +58,7 @@ def test_every_cpp_is_compiled_into_one_library():
 
 
 def test_builds_and_loads():
-    status = kernels.load()
+    status = kernels.load(suite_isa())
     if not status.available and "not found" in status.reason:
         pytest.skip(status.reason)
     assert status.available, status.reason

@@ -14,6 +14,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.errors import ConfigError
 from tests.fixtures import checkpoints as C
+from tests.kernels.ops import suite_isa
 
 PROMPTS = [[5, 9], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200]]
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -89,7 +90,7 @@ def test_int8_dense_linears_offloaded_equal_resident_and_close_to_bf16(bf16_fold
     from moeserve import kernels
     from moeserve.models.experts.moe import MoEBlock
 
-    if not kernels.load().available:
+    if not kernels.load(suite_isa()).available:
         pytest.skip("moeserve C++ kernels not available")
     folder = bf16_folders["qwen3_moe"]
     _, dense = teacher_forced(folder, kernels="cpp")
@@ -127,7 +128,7 @@ def test_int8_with_torch_kernels_keeps_dense_linears(bf16_folders) -> None:
 def test_int8_tied_head_is_a_quantized_copy(tmp_path: Path) -> None:
     from moeserve import kernels
 
-    if not kernels.load().available:
+    if not kernels.load(suite_isa()).available:
         pytest.skip("moeserve C++ kernels not available")
     folder = write_tiny_checkpoint(tmp_path / "tied", "qwen3_moe", "bfloat16", tie_word_embeddings=True)
     llm, tables = teacher_forced(folder, kernels="cpp", quantization="int8", int8_cache_dir="off")
