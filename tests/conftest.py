@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda():
             item.add_marker(skip_gpu)
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """At the end of each test module, the transformers model its tests kept for their reference runs goes
+    (tests/engine/test_parity_transformers.py hf_model: kept across the kernels=auto and =torch cases of a test)."""
+    parity = sys.modules.get("tests.engine.test_parity_transformers")
+    if parity is not None and (nextitem is None or nextitem.path != item.path):
+        parity.forget_transformers_models()
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

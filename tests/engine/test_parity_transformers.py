@@ -7,6 +7,10 @@ log-probabilities within 1e-4 at every step.
 
 from __future__ import annotations
 
+import weakref
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,21 +21,46 @@ STEPS = 16
 PROMPTS = [[5], [11, 42, 7, 99, 3], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 200], list(range(40, 63))]
 
 
-def hf_model(folder, dtype: torch.dtype):
+# The reference is transformers' decode, most of these tests' time (a tiny Qwen3-Next: 24 s of transformers against
+# 7 s of ours), and the same for the kernels=auto and kernels=torch cases of a test, which run one after the other.
+# So the last model loaded is kept (same folder, same files, same dtype: the same model) with the greedy runs made
+# on it, until the next model or the end of the test module (conftest.py: forget_transformers_models); each case
+# still compares its own engine's output with transformers' numbers, computed the same way.
+_LAST_MODEL: dict[tuple[Any, ...], Any] = {}
+_GREEDY: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def hf_model(folder, dtype: torch.dtype):  # noqa: ANN001, ANN201 - a folder path; a transformers model
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    files = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(folder).iterdir()))
+    key = (str(folder), dtype, files)
+    if key not in _LAST_MODEL:
+        forget_transformers_models()
+        _LAST_MODEL[key] = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return _LAST_MODEL[key]
 
 
-def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' own forward, no cache: argmax token and the full log-softmax at each step."""
-    ids, logps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            logps.append(torch.log_softmax(logits, dim=-1))
-            ids.append(int(torch.argmax(logits)))
-    return ids[len(prompt):], logps
+def forget_transformers_models() -> None:
+    _LAST_MODEL.clear()
+
+
+def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:  # noqa: ANN001
+    """transformers' own forward, no cache: argmax token and the full log-softmax at each step (made once per
+    model, prompt and step count: see _LAST_MODEL)."""
+    runs = _GREEDY.setdefault(model, {})
+    key = (tuple(prompt), steps)
+    if key not in runs:
+        ids, logps = list(prompt), []
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                logps.append(torch.log_softmax(logits, dim=-1))
+                ids.append(int(torch.argmax(logits)))
+        runs[key] = (ids[len(prompt):], logps)
+    tokens, logps = runs[key]
+    return list(tokens), list(logps)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])  # auto: the C++ ops where they build; torch: never
