@@ -7,8 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
-
 from moeserve.errors import ConfigError
 from moeserve.memory.chunks import (
     STAGING_BUFFERS,
@@ -26,11 +24,6 @@ GiB = 1024**3
 # on its own: a fraction of available memory plus a fixed floor.
 HEADROOM_FRACTION = 0.10
 HEADROOM_MIN_BYTES = 1 * GiB
-
-
-def available_memory_bytes() -> int:
-    """Memory the OS could give us now (MemAvailable), not counting what we already hold."""
-    return int(psutil.virtual_memory().available)
 
 
 @dataclass(frozen=True)

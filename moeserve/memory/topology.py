@@ -24,6 +24,8 @@ from typing import Any
 import psutil
 import torch
 
+from moeserve.memory.cgroup import CgroupMemory, read_cgroup_memory
+
 GiB = 1024**3
 
 # (what the evidence line calls it, a pattern of the device name)
@@ -45,6 +47,7 @@ class Machine:
     host_free_bytes: int  # MemAvailable: what the OS could give us now
     gpu: Any = None  # CUDA device properties (torch's, or a fake: name, is_integrated, total_memory); None on CPU
     gpu_free_bytes: int | None = None  # free device memory now (cudaMemGetInfo)
+    host_note: str = ""  # where the host figures came from, when not plainly /proc/meminfo (a cgroup limit)
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,25 @@ class MemoryTopology:
 
 
 def read_machine(device: torch.device) -> Machine:
-    """The real machine: psutil for RAM, CUDA queries for a CUDA `device`."""
+    """The real machine: psutil for RAM within the process's cgroup limit, CUDA queries for a CUDA `device`."""
     vm = psutil.virtual_memory()
+    total, free, note = host_memory(int(vm.total), int(vm.available), read_cgroup_memory())
     if device.type != "cuda":
-        return Machine(int(vm.total), int(vm.available))
+        return Machine(total, free, host_note=note)
     props = torch.cuda.get_device_properties(device)  # pragma: no cover - needs a CUDA device
-    free = int(torch.cuda.mem_get_info(device)[0])  # pragma: no cover
-    return Machine(int(vm.total), int(vm.available), props, free)  # pragma: no cover
+    gpu_free = int(torch.cuda.mem_get_info(device)[0])  # pragma: no cover
+    return Machine(total, free, props, gpu_free, note)  # pragma: no cover
+
+
+def host_memory(mem_total: int, mem_available: int, cgroup: CgroupMemory | None) -> tuple[int, int, str]:
+    """(total, available, note) of host RAM: /proc/meminfo's figures, capped by a cgroup limit where one binds
+    (a container is killed at its limit, not at MemAvailable); the note says so for the start-up line."""
+    if cgroup is None or (cgroup.limit_bytes >= mem_total and cgroup.available_bytes >= mem_available):
+        return mem_total, mem_available, ""
+    total, free = min(mem_total, cgroup.limit_bytes), min(mem_available, cgroup.available_bytes)
+    return total, free, (f"RAM within the cgroup limit {cgroup.limit_bytes / GiB:.1f} GiB ({cgroup.where}): "
+                         f"{free / GiB:.1f} GiB available ({cgroup.used_bytes / GiB:.1f} GiB in use there; "
+                         f"host MemAvailable {mem_available / GiB:.1f} GiB)")
 
 
 def known_integrated(name: str) -> str | None:
@@ -109,16 +124,20 @@ def detect_topology(device: torch.device, unified_memory: str = "auto", machine:
     if device.type != "cuda":
         note = "" if unified_memory == "auto" else f" (unified_memory={unified_memory} has no effect on CPU)"
         return MemoryTopology("cpu", False, m.host_free_bytes, m.host_free_bytes, m.host_total_bytes,
-                              f"CPU: the fast tier is RAM, the slow tier disk{note}")
+                              f"CPU: the fast tier is RAM, the slow tier disk{note}{_host_note(m)}")
     name = getattr(m.gpu, "name", "?")
     unified, why = decide_unified(unified_memory, m.gpu, m.host_total_bytes)
     gpu_free = m.gpu_free_bytes if m.gpu_free_bytes is not None else m.host_free_bytes
     if unified:
         fast = _unified_free(m)
         return MemoryTopology("cuda", True, fast, m.host_free_bytes, m.host_total_bytes,
-                              f"{name}: unified memory, one budget, no host tier ({why})")
+                              f"{name}: unified memory, one budget, no host tier ({why}){_host_note(m)}")
     return MemoryTopology("cuda", False, gpu_free, m.host_free_bytes, m.host_total_bytes,
-                          f"{name}: discrete, fast tier = GPU memory, then host RAM, then disk ({why})")
+                          f"{name}: discrete, fast tier = GPU memory, then host RAM, then disk ({why}){_host_note(m)}")
+
+
+def _host_note(m: Machine) -> str:
+    return f"; {m.host_note}" if m.host_note else ""
 
 
 def _unified_free(m: Machine) -> int:
