@@ -23,7 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from moeserve.bench.checkpoints import write_tiny_checkpoint, write_tiny_text_model
+from moeserve.bench.checkpoints import (
+    write_synthetic_checkpoint,
+    write_tiny_checkpoint,
+    write_tiny_text_model,
+)
 from tests import cpu_emulation, tiers
 
 # TESTS_EMULATE_CPU=avx2 (`make test-as-avx2`): the run as on an AVX2-only CPU, on a wider one: our kernels built for
@@ -58,6 +62,14 @@ def checkpoint_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, 
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def synthetic_checkpoint(checkpoint_once: Callable[[str, Callable[[Path], Path]], Path]) -> Path:
+    """The synthetic Qwen3-MoE checkpoint (moeserve/bench/checkpoints.py SYNTH_CONFIG, 2.3 GB streamed to disk) the
+    memory-bound tests serve offloaded: written once per session (tests/test_offload_rss.py,
+    tests/test_memory_budget_rss.py)."""
+    return checkpoint_once("synthetic-qwen3_moe", write_synthetic_checkpoint)
 
 
 @pytest.fixture(scope="session")

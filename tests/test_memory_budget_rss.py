@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.bench.checkpoints import write_synthetic_checkpoint
-
 pytestmark = pytest.mark.slow
 
 MEMORY_GB = 0.9
@@ -36,8 +34,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_peak_rss_stays_under_memory_gb_with_preemptions(tmp_path_factory: pytest.TempPathFactory) -> None:
-    folder = write_synthetic_checkpoint(tmp_path_factory.mktemp("synth-budget") / "model")
+def test_peak_rss_stays_under_memory_gb_with_preemptions(synthetic_checkpoint: Path) -> None:
+    folder = synthetic_checkpoint  # written once per session (conftest.py), shared with tests/test_offload_rss.py
     size = sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
     assert size > 2.5 * MEMORY_GB * 2**30
     proc = subprocess.run([sys.executable, "-c", CHILD, str(folder), str(MEMORY_GB)], capture_output=True,

@@ -13,11 +13,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-from moeserve.bench.checkpoints import write_synthetic_checkpoint
 
 EXPERT_CACHE_GB = 0.5
 # Beyond what the engine keeps: activations of a short prompt, the Python objects describing ~1.6k tensors
@@ -47,11 +44,6 @@ CHILD = textwrap.dedent("""
                           tokens=len(out[0].outputs[0].token_ids), misses=e.model.store.stats.misses,
                           disk_bytes=e.model.store.stats.bytes_from_disk)))
 """)
-
-
-@pytest.fixture(scope="session")
-def synthetic_checkpoint(tmp_path_factory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("synth_qwen3_moe"))
 
 
 @pytest.mark.slow
