@@ -160,6 +160,11 @@ class ServerSettings(BaseModel):
         "and GET /health polls never are"
     )
     max_request_body_mb: float = Field(16.0, gt=0, description="largest request body accepted, in MB (413 beyond)")
+    responses_store_max: int = Field(
+        1000, ge=0, description="responses kept in memory for /v1/responses previous_response_id (oldest evicted "
+        "first; 0 keeps none)")
+    responses_store_mb: float = Field(
+        64.0, ge=0, description="bytes (MiB, as JSON) those stored responses may take, beyond memory_gb")
 
     @field_validator("api_key")
     @classmethod

@@ -21,8 +21,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from moeserve.engine.async_engine import State
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
-from moeserve.server.errors import APIError, install_error_handlers
+from moeserve.server.errors import APIError, install_error_handlers, model_not_found
 from moeserve.server.guard import RequestGuard
+from moeserve.server.messages.protocol import MessagesRequest
+from moeserve.server.messages.serving import create_message
 from moeserve.server.metrics import StatsLogger
 from moeserve.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +40,9 @@ from moeserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from moeserve.server.responses.protocol import ResponsesRequest
+from moeserve.server.responses.serving import create_response
+from moeserve.server.responses.store import ResponseStore
 from moeserve.server.state import ServerState
 
 log = logging.getLogger("moeserve.server")
@@ -54,7 +59,8 @@ def _api_key_check(state: ServerState) -> Any:
         if expected is None:
             return
         header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
+        # Bearer (OpenAI clients), or x-api-key (Anthropic clients)
+        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), expected.encode()):
             raise APIError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
 
@@ -107,6 +113,7 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
         _keyed_docs(app, auth)
     _add_service_routes(app, state)
     _add_openai_routes(app, state, auth)
+    _add_agent_routes(app, state, auth)
     _add_token_routes(app, state, auth)
     return app
 
@@ -160,13 +167,19 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
-    """The OpenAI endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+    """The OpenAI endpoints: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions."""
 
     @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=ERROR_RESPONSES)
     async def models() -> ModelList:
         max_len = state.max_model_len if state.engine.state == State.READY else None
         choices = state.engine.startup_choices() or None
         return ModelList(data=[ModelCard(id=state.model_name, max_model_len=max_len, startup_choices=choices)])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth, responses=ERROR_RESPONSES)
+    async def model(model_id: str) -> ModelCard:
+        if model_id != state.model_name:
+            raise model_not_found(model_id)
+        return (await models()).data[0]
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -176,6 +189,23 @@ def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> Non
               responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await create_chat_completion(body, raw, state)
+
+
+def _add_agent_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+    """The APIs agent tools speak: OpenAI's Responses (/v1/responses) and Anthropic's Messages (/v1/messages), both
+    on the chat path (chat.start_chat)."""
+    settings = state.settings
+    store = ResponseStore(settings.responses_store_max, int(settings.responses_store_mb * 2**20))
+    log.debug("/v1/responses keeps the last %d responses (at most %g MiB) in memory for previous_response_id "
+              "(responses_store_max, responses_store_mb)", store.max_count, settings.responses_store_mb)
+
+    @app.post("/v1/responses", dependencies=auth, responses=ERROR_RESPONSES)
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(body, raw, state, store)
+
+    @app.post("/v1/messages", dependencies=auth, responses=ERROR_RESPONSES)
+    async def messages(body: MessagesRequest, raw: Request) -> Response:
+        return await create_message(body, raw, state)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:

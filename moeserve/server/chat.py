@@ -7,6 +7,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -85,7 +86,20 @@ class _Choice:
                                tool_calls=calls)
 
 
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+@dataclass
+class StartedChat:
+    """A chat request handed to the engine: its rendered prompt, its output stream and one parser per choice."""
+
+    request_id: str
+    prompt_tokens: int
+    stream: AsyncIterator[RequestOutput]
+    choices: list[_Choice]
+    timer: RequestTimer
+
+
+async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id: str) -> StartedChat:
+    """Render `req` with the model's chat format, check it, and submit it to the engine (every generation endpoint
+    that speaks in messages goes through here: chat completions, responses, messages). Raises APIError."""
     state.accept(req.model, req)
     chat_format = state.chat_format()
     try:
@@ -101,7 +115,6 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                              chat_format.stop_token_ids(), prompt.stop, constraint)
     if prompt.keep_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     timer = state.metrics.request_timer()
     try:
         stream = state.engine.submit(prompt.token_ids, params, request_id)
@@ -110,10 +123,15 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
         raise from_exception(err) from None
     parallel = req.parallel_tool_calls is not False
     choices = [_Choice(chat_format.new_parser(prompt), parallel) for _ in range(req.n)]
-    job = _Chat(req, state, request_id, len(prompt.token_ids), timer, choices)
+    return StartedChat(request_id, len(prompt.token_ids), stream, choices, timer)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+    started = await start_chat(req, state, f"chatcmpl-{uuid.uuid4().hex}")
+    job = _Chat(req, state, started.request_id, started.prompt_tokens, started.timer, started.choices)
     if req.stream:
-        return StreamingResponse(job.stream(stream), media_type="text/event-stream")
-    result = await cancel_on_disconnect(raw, job.collect(stream))
+        return StreamingResponse(job.stream(started.stream), media_type="text/event-stream")
+    result = await cancel_on_disconnect(raw, job.collect(started.stream))
     return JSONResponse(result.model_dump())
 
 

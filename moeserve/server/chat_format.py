@@ -151,6 +151,11 @@ class ChatFormat(ABC):
         """What compiles this format's output constraints: the engine's (from its tokenizer), or None."""
         return getattr(llm, "grammar_compiler", None)
 
+    def thinking_switch(self, enabled: bool) -> dict[str, Any] | None:
+        """The chat_template_kwargs that turn the model's thinking on or off, or None when the format has no such
+        switch (the Messages API's `thinking` parameter)."""
+        return None
+
 
 # -------------------------------------------------------------------------------------------- jinja template
 class _TemplateParser(OutputParser):
@@ -287,6 +292,11 @@ class TemplateChat(ChatFormat):
         ids = self.tokenizer.encode(text + forced, add_special_tokens=False)
         return ChatPrompt(ids, text + forced, plan.tools, forced, starts_in_reasoning=in_reasoning, stop=stop,
                           grammar=grammar, keep_special_tokens=bool(self.special_tags))
+
+    def thinking_switch(self, enabled: bool) -> dict[str, Any] | None:
+        """Qwen3, Qwen3.5 and GLM-4.5 templates read `enable_thinking`."""
+        return {"enable_thinking": enabled} if self.variables is not None and "enable_thinking" in self.variables \
+            else None
 
     def _special_tags(self) -> SpecialTags:
         """The tags the output parsers read that are special tokens of this tokenizer (decoding with

@@ -1,4 +1,5 @@
-"""Engine and request failures -> OpenAI error bodies: {"error": {"message", "type", "param", "code"}}.
+"""Engine and request failures -> OpenAI error bodies: {"error": {"message", "type", "param", "code"}}; on the
+Anthropic Messages API's paths, Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
 Status codes: 400 malformed request or too long for the context, 401 wrong API key, 404 unknown model or path,
 503 (+ Retry-After) while loading, when the queue is full, while draining, or when the engine has died, 500 for
@@ -9,6 +10,7 @@ anything unexpected. Messages are cut to MAX_MESSAGE_CHARS: a validation error m
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,13 +37,32 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        message = self.message if len(self.message) <= MAX_MESSAGE_CHARS else \
+    def short_message(self) -> str:
+        return self.message if len(self.message) <= MAX_MESSAGE_CHARS else \
             self.message[:MAX_MESSAGE_CHARS] + "... (truncated)"
-        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.short_message(), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error in the Anthropic Messages API's shape: {"type": "error", "error": {"type", "message"}}."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.short_message()}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error's response, in the shape of the API that `path` belongs to."""
+        shape = ERROR_SHAPES.get(path.rstrip("/"), APIError.body)
+        return JSONResponse(shape(self), status_code=self.status, headers=self.headers)
+
+
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+# Paths whose errors take another API's shape; every other path answers in OpenAI's.
+ERROR_SHAPES: dict[str, Callable[[APIError], dict[str, Any]]] = {
+    "/v1/messages": APIError.anthropic_body, "/v1/messages/count_tokens": APIError.anthropic_body}
 
 
 def model_not_found(name: str) -> APIError:
@@ -99,7 +120,7 @@ def log_client_error(method: str, path: str, err: APIError) -> None:
 def answer(request: Request, err: APIError) -> JSONResponse:
     """The error's response, logged by log_client_error."""
     log_client_error(request.method, request.url.path, err)
-    return err.response()
+    return err.response(request.url.path)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -121,5 +142,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return answer(request, err)
 
     @app.exception_handler(Exception)
-    async def _any(_: Request, err: Exception) -> JSONResponse:
-        return from_exception(err).response()
+    async def _any(request: Request, err: Exception) -> JSONResponse:
+        return from_exception(err).response(request.url.path)

@@ -180,4 +180,4 @@ class RequestGuard:
     @staticmethod
     async def _answer(err: APIError, scope: Scope, receive: Receive, send: Send) -> None:
         log_client_error(str(scope.get("method")), str(scope.get("path", "")), err)
-        await err.response()(scope, receive, send)
+        await err.response(str(scope.get("path", "")))(scope, receive, send)
