@@ -172,11 +172,11 @@ def test_items_in_a_row_make_one_assistant_message() -> None:
 
 
 def test_store_is_bounded_by_count_and_bytes() -> None:
-    store = ResponseStore(max_count=2, max_bytes=100)
+    store = ResponseStore(max_count=2, max_bytes=120)  # each message below: 53 bytes of JSON
     message = [{"role": "user", "content": "x" * 20}]
     for i in range(3):
         assert store.put(f"r{i}", message)
     assert store.get("r0") is None and store.get("r2") == message and len(store) == 2
     assert not store.put("big", [{"role": "user", "content": "x" * 200}]) and len(store) == 2
-    store.put("r3", [{"role": "user", "content": "y" * 60}])  # 2 + 1 would pass 100 bytes: the oldest leave
-    assert store.get("r1") is None and store.get("r3") is not None and store.bytes <= 100
+    store.put("r3", [{"role": "user", "content": "y" * 60}])  # 93 bytes: the oldest leave until it fits
+    assert store.get("r1") is None and store.get("r3") is not None and store.bytes <= 120
