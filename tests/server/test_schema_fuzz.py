@@ -26,8 +26,9 @@ from tests.server.conftest import ThreadServer, engine_factory, make_state
 SEED = 20_251_125
 FAST_EXAMPLES = 5
 SLOW_EXAMPLES = 120
-OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize"}
+OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/v1/responses",
+              "/v1/messages", "/health", "/metrics", "/tokenize", "/detokenize"}
+ANTHROPIC_PATHS = {"/v1/messages"}  # errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,10 @@ def fuzz(server: ThreadServer, examples: int) -> None:
                                          content=json.dumps(mutated), headers={"content-type": "application/json"})
             where = (case.method, case.path, response.status_code, response.text[:500])
             assert response.status_code < 500, where
-            if response.status_code >= 400:  # every error leaves in the OpenAI shape
-                assert set(response.json()) == {"error"}, where
+            if response.status_code >= 400:  # every error leaves in the OpenAI shape (Anthropic's on its paths)
+                shape = {"type", "error"} if case.path in ANTHROPIC_PATHS else {"error"}
+                assert set(response.json()) == shape, where
+                assert set(response.json()["error"]) >= {"type", "message"}, where
             if mutated is not None:
                 assert response.status_code == 400, where
                 assert "lone UTF-16 surrogate" in response.json()["error"]["message"], where
