@@ -101,8 +101,9 @@ class EngineSettings(BaseModel):
         "torch ops only, auto = cpp when it builds"
     )
     cpu_isa: Literal["auto", "avx2", "generic"] = Field(
-        "auto", description="ISA the C++ kernels are compiled for: auto = this CPU's own (-march=native); avx2 = "
-        "x86-64-v3 (AVX2, FMA, F16C); generic = baseline x86-64, scalar paths (elsewhere the compiler's default). "
+        "auto", description="ISA the C++ kernels are compiled for: auto = this CPU's own (-march=native; on aarch64 "
+        "-mcpu=native); avx2 = x86-64-v3 (AVX2, FMA, F16C); generic = baseline x86-64, scalar paths (on aarch64 "
+        "armv8-a, NEON; elsewhere the compiler's default). "
         "For tests, and for building kernels that a narrower CPU can run; the bf16 GEMV and expert op give the same "
         "bits on every level. Each level is its own cached library; the start-up log says which was built"
     )

@@ -17,13 +17,17 @@ API (other modules rely on exactly this):
   C++ ops when they build, "cpp" = raise ConfigError when they cannot, "torch" = never load them; the reason names
   the ISA the library was built for.
 
-ISA levels (EngineSettings.cpu_isa; ``ISA_FLAGS``): ``native`` (cpu_isa=auto, the default) = ``-march=native``;
-``avx2`` = ``-march=x86-64-v3 -mtune=native`` (AVX2, FMA, F16C: what an AVX2-only CPU runs, and what tests use to
-run those paths on a wider CPU); ``generic`` = ``-march=x86-64`` (no SIMD beyond SSE2: the scalar paths; on other
-machines the compiler's default target). Every source chooses its code by the compiler's ISA macros
-(``__AVX512BF16__``, ``__AVX2__``, ...), and a runtime CPU check (``__builtin_cpu_supports``) only ever narrows
-that, so a ``target``-attribute AVX-512 function is never chosen in an avx2 build. Each level is its own cached
-library (the flags are part of the key).
+ISA levels (EngineSettings.cpu_isa; ``ISA_FLAGS``), on x86-64: ``native`` (cpu_isa=auto, the default) =
+``-march=native``; ``avx2`` = ``-march=x86-64-v3 -mtune=native`` (AVX2, FMA, F16C: what an AVX2-only CPU runs, and
+what tests use to run those paths on a wider CPU); ``generic`` = ``-march=x86-64`` (no SIMD beyond SSE2: the scalar
+paths). On aarch64: ``native`` = ``-mcpu=native`` (NEON, and BF16 where the CPU has it), ``generic`` =
+``-march=armv8-a`` (NEON only: every aarch64 CPU), ``avx2`` refused. On other machines ``native`` =
+``-march=native`` and ``generic`` the compiler's default target. Every source chooses its code by the compiler's ISA
+macros (``__AVX512BF16__``, ``__AVX2__``, ``__ARM_NEON``, ...), and a runtime CPU check (``__builtin_cpu_supports``)
+only ever narrows that, so a ``target``-attribute AVX-512 function is never chosen in an avx2 build. Each level is
+its own cached library (the flags are part of the key). x86 intrinsics are guarded by their ISA macros, so every
+source compiles for aarch64 (tests/kernels/test_aarch64_qemu.py cross-compiles them, and runs the canonical ops'
+numeric cores under qemu-aarch64 against the x86 builds).
 
 Build: ``g++ -O3 <ISA flags> -fopenmp -fPIC -shared -std=c++20`` against the running torch's headers and
 libraries (``-D_GLIBCXX_USE_CXX11_ABI`` matching torch, rpath to torch/lib, so libgomp is torch's own). ``CXX``
@@ -68,12 +72,19 @@ log = logging.getLogger("moeserve.kernels")
 CSRC = Path(__file__).with_name("csrc")
 LIB_NAME = "moeserve_kernels.so"
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-# The ISA levels a library can be built for, and their -march flags (see the module docstring).
-ISA_FLAGS: dict[str, tuple[str, ...]] = {
-    "native": ("-march=native",),
-    "avx2": ("-march=x86-64-v3", "-mtune=native"),
-    "generic": ("-march=x86-64", "-mtune=generic") if _X86 else (),
-}
+_ARM64 = platform.machine().lower() in ("aarch64", "arm64")
+
+
+def _isa_flags(x86: bool, arm64: bool) -> dict[str, tuple[str, ...]]:
+    """The ISA levels a library can be built for on such a machine, and their flags (see the module docstring)."""
+    if arm64:
+        return {"native": ("-mcpu=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
+                "generic": ("-march=armv8-a",)}
+    return {"native": ("-march=native",), "avx2": ("-march=x86-64-v3", "-mtune=native"),
+            "generic": ("-march=x86-64", "-mtune=generic") if x86 else ()}
+
+
+ISA_FLAGS: dict[str, tuple[str, ...]] = _isa_flags(_X86, _ARM64)
 # /proc/cpuinfo flags an x86-64-v3 build may use (without them its code would die on an illegal instruction)
 AVX2_CPU_FLAGS = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe")
 
@@ -111,9 +122,10 @@ def sources() -> list[Path]:
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature flags (x86: "flags", aarch64: "Features" in /proc/cpuinfo), sorted: part of the cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return " ".join(sorted(line.split(":", 1)[1].split()))
     except OSError:
         pass
@@ -331,7 +343,7 @@ def _load_locked(isa: str) -> KernelStatus:
 
 def built_for(isa: str) -> str:
     """The start-up log's words for the loaded library's ISA: the level, its flags, the bf16 dot implementation."""
-    march = " ".join(ISA_FLAGS[isa]) or "the compiler's default target"
+    march = f"{' '.join(ISA_FLAGS[isa]) or 'the default target'} on {platform.machine()}"
     try:
         dots = str(torch.ops.moeserve.canonical_dot_isa())
     except (AttributeError, RuntimeError):  # a library loaded before this op existed (sources edited meanwhile)

@@ -29,22 +29,49 @@
 // - scalar (any CPU, the reference): F in double (the product of two 8-bit significands is exact, the sum rounded
 //   once to 53 bits, then to 24: correct, as 53 >= 2 * 24 + 2), the flush decided on the value rounded with an
 //   unbounded exponent (scaled by 2^100 into the normal range). Independent of the FP environment.
+// - NEON (every aarch64 build: Advanced SIMD is part of armv8-a): the 16 lanes as four float32x4 (quad j: the
+//   chunk's elements 8j .. 8j + 7), bf16 -> fp32 by the same mask and shift, F as vfmaq_f32 (FMLA: one rounding)
+//   under FPCR.FZ = 1, round to nearest, AH = FIZ = 0. FZ zeroes denormal inputs exactly as DAZ does, but flushes a
+//   result whose EXACT value is below 2^-126 (tininess before rounding, ARM ARM FPRoundBase), where x86 flushes
+//   on the value rounded with an unbounded exponent: an exact value in [2^-126 (1 - 2^-25), 2^-126) is 2^-126
+//   on x86 and 0 under FZ. Every such flush sets FPSR.UFC (FPRoundBase again; no other result under FZ does: an
+//   exact value of at least 2^-126 rounds as on x86, an exact zero is no underflow), so the lane loop clears
+//   FPSR.UFC, runs, and where UFC came up, redoes those rows with the scalar reference: the same bits, a slow path
+//   only where an FMA's exact result fell below 2^-126 (never in real weights and activations). FEAT_AFP's
+//   FPCR.AH = 1 would flush after rounding as x86 does, but also changes input flushing and NaN rules and is not
+//   on every ARM CPU: not used. With FEAT_BF16 (__ARM_FEATURE_BF16_VECTOR_ARITHMETIC: -mcpu=native on Graviton 3/4,
+//   Grace, Apple M2+), BFMLALT then BFMLALB do the two F of a quad directly from the bf16 vectors: each is a
+//   widening FMA "without intermediate rounding", under FPCR and recorded in FPSR like FMLA (ARM ARM C3.8.29.1),
+//   so the same bits with no shifts. BFDOT and BFMMLA may NOT be used: they add the two products of a pair (and
+//   BFMMLA four) before the accumulator, rounding to odd with FPCR ignored unless FEAT_EBF16's FPCR.EBF is set,
+//   and even then as one fused pair sum, not the two sequential FMAs of the canonical order.
+//   Checked under qemu-aarch64 against the x86 builds (tests/kernels/test_aarch64_qemu.py); not timed on ARM
+//   hardware.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#include "bf16_bits.h"
+
+// MOESERVE_CANON_FORCE_SCALAR (tests: the reference on any CPU) overrides the ISA's choice.
+#if defined(MOESERVE_CANON_FORCE_SCALAR)
+#define MOESERVE_CANON_SCALAR 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define MOESERVE_CANON_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #define MOESERVE_CANON_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define MOESERVE_CANON_NEON 1
 #else
 #define MOESERVE_CANON_SCALAR 1
 #endif
 
 #if defined(MOESERVE_CANON_AVX512) || defined(MOESERVE_CANON_AVX2)
 #include <immintrin.h>
+#elif defined(MOESERVE_CANON_NEON)
+#include <arm_neon.h>
 #endif
 
 namespace moeserve_canon {
@@ -55,22 +82,22 @@ inline const char* implementation() {
   return "avx512bf16";
 #elif defined(MOESERVE_CANON_AVX2)
   return "avx2";
+#elif defined(MOESERVE_CANON_NEON) && defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+  return "neon-bf16";
+#elif defined(MOESERVE_CANON_NEON)
+  return "neon";
 #else
   return "scalar";
 #endif
 }
 
 // ------------------------------------------------------------------------------------------- scalar reference
-inline float from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using moeserve_csrc::bits_to_f;
 
 // bf16 -> fp32 with DAZ: a zero exponent reads as a zero of the same sign.
 inline float daz_bf16(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
-  return from_bits((b & 0x7F80u) == 0 ? (u & 0x80000000u) : u);
+  return bits_to_f((b & 0x7F80u) == 0 ? (u & 0x80000000u) : u);
 }
 
 // F(a, b, acc) of the header comment, a and b already through daz_bf16, acc never denormal.
@@ -99,10 +126,11 @@ inline void chunk_scalar(float* lanes, const uint16_t* w, const uint16_t* x) {
   }
 }
 
-// The canonical dot of one plain row w [k] with x [k], k % 32 == 0: the reference every path must equal.
-inline float dot_scalar(const uint16_t* w, const uint16_t* x, int64_t k) {
+// The canonical dot of a row w with x [k], k % 32 == 0, the row's chunk c at w + c * stride (32: a plain row, 128:
+// a row of a 4-row block): the reference every path must equal.
+inline float dot_scalar(const uint16_t* w, const uint16_t* x, int64_t k, int64_t stride = 32) {
   float lanes[16] = {};
-  for (int64_t c = 0; c < k / 32; ++c) chunk_scalar(lanes, w + 32 * c, x + 32 * c);
+  for (int64_t c = 0; c < k / 32; ++c) chunk_scalar(lanes, w + stride * c, x + 32 * c);
   return halving_sum16(lanes);
 }
 
@@ -244,6 +272,98 @@ inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, fl
     pin(acc[m][1]);
     res[m] = halving_sum(acc[m][0], acc[m][1]);
   }
+}
+
+#elif defined(MOESERVE_CANON_NEON)
+
+// FPCR for the lane FMAs: FZ (bit 24) set; RMode (bits 22-23) round to nearest; AH and FIZ (bits 1, 0, FEAT_AFP;
+// RES0 without it) clear. FPSR cleared, so that UFC (bit 3) afterwards tells whether any lane result was flushed.
+struct LaneMode {
+  uint64_t fpcr, fpsr;  // the caller's
+};
+inline LaneMode enter_lane_mode() {
+  LaneMode saved;
+  asm volatile("mrs %0, fpcr" : "=r"(saved.fpcr));
+  asm volatile("mrs %0, fpsr" : "=r"(saved.fpsr));
+  asm volatile("msr fpcr, %0" : : "r"((saved.fpcr & ~((3ull << 22) | 3ull)) | (1ull << 24)));
+  asm volatile("msr fpsr, %0" : : "r"(0ull));
+  return saved;
+}
+// Restores the caller's FPCR and FPSR; true when a lane result was flushed (FPSR.UFC).
+inline bool leave_lane_mode(const LaneMode& saved) {
+  uint64_t fpsr;
+  asm volatile("mrs %0, fpsr" : "=r"(fpsr));
+  asm volatile("msr fpcr, %0" : : "r"(saved.fpcr));
+  asm volatile("msr fpsr, %0" : : "r"(saved.fpsr));
+#if defined(MOESERVE_CANON_TEST_IGNORE_UFC)  // the negative control of tests/kernels/test_aarch64_qemu.py only
+  return false;
+#else
+  return (fpsr & 8u) != 0;
+#endif
+}
+
+// Pins v between two system register accesses: the compiler may not move the FMAs that make or use it across them.
+inline void pin(float32x4_t& v) { asm volatile("" : "+w"(v)); }
+
+// The 8 bf16 at p as fp32 (odd elements, even elements): lane j of each holds elements 2j + 1 and 2j.
+inline float32x4_t odd_of(uint16x8_t v) {
+  return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_u16(v), vdupq_n_u32(0xFFFF0000u)));
+}
+inline float32x4_t even_of(uint16x8_t v) { return vreinterpretq_f32_u32(vshlq_n_u32(vreinterpretq_u32_u16(v), 16)); }
+
+// acc = F(w odd, x odd, acc) then F(w even, x even, acc) on one quad: lanes 4j .. 4j + 3 of a chunk.
+inline float32x4_t quad_step(float32x4_t acc, uint16x8_t w, uint16x8_t x) {
+#if defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC)
+  const bfloat16x8_t wb = vreinterpretq_bf16_u16(w), xb = vreinterpretq_bf16_u16(x);
+  return vbfmlalbq_f32(vbfmlaltq_f32(acc, wb, xb), wb, xb);  // BFMLALT (odd), then BFMLALB (even)
+#else
+  return vfmaq_f32(vfmaq_f32(acc, odd_of(w), odd_of(x)), even_of(w), even_of(x));
+#endif
+}
+
+// _mm512_reduce_add_ps's tree on the four quads (lanes 0-3, 4-7, 8-11, 12-15).
+inline float halving_sum(const float32x4_t* q) {
+  const float32x4_t s4 = vaddq_f32(vaddq_f32(q[3], q[1]), vaddq_f32(q[2], q[0]));  // s8[i + 4] + s8[i]
+  const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));          // s4[i] + s4[i + 2]
+  return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
+}
+
+// R rows against one input row x: row r's chunk c at base + c * stride + 32 * r (a 4-row block: R = 4, stride 128;
+// a plain row: R = 1, stride 32). res[r] = the canonical dot; rows whose lanes flushed are redone in scalar.
+template <int R>
+inline void rows_neon(const uint16_t* base, int64_t stride, int64_t k, const uint16_t* x, float* res, int64_t pf) {
+  float32x4_t acc[R][4];
+  const LaneMode saved = enter_lane_mode();
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) pin(acc[r][j] = vdupq_n_f32(0.0f));
+  const char* bytes = reinterpret_cast<const char*>(base);
+  for (int64_t c = 0; c < k / 32; ++c) {
+    if (pf > 0)
+      for (int64_t l = 0; l < 2 * stride; l += 64) __builtin_prefetch(bytes + c * 2 * stride + pf + l, 0, 3);
+    uint16x8_t xv[4];
+    for (int j = 0; j < 4; ++j) xv[j] = vld1q_u16(x + 32 * c + 8 * j);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) acc[r][j] = quad_step(acc[r][j], vld1q_u16(base + c * stride + 32 * r + 8 * j), xv[j]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) pin(acc[r][j]);
+  const bool flushed = leave_lane_mode(saved);
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) pin(acc[r][j]);
+    res[r] = flushed ? dot_scalar(base + 32 * r, x, k, stride) : halving_sum(acc[r]);
+  }
+}
+
+// One input row at a time (16 accumulators and the chunk of x in registers); the second and later rows read the
+// block from L1.
+template <int MB>
+inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
+  for (int m = 0; m < MB; ++m) rows_neon<4>(blk, 128, k, xs[m], res[m], m == 0 ? pf : 0);
+}
+
+template <int MB>
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+  for (int m = 0; m < MB; ++m) rows_neon<1>(w, 32, k, xs[m], res + m, 0);
 }
 
 #else  // scalar

@@ -38,8 +38,8 @@
 #include <cstring>
 #include <vector>
 
-#include "canonical_dot.h"
 #include "int8_codes.h"
+#include "moe_interleaved.h"
 #include "norm_common.h"
 
 #ifdef __AVX512F__
@@ -50,11 +50,6 @@ namespace moeserve_moe {
 
 constexpr int kMaxGroup = 8;  // tokens per pass over a weight row (more: the row is re-read from L1)
 
-// bf16 bits <-> float, through the helpers shared with norm.cpp / attention.cpp / dense_gemv.cpp.
-inline float bf16_to_f(uint16_t b) { return moeserve_csrc::bits_to_f(static_cast<uint32_t>(b) << 16); }
-inline uint16_t f_to_bf16(float f) { return moeserve_csrc::bf16_bits(f); }
-
-inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
 
 // Weight element kinds.
 enum class WKind { kBF16, kF32, kI8 };
@@ -241,29 +236,6 @@ inline void dot_tokens(const void* row, int64_t k, const XT* const* xs, int64_t 
 }
 
 // ------------------------------------------------------------------------------------------------------- op
-struct Expert {
-  const void* gate_up;  // [2I, H]
-  const void* down;     // [H, I]
-  const float* gate_up_scale;  // [2I] (int8) or null
-  const float* down_scale;     // [H] (int8) or null
-  int64_t lo, hi;              // its (token, weight) pairs: token_of[lo:hi], weight_of[lo:hi]
-  int64_t pair0;               // index of its first pair in the scratch rows
-};
-
-// Scratch reused across calls by the calling thread (grown, never shrunk): no page faults on the hot path.
-struct Scratch {
-  std::vector<float> gu;       // [P, 2I] gate_up outputs (rounded as the compute dtype)
-  std::vector<float> act_f;    // [P, I] activations (fp32 compute)
-  std::vector<uint16_t> act_h; // [P, I] activations (bf16 compute)
-};
-
-template <typename T>
-inline T* grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
-inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
 // XT: element type of x / out (uint16_t for bf16, float). W: weight kind.
 template <typename XT, WKind W>
@@ -354,32 +326,11 @@ void run(XT* out, const XT* x, int64_t hsz, int64_t isz, const std::vector<Exper
 }
 
 // --------------------------------------------------------------------------- interleaved units (bf16 or int8)
-// Units whose gate_up [2I, H] and down [H, I] are stored in the dense GEMV's row-interleaved layout (rows in
-// blocks of 4, the 32-element chunks of a block's 4 rows side by side: see csrc/dense_gemv.cpp and
-// moeserve.models.layers.base.interleave_rows; 2I, H % 4 == 0 and H, I % 32 == 0, no leftover rows), or for int8 in
-// pack_int8_rows' layout (csrc/dense_gemv_int8.cpp) with float32 row scales. A block is ONE sequential stream
-// feeding 4 output rows: in a C++ loop shaped like this op (2 threads, alternated in one process) it streamed
-// 1.17x faster than one row at a time on the plain layout (28.5 vs 24.3 GB/s), which itself beats 4 plain rows
-// side by side (4 streams per thread); the whole op in scripts/bench_gemv.py: 1.07-1.12x.
-//
-// Numerics: each (token, row) dot product follows the canonical order (csrc/canonical_dot.h: 16 fp32 lanes as
-// vdpbf16ps fills them over the 32-element chunks in order, a fixed halving sum; the same bits on AVX512-BF16, AVX2
-// and scalar builds), then exactly the roundings of the plain path
-// (g, u, silu, product, down output, times the weight, the add into `out`, expert after expert). Results differ
-// from the plain layout's (two accumulators) only by the summation order inside a dot product; resident and
-// offloaded units both hold this layout, so they stay bit-identical. Any token count: with more than one token
-// an expert's block stays in L1 while groups of 4 tokens pass over it (prefill reads each weight once).
+// The layout, the numerics and run_interleaved: csrc/moe_interleaved.h (Bf16Block there). int8 units decode their
+// codes to bf16 (exact) with AVX512-VBMI and multiply them with vdpbf16ps, so they exist only where those do.
 
-// The block kinds: dots<MB>(blk, k, xs, res, prefetch) gives res[m][r] = dot(row r of the block, xs[m]), m < MB.
-// bf16 units run the canonical order (csrc/canonical_dot.h) on any ISA; int8 units decode their codes to bf16
-// (exact) with AVX512-VBMI and multiply them with vdpbf16ps, so they exist only where those do.
-struct Bf16Block {
-  using T = uint16_t;
-  template <int MB>
-  void dots(const T* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], bool prefetch) const {
-    moeserve_canon::block4_dots<MB>(blk, k, xs, res, prefetch ? 4096 : 0);
-  }
-};
+// Threads for the interleaved op: torch's count, one inside a torch parallel region.
+inline int op_threads() { return at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads()); }
 
 #if defined(MOESERVE_HAVE_I8_DECODE)  // int8_codes.h: the build's ISA has AVX512-BF16 and VBMI
 // res[m][r] = dot(row r of the block, xs[m]) for MB tokens, the block's rows decoded by dec.rows (vdpbf16ps: the
@@ -419,90 +370,6 @@ struct Int8Block {  // sign-magnitude codes in pack_int8_rows' layout (see csrc/
   }
 };
 #endif
-
-// Calls fn(t0, g, res) for each group of up to 4 of the nt tokens xs against one block.
-template <typename B, typename Fn>
-inline void over_token_groups(const B& dec, const typename B::T* blk, int64_t k, const uint16_t* const* xs, int64_t nt,
-                              Fn&& fn) {
-  float res[4][4];
-  for (int64_t t0 = 0; t0 < nt; t0 += 4) {
-    // The first pass over the block (the one reading memory) fetches 4 KiB ahead by hand, whatever the token
-    // count: at 1 token the op streamed at 30-31 GB/s without it and 38-52 GB/s with it, the same as the dense
-    // GEMV and the plain-layout op (scripts/bench_gemv.py, variants alternated, 2026-11-23).
-    const bool pf = t0 == 0;
-    switch (std::min<int64_t>(4, nt - t0)) {
-      case 1: dec.template dots<1>(blk, k, xs + t0, res, pf); break;
-      case 2: dec.template dots<2>(blk, k, xs + t0, res, pf); break;
-      case 3: dec.template dots<3>(blk, k, xs + t0, res, pf); break;
-      default: dec.template dots<4>(blk, k, xs + t0, res, pf); break;
-    }
-    fn(t0, std::min<int64_t>(4, nt - t0), res);
-  }
-}
-
-// B: Bf16Block (scales unused) or Int8Block (each row's fp32 dot times the row's scale, then the same roundings).
-template <typename B>
-void run_interleaved(uint16_t* out, const uint16_t* x, int64_t hsz, int64_t isz, const std::vector<Expert>& experts,
-                     const int64_t* token_of, const float* weight_of, int64_t pairs) {
-  using T = typename B::T;
-  constexpr bool kScaled = std::is_same_v<T, int8_t>;
-  static thread_local Scratch s;
-  float* gu = grow(s.gu, static_cast<size_t>(pairs * 2 * isz));
-  uint16_t* act = grow(s.act_h, static_cast<size_t>(pairs * isz));
-  std::vector<const uint16_t*> xrows(pairs), arows(pairs);
-  for (const Expert& e : experts)
-    for (int64_t p = e.lo; p < e.hi; ++p) xrows[e.pair0 + p - e.lo] = x + token_of[p] * hsz;
-  for (int64_t p = 0; p < pairs; ++p) arows[p] = act + p * isz;
-  const int64_t n_exp = static_cast<int64_t>(experts.size());
-  const int64_t blocks_gu = 2 * isz / 4, blocks1 = n_exp * blocks_gu, blocks_h = hsz / 4;
-  const int nthreads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
-
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const B dec;
-    // Phase 1: the gate_up blocks of every expert, split evenly across threads.
-    for (int64_t u = blocks1 * tid / nt, u1 = blocks1 * (tid + 1) / nt; u < u1; ++u) {
-      const Expert& e = experts[u / blocks_gu];
-      const int64_t b = u % blocks_gu;
-      const T* blk = static_cast<const T*>(e.gate_up) + b * 4 * hsz;
-      over_token_groups(dec, blk, hsz, xrows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
-        for (int64_t m = 0; m < g; ++m)
-          for (int r = 0; r < 4; ++r) {
-            const float v = kScaled ? res[m][r] * e.gate_up_scale[4 * b + r] : res[m][r];
-            gu[(e.pair0 + t0 + m) * 2 * isz + 4 * b + r] = round_bf16(v);
-          }
-      });
-    }
-#pragma omp barrier
-    {
-      const int64_t n = pairs * isz, i0 = n * tid / nt, i1 = n * (tid + 1) / nt;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t p = i / isz, j = i % isz;
-        const float g = gu[p * 2 * isz + j], u = gu[p * 2 * isz + isz + j];
-        act[i] = f_to_bf16(round_bf16(round_bf16(silu(g)) * u));
-      }
-    }
-#pragma omp barrier
-    // Phase 2: blocks of 4 output rows split across threads; each thread adds its rows' experts in order.
-    const int64_t b0 = blocks_h * tid / nt, b1 = blocks_h * (tid + 1) / nt;
-    for (const Expert& e : experts) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const T* blk = static_cast<const T*>(e.down) + b * 4 * isz;
-        over_token_groups(dec, blk, isz, arows.data() + e.pair0, e.hi - e.lo, [&](int64_t t0, int64_t g, float (*res)[4]) {
-          for (int64_t m = 0; m < g; ++m) {
-            const int64_t p = e.lo + t0 + m;
-            uint16_t* o = out + token_of[p] * hsz + 4 * b;
-            for (int r = 0; r < 4; ++r) {
-              const float d = kScaled ? res[m][r] * e.down_scale[4 * b + r] : res[m][r];
-              o[r] = f_to_bf16(bf16_to_f(o[r]) + round_bf16(round_bf16(d) * weight_of[p]));
-            }
-          }
-        });
-      }
-    }
-  }
-}
 
 // bf16 units: the canonical order compiles on every ISA, so the op is always there.
 bool interleaved_supported() { return true; }
@@ -651,7 +518,7 @@ at::Tensor moe_swiglu_interleaved_(at::Tensor out, const at::Tensor& x, at::Tens
   std::vector<Expert> experts = collect(x, gate_up, down, bounds, unused_isz, pairs);
   if (experts.empty()) return out;
   run_interleaved<Bf16Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), h,
-                  isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
+                  isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs, op_threads());
   return out;
 }
 
@@ -694,7 +561,8 @@ at::Tensor moe_swiglu_int8_interleaved_(at::Tensor out, const at::Tensor& x, at:
   if (experts.empty()) return out;
 #if defined(MOESERVE_HAVE_I8_DECODE)  // int8_codes.h: the build's ISA has AVX512-BF16 and VBMI
   run_interleaved<Int8Block>(reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()),
-                             h, isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs);
+                             h, isz, experts, token_of.data_ptr<int64_t>(), weight_of.data_ptr<float>(), pairs,
+                             op_threads());
 #endif
   return out;
 }

@@ -10,26 +10,9 @@
 #include <optional>
 #include <vector>
 
+#include "bf16_bits.h"
+
 namespace moeserve_csrc {
-
-inline float bits_to_f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint32_t f_to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// float -> bf16 bits, round to nearest even; NaN stays a (quiet) NaN. Same result as c10::BFloat16(float).
-inline uint16_t bf16_bits(float f) {
-  const uint32_t u = f_to_bits(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-}
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const at::BFloat16* p, int64_t i) {
