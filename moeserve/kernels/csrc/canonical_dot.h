@@ -328,42 +328,53 @@ inline float halving_sum(const float32x4_t* q) {
   return vget_lane_f32(s2, 0) + vget_lane_f32(s2, 1);
 }
 
-// R rows against one input row x: row r's chunk c at base + c * stride + 32 * r (a 4-row block: R = 4, stride 128;
-// a plain row: R = 1, stride 32). res[r] = the canonical dot; rows whose lanes flushed are redone in scalar.
-template <int R>
-inline void rows_neon(const uint16_t* base, int64_t stride, int64_t k, const uint16_t* x, float* res, int64_t pf) {
-  float32x4_t acc[R][4];
+// R rows against MB input rows: row r's chunk c at base + c * stride + 32 * r (a 4-row block: R = 4, stride 128; a
+// plain row: R = 1, stride 32); res[m * R + r] = the canonical dot of row r with xs[m]. One input row per pass
+// (16 accumulators and x's chunk in registers; later passes read the rows from L1), one FPCR switch per call: an
+// FPCR write may wait for the FP pipeline on some cores. If any lane flushed, every dot of the call is redone in
+// scalar. The halving sums run after the caller's FPCR is back, as on x86. GCC 12's scheduler before register
+// allocation hoists all 16 weight loads of a chunk and then spills 6 accumulators (12 stack accesses per chunk in
+// the -O3 loop, counted in the generated code); without that pass, none. Not timed: no ARM hardware here.
+template <int R, int MB>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("no-schedule-insns")))
+#endif
+inline void rows_neon(const uint16_t* base, int64_t stride, int64_t k, const uint16_t* const* xs, float* res, int64_t pf) {
+  float32x4_t lanes[MB][R][4];
   const LaneMode saved = enter_lane_mode();
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) pin(acc[r][j] = vdupq_n_f32(0.0f));
   const char* bytes = reinterpret_cast<const char*>(base);
-  for (int64_t c = 0; c < k / 32; ++c) {
-    if (pf > 0)
-      for (int64_t l = 0; l < 2 * stride; l += 64) __builtin_prefetch(bytes + c * 2 * stride + pf + l, 0, 3);
-    uint16x8_t xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = vld1q_u16(x + 32 * c + 8 * j);
+  for (int m = 0; m < MB; ++m) {
+    float32x4_t acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = quad_step(acc[r][j], vld1q_u16(base + c * stride + 32 * r + 8 * j), xv[j]);
+      for (int j = 0; j < 4; ++j) pin(acc[r][j] = vdupq_n_f32(0.0f));
+    const uint16_t* x = xs[m];
+    for (int64_t c = 0; c < k / 32; ++c) {
+      if (pf > 0 && m == 0)  // the first pass is the one reading memory
+        for (int64_t l = 0; l < 2 * stride; l += 64) __builtin_prefetch(bytes + c * 2 * stride + pf + l, 0, 3);
+      uint16x8_t xv[4];
+      for (int j = 0; j < 4; ++j) xv[j] = vld1q_u16(x + 32 * c + 8 * j);
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < 4; ++j) acc[r][j] = quad_step(acc[r][j], vld1q_u16(base + c * stride + 32 * r + 8 * j), xv[j]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) pin(lanes[m][r][j] = acc[r][j]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) pin(acc[r][j]);
   const bool flushed = leave_lane_mode(saved);
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) pin(acc[r][j]);
-    res[r] = flushed ? dot_scalar(base + 32 * r, x, k, stride) : halving_sum(acc[r]);
-  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) pin(lanes[m][r][j]);
+      res[m * R + r] = flushed ? dot_scalar(base + 32 * r, xs[m], k, stride) : halving_sum(lanes[m][r]);
+    }
 }
 
-// One input row at a time (16 accumulators and the chunk of x in registers); the second and later rows read the
-// block from L1.
 template <int MB>
 inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
-  for (int m = 0; m < MB; ++m) rows_neon<4>(blk, 128, k, xs[m], res[m], m == 0 ? pf : 0);
+  rows_neon<4, MB>(blk, 128, k, xs, &res[0][0], pf);
 }
 
 template <int MB>
 inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
-  for (int m = 0; m < MB; ++m) rows_neon<1>(w, 32, k, xs[m], res + m, 0);
+  rows_neon<1, MB>(w, 32, k, xs, res, 0);
 }
 
 #else  // scalar
