@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from moeserve import kernels
+from tests.kernels.ops import suite_isa
 from tests.kernels.test_canonical_isa import expert_cases, interleave, linear_cases, one_thread, run_ops
 
 HARNESS = Path(__file__).with_name("harness") / "canonical_harness.cpp"
@@ -126,22 +127,24 @@ def big_linear_case() -> dict:
 
 @pytest.fixture(scope="module")
 def harness_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The inputs written once and the x86 native harness's outputs on them (the bits every build must give)."""
+    """The inputs written once and the outputs on them of the x86 harness built for the suite's ISA level (native,
+    or avx2 under `make test-as-avx2`): the bits every build must give."""
     tmp = tmp_path_factory.mktemp("aarch64")
     with one_thread():
         linear, experts = linear_cases() + [big_linear_case()], expert_cases()
     inputs = tmp / "inputs.bin"
     write_inputs(inputs, linear, experts)
-    native = build_harness("g++", kernels.ISA_FLAGS["native"], tmp / "harness-native")
-    isa, outs = run_harness([str(native)], inputs, tmp / "native.out", threads=2)
-    return {"tmp": tmp, "inputs": inputs, "linear": linear, "experts": experts, "isa": isa, "native": outs,
+    level = suite_isa()
+    exe = build_harness("g++", kernels.ISA_FLAGS[level], tmp / f"harness-{level}")
+    isa, outs = run_harness([str(exe)], inputs, tmp / f"{level}.out", threads=2)
+    return {"tmp": tmp, "inputs": inputs, "linear": linear, "experts": experts, "isa": isa, "level": level, "want": outs,
             "boundary": len(linear) - 2}  # test_canonical_isa.boundary_rows: the last of linear_cases()
 
 
 # ---------------------------------------------------------------------------------------------------- tests
 @pytest.mark.slow
 def test_x86_harness_equals_the_torch_ops(harness_run):
-    """The harness runs the ops' own cores: its native x86 build gives the bits of linear_interleaved and
+    """The harness runs the ops' own cores: its x86 build gives the bits of linear_interleaved and
     moe_swiglu_interleaved_ from the loaded library (the same ISA level) on every case."""
     from tests.kernels.ops import cpp_ops
 
@@ -149,25 +152,27 @@ def test_x86_harness_equals_the_torch_ops(harness_run):
     got = run_ops(harness_run["linear"], harness_run["experts"])
     assert got["isa"] == [harness_run["isa"]]
     ops_out = [y.contiguous().view(torch.int16).numpy().view("<u2").reshape(-1) for y in got["linear"] + got["experts"]]
-    assert differing(harness_run["native"][: len(ops_out)], ops_out) == []
+    assert differing(harness_run["want"][: len(ops_out)], ops_out) == []
 
 
 @pytest.mark.slow
-def test_every_x86_level_gives_the_native_bits(harness_run):
-    """The harness built for avx2 (where this CPU runs it) and generic: the native build's bits."""
-    for level in ("avx2", "generic"):
+def test_every_x86_level_gives_the_same_bits(harness_run):
+    """The harness built for the other x86 levels (avx2 where this CPU runs it): the suite level's bits."""
+    for level in ("native", "avx2", "generic"):
+        if level == harness_run["level"]:
+            continue
         if level == "avx2" and kernels._unrunnable("avx2") is not None:
             continue
         exe = build_harness("g++", kernels.ISA_FLAGS[level], harness_run["tmp"] / f"harness-{level}")
         isa, outs = run_harness([str(exe)], harness_run["inputs"], harness_run["tmp"] / f"{level}.out", threads=1)
-        assert isa == X86_IMPLEMENTATION[level]
-        assert differing(outs, harness_run["native"]) == [], f"x86 {level} vs native"
+        assert isa == (X86_IMPLEMENTATION[level] or isa)
+        assert differing(outs, harness_run["want"]) == [], f"x86 {level} vs {harness_run['level']}"
 
 
 @pytest.mark.slow
 def test_aarch64_under_qemu_gives_the_x86_bits(harness_run):
     """NEON (FMLA under FPCR.FZ, rows whose lanes flushed redone in scalar), NEON + BF16 (BFMLALT/BFMLALB) and the
-    scalar reference, cross-compiled and run under qemu-aarch64: the x86 native bits on every case, silu's libm
+    scalar reference, cross-compiled and run under qemu-aarch64: the x86 bits on every case, silu's libm
     expf included (all 65536 bf16 inputs)."""
     cxx, qemu = _cross_tools()
     for name, flags, implementation, threads in ARM_BUILDS:
@@ -175,7 +180,7 @@ def test_aarch64_under_qemu_gives_the_x86_bits(harness_run):
         isa, outs = run_harness([qemu, "-cpu", "max", str(exe)], harness_run["inputs"],
                                 harness_run["tmp"] / f"{name}.out", threads)
         assert isa == implementation
-        assert differing(outs, harness_run["native"]) == [], f"aarch64 {name} vs x86 native"
+        assert differing(outs, harness_run["want"]) == [], f"aarch64 {name} vs x86 {harness_run['level']}"
 
 
 @pytest.mark.slow
@@ -186,7 +191,7 @@ def test_the_flush_check_is_needed(harness_run):
     exe = build_harness(cxx, ("-march=armv8-a", "-DMOESERVE_CANON_TEST_IGNORE_UFC"),
                         harness_run["tmp"] / "harness-ignore-ufc", static=True)
     _, outs = run_harness([qemu, "-cpu", "max", str(exe)], harness_run["inputs"], harness_run["tmp"] / "ufc.out", 1)
-    diff = differing(outs, harness_run["native"])
+    diff = differing(outs, harness_run["want"])
     assert any(d.startswith(f"record {harness_run['boundary']}:") for d in diff), diff
 
 
