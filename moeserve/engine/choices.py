@@ -80,11 +80,16 @@ def choose_batched_tokens(want: int | None, max_num_seqs: int) -> tuple[int, str
                "many tokens between decode steps")
 
 
+def least_batched_tokens(groups: Sequence[KVGroup], max_num_seqs: int) -> int:
+    """The least max_num_batched_tokens a step can run with: one prefill chunk of the recurrent layers (their
+    `prefill_step` positions) beside one decode token of every sequence."""
+    return max(g.kind.prefill_step for g in groups) + max_num_seqs
+
+
 def check_prefill_step(groups: Sequence[KVGroup], batched_tokens: int, max_num_seqs: int) -> None:
-    """A step must hold one prefill chunk of the recurrent layers (their `prefill_step` positions) beside one
-    decode token of every sequence."""
+    """A step must hold `least_batched_tokens`."""
     step = max(g.kind.prefill_step for g in groups)
-    if batched_tokens < step + max_num_seqs:
+    if batched_tokens < least_batched_tokens(groups, max_num_seqs):
         raise ConfigError(f"max_num_batched_tokens={batched_tokens} is too small for this model: its "
                           f"recurrent layers compute prompts in chunks of {step} positions, so a step needs room "
                           f"for one chunk beside max_num_seqs={max_num_seqs} decode tokens (set at least "

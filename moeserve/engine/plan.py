@@ -29,6 +29,7 @@ from moeserve.config import EngineSettings
 from moeserve.engine.choices import (
     check_max_model_len,
     check_prefill_step,
+    least_batched_tokens,
     choose_batched_tokens,
     choose_device,
     choose_dtype,
@@ -38,7 +39,7 @@ from moeserve.engine.choices import (
     kernels_line,
     store_options,
 )
-from moeserve.engine.sizing import memory_needs, spec_kv_groups
+from moeserve.engine.sizing import memory_needs, size_for_context, spec_kv_groups
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
 from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
@@ -204,10 +205,17 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     block_bytes = group_block_bytes(groups, s.block_size, a.num_kv_heads, a.head_dim, dtype)
     dense, sized = _expert_plans(ckpt, arch, spec, dtype, s)
     nonexpert = resident_nbytes(ckpt, sized, dtype)  # quantized Linears at their dequantized size
-    needs = memory_needs(spec, s, dtype, groups, block_bytes, nonexpert, sized.layout.nbytes, len(sized.sources),
-                         batched, probe.runtime_bytes())
-    # every tier sized by the function memory/sizing.py gives both the engine and `moeserve plan`
-    sizes = size_tiers(needs, probe.topology(device, s.unified_memory), s)
+    runtime, topology = probe.runtime_bytes(), probe.topology(device, s.unified_memory)
+
+    def needs_at(context: int, tokens: int) -> MemoryNeeds:
+        return memory_needs(spec, s.model_copy(update={"max_model_len": context}), dtype, groups, block_bytes,
+                            nonexpert, sized.layout.nbytes, len(sized.sources), tokens, runtime)
+
+    # every tier sized by the function memory/sizing.py gives both the engine and `moeserve plan`, the runtime
+    # for the context served (engine/sizing.py)
+    needs, sizes = size_for_context(
+        needs_at, lambda n, ctx, chosen: size_tiers(n, topology, s, ctx, chosen), s.max_model_len,
+        spec.max_position_embeddings, batched, least_batched_tokens(groups, s.max_num_seqs))
     for name, line in sizes.lines:
         lines.add(name, line)
     interleaved = lines.take("expert layout", choose_expert_layout(dense, dtype, s.quantization, s.expert_layout,

@@ -1,16 +1,20 @@
 """What the engine sizes from a model's shapes before anything is loaded (engine/plan.py, which `moeserve plan`
 calls too), shared with the bench's ceilings: the sequence-memory groups of a model (`spec_kv_groups`) and what
-the memory split divides the budget among (`memory_needs`)."""
+the memory split divides the budget among (`memory_needs`), and the context the runtime reserve is sized for
+(`size_for_context`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from moeserve.config import EngineSettings
+from moeserve.errors import ConfigError
+from moeserve.memory.budget import fmt_bytes
 from moeserve.experts.store import BYPASS_BUFFERS
-from moeserve.memory.split import MemoryNeeds, activation_bytes
+from moeserve.memory.sizing import TierSizes
+from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activation_bytes, kv_for
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
@@ -60,3 +64,94 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
     return kv_groups(windows, kind, la.layers, latent, stateless)
+
+
+# (context the runtime is sized for, max_num_batched_tokens) -> what the split needs
+NeedsAt = Callable[[int, int], MemoryNeeds]
+# (needs, max_model_len or None for automatic, whether that max_model_len was chosen here) -> the tiers
+SplitAt = Callable[[MemoryNeeds, int | None, bool], TierSizes]
+
+
+def size_for_context(needs_at: NeedsAt, split: SplitAt, set_len: int | None, model_len: int, batched: int,
+                     least_batched: int) -> tuple[MemoryNeeds, TierSizes]:
+    """(needs, tiers) with the runtime reserve (one step's activations, the rotary tables, sliding-window pools)
+    sized for the context actually served. A set max_model_len: sized for it. Unset: the model's context when it
+    fits; else the longest context C (a multiple of LEN_MULTIPLE) whose own runtime still leaves a KV pool of C
+    tokens, then split exactly as `max_model_len=C` set by hand would be (the same experts kept). A refusal names
+    the setting that saves the most, with how much (`_advice`)."""
+    if set_len is not None:
+        needs = needs_at(set_len, batched)
+        try:
+            return needs, split(needs, set_len, False)
+        except ConfigError as err:
+            raise ConfigError(f"{err}{_advice(needs_at, split, set_len, batched, least_batched)}") from None
+    needs = needs_at(model_len, batched)
+    full = _auto_split(split, needs)
+    if full is not None and full.split.max_model_len >= model_len:
+        return needs, full
+    least = min(MIN_CONTEXT, model_len)
+    if not _holds(split, needs_at(least, batched), least):
+        needs = needs_at(least, batched)
+        try:
+            split(needs, None, False)  # raises: one line naming each part
+        except ConfigError as err:
+            raise ConfigError(f"{err}{_advice(needs_at, split, least, batched, least_batched)}") from None
+    lo, hi = least, model_len  # holds(lo), not holds(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _holds(split, needs_at(mid, batched), mid) else (lo, mid)
+    ctx = max(least, lo // LEN_MULTIPLE * LEN_MULTIPLE)
+    needs = needs_at(ctx, batched)
+    return needs, split(needs, ctx, True)
+
+
+def _auto_split(split: SplitAt, needs: MemoryNeeds) -> TierSizes | None:
+    try:
+        return split(needs, None, False)
+    except ConfigError:
+        return None
+
+
+def _holds(split: SplitAt, needs: MemoryNeeds, ctx: int) -> bool:
+    """Whether the automatic split of `needs` (runtime sized for `ctx` tokens) keeps a context of `ctx` or more."""
+    sizes = _auto_split(split, needs)
+    return sizes is not None and sizes.split.max_model_len >= ctx
+
+
+def _advice(needs_at: NeedsAt, split: SplitAt, ctx: int, batched: int, least_batched: int) -> str:
+    """'; what saves the most: ...': max_model_len and max_num_batched_tokens, the larger saving first, each with
+    the bytes it saves of runtime and one sequence's KV (max_model_len: the longest that fits, when one does)."""
+    def cost(n: MemoryNeeds, tokens: int) -> int:
+        return n.overhead_bytes + kv_for(n, tokens)
+
+    now = cost(needs_at(ctx, batched), ctx)
+    levers: list[tuple[int, str]] = []
+    least = min(MIN_CONTEXT, ctx)
+    if ctx > least:
+        fits = [t for t in _descending(ctx, least) if _fits_set(split, needs_at(t, batched), t)][:1]
+        t = fits[0] if fits else least
+        levers.append((now - cost(needs_at(t, batched), t), f"max_model_len={t}" + (" fits" if fits else "")))
+    if least_batched < batched:
+        saved = now - cost(needs_at(ctx, least_batched), ctx)
+        levers.append((saved, f"max_num_batched_tokens={least_batched}"))
+    levers = sorted((lv for lv in levers if lv[0] > 0), reverse=True)
+    if not levers:
+        return ""
+    return "; what saves the most: " + ", then ".join(f"{what} ({fmt_bytes(saved)} less)" for saved, what in levers)
+
+
+def _descending(ctx: int, least: int) -> list[int]:
+    """Contexts to try below `ctx`, longest first: halvings down to `least` (multiples of LEN_MULTIPLE)."""
+    out, t = [], ctx // 2
+    while t > least:
+        out.append(t // LEN_MULTIPLE * LEN_MULTIPLE)
+        t //= 2
+    return [*out, least]
+
+
+def _fits_set(split: SplitAt, needs: MemoryNeeds, ctx: int) -> bool:
+    try:
+        split(needs, ctx, False)
+    except ConfigError:
+        return False
+    return True

@@ -45,18 +45,21 @@ class TierSizes:
         return (("memory", self.topology.reason), *self.split.lines, ("host tier", self.host.reason))
 
 
-def size_tiers(needs: MemoryNeeds, topology: MemoryTopology, s: TierSettings) -> TierSizes:
+def size_tiers(needs: MemoryNeeds, topology: MemoryTopology, s: TierSettings,
+               max_model_len: int | None = None, context_chosen: bool = False) -> TierSizes:
     """Split the fast tier's budget and size the host tier. Raises ConfigError (one line) for what cannot fit.
     The copier's pinned staging buffers (any CUDA device) are host RAM: on a discrete GPU the host budget leaves
     them out of what it locks; on unified memory they come out of the one pool, as read buffers of the split.
-    On CUDA the batched expert kernel's workspace (`MemoryNeeds.expert_workspace_bytes`) is part of the runtime."""
+    On CUDA the batched expert kernel's workspace (`MemoryNeeds.expert_workspace_bytes`) is part of the runtime.
+    `max_model_len`, `context_chosen`: a context the engine chose (engine/sizing.py), over `s.max_model_len`."""
     if topology.device_type == "cuda" and topology.unified:
         needs = replace(needs, staging_bytes=needs.staging_bytes + staging_pinned_bytes(needs.unit_nbytes))
     if topology.device_type == "cuda":  # where the batched expert kernel runs: its stacked weights are runtime
         needs = replace(needs, overhead_bytes=needs.overhead_bytes + needs.expert_workspace_bytes)
     split = split_memory(needs, memory_gb=s.memory_gb, expert_cache_gb=s.expert_cache_gb, kv_cache_gb=s.kv_cache_gb,
-                         max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
-                         free_bytes=topology.fast_free_bytes)
+                         max_model_len=max_model_len if context_chosen else s.max_model_len,
+                         max_num_seqs=s.max_num_seqs, free_bytes=topology.fast_free_bytes,
+                         context_chosen=context_chosen)
     host = choose_host_budget(s.host_cache_gb, needs.unit_nbytes, needs.total_experts, split.expert_capacity,
                               topology)
     return TierSizes(topology, split, host)

@@ -23,7 +23,9 @@ Rules, in order:
 6. The expert cache, when expert_cache_gb is not set: all that room - KV pool holds (whole experts, at most all).
 7. max_model_len: when set, kept (step 3 guarantees one sequence of it fits the pool; above the model's own it is
    refused). When not set: the model's max_position_embeddings, lowered to what one sequence can hold in the KV
-   pool (a multiple of 16, never below the step-3 minimum), with the reason in its line.
+   pool (a multiple of 16, never below the step-3 minimum), with the reason in its line. The engine then sizes
+   the runtime for the context it serves (engine/sizing.py `size_for_context`) and splits again with that
+   context as if set (`context_chosen`: its line says it was chosen, not set).
 
 With memory_gb, resident + read buffers + runtime + KV pool + expert cache <= B always (tests/memory/test_split.py
 checks it on random cases). Every line names its figures (GiB, or MiB below 1 GiB) and its reason.
@@ -114,8 +116,9 @@ class _Room:
 
 def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb: float | None,
                  kv_cache_gb: float | None, max_model_len: int | None, max_num_seqs: int,
-                 free_bytes: int) -> MemorySplit:
-    """Split the budget among the parts (module docstring). Raises ConfigError, one line, when it cannot fit."""
+                 free_bytes: int, context_chosen: bool = False) -> MemorySplit:
+    """Split the budget among the parts (module docstring). Raises ConfigError, one line, when it cannot fit.
+    `context_chosen`: max_model_len is the engine's choice (the longest context that fits), not the user's."""
     n = needs
     if max_model_len is not None and max_model_len > n.model_max_len:
         raise ConfigError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -133,7 +136,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
             ", capped at all" if capacity == n.total_experts and
             int((expert_cache_gb or 0) * GiB) > n.unit_nbytes * n.total_experts else "")
     expert_bytes = capacity * n.unit_nbytes
-    ctx, ctx_line = _context(n, budget, r, kv, max_model_len)
+    ctx, ctx_line = _context(n, budget, r, kv, max_model_len, context_chosen)
     total = r.fixed + kv + expert_bytes
     lines = (
         ("memory budget", f"{budget.why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
@@ -235,8 +238,12 @@ def _shared_kv_pool(n: MemoryNeeds, r: _Room, full: str) -> tuple[int, str]:
     return kv, f"{KV_SHARE:.0%} of what the fixed parts leave: the experts do not all fit, they get the rest"
 
 
-def _context(n: MemoryNeeds, b: _Budget, r: _Room, kv: int, max_model_len: int | None) -> tuple[int, str]:
+def _context(n: MemoryNeeds, b: _Budget, r: _Room, kv: int, max_model_len: int | None,
+             chosen: bool = False) -> tuple[int, str]:
     """7. (max_model_len, its line): as set, else the model's lowered to what one sequence can hold in the pool."""
+    if max_model_len is not None and chosen:
+        return r.ctx, (f"{max_model_len} (auto: the model's {n.model_max_len} does not fit {b.of}; the longest "
+                       f"context that fits with the runtime it needs; set max_model_len or {b.to_raise})")
     if max_model_len is not None:
         return r.ctx, f"{max_model_len} (set)"
     ctx = r.ctx
