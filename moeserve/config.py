@@ -152,7 +152,12 @@ class ServerSettings(BaseModel):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    served_model_name: str | None = Field(None, description="model name clients use (default: folder name)")
+    served_model_name: list[str] | None = Field(
+        None, description="model name(s) clients use; several: any is accepted, the first is answered (default: "
+        "MODEL as given)")
+    generation_config: str = Field(
+        "auto", description="request sampling defaults: auto (the model's generation_config.json), vllm (none), or "
+        "a folder holding a generation_config.json")
     api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond max_num_seqs before 503")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
@@ -166,6 +171,15 @@ class ServerSettings(BaseModel):
         "first; 0 keeps none)")
     responses_store_mb: float = Field(
         64.0, ge=0, description="bytes (MiB, as JSON) those stored responses may take, beyond memory_gb")
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, names: Any) -> Any:
+        if isinstance(names, str):  # MOESERVE_SERVED_MODEL_NAME="a b" or "a,b"
+            names = names.replace(",", " ").split()
+        if isinstance(names, list) and not [n for n in names if str(n).strip()]:
+            raise ValueError("give at least one name, or leave served_model_name unset")
+        return names
 
     @field_validator("api_key")
     @classmethod
@@ -282,7 +296,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel], ski
             group.add_argument("--no-" + flag[2:], dest=name, action="store_const", const="false", help=argparse.SUPPRESS)
             continue
         typ, choices = _flag_type(field.annotation)
-        group.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_text)
+        many = "+" if any(get_origin(a) is list for a in get_args(field.annotation)) else None  # list[str] fields
+        group.add_argument(flag, dest=name, type=typ, choices=choices, default=None, help=help_text, nargs=many)
 
 
 def settings_from_args(cls: type[BaseModel], args: argparse.Namespace, **extra: Any) -> Any:

@@ -16,7 +16,7 @@ from moeserve.cli.common import (
     add_sampling_arguments,
     engine_settings,
 )
-from moeserve.cli.sampling_defaults import ChosenSampling, choose_sampling
+from moeserve.cli.sampling_defaults import GENERATION_CONFIG_FILE, ChosenSampling, choose_sampling
 
 # flags whose value, when given, wins over the model's recommendation (unset: None)
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
     engine, tok = llm.engine, llm.engine.tokenizer
     if tok is None:
         raise RequestError("chat needs a tokenizer (skip_tokenizer_init was set)")
-    chosen, sampling = session_sampling(args, engine.checkpoint.generation_config,
-                                        str(engine.checkpoint.path / "generation_config.json"))
+    chosen, sampling = session_sampling(args, engine.checkpoint.generation_config, GENERATION_CONFIG_FILE)
 
     def make_params(**values: object) -> SamplingParams:
         return SamplingParams(**values)  # type: ignore[arg-type]

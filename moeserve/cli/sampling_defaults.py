@@ -1,4 +1,5 @@
-"""The sampling `moeserve chat` starts with: the model's recommendation (generation_config.json), flags over it.
+"""The sampling `moeserve chat` starts with: the model's recommendation (generation_config.json), flags over it;
+and the defaults `moeserve serve` gives a request's unset fields (`server_sampling`, vLLM's `--generation-config`).
 
 Pure Python (no torch): tested without a model. The fields read from generation_config.json are vLLM's
 (`--generation-config auto`): temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as
@@ -9,8 +10,10 @@ A model that recommends no sampling value at all gets CHAT_FALLBACK (llama.cpp's
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from moeserve.errors import ConfigError
@@ -76,3 +79,45 @@ def choose_sampling(generation_config: Mapping[str, Any], flags: Mapping[str, An
             values[name] = base[name]
             sources[name] = file if name in model else where
     return ChosenSampling(values, sources)
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def server_sampling(setting: str, generation_config: Mapping[str, Any]) -> ChosenSampling:
+    """What `serve` gives a request's unset sampling fields, as vLLM's `--generation-config` does: "auto" (the
+    default) the model's generation_config.json; "vllm" nothing (temperature 1, top_p 1, no top_k, the rest of the
+    context); any other value a folder holding a generation_config.json. No chat fallback: a model that recommends
+    nothing gets vLLM's defaults. `max_tokens` (max_new_tokens) is a default, not a cap: a request's own wins."""
+    if setting == "vllm":
+        return ChosenSampling({}, {})
+    if setting == "auto":
+        values, where = recommended_sampling(generation_config, GENERATION_CONFIG_FILE), GENERATION_CONFIG_FILE
+    else:
+        file = Path(setting) / GENERATION_CONFIG_FILE
+        values, where = recommended_sampling(read_generation_config(file), str(file)), str(file)
+    return ChosenSampling(values, dict.fromkeys(values, where))
+
+
+def read_generation_config(file: Path) -> dict[str, Any]:
+    """A generation_config.json named by the generation_config setting: a JSON object, else ConfigError."""
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"generation_config={file.parent}: no {GENERATION_CONFIG_FILE} there (use 'auto' for "
+                          "the model's own, 'vllm' for none)") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{file}: cannot read it as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: must hold a JSON object")
+    return data
+
+
+def describe_defaults(chosen: ChosenSampling) -> str:
+    """The serve start-up line: the values and, once, where they came from."""
+    if not chosen.values:
+        return "none: vLLM's (temperature 1, top_p 1, no top_k; generation_config=vllm, or the model recommends none)"
+    sources = sorted(set(chosen.sources.values()))
+    values = ", ".join(f"{name} {value}" for name, value in chosen.values.items())
+    return (f"{values} (from {', '.join(sources)}; a request's own fields win; generation_config=vllm turns these "
+            "off)")

@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from moeserve.cli.sampling_defaults import describe_defaults, server_sampling
 from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
 from moeserve.preflight import check_engine_settings
 
@@ -75,11 +76,15 @@ class _HoldUntilLoaded(logging.Filter):
         self.held.clear()
 
 
-def served_name(settings: ServerSettings, model: str | None) -> str:
-    """The name clients put in `model`: --served-model-name, else the model folder's name."""
+def served_names(settings: ServerSettings, model: str | None) -> tuple[str, ...]:
+    """The names clients may put in `model`, the one answered first: --served-model-name's (as vLLM: any of them is
+    accepted, the first is answered); else MODEL as given (a Hugging Face id `org/model`, or the folder as typed)
+    and the folder's own name."""
     if settings.served_model_name:
-        return settings.served_model_name
-    return Path(model).name if model else "moeserve-demo"
+        return tuple(dict.fromkeys(settings.served_model_name))
+    if not model:
+        return ("moeserve-demo",)
+    return tuple(dict.fromkeys((model, Path(model.rstrip("/")).name or model)))
 
 
 def describe_model(engine: Any) -> str:
@@ -96,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     server_settings: ServerSettings = settings_from_args(ServerSettings, args)
     check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
     check_engine_settings(engine_settings)  # a bad setting: one line now, not once the server runs
+    if server_settings.generation_config not in ("auto", "vllm"):  # a folder: its file read now, not at load
+        server_sampling(server_settings.generation_config, {})
     return _serve(engine_settings, server_settings)
 
 
@@ -106,7 +113,8 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
     from moeserve.server.metrics import ServerMetrics
     from moeserve.server.state import ServerState
 
-    name = served_name(server_settings, engine_settings.model)
+    names = served_names(server_settings, engine_settings.model)
+    name = names[0]
     log.info("serving %s as model '%s'; API key %s; at most %d requests in flight (max_num_seqs %d + "
              "max_queued_requests %d)", engine_settings.model or "the bundled demo model", name,
              "required" if server_settings.api_key else "not required",
@@ -131,11 +139,12 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
         llm = state.engine.engine
         log.info("model: %s", describe_model(llm))
         log.info("chat format: %s", _chat_format_name(state))
+        log.info("sampling defaults: %s", describe_defaults(state.sampling_defaults()))
         hold.model_loaded()
 
     async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
                                engine_settings.max_num_seqs + server_settings.max_queued_requests, on_loaded)
-    state = ServerState(async_engine, server_settings, name, ServerMetrics(name))
+    state = ServerState(async_engine, server_settings, name, ServerMetrics(name), aliases=names)
     app = build_app(state)
     config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
                             access_log=not server_settings.disable_log_requests,

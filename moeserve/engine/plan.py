@@ -29,7 +29,6 @@ from moeserve.config import EngineSettings
 from moeserve.engine.choices import (
     check_max_model_len,
     check_prefill_step,
-    least_batched_tokens,
     choose_batched_tokens,
     choose_device,
     choose_dtype,
@@ -37,6 +36,7 @@ from moeserve.engine.choices import (
     choose_threads,
     dtype_name,
     kernels_line,
+    least_batched_tokens,
     store_options,
 )
 from moeserve.engine.sizing import memory_needs, size_for_context, spec_kv_groups

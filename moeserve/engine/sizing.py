@@ -11,8 +11,8 @@ import torch
 
 from moeserve.config import EngineSettings
 from moeserve.errors import ConfigError
-from moeserve.memory.budget import fmt_bytes
 from moeserve.experts.store import BYPASS_BUFFERS
+from moeserve.memory.budget import fmt_bytes
 from moeserve.memory.sizing import TierSizes
 from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activation_bytes, kv_for
 from moeserve.models.experts.kernels import batched_workspace_bytes

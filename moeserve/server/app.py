@@ -35,7 +35,6 @@ from moeserve.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
-    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -169,11 +168,10 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
 def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
     """The OpenAI endpoints: /v1/models, /v1/models/{id}, /v1/completions, /v1/chat/completions."""
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=ERROR_RESPONSES)
-    async def models() -> ModelList:
-        max_len = state.max_model_len if state.engine.state == State.READY else None
-        choices = state.engine.startup_choices() or None
-        return ModelList(data=[ModelCard(id=state.model_name, max_model_len=max_len, startup_choices=choices)])
+    @app.get("/v1/models", response_model=ModelList, response_model_exclude_none=True, dependencies=auth,
+             responses=ERROR_RESPONSES)
+    async def models(verbose: bool = False) -> ModelList:
+        return ModelList(data=state.model_cards(verbose))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth, responses=ERROR_RESPONSES)
     async def model(model_id: str) -> ModelCard:

@@ -107,7 +107,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
     except RequestError as err:  # as an APIError: the catch-all handler would also close the connection
         raise from_exception(err) from None
     max_tokens = check_context(len(prompt.token_ids), req.max_completion_tokens or req.max_tokens,
-                               state.max_model_len)
+                               state.max_model_len, state.default_max_tokens())
     state.validate_prompt(prompt.token_ids)
     top_k = req.top_logprobs or 0
     constraint = await compile_constraint(state.llm, prompt.grammar, chat_format.grammar_compiler(state.llm))

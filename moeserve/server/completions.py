@@ -78,7 +78,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     constraint = await compile_constraint(state.llm, spec)
     params = []
     for ids in prompts:
-        max_tokens = check_context(len(ids), req.max_tokens, state.max_model_len)
+        max_tokens = check_context(len(ids), req.max_tokens, state.max_model_len, state.default_max_tokens(),
+                                   param="prompt")
         state.validate_prompt(ids)
         params.append(sampling_params(req, max_tokens, state.max_num_seqs, req.logprobs, constraint=constraint))
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -250,7 +250,9 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "moeserve"
     max_model_len: int | None = None
-    startup_choices: dict[str, str] | None = None  # moeserve's: every choice made at start-up, as logged
+    # moeserve's, with ?verbose=true: every choice made at start-up, as logged, and the request sampling defaults
+    startup_choices: dict[str, str] | None = None
+    sampling_defaults: dict[str, float | int] | None = None
 
 
 class ModelList(ResponseModel):

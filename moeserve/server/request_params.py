@@ -11,8 +11,11 @@ from moeserve.server.protocol import SamplingFields
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
-    """The number of tokens to generate: `max_tokens`, or all the context left when it is None.
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int, default: int | None = None,
+                  param: str = "messages") -> int:
+    """The number of tokens to generate: `max_tokens`; when it is None, all the context left, or `default` (the
+    model's max_new_tokens, ServerState.default_max_tokens) when that is less, as vLLM does. `param`: the field that
+    holds the prompt ("messages", "prompt"), named by the error.
 
     Raises a 400 with OpenAI's wording (which clients parse to trim history) when the prompt plus the completion
     do not fit in the context."""
@@ -20,14 +23,14 @@ def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
             f"{prompt_tokens} tokens, which leaves no room for a completion. Please reduce the length of the "
-            "prompt.", param="messages", code="context_length_exceeded")
+            "prompt.", param=param, code="context_length_exceeded")
     if max_tokens is None:
-        return max_model_len - prompt_tokens
+        return min(max_model_len - prompt_tokens, default or max_model_len)
     if prompt_tokens + max_tokens > max_model_len:
         raise APIError(
             400, f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
-            "completion). Please reduce the length of the messages or completion.",
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {param}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {param} or completion.",
             param="max_tokens", code="context_length_exceeded")
     return max_tokens
 

@@ -12,13 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from moeserve.cli.sampling_defaults import ChosenSampling, server_sampling
 from moeserve.config import ServerSettings
-from moeserve.engine.async_engine import AsyncEngine, EngineDeadError
+from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, State
 from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatFormat, chat_format_for
 from moeserve.server.errors import APIError, from_exception, model_not_found
 from moeserve.server.metrics import ServerMetrics
-from moeserve.server.protocol import RequestModel, SamplingFields
+from moeserve.server.protocol import ModelCard, RequestModel, SamplingFields
 from moeserve.server.request_fields import check_request_fields
 
 log = logging.getLogger("moeserve.server")
@@ -27,6 +28,7 @@ T = TypeVar("T")
 # Streams still open this long before uvicorn's graceful-shutdown deadline are ended by the server (an error event,
 # then [DONE]) rather than cut mid-body by uvicorn's task cancellation.
 STREAM_CUT_MARGIN_S = 0.5
+_ABSENT = object()
 
 
 @dataclass
@@ -35,9 +37,13 @@ class ServerState:
     settings: ServerSettings
     model_name: str
     metrics: ServerMetrics
+    # every name a request may give in `model` (--served-model-name's several; MODEL as given and its folder's
+    # name); `model_name`, the first, is the one answered
+    aliases: tuple[str, ...] = ()
     draining: bool = False
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at start-up (for the shutdown timer)
     _chat_format: ChatFormat | None = None
+    _sampling: ChosenSampling | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Tokenization and template rendering run here, off the event loop (a 10 MB prompt took ~14 s and stalled
     # every stream and /health). One thread: HF fast tokenizers are not safe to reconfigure concurrently, and one
@@ -100,10 +106,40 @@ class ServerState:
                 self._chat_format = chat_format_for(model_type, self.tokenizer, folder)
             return self._chat_format
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names a request may give in `model`, the answered one first."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
+    def model_cards(self, verbose: bool = False) -> list[ModelCard]:
+        """/v1/models' records, one per served name: no local path. `verbose` adds every start-up choice as logged
+        (`startup_choices`, paths included) and the sampling defaults."""
+        ready = self.engine.state == State.READY
+        max_len = self.max_model_len if ready else None
+        choices = (self.engine.startup_choices() or None) if verbose else None
+        sampling = self.sampling_defaults().values if verbose and ready else None
+        return [ModelCard(id=name, max_model_len=max_len, startup_choices=choices, sampling_defaults=sampling)
+                for name in self.served_names]
+
+    def sampling_defaults(self) -> ChosenSampling:
+        """What a request's unset sampling fields get (the generation_config setting: the model's
+        generation_config.json by default, as vLLM does); read once, after the model loaded."""
+        with self._lock:
+            if self._sampling is None:
+                checkpoint = getattr(self.llm, "checkpoint", None)
+                config = getattr(checkpoint, "generation_config", None) or {}
+                self._sampling = server_sampling(self.settings.generation_config, config)
+            return self._sampling
+
+    def default_max_tokens(self) -> int | None:
+        """The model's max_new_tokens (generation_config), given to a request that sets no max_tokens."""
+        return self.sampling_defaults().values.get("max_tokens")
+
     # ------------------------------------------------------------------------------------------- checks
     def accept(self, model: str | None, body: RequestModel | None = None) -> None:
-        """Raise the right APIError unless a generation request may start now."""
-        if model is not None and model != self.model_name:
+        """Raise the right APIError unless a generation request may start now; then give the body's unset
+        sampling fields (temperature, top_p, top_k, min_p, repetition_penalty) the server's defaults."""
+        if model is not None and model not in self.served_names:
             raise model_not_found(model)
         if self.draining:
             raise APIError(503, "the server is shutting down", "server_error", code="shutting_down",
@@ -117,6 +153,10 @@ class ServerState:
                 check_request_fields(body)
             except RequestError as err:
                 raise from_exception(err) from None
+        if body is not None:
+            for name, value in self.sampling_defaults().values.items():
+                if name != "max_tokens" and getattr(body, name, _ABSENT) is None:
+                    setattr(body, name, value)  # as vLLM's to_sampling_params: only fields the request left unset
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """The engine's own prompt checks (empty, token ids out of range), as 400s."""

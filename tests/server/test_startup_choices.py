@@ -30,7 +30,9 @@ def test_engine_records_every_choice_as_logged(caplog: pytest.LogCaptureFixture)
 
 
 def test_server_exposes_the_choices(live_server: ThreadServer) -> None:
-    card = httpx.get(live_server.url + "/v1/models").json()["data"][0]
+    plain = httpx.get(live_server.url + "/v1/models").json()["data"][0]
+    assert "startup_choices" not in plain and str(live_server.state.llm.checkpoint.path) not in str(plain)
+    card = httpx.get(live_server.url + "/v1/models?verbose=true").json()["data"][0]
     engine_choices = dict(live_server.state.engine.startup_choices())
     assert card["startup_choices"] == engine_choices and set(EXPECTED) <= set(engine_choices)
     samples = scrape(live_server.url)
