@@ -100,9 +100,14 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     first_param: str | None = None
     for item in err.errors()[:MAX_VALIDATION_ERRORS]:
+        if item.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
+            offset = (item.get("loc") or ("", "?"))[-1]
+            why = (item.get("ctx") or {}).get("error", "JSON decode error")
+            parts.append(f"the body is not valid JSON ({why} at character {offset})")
+            continue
         loc = [str(p) for p in item.get("loc", ()) if p != "body"]
         where = ".".join(loc) or "body"
-        first_param = first_param or where
+        first_param = first_param or (where if loc else None)  # the whole body is no field to name
         parts.append(f"{where}: {item.get('msg', 'invalid')}")  # never the input itself: it may be huge
     more = len(err.errors()) - MAX_VALIDATION_ERRORS
     if more > 0:
