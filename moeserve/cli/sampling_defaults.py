@@ -41,10 +41,14 @@ class ChosenSampling:
     sources: dict[str, str]  # name -> where its value came from ("generation_config.json", "flag", ...)
 
     def describe(self) -> str:
-        """One line: every value with its source, e.g. `temperature 0.6 (generation_config.json), top_k 20 (flag)`."""
+        """One line: every value, each run of values from one source followed by it once, e.g.
+        `temperature 0.6, top_p 0.95 (generation_config.json), top_k 20 (flag)`."""
         if not self.values:
             return "greedy"
-        return ", ".join(f"{name} {self.values[name]} ({self.sources[name]})" for name in self.values)
+        names = list(self.values)
+        return ", ".join(f"{name} {self.values[name]}" + (
+            f" ({self.sources[name]})" if i + 1 == len(names) or self.sources[names[i + 1]] != self.sources[name]
+            else "") for i, name in enumerate(names))
 
 
 def recommended_sampling(generation_config: Mapping[str, Any], file: str = "generation_config.json"

@@ -15,7 +15,9 @@ import logging
 import math
 import signal
 import socket
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ import uvicorn
 
 from moeserve.cli.sampling_defaults import describe_defaults, server_sampling
 from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
+from moeserve.errors import MoeserveError
 from moeserve.preflight import check_engine_settings
 
 log = logging.getLogger("moeserve")
@@ -42,13 +45,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 class _HoldUntilLoaded(logging.Filter):
-    """Holds uvicorn's 'startup complete' and 'running on' records until the model is loaded, then lets them out
-    in reading order: the listening address, then "Application startup complete"."""
+    """Holds uvicorn's 'startup complete' and 'running on' records until the model is loaded and the socket
+    listens, then lets them out in reading order: the listening address, then "Application startup complete";
+    then `ready(url)` runs (serve prints its one line, at any log level)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: Callable[[str], None] = lambda url: None) -> None:
         super().__init__()
         self.loaded = False
         self.released = False
+        self.url: str | None = None  # set once the socket listens
+        self.ready = ready
         self.held: list[logging.LogRecord] = []
         self._lock = threading.RLock()  # records come from the server thread, the load signal from the engine's
 
@@ -65,15 +71,21 @@ class _HoldUntilLoaded(logging.Filter):
             self.loaded = True
             self._maybe_release()
 
+    def listening(self, url: str) -> None:
+        with self._lock:
+            self.url = url
+            self._maybe_release()
+
     def _maybe_release(self) -> None:
-        # uvicorn logs "running on" last, once the socket is open: wait for it and for the model.
-        if self.released or not self.loaded or not any(r.getMessage().startswith(_HELD_UVICORN_LINES[0])
-                                                       for r in self.held):
+        # uvicorn logs "running on" once the socket is open, then startup returns (`listening`): wait for that and
+        # for the model. Below INFO uvicorn's records never come; the ready line is printed all the same.
+        if self.released or not self.loaded or self.url is None:
             return
         self.released = True
         for record in sorted(self.held, key=lambda r: not r.getMessage().startswith(_HELD_UVICORN_LINES[0])):
             logging.getLogger(record.name).handle(record)
         self.held.clear()
+        self.ready(self.url)
 
 
 def served_names(settings: ServerSettings, model: str | None) -> tuple[str, ...]:
@@ -121,7 +133,11 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
              engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
              server_settings.max_queued_requests)
 
-    hold = _HoldUntilLoaded()
+    def ready(url: str) -> None:  # printed at any log level: where to point a client, and with which name
+        aliases = f" (also accepted: {', '.join(names[1:])})" if len(names) > 1 else ""
+        print(f"moeserve: serving model '{name}'{aliases} at {url}/v1", file=sys.stderr, flush=True)
+
+    hold = _HoldUntilLoaded(ready)
     logging.getLogger("uvicorn.error").addFilter(hold)
     logging.getLogger("uvicorn.access").addFilter(_quiet_health_polls)
     outcome: dict[str, int] = {"exit_code": 0}
@@ -129,6 +145,13 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
     state: ServerState | None = None
 
     def on_loaded(err: BaseException | None) -> None:
+        sampling = ""
+        if err is None:
+            assert state is not None
+            try:  # the model's generation_config.json, read with the checkpoint: a bad value stops start-up
+                sampling = describe_defaults(state.sampling_defaults())
+            except MoeserveError as bad:
+                err = bad
         if err is not None:
             log.error("error: %s", err)
             outcome["exit_code"] = 1
@@ -139,7 +162,7 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
         llm = state.engine.engine
         log.info("model: %s", describe_model(llm))
         log.info("chat format: %s", _chat_format_name(state))
-        log.info("sampling defaults: %s", describe_defaults(state.sampling_defaults()))
+        log.info("sampling defaults: %s", sampling)
         hold.model_loaded()
 
     async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
@@ -149,7 +172,7 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
     config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
                             access_log=not server_settings.disable_log_requests,
                             timeout_graceful_shutdown=math.ceil(server_settings.shutdown_timeout))
-    server = DrainingServer(config, state)
+    server = DrainingServer(config, state, hold.listening)
     server.run()
     if outcome["exit_code"] == 0:
         log.info("server stopped")
@@ -197,9 +220,19 @@ def _chat_format_name(state: Any) -> str:
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose signal handler first marks the app as draining (new requests get 503)."""
 
-    def __init__(self, config: uvicorn.Config, state: Any) -> None:
+    def __init__(self, config: uvicorn.Config, state: Any, listening: Callable[[str], None] = lambda url: None
+                 ) -> None:
         super().__init__(config)
         self.state = state
+        self.listening = listening
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]  # the real port, when --port 0
+        host = f"[{host}]" if ":" in host else host
+        self.listening(f"http://{host}:{port}")
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.draining:

@@ -28,6 +28,7 @@ from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
+from moeserve.engine.startup_log import LoadProgress, startup_summary
 from moeserve.errors import CheckpointError, ExpertLoadError, MoeserveError, RequestError
 from moeserve.experts.traces.jsonl import open_trace_writer
 from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
@@ -102,12 +103,13 @@ class LLMEngine:
         self._next_id = 0
         self.load_seconds = time.monotonic() - t0 - self.kernel_seconds
         _log_loaded(self.model, self.load_seconds, self.kernel_seconds, self.dtype_name)
+        log.info("%s", startup_summary(self.spec.architecture, plan))
 
     def _build(self, plan: EnginePlan, model_path: str) -> None:
         """The model (its weights streamed with a progress bar), the trace writer, the KV cache and the sequence
         memory, as `plan` sizes them; each built part's choices logged."""
         s, spec = self.settings, self.spec
-        with _progress(plan.load_bytes) as advance:
+        with LoadProgress(plan.load_bytes) as advance:
             self.model = build_model(self.checkpoint, self.arch, spec, plan.dtype, plan.device, plan.max_model_len,
                                      plan.expert_plan, plan.expert_capacity, s.cache_policy, advance,
                                      plan.store_options, plan.model_options)
@@ -127,8 +129,9 @@ class LLMEngine:
             self._chose(name, text)
 
     def _chose(self, name: str, text: str) -> None:
-        """A choice made at start-up: logged ("name: value (reason)") and kept in `choices`."""
-        log.info("%s: %s", name, text)
+        """A choice made at start-up: logged at DEBUG ("name: value (reason)") and kept in `choices`; the INFO log
+        has the one-line summary (engine/startup_log.py)."""
+        log.debug("%s: %s", name, text)
         self._choices[name] = text
 
     @cached_property
@@ -426,19 +429,3 @@ def _table_tensor(tables: list[list[int]], device: torch.device) -> torch.Tensor
     width = max(1, max(len(t) for t in tables))
     return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.long,
                         device=device)
-
-
-class _progress:
-    """A tqdm bar over bytes actually read (context manager yielding the advance callback)."""
-
-    def __init__(self, total_bytes: int) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="Loading weights",
-                        disable=None, leave=False)
-
-    def __enter__(self) -> Callable[[int], None]:
-        return self.bar.update
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.close()

@@ -28,8 +28,7 @@ def test_the_models_recommendation_is_used_and_flags_win() -> None:
     assert chosen.values == {"temperature": 0.6, "top_p": 0.95, "top_k": 5}
     assert chosen.sources == {"temperature": "generation_config.json", "top_p": "generation_config.json",
                               "top_k": "flag"}
-    assert chosen.describe() == ("temperature 0.6 (generation_config.json), top_p 0.95 (generation_config.json), "
-                                 "top_k 5 (flag)")
+    assert chosen.describe() == "temperature 0.6, top_p 0.95 (generation_config.json), top_k 5 (flag)"
     SamplingParams(**chosen.values)  # SamplingParams' own names
 
 
@@ -286,7 +285,7 @@ def test_the_real_chat_stops_a_reply_on_sigint_and_goes_on() -> None:
         term.send("/exit")
         assert term.proc.wait(timeout=60) == 0
         err = term.proc.stderr.read().decode() if term.proc.stderr else ""
-        assert "sampling: temperature 0.8 (moeserve's chat default" in err and "max_tokens 100000 (flag)" in err
+        assert "sampling: temperature 0.8, top_p 0.95, top_k 40, min_p 0.05 (moeserve's chat default" in err and "max_tokens 100000 (flag)" in err
     finally:
         if term.proc.poll() is None:
             term.proc.kill()

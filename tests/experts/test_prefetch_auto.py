@@ -157,7 +157,7 @@ def test_the_engine_with_auto_prefetch_and_per_layer_quotas_gives_the_resident_t
     resident = LLM(str(demo), dtype="float32", threads=1)
     unit = resident.engine.model.store.unit_nbytes
     want = [o.outputs[0].token_ids for o in resident.generate(prompts, params)]
-    with caplog.at_level(logging.INFO, logger="moeserve"):
+    with caplog.at_level(logging.DEBUG, logger="moeserve"):
         llm = LLM(str(demo), dtype="float32", threads=1, expert_cache_gb=12 * unit / 2**30, prefetch="auto",
                   expert_cache_mode="per_layer")
     assert "cache mode per_layer: 3 slots per MoE layer" in caplog.text and "prefetch auto" in caplog.text

@@ -37,7 +37,7 @@ def _engine_lines(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixt
         raise _Stop
 
     monkeypatch.setattr(llm_engine, "build_model", stop)
-    with caplog.at_level(logging.INFO, logger="moeserve"), pytest.raises(_Stop):
+    with caplog.at_level(logging.DEBUG, logger="moeserve"), pytest.raises(_Stop):
         LLMEngine(EngineSettings(device="cuda", skip_tokenizer_init=True, **settings))  # type: ignore[arg-type]
     lines = [r.getMessage() for r in caplog.records]
     return [line for line in lines if line.split(": ", 1)[0] in NAMES]

@@ -69,7 +69,7 @@ def test_serve_and_chat_draw_the_same_first_token(server: ThreadServer, recommen
         assert main(["chat", str(recommending_model), "--dtype", "float32", "--threads", "1", "--seed", str(seed),
                      "--max-tokens", "1"]) == 0
         out = capsys.readouterr()
-        assert "temperature 0.7 (generation_config.json), top_p 0.9 (generation_config.json), top_k 3" in out.err
+        assert "sampling: temperature 0.7, top_p 0.9, top_k 3 (generation_config.json), max_tokens 1 (flag)" in out.err
         chatted.append(out.out.rstrip("\n"))
     assert served == chatted
     card = server.client().models.list().data[0].model_dump()

@@ -17,13 +17,14 @@ EXPECTED = ("device", "dtype", "threads", "kernels", "max_model_len", "memory", 
 
 
 def test_engine_records_every_choice_as_logged(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="moeserve"):
+    with caplog.at_level(logging.DEBUG, logger="moeserve"):
         llm = LLM()  # the bundled demo model
     choices = llm.engine.choices
     assert set(EXPECTED) <= set(choices)
     logged = {r.getMessage() for r in caplog.records}
     for name, text in choices.items():
-        assert f"{name}: {text}" in logged  # the record is what the log printed
+        assert f"{name}: {text}" in logged  # the record is what the log printed (at DEBUG)
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO and r.getMessage().startswith("placement: ")]
     with pytest.raises(TypeError):
         choices["device"] = "elsewhere"  # type: ignore[index]
     llm.engine.close()
