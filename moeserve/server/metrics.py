@@ -1,4 +1,5 @@
-"""Prometheus metrics in the text exposition format, with vLLM's names under the `moeserve:` prefix.
+"""Prometheus metrics in the text exposition format, with vLLM's names under the `moeserve:` prefix; the ones that
+mean what vLLM's mean are exposed under vLLM's own `vllm:` names too (VLLM_NAMES), so its dashboards work as they are.
 
 Gauges (requests running / waiting) and expert-cache counters are read at scrape time from the engine; latency
 histograms and token counters are fed by the request handlers. Times are `time.monotonic()` seconds, measured from
@@ -14,6 +15,23 @@ from collections.abc import Iterable
 from typing import Any
 
 PREFIX = "moeserve:"
+VLLM_PREFIX = "vllm:"
+# moeserve family -> its vLLM names (vLLM's docs "Production Metrics"; gpu_cache_usage_perc: the name before v0.10)
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prompt_tokens_total": ("prompt_tokens_total",),
+    "generation_tokens_total": ("generation_tokens_total",),
+    "request_success_total": ("request_success_total",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds",),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "num_preemptions_total": ("num_preemptions_total",),
+    "prefix_cache_queries_total": ("prefix_cache_queries_total",),
+    "prefix_cache_hits_total": ("prefix_cache_hits_total",),
+}
+_HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -130,7 +148,32 @@ class ServerMetrics:
         lines += _expert_lines(engine, self.labels)
         lines += _sequence_memory_lines(engine, self.labels)
         lines += _choice_lines(engine, self.labels)
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + vllm_lines(lines)) + "\n"
+
+
+def _family(line: str) -> str | None:
+    """The VLLM_NAMES family a line of ours belongs to (HELP, TYPE or a sample, histogram series too), or None."""
+    name = line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]
+    if not name.startswith(PREFIX):
+        return None
+    base = name[len(PREFIX):]
+    if base in VLLM_NAMES:
+        return base
+    stem = next((base[:-len(s)] for s in _HISTOGRAM_SUFFIXES if base.endswith(s)), None)
+    return stem if stem in VLLM_NAMES else None
+
+
+def vllm_lines(lines: list[str]) -> list[str]:
+    """Our lines of the VLLM_NAMES families again under each vLLM name (the same values, labels and types)."""
+    out: list[str] = []
+    for alias_index in range(max(len(v) for v in VLLM_NAMES.values())):
+        for line in lines:
+            family = _family(line)
+            if family is None or alias_index >= len(VLLM_NAMES[family]):
+                continue
+            ours, theirs = PREFIX + family, VLLM_PREFIX + VLLM_NAMES[family][alias_index]
+            out.append(line.replace(ours, theirs, 1))
+    return out
 
 
 def _choice_lines(engine: Any, labels: dict[str, str]) -> list[str]:

@@ -20,7 +20,7 @@ def scrape(url: str) -> dict[str, float]:
     samples = {}
     for line in resp.text.splitlines():
         if line.startswith("#"):
-            assert re.match(r"^# (HELP|TYPE) moeserve:\w+ ", line), line
+            assert re.match(r"^# (HELP|TYPE) (moeserve|vllm):\w+ ", line), line
             continue
         assert SAMPLE.match(line), line
         key, value = line.rsplit(" ", 1)
@@ -100,3 +100,28 @@ def test_periodic_stats_line(live_server: ThreadServer) -> None:
     assert line is not None and line.startswith("engine: 0 running, 0 waiting; generation ")
     assert "expert cache hit rate 100.0% (0 misses)" in line  # everything is resident in this server
     assert stats.line() is None  # idle: nothing to say
+
+
+def series(samples: dict[str, float], name: str) -> dict[str, float]:
+    """The samples of family `name` (a histogram's _bucket, _sum and _count too), keyed by what follows the name."""
+    return {k[len(name):]: v for k, v in samples.items()
+            if k.startswith(name) and k[len(name):][:1] in ("{", "") or k.startswith(name + "_")}
+
+
+def test_vllm_names_beside_ours(live_server: ThreadServer) -> None:
+    """The metrics that mean what vLLM's mean are exposed under vLLM's names too, with the same values and types."""
+    from moeserve.server.metrics import VLLM_NAMES
+
+    live_server.client().completions.create(model=MODEL_NAME, prompt="The fox", max_tokens=2, temperature=0)
+    text = httpx.get(live_server.url + "/metrics").text
+    samples = scrape(live_server.url)
+    for ours, theirs in VLLM_NAMES.items():
+        for name in theirs:
+            kind = re.search(rf"^# TYPE moeserve:{ours} (\w+)$", text, re.M)
+            assert kind is not None and f"# TYPE vllm:{name} {kind.group(1)}" in text
+            mine = series(samples, "moeserve:" + ours)
+            assert mine and series(samples, "vllm:" + name) == mine, (ours, name)
+    assert samples[f'vllm:gpu_cache_usage_perc{{model_name="{MODEL_NAME}"}}'] == \
+        samples[f'moeserve:kv_cache_usage_perc{{model_name="{MODEL_NAME}"}}']
+    assert samples[f'vllm:prompt_tokens_total{{model_name="{MODEL_NAME}"}}'] > 0
+    assert f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="{MODEL_NAME}"}}' in samples
