@@ -35,6 +35,7 @@ from moeserve.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -173,11 +174,13 @@ def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> Non
     async def models(verbose: bool = False) -> ModelList:
         return ModelList(data=state.model_cards(verbose))
 
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, dependencies=auth, responses=ERROR_RESPONSES)
-    async def model(model_id: str) -> ModelCard:
-        if model_id != state.model_name:
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, response_model_exclude_none=True,
+             dependencies=auth, responses=ERROR_RESPONSES)
+    async def model(model_id: str, verbose: bool = False) -> ModelCard:
+        cards = {card.id: card for card in state.model_cards(verbose)}
+        if model_id not in cards:
             raise model_not_found(model_id)
-        return (await models()).data[0]
+        return cards[model_id]
 
     @app.post("/v1/completions", response_model=CompletionResponse, dependencies=auth, responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:

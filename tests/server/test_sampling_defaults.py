@@ -136,6 +136,7 @@ def test_served_model_name_takes_several_names_on_the_command_line() -> None:
 def test_any_served_name_is_accepted_and_the_first_is_answered(server: ThreadServer) -> None:
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["org/model", "alias-two"]
+    assert client.models.retrieve("alias-two").id == "alias-two"
     reply = client.completions.create(model="alias-two", prompt="Hi", max_tokens=1)
     assert reply.model == "org/model"
     with pytest.raises(openai.NotFoundError) as err:
