@@ -10,7 +10,7 @@ follows, and dropped if none does (the newlines a template puts around a call ar
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -111,7 +111,7 @@ class BlockSequencer:
         return events + [BlockEvent("delta", self.open, text)]
 
 
-async def output_blocks(started: StartedChat) -> AsyncIterator[BlockEvent | Finish]:
+async def output_blocks(started: StartedChat) -> AsyncGenerator[BlockEvent | Finish, None]:
     """The events of a started chat request's one choice, then its Finish. Closing this aborts the request."""
     choice = started.choices[0]
     tracker, sequencer = DeltaTracker(), BlockSequencer()

@@ -78,3 +78,26 @@ def serve_format(name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     server = ThreadServer(make_state(lambda: engine))
     yield Served(name, server, engine, say, SCRIPTS[name])
     server.stop()
+
+
+def check_disconnect_aborts(s: Served, path: str, body: dict[str, Any]) -> None:
+    """A client that leaves a stream early: its engine request is aborted (not run to its end)."""
+    import time
+
+    import httpx
+
+    aborted: list[str] = []
+    abort = s.engine.abort_request
+    s.engine.abort_request = lambda rid: (aborted.append(rid), abort(rid))
+    s.say("Thinking on and on. " * 400)  # thousands of steps: it cannot end before the client leaves
+    try:
+        with httpx.stream("POST", s.server.url + path, json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if "delta" in line:
+                    break
+        deadline = time.monotonic() + 30
+        while not aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert aborted and not s.engine.requests
+    finally:
+        s.engine.abort_request = abort

@@ -140,3 +140,13 @@ def start_subprocess_server(model: Path, *extra: str, env: dict[str, str] | None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                             cwd=REPO)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def stop_subprocess_server(proc: subprocess.Popen[str], timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

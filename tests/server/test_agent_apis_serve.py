@@ -10,7 +10,6 @@ rarely close its <think>), except in the test of the thinking switch itself."""
 from __future__ import annotations
 
 import json
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.bench.checkpoints import write_tiny_checkpoint
 from tests.server.agent_api_servers import TEMPLATES
-from tests.server.conftest import MODEL_NAME, start_subprocess_server, wait_healthy
+from tests.server.conftest import MODEL_NAME, start_subprocess_server, stop_subprocess_server, wait_healthy
 from tests.server.test_chat_tools import QWEN3_5_TEMPLATE, _model_folder
 
 READY_TIMEOUT_S = 900  # the server's start (a first kernel build included); fails loudly when exceeded
@@ -81,11 +80,7 @@ def live(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         wait_healthy(url, READY_TIMEOUT_S, proc)
         yield Live(url, request.param)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_subprocess_server(proc)
 
 
 @pytest.mark.slow

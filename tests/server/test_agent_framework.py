@@ -9,7 +9,6 @@ the model choose (tool_choice auto), and the loop ends when an answer comes with
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from moeserve.bench.checkpoints import write_tiny_checkpoint
-from tests.server.conftest import MODEL_NAME, start_subprocess_server, wait_healthy
+from tests.server.conftest import MODEL_NAME, start_subprocess_server, stop_subprocess_server, wait_healthy
 from tests.server.test_chat_tools import QWEN3_TEMPLATE, _model_folder
 
 MAX_STEPS = 4
@@ -78,9 +77,4 @@ def test_langchain_tool_loop_against_moeserve_serve(tmp_path: Path) -> None:
         assert isinstance(messages[-1], AIMessage) and not messages[-1].tool_calls, \
             f"no answer without calls within {MAX_STEPS} steps"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_subprocess_server(proc)

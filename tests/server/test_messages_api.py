@@ -15,7 +15,7 @@ import pytest
 
 from moeserve.server.messages.convert import IGNORED
 from moeserve.server.messages.protocol import MessagesRequest
-from tests.server.agent_api_servers import WEATHER, Served, serve_format
+from tests.server.agent_api_servers import WEATHER, Served, check_disconnect_aborts, serve_format
 from tests.server.conftest import MODEL_NAME, ThreadServer, make_state
 from tests.server.test_chat_tools import hf_prompt
 
@@ -149,3 +149,8 @@ def test_ignored_fields_are_known() -> None:
     for name in IGNORED:
         top = name.split(".")[0].removesuffix("[]")
         assert top in MessagesRequest.model_fields, name
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(served: Served) -> None:
+    check_disconnect_aborts(served, "/v1/messages", {"model": MODEL_NAME, "messages": ASK, "stream": True,
+                                                     "max_tokens": 3000})

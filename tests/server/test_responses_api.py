@@ -16,7 +16,7 @@ import pytest
 from moeserve.server.responses.convert import IGNORED, input_messages
 from moeserve.server.responses.protocol import ResponsesRequest
 from moeserve.server.responses.store import ResponseStore
-from tests.server.agent_api_servers import WEATHER, Served, serve_format
+from tests.server.agent_api_servers import WEATHER, Served, check_disconnect_aborts, serve_format
 from tests.server.conftest import MODEL_NAME
 
 TOOL = {"type": "function", **WEATHER["function"]}  # the Responses shape: flat
@@ -137,6 +137,9 @@ def test_unknown_fields_are_refused_with_a_did_you_mean(served: Served) -> None:
         create(served, input="Hi", tools=[{"type": "web_search"}])
     with pytest.raises(openai.BadRequestError, match="background"):
         create(served, input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as err:
+        create(served, input="Hi", max_output_tokens=10**6)
+    assert err.value.body["param"] == "max_output_tokens"  # type: ignore[index]  # this API's name, not chat's
     with pytest.raises(openai.BadRequestError, match="input_image"):
         create(served, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}])
 
@@ -180,3 +183,8 @@ def test_store_is_bounded_by_count_and_bytes() -> None:
     assert not store.put("big", [{"role": "user", "content": "x" * 200}]) and len(store) == 2
     store.put("r3", [{"role": "user", "content": "y" * 60}])  # 93 bytes: the oldest leave until it fits
     assert store.get("r1") is None and store.get("r3") is not None and store.bytes <= 120
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(served: Served) -> None:
+    check_disconnect_aborts(served, "/v1/responses", {"model": MODEL_NAME, "input": "Hi", "stream": True,
+                                                      "max_output_tokens": 3000})

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatFormat
@@ -30,8 +30,9 @@ from moeserve.server.messages.protocol import (
     ToolUseBlock,
 )
 from moeserve.server.protocol import ChatCompletionRequest, printable
+from moeserve.server.typed_parts import first_error, parse_part
 
-BLOCK_TYPES: dict[str, type[Any]] = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+BLOCK_TYPES: dict[str, type[BaseModel]] = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
                                      "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock}
 EFFORTS = ("low", "medium", "high")
 
@@ -137,7 +138,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         try:
             checked = CustomTool.model_validate(tool)
         except ValidationError as err:
-            raise RequestError(f"tools[{i}]: {_first_error(err)}; a tool is {{'name': ..., 'description': ..., "
+            raise RequestError(f"tools[{i}]: {first_error(err)}; a tool is {{'name': ..., 'description': ..., "
                                "'input_schema': {...}}", param="tools") from None
         function: dict[str, Any] = {"name": checked.name}
         if checked.description is not None:
@@ -147,22 +148,8 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
-def _first_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
-    return f"{where}: {first['msg']}" if where else str(first["msg"])
-
-
 def _block(where: str, raw: dict[str, Any]) -> Any:
-    kind = raw.get("type")
-    model = BLOCK_TYPES.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise RequestError(f"{where}: content blocks of type {printable(str(kind))!r} are not supported (known: "
-                           f"{', '.join(BLOCK_TYPES)})", param="messages")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        raise RequestError(f"{where}.{_first_error(err)}", param="messages") from None
+    return parse_part(raw, BLOCK_TYPES, where, "messages")
 
 
 def _text(blocks: list[dict[str, Any]], where: str) -> str:

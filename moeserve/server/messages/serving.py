@@ -6,9 +6,10 @@ content_block_stop, message_delta with stop_reason and usage, message_stop). Err
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -82,24 +83,28 @@ class _Message:
     def event(kind: str, payload: dict[str, Any]) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **payload}, ensure_ascii=False)}\n\n"
 
-    async def stream(self, events: AsyncIterator[BlockEvent | Finish], prompt_tokens: int) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncGenerator[BlockEvent | Finish, None], prompt_tokens: int
+                     ) -> AsyncIterator[str]:
         yield self.event("message_start", {"message": self.message([], None, prompt_tokens)})
         try:
-            async for event in events:
-                if isinstance(event, Finish):
-                    stop_reason, stop_sequence = self.stop(event)
-                    yield self.event("message_delta", {
-                        "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                        "usage": {"output_tokens": event.completion_tokens}})
-                    yield self.event("message_stop", {})
-                elif event.action == "start":
-                    yield self.event("content_block_start", {"index": event.block.index,
-                                                             "content_block": content_block(event.block, False)})
-                elif event.action == "delta":
-                    kind, name = DELTA_TYPES[event.block.kind]
-                    yield self.event("content_block_delta", {"index": event.block.index,
-                                                             "delta": {"type": kind, name: event.delta}})
-                else:
-                    yield self.event("content_block_stop", {"index": event.block.index})
+            async with contextlib.aclosing(events):  # a client gone: the request is aborted at once
+                async for event in events:
+                    for line in self.stream_event(event):
+                        yield line
         except Exception as err:  # the status line is already sent: report in the stream, as Anthropic does
             yield self.event("error", {"error": from_exception(err).anthropic_body()["error"]})
+
+    def stream_event(self, event: BlockEvent | Finish) -> list[str]:
+        if isinstance(event, Finish):
+            stop_reason, stop_sequence = self.stop(event)
+            return [self.event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                                 "usage": {"output_tokens": event.completion_tokens}}),
+                    self.event("message_stop", {})]
+        index = event.block.index
+        if event.action == "start":
+            return [self.event("content_block_start", {"index": index,
+                                                       "content_block": content_block(event.block, False)})]
+        if event.action == "delta":
+            kind, name = DELTA_TYPES[event.block.kind]
+            return [self.event("content_block_delta", {"index": index, "delta": {"type": kind, name: event.delta}})]
+        return [self.event("content_block_stop", {"index": index})]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from moeserve.errors import RequestError
 from moeserve.server.protocol import ChatCompletionRequest, printable, unknown_field_message
@@ -26,8 +26,9 @@ from moeserve.server.responses.protocol import (
     ReasoningItem,
     ResponsesRequest,
 )
+from moeserve.server.typed_parts import first_error, parse_part
 
-ITEM_TYPES: dict[str, type[Any]] = {"message": MessageItem, "function_call": FunctionCallItem,
+ITEM_TYPES: dict[str, type[BaseModel]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 TEXT_PARTS = ("input_text", "output_text", "text")
 TEXT_FORMAT_KEYS = ["type", "name", "schema", "strict", "description"]
@@ -142,29 +143,16 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         try:
             FunctionTool.model_validate(tool)
         except ValidationError as err:
-            raise RequestError(f"tools[{i}]: {_first_error(err)}; a tool is {{'type': 'function', 'name': ..., "
+            raise RequestError(f"tools[{i}]: {first_error(err)}; a tool is {{'type': 'function', 'name': ..., "
                                "'description': ..., 'parameters': {...}}", param="tools") from None
         out.append({"type": "function", "function": {k: v for k, v in tool.items()
                                                      if k not in ("type", "defer_loading")}})
     return out
 
 
-def _first_error(err: ValidationError) -> str:
-    first = err.errors()[0]
-    where = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or str(p).isidentifier())
-    return f"{where}: {first['msg']}" if where else str(first["msg"])
-
-
 def _item(i: int, raw: dict[str, Any]) -> Any:
-    kind = raw.get("type", "message")  # a message may leave its type out ({"role": ..., "content": ...})
-    model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise RequestError(f"input[{i}]: items of type {printable(str(kind))!r} are not supported (known: "
-                           f"{', '.join(ITEM_TYPES)})", param="input")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as err:
-        raise RequestError(f"input[{i}].{_first_error(err)}", param="input") from None
+    # a message may leave its type out ({"role": ..., "content": ...})
+    return parse_part(raw, ITEM_TYPES, f"input[{i}]", "input", default_type="message")
 
 
 def _text(i: int, content: str | list[InputText]) -> str:

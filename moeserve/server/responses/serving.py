@@ -7,10 +7,11 @@ response.incomplete), each with its sequence_number."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -27,6 +28,9 @@ from moeserve.server.state import ServerState
 from moeserve.server.streaming import cancel_on_disconnect
 
 ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
+# chat-completions fields -> the Responses fields they came from (for an error's `param`)
+CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort", "tool_choice": "tool_choice", "tools": "tools"}
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState, store: ResponseStore
@@ -45,7 +49,12 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     except RequestError as err:
         raise from_exception(err) from None
     job = _Response(req, state, f"resp_{uuid.uuid4().hex}", store, conversation)
-    started = await start_chat(chat, state, job.id)
+    try:
+        started = await start_chat(chat, state, job.id)
+    except APIError as err:  # the chat request's field names -> this request's
+        head, dot, rest = (err.param or "").partition(".")
+        err.param = CHAT_PARAMS[head] + dot + rest if head in CHAT_PARAMS else err.param
+        raise
     if req.stream:
         return StreamingResponse(job.stream(output_blocks(started)), media_type="text/event-stream")
     body = await cancel_on_disconnect(raw, job.collect(output_blocks(started)))
@@ -137,17 +146,19 @@ class _Response:
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    async def stream(self, events: AsyncIterator[BlockEvent | Finish]) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncGenerator[BlockEvent | Finish, None]) -> AsyncIterator[str]:
         yield self.event("response.created", response=self.body("in_progress", [], None))
         yield self.event("response.in_progress", response=self.body("in_progress", [], None))
         try:
-            async for event in events:
-                if isinstance(event, Finish):
-                    status = self.status(event)
-                    yield self.event(f"response.{status}", response=self.body(status, self.finished(event), event))
-                else:
-                    for line in self.block_events(event):
-                        yield line
+            async with contextlib.aclosing(events):  # a client gone: the request is aborted at once
+                async for event in events:
+                    if isinstance(event, Finish):
+                        status = self.status(event)
+                        yield self.event(f"response.{status}",
+                                         response=self.body(status, self.finished(event), event))
+                    else:
+                        for line in self.block_events(event):
+                            yield line
         except Exception as err:  # the status line is already sent: report in the stream
             api = from_exception(err)
             yield self.event("error", code=api.code or api.type, message=api.message, param=api.param)
