@@ -89,7 +89,9 @@ def check_disconnect_aborts(s: Served, path: str, body: dict[str, Any]) -> None:
     aborted: list[str] = []
     abort = s.engine.abort_request
     s.engine.abort_request = lambda rid: (aborted.append(rid), abort(rid))
-    s.say("Thinking on and on. " * 400)  # thousands of steps: it cannot end before the client leaves
+    if s.name == "harmony":  # its scripted engine takes no time per step: done before the client can leave
+        pytest.skip("the scripted harmony engine finishes before the client leaves")
+    s.say("Thinking on and on. " * 400)  # thousands of steps (each re-encodes the script): it cannot end first
     try:
         with httpx.stream("POST", s.server.url + path, json=body, timeout=60) as response:
             for line in response.iter_lines():
