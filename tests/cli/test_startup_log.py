@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from moeserve.engine.startup_log import PROGRESS_LOG_S, LoadProgress
+from tests.cpu_emulation import child_pythonpath
 from tests.server.conftest import MODEL_NAME, REPO, start_subprocess_server, wait_healthy
 
 
@@ -29,7 +30,7 @@ def test_load_progress_is_log_lines_off_a_terminal(caplog: pytest.LogCaptureFixt
 
 
 def _run(argv: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
     env.pop("MOESERVE_LOG_LEVEL", None)
     return subprocess.run([sys.executable, "-m", "moeserve", *argv], input=stdin, capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=600)

@@ -8,9 +8,8 @@ What it changes, in the pytest process and (through the environment) in every Py
   set before; `make test-as-avx2` does);
 - torch's oneDNN off (`torch.backends.mkldnn.enabled = False`): an AVX2 CPU has no oneDNN bf16, so bf16 F.linear
   takes ATen's plain path there (16 rows: 133 ms vs 9 ms on this EPYC with oneDNN). Subprocesses get it from this
-  folder's sitecustomize.py, put first on PYTHONPATH (a test that replaces PYTHONPATH for its child, as the
-  subprocess servers of tests/server do, runs that child with oneDNN on: those serve float32, which oneDNN does not
-  take anyway).
+  folder's sitecustomize.py, put first on PYTHONPATH (a test that sets PYTHONPATH for its child adds to it:
+  `child_pythonpath`).
 What it cannot change: what the CPU reports (/proc/cpuinfo, torch's cpuinfo), so a test that reads the CPU's flags
 still sees this one's; and a process that calls `kernels.load()` itself (`moeserve build-kernels`, the benchmarks'
 kernel_setup) builds the native library beside the avx2 one (one more build than on a real AVX2 CPU).
@@ -24,6 +23,12 @@ from pathlib import Path
 
 VARIABLE = "TESTS_EMULATE_CPU"
 SITE = Path(__file__).resolve().parent / "site"
+
+
+def child_pythonpath(first: Path) -> str:
+    """PYTHONPATH for a child process that must import from `first` (the repository): `first`, then this process's
+    PYTHONPATH (where the emulation's sitecustomize is, when it is on)."""
+    return os.pathsep.join(filter(None, [str(first), os.environ.get("PYTHONPATH")]))
 
 
 def emulated() -> str | None:

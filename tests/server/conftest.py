@@ -28,6 +28,7 @@ from moeserve.engine.llm_engine import LLMEngine
 from moeserve.server.app import build_app
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.state import ServerState
+from tests.cpu_emulation import child_pythonpath
 
 MODEL_NAME = "tiny"
 REPO = Path(__file__).resolve().parents[2]
@@ -136,7 +137,7 @@ def start_subprocess_server(model: Path, *extra: str, env: dict[str, str] | None
     sock.close()  # a tiny race with other processes; acceptable on a test machine
     cmd = [*prefix, sys.executable, "-m", "moeserve", "serve", str(model), "--port", str(port),
            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--threads", "1", *extra]
-    child_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    child_env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env,
                             cwd=REPO)
     return proc, f"http://127.0.0.1:{port}"

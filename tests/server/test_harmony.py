@@ -16,6 +16,7 @@ from moeserve.server.chat_format import ChatDelta, ChatPrompt, HarmonyChat, chat
 from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.streaming import Delta
 from moeserve.server.tool_parsers import ToolCallDelta
+from tests.cpu_emulation import child_pythonpath
 from tests.kernels.ops import suite_isa
 from tests.server.conftest import REPO
 
@@ -197,7 +198,7 @@ def _offline_command(tmp: Path) -> tuple[list[str], dict[str, str], str]:
     from moeserve import kernels
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIKTOKEN")}
-    env.update(XDG_CACHE_HOME=str(tmp / "cache"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    env.update(XDG_CACHE_HOME=str(tmp / "cache"), HF_HUB_OFFLINE="1", PYTHONPATH=child_pythonpath(REPO))
     kernels.load(suite_isa())  # built or found cached (a no-op after the first engine of the session)
     linked = tmp / "cache" / "moeserve" / "kernels"
     linked.parent.mkdir(parents=True)
