@@ -23,8 +23,8 @@ from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.errors import APIError, install_error_handlers, model_not_found
 from moeserve.server.guard import RequestGuard
-from moeserve.server.messages.protocol import MessagesRequest
-from moeserve.server.messages.serving import create_message
+from moeserve.server.messages.protocol import CountTokensRequest, MessagesRequest
+from moeserve.server.messages.serving import count_tokens, create_message
 from moeserve.server.metrics import StatsLogger
 from moeserve.server.protocol import (
     ChatCompletionRequest,
@@ -207,6 +207,10 @@ def _add_agent_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None
     @app.post("/v1/messages", dependencies=auth, responses=ERROR_RESPONSES)
     async def messages(body: MessagesRequest, raw: Request) -> Response:
         return await create_message(body, raw, state)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth, responses=ERROR_RESPONSES)
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await count_tokens(body, state)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:

@@ -154,3 +154,14 @@ def test_ignored_fields_are_known() -> None:
 def test_a_client_that_leaves_a_stream_aborts_its_request(served: Served) -> None:
     check_disconnect_aborts(served, "/v1/messages", {"model": MODEL_NAME, "messages": ASK, "stream": True,
                                                      "max_tokens": 3000})
+
+
+def test_count_tokens_is_the_prompt_messages_would_take(served: Served) -> None:
+    served.say(served.scripts.answer)
+    m = create(served, system="Be brief.", tools=[TOOL])
+    count = client(served.server).messages.count_tokens(model=MODEL_NAME, messages=ASK, system="Be brief.",
+                                                        tools=[TOOL])
+    assert count.input_tokens == m.usage.input_tokens == len(served.engine.prompts[-1])
+    with pytest.raises(anthropic.BadRequestError, match="did you mean 'messages'"):
+        client(served.server).post("/v1/messages/count_tokens", body={"model": MODEL_NAME, "mesages": ASK},
+                                   cast_to=object)

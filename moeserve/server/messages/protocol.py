@@ -105,3 +105,21 @@ class MessagesRequest(RequestModel):
     mcp_servers: Any = None
     inference_geo: str | None = None
     speed: str | None = None
+
+
+class CountTokensRequest(RequestModel):
+    """POST /v1/messages/count_tokens: what a Messages request's prompt would take, without generating."""
+
+    model: str | None = None
+    messages: list[InputMessage] = Field(..., min_length=1, max_length=100_000)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    cache_control: Any = None
+    context_management: Any = None
+    mcp_servers: Any = None
+
+    def as_messages_request(self) -> MessagesRequest:
+        return MessagesRequest.model_validate({**self.model_dump(exclude_none=True), "max_tokens": 1})

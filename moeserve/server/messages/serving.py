@@ -2,7 +2,7 @@
 blocks (output_blocks.py) and written as content blocks: `thinking`, `text`, `tool_use`; streamed as Anthropic's
 events (message_start, content_block_start / content_block_delta (thinking_delta, text_delta, input_json_delta) /
 content_block_stop, message_delta with stop_reason and usage, message_stop). Errors take Anthropic's shape
-(errors.py), also inside a stream (an `error` event)."""
+(errors.py), also inside a stream (an `error` event). POST /v1/messages/count_tokens: the prompt's length."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from moeserve.errors import RequestError
 from moeserve.server.chat import start_chat
 from moeserve.server.errors import from_exception
 from moeserve.server.messages.convert import chat_request
-from moeserve.server.messages.protocol import MessagesRequest
+from moeserve.server.messages.protocol import CountTokensRequest, MessagesRequest
 from moeserve.server.output_blocks import Block, BlockEvent, Finish, output_blocks
 from moeserve.server.state import ServerState
 from moeserve.server.streaming import cancel_on_disconnect
@@ -41,6 +41,17 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
                                  media_type="text/event-stream")
     body = await cancel_on_disconnect(raw, job.collect(output_blocks(started)))
     return JSONResponse(body)
+
+
+async def count_tokens(req: CountTokensRequest, state: ServerState) -> dict[str, int]:
+    """The prompt's length in tokens, rendered exactly as /v1/messages would render it."""
+    state.accept(req.model)
+    chat_format = state.chat_format()
+    try:
+        prompt = await state.off_loop(chat_format.render, chat_request(req.as_messages_request(), chat_format))
+    except RequestError as err:
+        raise from_exception(err) from None
+    return {"input_tokens": len(prompt.token_ids)}
 
 
 def content_block(block: Block, done: bool) -> dict[str, Any]:
