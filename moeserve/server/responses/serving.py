@@ -21,6 +21,7 @@ from moeserve.errors import RequestError
 from moeserve.server.chat import start_chat
 from moeserve.server.errors import APIError, from_exception
 from moeserve.server.output_blocks import Block, BlockEvent, Finish, output_blocks
+from moeserve.server.protocol import ChatCompletionRequest
 from moeserve.server.responses.convert import chat_request, input_messages, output_message
 from moeserve.server.responses.protocol import ResponsesRequest
 from moeserve.server.responses.store import ResponseStore
@@ -48,7 +49,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         chat = chat_request(req, conversation)
     except RequestError as err:
         raise from_exception(err) from None
-    job = _Response(req, state, f"resp_{uuid.uuid4().hex}", store, conversation)
+    job = _Response(req, chat, state, f"resp_{uuid.uuid4().hex}", store, conversation)
     try:
         started = await start_chat(chat, state, job.id)
     except APIError as err:  # the chat request's field names -> this request's
@@ -62,9 +63,10 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
 
 
 class _Response:
-    def __init__(self, req: ResponsesRequest, state: ServerState, response_id: str, store: ResponseStore,
-                 conversation: list[dict[str, Any]]) -> None:
+    def __init__(self, req: ResponsesRequest, chat: ChatCompletionRequest, state: ServerState, response_id: str,
+                 store: ResponseStore, conversation: list[dict[str, Any]]) -> None:
         self.req, self.state, self.id, self.store = req, state, response_id, store
+        self.chat = chat  # its unset sampling fields get the server's defaults when it starts (echoed as used)
         self.conversation = conversation
         self.created_at = int(time.time())
         self.item_ids: dict[int, str] = {}
@@ -90,9 +92,10 @@ class _Response:
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": req.store, "temperature": 1.0 if req.temperature is None else req.temperature,
+            "store": req.store, "temperature": 1.0 if self.chat.temperature is None else self.chat.temperature,
             "text": {"format": (req.text.format if req.text and req.text.format else {"type": "text"})},
-            "tool_choice": tool_choice, "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p,
+            "tool_choice": tool_choice, "tools": req.tools or [],
+            "top_p": 1.0 if self.chat.top_p is None else self.chat.top_p,
             "truncation": req.truncation or "disabled", "usage": usage, "user": req.user,
             "metadata": req.metadata or {},
         }
