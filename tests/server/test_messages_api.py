@@ -108,6 +108,8 @@ def test_errors_in_anthropics_shape(served: Served) -> None:
         create(served, tools=[{"name": "f", "input_shema": {}}])
     with pytest.raises(anthropic.BadRequestError, match="image"):
         create(served, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}])
+    with pytest.raises(anthropic.BadRequestError, match="prefill"):
+        create(served, messages=[*ASK, {"role": "assistant", "content": "It is"}])
     with pytest.raises(anthropic.NotFoundError) as missing:
         create(served, model="claude-sonnet-4-5")
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]

@@ -62,6 +62,9 @@ def chat_request(req: MessagesRequest, chat_format: ChatFormat) -> ChatCompletio
     for name, refused, why in REFUSED:
         if refused(req):
             raise RequestError(f"{name} {why}", param=name)
+    if req.messages[-1].role == "assistant":  # the template would close that turn and open another: not a prefill
+        raise RequestError("a last assistant message (a prefill the answer continues) is not supported: end with a "
+                           "user message", param="messages")
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _text(req.system, "system")
