@@ -43,6 +43,7 @@ class BlockEvent:
     action: Literal["start", "delta", "stop"]
     block: Block
     delta: str = ""
+    cut: bool = False  # a stop because the output reached its token limit (the block is incomplete)
 
 
 @dataclass
@@ -91,12 +92,12 @@ class BlockSequencer:
                 events.append(BlockEvent("delta", block, arguments))
         return events
 
-    def close(self) -> list[BlockEvent]:
-        """Stop the open block (at the end of the output)."""
+    def close(self, cut: bool = False) -> list[BlockEvent]:
+        """Stop the open block (at the end of the output: `cut` when the token limit ended it)."""
         if self.open is None:
             return []
         block, self.open = self.open, None
-        return [BlockEvent("stop", block)]
+        return [BlockEvent("stop", block, cut=cut)]
 
     def _start(self, kind: BlockKind, **fields: Any) -> list[BlockEvent]:
         events = self.close()
@@ -131,7 +132,7 @@ async def output_blocks(started: StartedChat) -> AsyncGenerator[BlockEvent | Fin
         close = getattr(started.stream, "aclose", None)
         if close is not None:
             await close()
-    for event in sequencer.close():
+    for event in sequencer.close(cut=finish[0] == "length"):
         yield event
     started.timer.finish(started.prompt_tokens, finish[2], [finish[0]])
     yield Finish(finish[0], finish[1], started.prompt_tokens, finish[2], sequencer.blocks)

@@ -188,3 +188,14 @@ def test_store_is_bounded_by_count_and_bytes() -> None:
 def test_a_client_that_leaves_a_stream_aborts_its_request(served: Served) -> None:
     check_disconnect_aborts(served, "/v1/responses", {"model": MODEL_NAME, "input": "Hi", "stream": True,
                                                       "max_output_tokens": 3000})
+
+
+def test_a_cut_at_max_output_tokens_is_incomplete(served: Served) -> None:
+    served.say(served.scripts.answer)
+    r = create(served, input="Hi", max_output_tokens=6)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    events, final = streamed(served, input="Hi", max_output_tokens=6)
+    assert events[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.status for i in done] == [i.status for i in final.output] == [i.status for i in r.output]
+    assert done and done[-1].status == "incomplete"

@@ -194,4 +194,4 @@ class _Response:
             out = [self.event(done, **where, content_index=0, text=block.text, **extra),
                    self.event("response.content_part.done", **where, content_index=0, part=self.part(block))]
         return out + [self.event("response.output_item.done", output_index=block.index,
-                                 item=self.item(block, "completed"))]
+                                 item=self.item(block, "incomplete" if event.cut else "completed"))]
