@@ -133,11 +133,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """At the end of each test module, the transformers model its tests kept for their reference runs goes
-    (tests/engine/test_parity_transformers.py hf_model: kept across the kernels=auto and =torch cases of a test)."""
+    """After the last case of a test function, the transformers model its cases kept for their reference runs goes
+    (tests/engine/test_parity_transformers.py hf_model: kept across the kernels=auto and =torch cases of a test), so
+    that a real-dims model is not held through the tests after it."""
     parity = sys.modules.get("tests.engine.test_parity_transformers")
-    if parity is not None and (nextitem is None or nextitem.path != item.path):
+    if parity is not None and (nextitem is None or _function_of(nextitem) != _function_of(item)):
         parity.forget_transformers_models()
+
+
+def _function_of(item: pytest.Item) -> tuple[Path, str]:
+    return item.path, getattr(item, "originalname", item.name)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

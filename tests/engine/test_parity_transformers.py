@@ -24,7 +24,7 @@ PROMPTS = [[5], [11, 42, 7, 99, 3], [17, 250, 33, 4, 8, 120, 64, 2, 77, 45, 13, 
 # The reference is transformers' decode, most of these tests' time (a tiny Qwen3-Next: 24 s of transformers against
 # 7 s of ours), and the same for the kernels=auto and kernels=torch cases of a test, which run one after the other.
 # So the last model loaded is kept (same folder, same files, same dtype: the same model) with the greedy runs made
-# on it, until the next model or the end of the test module (conftest.py: forget_transformers_models); each case
+# on it, until the next model or the test function's last case (conftest.py: forget_transformers_models); each case
 # still compares its own engine's output with transformers' numbers, computed the same way.
 _LAST_MODEL: dict[tuple[Any, ...], Any] = {}
 _GREEDY: weakref.WeakKeyDictionary[Any, dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]]] = \
