@@ -10,10 +10,12 @@ these tests skip, saying so. Outputs are compared as bits: -0 vs +0 and NaN payl
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import struct
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -198,8 +200,10 @@ def test_the_flush_check_is_needed(harness_run):
 @pytest.mark.slow
 def test_every_source_compiles_for_aarch64(tmp_path):
     """g++-aarch64-linux-gnu compiles every csrc/*.cpp (to an object, -O0: the code generator checks what
-    -fsyntax-only does not, inline asm constraints among them) against the x86 wheel's torch headers, which hold
-    no architecture-specific code. One precompiled header of ATen and torch/library.h serves every source."""
+    -fsyntax-only does not, inline asm constraints among them, e.g. norm_common.h's) against the x86 wheel's torch
+    headers, which hold no architecture-specific code. One precompiled header of ATen and torch/library.h serves
+    every source; the sources compile in parallel on the CPUs this process may use. Cost (this 2-core EPYC, 18
+    sources): 25 s of CPU for the header, 60 s for the sources (-fsyntax-only would be 36 s, missing the asm)."""
     cxx, _ = _cross_tools()
     t = Path(torch.__file__).parent
     common = ["-std=c++20", "-fopenmp", "-march=armv8-a", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
@@ -207,14 +211,16 @@ def test_every_source_compiles_for_aarch64(tmp_path):
     pch = tmp_path / "torch_headers.h"
     pch.write_text("".join(f"#include <{h}>\n" for h in ("ATen/ATen.h", "ATen/Parallel.h", "torch/library.h",
                                                         "torch/custom_class.h")))
+
+    def compile_one(cpp: Path) -> str | None:
+        proc = subprocess.run([cxx, *common, "-O0", "-include", str(pch), "-c", str(cpp), "-o",
+                               str(tmp_path / f"{cpp.stem}.o")], capture_output=True, text=True, timeout=900)
+        return None if proc.returncode == 0 else f"{cpp.name}: {proc.stderr[-1500:]}"
+
     try:
         _compile([cxx, *common, "-O0", "-x", "c++-header", str(pch), "-o", f"{pch}.gch"])
-        failed = []
-        for cpp in sorted(CSRC.glob("*.cpp")):
-            proc = subprocess.run([cxx, *common, "-O0", "-include", str(pch), "-c", str(cpp), "-o",
-                                   str(tmp_path / "out.o")], capture_output=True, text=True, timeout=900)
-            if proc.returncode != 0:
-                failed.append(f"{cpp.name}: {proc.stderr[-1500:]}")
+        with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+            failed = [f for f in pool.map(compile_one, sorted(CSRC.glob("*.cpp"))) if f is not None]
         assert failed == [], "\n".join(failed)
     finally:
         Path(f"{pch}.gch").unlink(missing_ok=True)  # ~0.5 GB
