@@ -7,7 +7,10 @@ at start; /help, /reset, /set, /show, /exit are answered here (cli/chat_loop.py)
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from moeserve.cli.common import (
@@ -34,6 +37,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_arguments(p)
 
 
+@contextmanager
+def quiet_choices() -> Iterator[None]:
+    """A conversation starts in a few lines: while the engine starts, the per-choice start-up lines (the logger
+    engine/startup_log.py names CHOICES_LOG) show only at --log-level debug; the summary and sampling lines remain.
+    The logger's level is restored after (an in-process caller's later engines log their choices)."""
+    choices = logging.getLogger("moeserve.choices")
+    before = choices.level
+    if choices.getEffectiveLevel() > logging.DEBUG:
+        choices.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        choices.setLevel(before)
+
+
 def run(args: argparse.Namespace) -> int:
     from moeserve.errors import ConfigError, RequestError
 
@@ -44,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     from moeserve.engine.llm import LLM
     from moeserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(**settings.model_dump())
+    with quiet_choices():
+        llm = LLM(**settings.model_dump())
     engine, tok = llm.engine, llm.engine.tokenizer
     if tok is None:
         raise RequestError("chat needs a tokenizer (skip_tokenizer_init was set)")

@@ -28,7 +28,7 @@ from moeserve.engine.sampler import Sampler
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
-from moeserve.engine.startup_log import LoadProgress, startup_summary
+from moeserve.engine.startup_log import CHOICES_LOG, LoadProgress, startup_summary
 from moeserve.errors import CheckpointError, ExpertLoadError, MoeserveError, RequestError
 from moeserve.experts.traces.jsonl import open_trace_writer
 from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
@@ -43,6 +43,7 @@ from moeserve.state.manager import SequenceMemory
 from moeserve.tokenizer import Tokenizer
 
 log = logging.getLogger("moeserve")
+choices_log = logging.getLogger(CHOICES_LOG)
 
 
 def demo_model_path() -> Path:
@@ -129,9 +130,9 @@ class LLMEngine:
             self._chose(name, text)
 
     def _chose(self, name: str, text: str) -> None:
-        """A choice made at start-up: logged at DEBUG ("name: value (reason)") and kept in `choices`; the INFO log
-        has the one-line summary (engine/startup_log.py)."""
-        log.debug("%s: %s", name, text)
+        """A choice made at start-up: logged at INFO on its own logger ("name: value (reason)"; CHOICES_LOG, which
+        `chat` quiets) and kept in `choices`; the one-line summary follows them (engine/startup_log.py)."""
+        choices_log.info("%s: %s", name, text)
         self._choices[name] = text
 
     @cached_property

@@ -1,7 +1,8 @@
-"""What the engine says at start-up at the default log level: one summary line (`startup_summary`) and, when
-stderr is not a terminal (systemd, containers, a redirected log), the weights' load progress as log lines
-(`LoadProgress`). Every choice with its reason is logged at DEBUG (LLMEngine._chose) and kept in
-`LLMEngine.choices` (/v1/models?verbose=true, /metrics)."""
+"""What the engine says at start-up at the default log level: every choice it made, with its reason, one INFO line
+each on the `moeserve.choices` logger (LLMEngine._chose; also kept in `LLMEngine.choices`, /v1/models?verbose=true),
+then one summary line (`startup_summary`), and, when stderr is not a terminal (systemd, containers, a redirected
+log), the weights' load progress as log lines (`LoadProgress`). `chat` quiets the choices logger below DEBUG (a
+conversation starts in a few lines); `serve`, `generate` and the Python API print them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from moeserve.memory.budget import fmt_bytes
 
 log = logging.getLogger("moeserve")
+CHOICES_LOG = "moeserve.choices"  # the logger of the per-choice start-up lines
 
 PROGRESS_LOG_S = 5.0  # a load-progress line at most this often: a load of a few seconds prints none
 
@@ -31,8 +33,7 @@ def startup_summary(architecture: str, plan: Any) -> str:
             f"{'C++ kernels' if plan.cpp_kernels else 'torch ops'}; memory {fmt_bytes(split.budget_bytes)} "
             f"({budget}) = resident {fmt_bytes(split.resident_bytes)} + read buffers {fmt_bytes(split.staging_bytes)}"
             f" + runtime {fmt_bytes(split.overhead_bytes)} + KV pool {fmt_bytes(split.kv_bytes)} + experts "
-            f"{fmt_bytes(split.expert_bytes)}; {where}; max_model_len {split.max_model_len} "
-            "(--log-level debug shows every choice and its reason)")
+            f"{fmt_bytes(split.expert_bytes)}; {where}; max_model_len {split.max_model_len}")
 
 
 class LoadProgress:

@@ -1,4 +1,4 @@
-"""What start-up says: one summary line at INFO (every choice at DEBUG), load progress as log lines when stderr is
+"""What start-up says: every choice with its reason and one summary line at INFO (`chat` shows only the summary), load progress as log lines when stderr is
 not a terminal, `serve`'s address and model at any log level, and `chat` in at most 5 lines before the prompt."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_chat_says_at_most_five_lines_before_the_prompt(tiny_text_model: Path) -
     assert any(line.startswith("sampling: ") for line in lines)
     assert any("Qwen3MoeForCausalLM on cpu, float32, 1 threads" in line and "max_model_len" in line
                for line in lines)
-    assert not any(" placement: " in line for line in lines)  # the choices are DEBUG lines
+    assert not any(" placement: " in line for line in lines)  # chat quiets the choice lines below DEBUG
 
 
 def test_serve_prints_its_address_and_model_at_any_log_level(tiny_text_model: Path) -> None:
