@@ -139,7 +139,8 @@ inline float dot_scalar(const uint16_t* w, const uint16_t* x, int64_t k, int64_t
 // block4_dots<MB>(blk, k, xs, res, pf): res[m][r] = dot(row r of a 4-row block in the row-interleaved layout
 //   (chunk c of row r at blk + c * 128 + 32 * r, see dense_gemv.cpp), xs[m]) for m < MB (1..4); pf > 0 fetches
 //   pf bytes ahead along the block's stream by hand (the first pass over a block, the one reading memory).
-// row_dots<MB>(w, k, xs, res): res[m] = dot(plain row w, xs[m]) for m < MB (1..4).
+// row_dots<MB>(w, k, xs, res, pf): res[m] = dot(plain row w, xs[m]) for m < MB (1..4); pf > 0 fetches pf bytes
+//   ahead along the row by hand (the plain-layout expert op: one row, one stream).
 // k % 32 == 0 in both.
 
 #if defined(MOESERVE_CANON_AVX512)
@@ -165,10 +166,11 @@ inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* x
 }
 
 template <int MB>
-inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res, int64_t pf = 0) {
   __m512 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k / 32; ++c) {
+    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(w + c * 32) + pf, _MM_HINT_T0);
     const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + c * 32);
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)_mm512_loadu_si512(xs[m] + c * 32));
   }
@@ -254,16 +256,18 @@ inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* x
 }
 
 template <int MB>
-inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res, int64_t pf = 0) {
   __m256 acc[MB][2];
   const unsigned saved = enter_lane_mode();
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < 2; ++h) pin(acc[m][h] = _mm256_setzero_ps());
-  for (int64_t c = 0; c < k / 32; ++c)
+  for (int64_t c = 0; c < k / 32; ++c) {
+    if (pf > 0) _mm_prefetch(reinterpret_cast<const char*>(w + c * 32) + pf, _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       const Pairs wv = load_pairs(w + c * 32 + 16 * h);
       for (int m = 0; m < MB; ++m) acc[m][h] = pair_step(acc[m][h], wv, load_pairs(xs[m] + c * 32 + 16 * h));
     }
+  }
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < 2; ++h) pin(acc[m][h]);
   _mm_setcsr(saved);
@@ -373,8 +377,8 @@ inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* x
 }
 
 template <int MB>
-inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
-  rows_neon<1, MB>(w, 32, k, xs, res, 0);
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res, int64_t pf = 0) {
+  rows_neon<1, MB>(w, 32, k, xs, res, pf);
 }
 
 #else  // scalar
@@ -390,7 +394,7 @@ inline void block4_dots(const uint16_t* blk, int64_t k, const uint16_t* const* x
 }
 
 template <int MB>
-inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res) {
+inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, float* res, int64_t = 0) {
   for (int m = 0; m < MB; ++m) res[m] = dot_scalar(w, xs[m], k);
 }
 
