@@ -1,6 +1,8 @@
-"""Streaming speed of the canonical-order bf16 kernels on one ISA level, against torch and a stream-read ceiling.
+"""Streaming speed of the canonical-order kernels (bf16 and int8) on one ISA level, against torch and a stream-read
+ceiling.
 
     ATEN_CPU_CAPABILITY=avx2 .venv/bin/python research/bench_canonical_gemv.py --isa avx2 [--rounds 5] [--threads 2]
+        [--only stream,lm_head,lm_head int8]
 
 --isa picks the library (native, avx2, generic: moeserve.kernels ISA levels; one per process);
 ATEN_CPU_CAPABILITY=avx2 keeps torch's own kernels to AVX2 too (torch reads it at import), so that with oneDNN off
@@ -13,7 +15,11 @@ every case once, in this order, so a busy machine slows them alike (report the r
   engine pads a decode step to under batch_invariant (the rate still counts the weight bytes once);
 - lm_head, lm_head F.linear (x16): the same on one [151936 x 2048] matrix (a Qwen-sized LM head, 594 MiB);
 - experts: `moe_swiglu_interleaved_`, one token, 4 experts [2I=1536 x H=2048] + [2048 x 768] per call, over 64
-  experts (576 MiB); experts plain: `moe_swiglu_` on the plain layout (the op AVX2 CPUs ran before).
+  experts (576 MiB); experts plain: `moe_swiglu_` on the plain layout (the op AVX2 CPUs ran before);
+- gemv int8, lm_head int8, experts int8, experts int8 plain: the same shapes as int8 codes (half the bytes; scales
+  not counted): `linear_interleaved_int8`, `moe_swiglu_int8_interleaved_`, `moe_swiglu_int8_`.
+--only runs the named cases (the stream ceiling always); --subset builds only the sources of these ops. To compare two trees (a branch against main), run the
+script alternately with PYTHONPATH at each (each loads its own tree's kernels).
 Prints GB/s (of the weight bytes each case reads) per round, then min-median-max.
 """
 
@@ -29,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from moeserve import kernels
+from moeserve.models.layers.linear import pack_int8_rows
 
 K = 2048  # hidden size of every case
 N_SMALL, N_MATS, N_HEAD = 4096, 16, 151936
@@ -39,6 +46,12 @@ def interleave(w: torch.Tensor) -> torch.Tensor:
     """The row-interleaved layout of csrc/dense_gemv.cpp (N % 4 == 0 here)."""
     n, k = w.shape
     return w.reshape(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).reshape(-1).contiguous()
+
+
+def _codes(n: int, k: int = K, packed: bool = True) -> torch.Tensor:
+    """Random int8 codes [n, k] in [-127, 127], in linear_interleaved_int8's layout (packed) or plain."""
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    return pack_int8_rows(q) if packed else q
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -67,8 +80,17 @@ def dense_cases() -> dict[str, tuple[Callable[[], object], int]]:
                     F.linear(rows, w)
         return run
 
+    codes = [_codes(N_SMALL) for _ in range(N_MATS)]
+    head_codes, scale, head_scale = _codes(N_HEAD), torch.full((N_SMALL,), 1e-3), torch.full((N_HEAD,), 1e-3)
+
+    def gemv_int8() -> None:
+        for c in codes:
+            ops.linear_interleaved_int8(x, c, scale, N_SMALL, None)
+
     small, big = N_MATS * N_SMALL * K * 2, N_HEAD * K * 2
-    return {"gemv": (gemv, small), "gemv F.linear": (torch_linear(x, mats), small),
+    return {"gemv int8": (gemv_int8, small // 2),
+            "lm_head int8": (lambda: ops.linear_interleaved_int8(x, head_codes, head_scale, N_HEAD, None), big // 2),
+            "gemv": (gemv, small), "gemv F.linear": (torch_linear(x, mats), small),
             "gemv F.linear x16": (torch_linear(x16, mats), small),
             "lm_head": (lambda: ops.linear_interleaved(x, head_packed, N_HEAD, None), big),
             "lm_head F.linear": (torch_linear(x, [head]), big),
@@ -89,9 +111,41 @@ def expert_cases() -> dict[str, tuple[Callable[[], object], int]]:
         for j in range(0, EXPERTS, PER_CALL):
             op(out, x, gu[j : j + PER_CALL], dn[j : j + PER_CALL], tokens, weights, bounds)
 
+    def run_int8(op: Callable[..., object], packed: bool) -> Callable[[], None]:
+        gu = [_codes(2 * INTER, K, packed) for _ in range(EXPERTS)]
+        dn = [_codes(K, INTER, packed) for _ in range(EXPERTS)]
+        gs, ds = torch.full((2 * INTER,), K**-0.5 / 64), torch.full((K,), INTER**-0.5 / 64)
+
+        def go() -> None:
+            out = torch.zeros(1, K).bfloat16()
+            for j in range(0, EXPERTS, PER_CALL):
+                op(out, x, gu[j : j + PER_CALL], [gs] * PER_CALL, dn[j : j + PER_CALL], [ds] * PER_CALL, tokens,
+                   weights, bounds)
+        return go
+
     nbytes = EXPERTS * 3 * INTER * K * 2
     return {"experts": (lambda: run(ops.moe_swiglu_interleaved_, gate_up_i, down_i), nbytes),
-            "experts plain": (lambda: run(ops.moe_swiglu_, gate_up, down), nbytes)}
+            "experts plain": (lambda: run(ops.moe_swiglu_, gate_up, down), nbytes),
+            "experts int8": (run_int8(ops.moe_swiglu_int8_interleaved_, True), nbytes // 2),
+            "experts int8 plain": (run_int8(ops.moe_swiglu_int8_, False), nbytes // 2)}
+
+
+SOURCES = ("dense_gemv.cpp", "dense_gemv_int8.cpp", "moe_experts.cpp")  # what registers the ops benchmarked
+
+
+def load_kernels(isa: str, subset: bool) -> str:
+    """Loads the isa level's kernels (all, or a library of SOURCES); returns what was loaded."""
+    if subset:
+        try:
+            path = kernels.build_subset(SOURCES, isa)
+        except RuntimeError as err:
+            raise SystemExit(f"error: the isa={isa} kernels are not available: {err}") from None
+        torch.ops.load_library(str(path))
+        return f"isa={isa}, only {', '.join(SOURCES)} ({path})"
+    status = kernels.load(isa)
+    if not status.available:
+        raise SystemExit(f"error: the isa={isa} kernels are not available: {status.reason}")
+    return status.reason
 
 
 def main() -> None:
@@ -99,14 +153,21 @@ def main() -> None:
     ap.add_argument("--isa", default="native", choices=["native", "avx2", "generic"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--subset", action="store_true",
+                    help="build only the sources of the ops benchmarked (kernels.build_subset: minutes less)")
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     args = ap.parse_args()
-    status = kernels.load(args.isa)
-    if not status.available:
-        raise SystemExit(f"error: the isa={args.isa} kernels are not available: {status.reason}")
     torch.set_num_threads(args.threads)
-    print(f"kernels: {status.reason}\nthreads {args.threads}, load average at start {os.getloadavg()}")
+    print(f"kernels: {load_kernels(args.isa, args.subset)}\nthreads {args.threads}, load average at start "
+          f"{os.getloadavg()}")
     flat = torch.randn(2**30 // 4)
     cases = {"stream": (lambda: flat.sum(), flat.numel() * 4), **dense_cases(), **expert_cases()}
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    unknown = only - set(cases)
+    if unknown:
+        raise SystemExit(f"error: unknown cases {sorted(unknown)} (known: {', '.join(cases)})")
+    if only:
+        cases = {name: case for name, case in cases.items() if name == "stream" or name in only}
     for fn, _ in cases.values():
         fn()  # warm-up: first touch, thread pool
     rates: dict[str, list[float]] = {name: [] for name in cases}

@@ -100,7 +100,7 @@ def choose_expert_layout(plan: ExpertPlan, dtype: torch.dtype, quantization: str
                          interleaved_ops: Callable[[bool], bool]) -> tuple[bool, str]:
     """True: hold the experts row-interleaved for the fused C++ ops; expert_layout=interleaved raises ConfigError
     where it cannot apply. `plan`: the dense (not int8) plan; `interleaved_ops(int8)`: the built C++ kernels have
-    the interleaved op (AVX512-BF16, and VBMI for int8).
+    the interleaved op (bf16, or int8 with `int8`: every build since both run the canonical dots on every ISA).
 
     The choice never depends on where the experts live: the plain and interleaved ops round bf16 differently
     once a row spans several blocks, so an offloaded run must use the layout (and op) a resident one uses, or

@@ -16,7 +16,7 @@ import math
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,8 +109,11 @@ def _expf() -> ctypes._CFuncPtr:  # the libm expf the C++ silu calls (torch.exp 
     return libm.expf
 
 
-def reference_experts(case: dict) -> torch.Tensor:
-    """moe_swiglu_interleaved_ written plainly: canonical dots, then the op's bf16 roundings (csrc/moe_experts.cpp)."""
+def reference_experts(case: dict, dots: Callable[[int, str, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """moe_swiglu_interleaved_ written plainly: canonical dots, then the op's bf16 roundings (csrc/moe_interleaved.h).
+    `dots(expert, "gate_up" | "down", inputs)`: other fp32 dots (tests/kernels/test_canonical_int8.py: int8 units'
+    scaled dots, zero-padded plain rows)."""
+    dots = dots or (lambda e, which, xs: canonical_dots(case[which][e], xs))
     expf = _expf()
     x, out = case["x"], case["out"].clone()
     rnd = lambda v: bf16_from_float(v).float()  # noqa: E731
@@ -118,12 +121,12 @@ def reference_experts(case: dict) -> torch.Tensor:
         if hi == lo:
             continue
         toks = case["token_of"][lo:hi]
-        gu = rnd(canonical_dots(case["gate_up"][e], x[toks]))
+        gu = rnd(dots(e, "gate_up", x[toks]))
         isz = gu.shape[1] // 2
         g, u = gu[:, :isz], gu[:, isz:]
         silu = g / (1.0 + torch.tensor([[expf(-v) for v in row.tolist()] for row in g], dtype=torch.float32))
         act = bf16_from_float(rnd(silu) * u)
-        d = rnd(canonical_dots(case["down"][e], act))
+        d = rnd(dots(e, "down", act))
         y = rnd(d * case["weight_of"][lo:hi, None])
         for t, tok in enumerate(toks.tolist()):  # expert after expert, token after token: each add rounded
             out[tok] = bf16_from_float(out[tok].float() + y[t])
