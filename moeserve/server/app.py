@@ -41,7 +41,7 @@ from moeserve.server.protocol import (
     TokenizeResponse,
 )
 from moeserve.server.responses.protocol import ResponsesRequest
-from moeserve.server.responses.serving import create_response
+from moeserve.server.responses.serving import create_response, delete_response, stored_response
 from moeserve.server.responses.store import ResponseStore
 from moeserve.server.state import ServerState
 
@@ -203,6 +203,14 @@ def _add_agent_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None
     @app.post("/v1/responses", dependencies=auth, responses=ERROR_RESPONSES)
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         return await create_response(body, raw, state, store)
+
+    @app.get("/v1/responses/{response_id}", dependencies=auth, responses=ERROR_RESPONSES)
+    async def response(response_id: str) -> dict[str, Any]:
+        return stored_response(response_id, store)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=auth, responses=ERROR_RESPONSES)
+    async def forget_response(response_id: str) -> dict[str, Any]:
+        return delete_response(response_id, store)
 
     @app.post("/v1/messages", dependencies=auth, responses=ERROR_RESPONSES)
     async def messages(body: MessagesRequest, raw: Request) -> Response:

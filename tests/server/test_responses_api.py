@@ -109,6 +109,11 @@ def test_previous_response_id_continues_the_conversation(served: Served) -> None
              *output]
     create(served, input=items, tools=[TOOL])
     assert chained.previous_response_id == first.id and chained_prompt == served.engine.prompts[-1]
+    client = served.server.client()
+    assert client.responses.retrieve(chained.id).model_dump() == chained.model_dump()
+    client.responses.delete(chained.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(chained.id)
     unstored = create(served, input="Hi", store=False)
     with pytest.raises(openai.BadRequestError, match="not found") as err:
         create(served, input="Again", previous_response_id=unstored.id)
@@ -175,14 +180,16 @@ def test_items_in_a_row_make_one_assistant_message() -> None:
 
 
 def test_store_is_bounded_by_count_and_bytes() -> None:
-    store = ResponseStore(max_count=2, max_bytes=120)  # each message below: 53 bytes of JSON
+    store = ResponseStore(max_count=2, max_bytes=130)  # each entry below: 59 bytes of JSON
     message = [{"role": "user", "content": "x" * 20}]
     for i in range(3):
-        assert store.put(f"r{i}", message)
-    assert store.get("r0") is None and store.get("r2") == message and len(store) == 2
-    assert not store.put("big", [{"role": "user", "content": "x" * 200}]) and len(store) == 2
-    store.put("r3", [{"role": "user", "content": "y" * 60}])  # 93 bytes: the oldest leave until it fits
-    assert store.get("r1") is None and store.get("r3") is not None and store.bytes <= 120
+        assert store.put(f"r{i}", message, {})
+    found = store.get("r2")
+    assert store.get("r0") is None and found is not None and found.messages == message and len(store) == 2
+    assert not store.put("big", [{"role": "user", "content": "x" * 200}], {}) and len(store) == 2
+    store.put("r3", [{"role": "user", "content": "y" * 60}], {})  # 99 bytes: the oldest leave until it fits
+    assert store.get("r1") is None and store.get("r3") is not None and store.bytes <= 130
+    assert store.delete("r3") and store.bytes == 0 and not store.delete("r3")
 
 
 def test_a_client_that_leaves_a_stream_aborts_its_request(served: Served) -> None:

@@ -27,8 +27,10 @@ SEED = 20_251_125
 FAST_EXAMPLES = 5
 SLOW_EXAMPLES = 120
 OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/v1/responses",
-              "/v1/messages", "/v1/messages/count_tokens", "/health", "/metrics", "/tokenize", "/detokenize"}
-ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}  # errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}
+              "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens", "/health", "/metrics",
+              "/tokenize", "/detokenize"}
+# errors in Anthropic's shape: {"type": "error", "error": {"type", "message"}}
+ANTHROPIC_PATHS = {"/v1/messages", "/v1/messages/count_tokens"}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from moeserve.errors import RequestError
 from moeserve.server.chat import start_chat
 from moeserve.server.errors import APIError, from_exception
 from moeserve.server.output_blocks import Block, BlockEvent, Finish, output_blocks
-from moeserve.server.protocol import ChatCompletionRequest
+from moeserve.server.protocol import ChatCompletionRequest, printable
 from moeserve.server.responses.convert import chat_request, input_messages, output_message
 from moeserve.server.responses.protocol import ResponsesRequest
 from moeserve.server.responses.store import ResponseStore
@@ -43,7 +43,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
             raise APIError(400, f"Previous response with id {req.previous_response_id!r} not found (never stored, "
                            f"stored with store false, or evicted: this server keeps the last {store.max_count} "
                            "responses in memory)", param="previous_response_id", code="previous_response_not_found")
-        history = found
+        history = list(found.messages)
     try:
         conversation = history + input_messages(req.input)
         chat = chat_request(req, conversation)
@@ -120,18 +120,19 @@ class _Response:
             return {"type": "reasoning_text", "text": text}
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def finished(self, finish: Finish) -> list[dict[str, Any]]:
-        """The final output items; stores the conversation for previous_response_id (unless store is false)."""
+    def final(self, finish: Finish) -> dict[str, Any]:
+        """The finished response object; stored (with the conversation, for previous_response_id) unless store is
+        false."""
         incomplete = finish.finish_reason == "length"
         items = [self.item(b, "incomplete" if incomplete and b is finish.blocks[-1] else "completed")
                  for b in finish.blocks]
+        body = self.body(self.status(finish), items, finish)
         if self.req.store:
-            text = [b.text for b in finish.blocks]
-            reasoning = "".join(t for b, t in zip(finish.blocks, text) if b.kind == "reasoning")
-            content = "".join(t for b, t in zip(finish.blocks, text) if b.kind == "text")
+            reasoning = "".join(b.text for b in finish.blocks if b.kind == "reasoning")
+            content = "".join(b.text for b in finish.blocks if b.kind == "text")
             calls = [(b.call_id, b.name, b.text) for b in finish.blocks if b.kind == "call"]
-            self.store.put(self.id, self.conversation + [output_message(reasoning, content, calls)])
-        return items
+            self.store.put(self.id, self.conversation + [output_message(reasoning, content, calls)], body)
+        return body
 
     @staticmethod
     def status(finish: Finish) -> str:
@@ -141,7 +142,7 @@ class _Response:
     async def collect(self, events: AsyncIterator[BlockEvent | Finish]) -> dict[str, Any]:
         async for event in events:
             if isinstance(event, Finish):
-                return self.body(self.status(event), self.finished(event), event)
+                return self.final(event)
         raise AssertionError("the output ended without a Finish")
 
     def event(self, kind: str, **fields: Any) -> str:
@@ -156,9 +157,8 @@ class _Response:
             async with contextlib.aclosing(events):  # a client gone: the request is aborted at once
                 async for event in events:
                     if isinstance(event, Finish):
-                        status = self.status(event)
-                        yield self.event(f"response.{status}",
-                                         response=self.body(status, self.finished(event), event))
+                        body = self.final(event)
+                        yield self.event(f"response.{body['status']}", response=body)
                     else:
                         for line in self.block_events(event):
                             yield line
@@ -195,3 +195,24 @@ class _Response:
                    self.event("response.content_part.done", **where, content_index=0, part=self.part(block))]
         return out + [self.event("response.output_item.done", output_index=block.index,
                                  item=self.item(block, "incomplete" if event.cut else "completed"))]
+
+
+def stored_response(response_id: str, store: ResponseStore) -> dict[str, Any]:
+    """GET /v1/responses/{id}: a stored response object (404 when never stored or evicted)."""
+    found = store.get(response_id)
+    if found is None:
+        raise _not_stored(response_id, store)
+    return found.response
+
+
+def delete_response(response_id: str, store: ResponseStore) -> dict[str, Any]:
+    """DELETE /v1/responses/{id}."""
+    if not store.delete(response_id):
+        raise _not_stored(response_id, store)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _not_stored(response_id: str, store: ResponseStore) -> APIError:
+    return APIError(404, f"Response with id {printable(response_id)!r} not found (never stored, stored with store "
+                    f"false, or evicted: this server keeps the last {store.max_count} responses in memory)",
+                    param="response_id", code="not_found")
