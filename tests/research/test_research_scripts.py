@@ -1,10 +1,16 @@
 """Every research script (research/*.py) and every `moeserve bench` variant and `moeserve trace` tool that came out of
-scripts/ runs to the end on tiny inputs, as a subprocess, and prints its figures: so none of them rots while the
-package changes under it. Seconds each (the tiny bench shape, tiny random checkpoints, the demo model's recorded
-trace, one round); the figures themselves are not checked."""
+scripts/ runs to the end on tiny inputs and prints its figures: so none of them rots while the package changes under
+it. Seconds each (the tiny bench shape, tiny random checkpoints, the demo model's recorded trace, one round); the
+figures themselves are not checked.
+
+A script runs as a subprocess, or in this process (IN_PROCESS: as `python research/NAME.py ARGS` does, __main__,
+its argv, its stdout) where it leaves nothing behind that the tests after it would see (PROCESS_WIDE: no kernel
+library of its own choosing, thread count, RNG seed, environment variable or patched class). A subprocess costs ~3 s
+of CPU to import torch and the package before the script's own work."""
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +86,29 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "qwen3_next": str(write_tiny_checkpoint(tmp / "qwen3_next", "qwen3_next", "bfloat16"))}
 
 
+# the scripts that touch no process-wide state (the module docstring): run in this process
+IN_PROCESS = {"admission_demo", "bench_finite_check", "int8_accuracy", "policy_bench_replay", "policy_cost",
+              "policy_lookahead", "policy_table", "serve_invariance_check", "trace_predictability"}
+# what a script must not contain to run here: the benchmarks' kernel and thread set-up, a seed, an environment
+# variable, a class or torch.ops patched in place (decode_breakdown and prefetch_opportunity patch them to time or
+# record: subprocesses)
+PROCESS_WIDE = ("kernel_setup", "set_num_threads", "manual_seed", "os.environ[", "__call__ =", "torch.ops.__dict__",
+                "setattr(")
+
+
+def _run_here(script: Path, args: list[str], printed: str, monkeypatch: pytest.MonkeyPatch,
+              capsys: pytest.CaptureFixture[str]) -> None:
+    """`python script args` in this process: exit status 0 (or none) and `printed` in what it printed."""
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.chdir(ROOT)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as done:
+        assert done.code in (0, None), f"{script.name} {' '.join(args)} exited {done.code}"
+    out = capsys.readouterr().out
+    assert printed in out, f"{script.name} {' '.join(args)} did not print {printed!r}:\n{out[-3000:]}"
+
+
 def _run(argv: list[str], printed: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
@@ -91,10 +120,20 @@ def test_every_research_script_and_variant_is_run_here() -> None:
     assert {f"bench {v.replace('_', '-')}" for v in VARIANTS} <= set(COMMANDS)
 
 
+def test_the_scripts_run_here_exist() -> None:
+    assert IN_PROCESS <= set(SCRIPTS)
+    for name in IN_PROCESS:  # none sets what kernel_setup sets (the module docstring)
+        text = (RESEARCH / f"{name}.py").read_text()
+        assert not any(w in text for w in PROCESS_WIDE), name
+
+
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_research_script_runs_and_prints_its_figures(name: str, paths: dict[str, str]) -> None:
+def test_research_script_runs_and_prints_its_figures(name: str, paths: dict[str, str], monkeypatch, capsys) -> None:
     args, printed = SCRIPTS[name]
-    _run([sys.executable, str(RESEARCH / f"{name}.py"), *args.format(**paths).split()], printed)
+    if name in IN_PROCESS:
+        _run_here(RESEARCH / f"{name}.py", args.format(**paths).split(), printed, monkeypatch, capsys)
+    else:
+        _run([sys.executable, str(RESEARCH / f"{name}.py"), *args.format(**paths).split()], printed)
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
