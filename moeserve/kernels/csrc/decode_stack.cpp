@@ -146,12 +146,13 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // A new layer's norms and latent attention (MlaAttention; q_a / q_a_norm absent without q_lora_rank; sizes:
-  // heads, nope, rope, kv_lora, v dim, group, rotary dim, query block, interleaved rope 0/1).
+  // heads, nope, rope, kv_lora, v dim, group, rotary dim, query block (unused: mla_attention attends each row alone),
+  // interleaved rope 0/1; w_uk_t [nh, R, nope] and w_uv [nh, v, R] as mla_attention takes them).
   void add_mla(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_a,
                std::optional<at::Tensor> q_a_scale, std::optional<at::Tensor> q_a_bias,
                std::optional<at::Tensor> q_a_norm, at::Tensor q, std::optional<at::Tensor> q_scale,
                std::optional<at::Tensor> q_bias, at::Tensor kv_a, std::optional<at::Tensor> kv_a_scale,
-               std::optional<at::Tensor> kv_a_bias, at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t,
+               std::optional<at::Tensor> kv_a_bias, at::Tensor kv_a_norm, at::Tensor w_uk_t, at::Tensor w_uv,
                at::Tensor o, std::optional<at::Tensor> o_scale, std::optional<at::Tensor> o_bias, at::Tensor cos,
                at::Tensor sin, at::Tensor cache, std::vector<int64_t> sizes, double softmax_scale) {
     TORCH_CHECK(sizes.size() == 9, "DecodeStack.add_mla: sizes (heads, nope, rope, kv_lora, v dim, group, rotary "
@@ -164,7 +165,7 @@ class DecodeStack : public torch::CustomClassHolder {
     add_mixer(std::move(input_norm), std::move(post_norm),
               make_mla(cfg_, shape, std::move(qa), std::move(q_a_norm), linear(q, q_scale, q_bias, q_in, "q_proj"),
                        linear(kv_a, kv_a_scale, kv_a_bias, cfg_.hidden, "kv_a_proj"), std::move(kv_a_norm),
-                       std::move(w_uk), std::move(w_uv_t),
+                       std::move(w_uk_t), std::move(w_uv),
                        linear(o, o_scale, o_bias, shape.heads * shape.v_head_dim, "o_proj"), std::move(cos),
                        std::move(sin), std::move(cache)));
   }

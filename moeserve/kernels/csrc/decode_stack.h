@@ -128,7 +128,7 @@ struct MlaShape {
 };
 std::unique_ptr<TokenMixerPart> make_mla(const StackConfig& cfg, MlaShape shape, std::optional<StackLinear> q_a,
                                          std::optional<at::Tensor> q_a_norm, StackLinear q, StackLinear kv_a,
-                                         at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
+                                         at::Tensor kv_a_norm, at::Tensor w_uk_t, at::Tensor w_uv, StackLinear o,
                                          at::Tensor cos, at::Tensor sin, at::Tensor cache);
 
 // Mamba-2's decode step (models/mixers/mamba2.py Mamba2Mixer, a decode-only batch of tokens after their prompts): sizes

@@ -1,10 +1,9 @@
 // Multi-head latent attention in the DecodeStack (decode_stack.h): models/mixers/mla.py MlaAttention.__call__ for a
-// decode-only batch, the same ATen ops on the same shapes in the same order (its norms in the batch-invariant row
-// blocks, each token's query in its aligned block of query_block positions, zero-padded), so the same bits.
-
-#include <limits>
+// decode-only batch, the same ops on the same shapes in the same order (its norms in the batch-invariant row blocks,
+// the absorbed attention by the mla_attention op, ops.h), so the same bits.
 
 #include "decode_stack.h"
+#include "ops.h"
 
 namespace moeserve_stack {
 
@@ -20,14 +19,14 @@ at::Tensor rms_norm_cast_then_scale(const at::Tensor& x, const at::Tensor& w, do
 class MlaMixer : public TokenMixerPart {
  public:
   MlaMixer(const StackConfig& cfg, MlaShape shape, std::optional<StackLinear> q_a, std::optional<at::Tensor> q_a_norm,
-           StackLinear q, StackLinear kv_a, at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
+           StackLinear q, StackLinear kv_a, at::Tensor kv_a_norm, at::Tensor w_uk_t, at::Tensor w_uv, StackLinear o,
            at::Tensor cos, at::Tensor sin, at::Tensor cache)
       : cfg_(cfg), s_(shape), q_a_(std::move(q_a)), q_a_norm_(std::move(q_a_norm)), q_(std::move(q)),
-        kv_a_(std::move(kv_a)), kv_a_norm_(std::move(kv_a_norm)), w_uk_(std::move(w_uk)), w_uv_t_(std::move(w_uv_t)),
+        kv_a_(std::move(kv_a)), kv_a_norm_(std::move(kv_a_norm)), w_uk_t_(std::move(w_uk_t)), w_uv_(std::move(w_uv)),
         o_(std::move(o)), cos_(std::move(cos)), sin_(std::move(sin)), cache_(std::move(cache)) {
     TORCH_CHECK(q_.out == s_.heads * (s_.nope + s_.rope) && kv_a_.out == s_.kv_lora + s_.rope &&
                     o_.out == cfg_.hidden && cache_.dim() == 3 && cache_.size(2) == s_.kv_lora + s_.rope &&
-                    q_a_.has_value() == q_a_norm_.has_value() && s_.query_block > 0,
+                    q_a_.has_value() == q_a_norm_.has_value(),
                 "DecodeStack: latent attention sizes do not match");
   }
 
@@ -45,7 +44,8 @@ class MlaMixer : public TokenMixerPart {
       const at::Tensor q_pe = rope(qs[1], step.positions);
       const at::Tensor k_pe = rope(kvs[1].unsqueeze(1), step.positions).squeeze(1);
       cache_.view({-1, s_.kv_lora + s_.rope}).index_put_({step.slot_mappings[s_.group]}, at::cat({c, k_pe}, -1));
-      return attend(qs[0], q_pe, step);  // [N, nh, v]
+      return moeserve_mla::mla_attention(qs[0], q_pe, cache_, step.block_tables[s_.group], std::nullopt,
+                                         step.positions, w_uk_t_, w_uv_, s_.softmax_scale);  // [N, nh, v]
     });
     return t(kOProj, [&] { return o_(out.reshape({n, s_.heads * s_.v_head_dim})); });
   }
@@ -78,47 +78,12 @@ class MlaMixer : public TokenMixerPart {
     return whole ? out : at::cat({out, x.slice(-1, r)}, -1);
   }
 
-  // MlaAttention._attend for one new token per sequence: its aligned query block (zero rows but its own) against
-  // the cached rows of positions [0, block end), then its own row.
-  at::Tensor attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const Step& step) const {
-    const int64_t bs = cache_.size(1), r = s_.query_block;
-    const at::Tensor tables = step.block_tables[s_.group];
-    const int64_t* pos = step.positions.data_ptr<int64_t>();
-    std::vector<at::Tensor> outs;
-    for (int64_t b = 0; b < q_nope.size(0); ++b) {
-      const int64_t first = pos[b] - pos[b] % r, end = first + r, row = pos[b] - first;
-      at::Tensor qn = q_nope.new_zeros({r, s_.heads, s_.nope}), qp = q_pe.new_zeros({r, s_.heads, s_.rope});
-      qn.slice(0, row, row + 1).copy_(q_nope.slice(0, b, b + 1));
-      qp.slice(0, row, row + 1).copy_(q_pe.slice(0, b, b + 1));
-      const at::Tensor blocks = tables.select(0, b).slice(0, 0, (end + bs - 1) / bs).contiguous();
-      const at::Tensor latent = cache_.index_select(0, blocks).reshape({-1, cache_.size(2)}).slice(0, 0, end);
-      outs.push_back(block(qn, qp, latent, first).slice(0, row, row + 1));
-    }
-    return outs.size() == 1 ? outs[0] : at::cat(outs);
-  }
-
-  // MlaAttention._block: queries at positions [first, first + r) against rows [0, L) (later ones masked): [r, nh, v].
-  at::Tensor block(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& latent, int64_t first) const {
-    const int64_t r = q_nope.size(0), len = latent.size(0);
-    const std::vector<at::Tensor> parts = latent.split_with_sizes({s_.kv_lora, s_.rope}, -1);
-    const at::Tensor& c = parts[0];
-    const at::Tensor q_lat = at::bmm(q_nope.transpose(0, 1), w_uk_);  // [nh, r, R]
-    at::Tensor scores = at::matmul(q_lat, c.t()) + at::matmul(q_pe.transpose(0, 1), parts[1].t());  // [nh, r, L]
-    const at::Tensor q_pos = at::arange(first, first + r, at::kLong).unsqueeze(1);
-    const at::Tensor visible = at::arange(len, at::kLong).unsqueeze(0) <= q_pos;  // [r, L]
-    scores = (scores.to(at::kFloat) * s_.softmax_scale).masked_fill(visible.logical_not(),
-                                                                      -std::numeric_limits<double>::infinity());
-    const at::Tensor probs = at::softmax(scores, -1).to(c.scalar_type());
-    const at::Tensor o_lat = at::matmul(probs, c);                 // [nh, r, R]
-    return at::bmm(o_lat, w_uv_t_).transpose(0, 1);               // [r, nh, v]
-  }
-
   StackConfig cfg_;
   MlaShape s_;
   std::optional<StackLinear> q_a_;
   std::optional<at::Tensor> q_a_norm_;
   StackLinear q_, kv_a_;
-  at::Tensor kv_a_norm_, w_uk_, w_uv_t_;
+  at::Tensor kv_a_norm_, w_uk_t_, w_uv_;  // mla_attention's [nh, R, nope] and [nh, v, R]
   StackLinear o_;
   at::Tensor cos_, sin_, cache_;
 };
@@ -127,10 +92,10 @@ class MlaMixer : public TokenMixerPart {
 
 std::unique_ptr<TokenMixerPart> make_mla(const StackConfig& cfg, MlaShape shape, std::optional<StackLinear> q_a,
                                          std::optional<at::Tensor> q_a_norm, StackLinear q, StackLinear kv_a,
-                                         at::Tensor kv_a_norm, at::Tensor w_uk, at::Tensor w_uv_t, StackLinear o,
+                                         at::Tensor kv_a_norm, at::Tensor w_uk_t, at::Tensor w_uv, StackLinear o,
                                          at::Tensor cos, at::Tensor sin, at::Tensor cache) {
   return std::make_unique<MlaMixer>(cfg, shape, std::move(q_a), std::move(q_a_norm), std::move(q), std::move(kv_a),
-                                    std::move(kv_a_norm), std::move(w_uk), std::move(w_uv_t), std::move(o),
+                                    std::move(kv_a_norm), std::move(w_uk_t), std::move(w_uv), std::move(o),
                                     std::move(cos), std::move(sin), std::move(cache));
 }
 

@@ -33,6 +33,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                             const std::optional<at::Tensor>& sinks = std::nullopt);
 }  // namespace moeserve_attention
 
+namespace moeserve_mla {  // mla_attention.cpp
+at::Tensor mla_attention(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& cache,
+                         const at::Tensor& block_tables, const std::optional<at::Tensor>& rows,
+                         const at::Tensor& positions, const at::Tensor& w_uk_t, const at::Tensor& w_uv, double scale);
+}  // namespace moeserve_mla
+
 namespace moeserve_routing {  // routing.cpp
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_pairs(const at::Tensor& logits, int64_t top_k,
                                                                       int64_t mode, bool norm_topk_prob,

@@ -11,9 +11,11 @@ Per token (transformers' DeepseekV3Attention, with its cache kept compressed):
 Absorbed form (every token, prefill and decode): kv_b's key part W_UK [nh, nope, kv_lora] is folded into the query
 (q_lat = q_nope W_UK), so a head's score over a cached token is q_lat . c + q_pe . k_pe, and its output is
 (sum_t p_t c_t) W_UV^T with kv_b's value part W_UV [nh, v, kv_lora]: the per-head keys and values of the whole
-context are never expanded. Queries go in blocks of QUERY_BLOCK positions aligned to multiples of it (rows outside
-the step zero-padded), each block against the cached rows up to its end (later ones masked): a block's call shapes
-depend only on its positions, so chunked prefill, prefix-cache hits, batching and decode give the same bits.
+context are never expanded. With the C++ ops (numerics.cpp) one op, mla_attention (csrc/mla_attention.cpp), does
+it all per query row in the canonical order of csrc/attention_core.h: the same bits on every ISA and for any batch,
+chunking or prefix-cache hit. The torch path (kernels=torch) puts queries in blocks of QUERY_BLOCK positions aligned
+to multiples of it (rows outside the step zero-padded), each block against the cached rows up to its end (later
+ones masked): a block's call shapes depend only on its positions, so the same guarantees hold on one machine.
 Shapes: N tokens, nh heads, r = rope dims, R = kv_lora_rank, W = R + r (a cached row).
 """
 
@@ -38,12 +40,17 @@ class MlaAttention(TokenMixer):
                  q: Linear, kv_a: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o: Linear, rotary: Rotary,
                  eps: float, numerics: Numerics = Numerics()) -> None:
         """q_a / q_a_norm: the query's low-rank pair (None without q_lora_rank: `q` is q_proj, else q_b_proj);
-        kv_b: kv_b_proj's weight [nh * (nope + v), R], split here into W_UK [nh, nope, R] and W_UV^T [nh, R, v]."""
+        kv_b: kv_b_proj's weight [nh * (nope + v), R], split here per head into its key part and value part, laid
+        out for the path that runs: mla_attention's W_UK^T [nh, R, nope] and W_UV [nh, v, R] (rows of its dots)
+        with the C++ ops, else the torch path's W_UK [nh, nope, R] and W_UV^T [nh, R, v] (operands of bmm)."""
         self.spec, self.num_heads, self.layer = spec, num_heads, layer
         self.q_a, self.q_a_norm, self.q, self.kv_a, self.kv_a_norm, self.o = q_a, q_a_norm, q, kv_a, kv_a_norm, o
         per_head = kv_b.view(num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
-        self.w_uk = per_head[:, : spec.qk_nope_head_dim].contiguous()  # [nh, nope, R]
-        self.w_uv_t = per_head[:, spec.qk_nope_head_dim :].transpose(1, 2).contiguous()  # [nh, R, v]
+        w_uk, w_uv = per_head[:, : spec.qk_nope_head_dim], per_head[:, spec.qk_nope_head_dim :]
+        if numerics.cpp:  # one copy of kv_b either way
+            self.w_uk, self.w_uv = w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()  # [nh, R, nope], [nh, v, R]
+        else:
+            self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()  # [nh, nope, R], [nh, R, v]
         self.rotary, self.eps, self.numerics = rotary, eps, numerics
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
@@ -61,7 +68,11 @@ class MlaAttention(TokenMixer):
         cache = kv.latent(self.layer)  # [blocks, bs, W]
         g = kv.group_of(self.layer)
         cache.view(-1, s.latent_width)[batch.slot_mappings[g]] = torch.cat([c, k_pe], dim=-1)
-        out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
+        if self.numerics.cpp:
+            out = torch.ops.moeserve.mla_attention(q_nope, q_pe, cache, batch.block_tables[g], batch.rows,
+                                                   batch.positions, self.w_uk, self.w_uv, s.softmax_scale)
+        else:
+            out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
         return self.o(out.reshape(n, self.num_heads * s.v_head_dim))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -81,7 +92,7 @@ class MlaAttention(TokenMixer):
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
                 batch: ForwardBatch) -> torch.Tensor:
-        """Every sequence's new tokens against its cached rows, in aligned query blocks: [N, nh, v]."""
+        """The torch path: every sequence's new tokens against its cached rows, in aligned query blocks: [N, nh, v]."""
         bs = cache.shape[1]
         outs = []
         for blk in query_blocks(batch, bs):
@@ -96,14 +107,14 @@ class MlaAttention(TokenMixer):
         positions [0, first + r) (`latent` [first + r, W]; rows past a query's position masked): [r, nh, v]."""
         s, r = self.spec, q_nope.shape[0]
         c, k_pe = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], -1)  # [L, R], [L, rope]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, r, R]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, r, R] (w_uk: [nh, nope, R] on this path)
         scores = torch.matmul(q_lat, c.t()) + torch.matmul(q_pe.transpose(0, 1), k_pe.t())  # [nh, r, L]
         q_pos = torch.arange(first, first + r, device=latent.device)[:, None]
         visible = torch.arange(latent.shape[0], device=latent.device)[None, :] <= q_pos  # [r, L]
         scores = (scores.float() * s.softmax_scale).masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(c.dtype)
         o_lat = torch.matmul(probs, c)  # [nh, r, R]
-        return torch.bmm(o_lat, self.w_uv_t).transpose(0, 1)  # [r, nh, v]
+        return torch.bmm(o_lat, self.w_uv).transpose(0, 1)  # [r, nh, v] (w_uv: [nh, R, v] on this path)
 
     def linears(self) -> list[Linear]:
         return [lin for lin in (self.q_a, self.q, self.kv_a, self.o) if lin is not None]
@@ -112,14 +123,15 @@ class MlaAttention(TokenMixer):
         return not_in_gemv_layout(self.linears())
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
-        """__call__ for decode-only batches (csrc/decode_stack_mla.cpp): the same ops, query blocks and norms."""
+        """__call__ for decode-only batches (csrc/decode_stack_mla.cpp): the same ops and norms (the stack runs only
+        with the C++ ops, so w_uk / w_uv are mla_attention's layouts)."""
         s, cache = self.spec, kv.latent(self.layer)
         block = QUERY_BLOCK if cache.shape[1] % QUERY_BLOCK == 0 else cache.shape[1]  # as query_blocks cuts
         q_a = (None, None, None) if self.q_a is None else (*self.q_a.gemv_tensors(), self.q_a.bias)
         sizes = [self.num_heads, s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank, s.v_head_dim,
                  kv.group_of(self.layer), self.rotary.rotary_dim, block, int(s.interleaved_rope)]
         stack.add_mla(input_norm, post_norm, *q_a, self.q_a_norm, *self.q.gemv_tensors(), self.q.bias,
-                      *self.kv_a.gemv_tensors(), self.kv_a.bias, self.kv_a_norm, self.w_uk, self.w_uv_t,
+                      *self.kv_a.gemv_tensors(), self.kv_a.bias, self.kv_a_norm, self.w_uk, self.w_uv,
                       *self.o.gemv_tensors(), self.o.bias, self.rotary.cos, self.rotary.sin, cache, sizes,
                       s.softmax_scale)
 
