@@ -1,11 +1,14 @@
 """The attention ops (decode_attention, mla_attention) compute the canonical order of csrc/attention_core.h: the same
 bits on every ISA level the kernels build for (native = AVX-512 here, avx2, generic = scalar), and those of a plain
-torch reference of the stated order (bf16; the q.k dots are tests.kernels.test_canonical_isa's canonical_dots).
+torch reference of the stated order (bf16 and fp32; the bf16 q.k dots are tests.kernels.test_canonical_isa's
+canonical_dots).
 
 Each ISA level is its own library and a process loads one, so the other levels run in subprocesses
-(`python -m tests.kernels.test_attention_isa <isa> <inputs> <outputs>`) on inputs saved by the test. Outputs are
-compared as bits. Negative controls: the reference with torch's exp, or with the q.k products summed one after
-another, differs from the op on the same inputs (so the cases do show the order).
+(`python -m tests.kernels.test_attention_isa <isa> <inputs> <outputs>`) on inputs saved by the test, each loading a
+library of only the attention sources (kernels.build_subset: the full library's objects). Outputs are compared as
+bits. Negative controls: the reference with torch's exp (fp32: bf16 outputs round its last-bit
+differences away), or with the q.k products summed one after another, differs from itself on the same inputs (so the
+cases do show the order).
 """
 
 from __future__ import annotations
@@ -18,7 +21,16 @@ import pytest
 import torch
 
 from moeserve import kernels
-from tests.kernels.test_canonical_isa import assert_same_bits, bf16_from_float, bits, canonical_dots, one_thread
+from tests.kernels.test_canonical_isa import (
+    assert_same_bits,
+    bf16_from_float,
+    bits,
+    canonical_dots,
+    one_thread,
+)
+
+# The sources of the ops run_ops calls: the two that register them and the canonical core they share.
+SOURCES = ("attention.cpp", "attention_core.cpp", "mla_attention.cpp")
 
 # ------------------------------------------------------------------------------------- the reference, plainly
 POLY = [torch.tensor(1.0) / k for k in (5040, 720, 120, 24, 6)] + [torch.tensor(v) for v in (0.5, 1.0, 1.0)]
@@ -64,10 +76,26 @@ def sequential_dots(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def fp32_dots(keys: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[H, L] fp32 dots in attention_core.h's fp32 order: 16 lanes from +0, lane i = fma(q[16c + i], k[16c + i],
+    lane i) for the chunks c in order (zero-padded to 16), then the halving sum."""
+    q16, k16 = (torch.nn.functional.pad(t.float(), (0, -t.shape[-1] % 16)) for t in (q, keys))
+    lanes = torch.zeros(q.shape[0], keys.shape[0], 16)
+    for c in range(0, q16.shape[1], 16):
+        lanes = fma(q16[:, None, c : c + 16], k16[None, :, c : c + 16], lanes)
+    return halving_sum(lanes)
+
+
 def attend_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                     sinks: torch.Tensor | None, exp=exp_canon, dots=canonical_dots) -> torch.Tensor:
-    """One query row, bf16: q [H, dk] against keys [L, dk] and values [L, dv]: [H, dv] in the stated order."""
-    s = (dots(pad32(keys), pad32(q)) if dots is canonical_dots else dots(keys, q)) * torch.tensor(scale)  # [H, L]
+                     sinks: torch.Tensor | None, exp=exp_canon, dots=None) -> torch.Tensor:
+    """One query row: q [H, dk] against keys [L, dk] and values [L, dv] (bf16 or fp32): [H, dv] in the stated
+    order (dots: the q.k dots, by default the dtype's canonical ones)."""
+    bf16 = q.dtype == torch.bfloat16
+    if dots is None:
+        s = canonical_dots(pad32(keys), pad32(q)) if bf16 else fp32_dots(keys, q)
+    else:
+        s = dots(keys, q)
+    s = s * torch.tensor(scale)  # [H, L]
     m = s.max(dim=1).values
     if sinks is not None:
         m = torch.maximum(m, sinks)
@@ -78,11 +106,12 @@ def attend_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     total = halving_sum(lanes)
     if sinks is not None:
         total = total + exp(sinks - m)
-    p = bf16_from_float(e).float()
+    p = bf16_from_float(e).float() if bf16 else e
     o = torch.zeros(q.shape[0], values.shape[1])
     for j in range(values.shape[0]):
         o = fma(p[:, j : j + 1], values[j].float()[None], o)
-    return bf16_from_float(o * (1.0 / total)[:, None])
+    o = o * (1.0 / total)[:, None]
+    return bf16_from_float(o) if bf16 else o
 
 
 def cache_rows(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -109,6 +138,14 @@ def reference_decode(c: dict, **kw) -> torch.Tensor:
     return out.reshape(n, nh * d)
 
 
+def row_dots(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """rows_dot of attention_core.h: [M, N] dots of x [M, K] with the rows of w [N, K] in the dtype's order, rounded
+    once to the dtype."""
+    if w.dtype == torch.bfloat16:
+        return bf16_from_float(canonical_dots(pad32(w), pad32(x)))
+    return fp32_dots(w, x)
+
+
 def reference_mla(c: dict) -> torch.Tensor:
     q_nope, q_pe, cache, tables, seq, pos = c["q_nope"], c["q_pe"], c["cache"], c["tables"], c["seq"], c["pos"]
     w_uk_t, w_uv = c["w_uk_t"], c["w_uv"]
@@ -117,11 +154,10 @@ def reference_mla(c: dict) -> torch.Tensor:
     out = torch.empty(n, nh, w_uv.shape[1], dtype=q_nope.dtype)
     for i in range(n):
         rows = cache_rows(cache, tables[seq[i]], 0, int(pos[i]) + 1)  # [L, R + rope]
+        q_lat = torch.cat([row_dots(w_uk_t[h], q_nope[i, h][None]) for h in range(nh)])  # [nh, R]
+        o_lat = attend_reference(torch.cat([q_lat, q_pe[i]], dim=1), rows, rows[:, :r], c["scale"], None)  # [nh, R]
         for h in range(nh):
-            q_lat = bf16_from_float(canonical_dots(pad32(w_uk_t[h]), pad32(q_nope[i, h][None])))  # [1, R]
-            query = torch.cat([q_lat, q_pe[i, h][None]], dim=1)
-            o_lat = attend_reference(query, rows, rows[:, :r], c["scale"], None)  # [1, R]
-            out[i, h] = bf16_from_float(canonical_dots(pad32(w_uv[h]), pad32(o_lat)))[0]
+            out[i, h] = row_dots(w_uv[h], o_lat[h : h + 1])[0]
     return out
 
 
@@ -210,22 +246,23 @@ def cases() -> dict[str, list]:
     with one_thread():
         decode, mla = decode_cases(), mla_cases()
         return {"decode": decode, "mla": mla,
-                "decode_ref": [reference_decode(c) for c in decode if c["q"].dtype == torch.bfloat16],
-                "mla_ref": [reference_mla(c) for c in mla if c["q_nope"].dtype == torch.bfloat16]}
+                "decode_ref": [reference_decode(c) for c in decode], "mla_ref": [reference_mla(c) for c in mla]}
 
 
 def test_reference_can_fail(cases):
-    """Negative controls: torch's exp, or a sequential fp32 q.k sum, in place of the stated ones changes bits."""
-    c, want = cases["decode"][0], cases["decode_ref"][0]
+    """Negative controls: torch's exp, or a sequential fp32 q.k sum, in place of the stated ones changes bits (on
+    the cheapest fp32 case: bf16 outputs can round the exp's last-bit differences away)."""
+    i = min((i for i, c in enumerate(cases["decode"]) if c["q"].dtype == torch.float32),
+            key=lambda i: cases["decode"][i]["q"].numel())
     with one_thread():
-        other_exp = reference_decode(c, exp=torch.exp)
-        other_dots = reference_decode(c, dots=sequential_dots)
-    assert (bits(other_exp) != bits(want)).any()
-    assert (bits(other_dots) != bits(want)).any()
+        other_exp = reference_decode(cases["decode"][i], exp=torch.exp)
+        other_dots = reference_decode(cases["decode"][i], dots=sequential_dots)
+    assert (bits(other_exp) != bits(cases["decode_ref"][i])).any()
+    assert (bits(other_dots) != bits(cases["decode_ref"][i])).any()
 
 
 def test_loaded_library_equals_the_reference(cases):
-    """This process's library (native) against the torch reference, every bf16 case, and the prefill rows of a
+    """This process's library (native) against the torch reference, every case (bf16, fp32), and the prefill rows of a
     call equal the same rows attended one by one."""
     from tests.kernels.ops import cpp_ops
 
@@ -244,12 +281,15 @@ def test_loaded_library_equals_the_reference(cases):
 
 @pytest.mark.slow
 def test_every_isa_gives_the_same_bits(cases, tmp_path):
-    """native, avx2 and generic libraries (each built once, then cached) on the same inputs, bf16 and fp32: the
-    same bits."""
+    """This process's library (native) and the avx2 and generic builds of the attention sources (each built once,
+    then cached) on the same inputs, bf16 and fp32: the same bits."""
+    from tests.kernels.ops import cpp_ops
+
+    cpp_ops()
     inputs = tmp_path / "inputs.pt"
     torch.save({"decode": cases["decode"], "mla": cases["mla"]}, inputs)
-    results = {}
-    for isa in ("native", "avx2", "generic"):
+    results = {"native": run_ops(cases["decode"], cases["mla"])}
+    for isa in ("avx2", "generic"):
         run_isa_subprocess(isa, inputs, tmp_path / f"{isa}.pt")
         results[isa] = torch.load(tmp_path / f"{isa}.pt")
     assert results["avx2"]["isa"] == ["avx2"] and results["generic"]["isa"] == ["scalar"]
@@ -260,12 +300,15 @@ def test_every_isa_gives_the_same_bits(cases, tmp_path):
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: load the `isa` library, run the saved cases, save the outputs. Exit 3: not available."""
+    """Subprocess entry: build and load the `isa` library of the attention sources, run the saved cases, save the
+    outputs. Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`)."""
     isa, inputs, outputs = argv
-    status = kernels.load(isa)
-    if not status.available:
-        print(f"isa={isa} kernels not available: {status.reason}")
+    try:
+        library = kernels.build_subset(SOURCES, isa)
+    except RuntimeError as err:
+        print(f"isa={isa} kernels not available: {err}")
         return 3
+    torch.ops.load_library(str(library))
     cases = torch.load(inputs)
     torch.save(run_ops(cases["decode"], cases["mla"]), outputs)
     return 0
