@@ -29,6 +29,10 @@ from tests.kernels.test_canonical_isa import (
     one_thread,
 )
 
+# The module is slow: its references (plain torch loops) take 5 s quiet, 15 s at load 15, in the first test's setup;
+# tests/kernels/test_attention_ops.py checks the ops in the fast tier.
+pytestmark = pytest.mark.slow
+
 # The sources of the ops run_ops calls: the two that register them and the canonical core they share.
 SOURCES = ("attention.cpp", "attention_core.cpp", "mla_attention.cpp")
 
