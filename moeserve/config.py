@@ -93,8 +93,10 @@ class EngineSettings(BaseModel):
     prefetch: bool | Literal["auto"] = Field(
         False, description="predict and load the next layer's experts in the background: true, false, or auto = "
         "only while the misses it saves pay for its reads (measured online, logged, in /metrics)")
-    quantization: Literal["none", "int8"] = Field(
-        "none", description="on-load weight quantization of 16-bit checkpoints"
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="on-load weight quantization of 16-bit checkpoints: int8 = experts and dense Linears "
+        "as int8 with per-row scales; int4 = experts as int4 with a bf16 scale per 32 inputs (compressed-tensors' "
+        "W4A16 layout, read as stored by the C++ 4-bit expert op), the rest unchanged"
     )
     kernels: Literal["auto", "cpp", "torch"] = Field(
         "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "
@@ -121,8 +123,8 @@ class EngineSettings(BaseModel):
         "paths where moeserve's C++ ops do not apply"
     )
     int8_cache_dir: str | None = Field(
-        None, description="where quantization=int8 writes offloaded experts once, quantized, so misses read half "
-        "the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"
+        None, description="where quantization=int8 / int4 writes offloaded experts once, quantized, so misses read "
+        "half (a quarter) of the bytes (default ~/.cache/moeserve/units; 'off': quantize on every miss)"
     )
     record_trace: str | None = Field(None, description="write the experts each token used to this file")
     record_trace_format: Literal["moetrace", "jsonl"] = Field(

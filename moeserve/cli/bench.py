@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="BENCHMARK ONLY: moeserve's experts follow this routing trace (moetrace, JSON lines or a FLAME "
                         "folder; see docs/trace-format.md) instead of the synthetic routers, so the cache sees a real "
                         "model's locality; peers other than moeserve's variants are skipped")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"], help="moeserve's on-load quantization")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="moeserve's on-load quantization")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="moeserve's expert prefetch (default: the engine's default)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")

@@ -108,6 +108,11 @@ def choose_expert_layout(plan: ExpertPlan, dtype: torch.dtype, quantization: str
     leave the read buffer (interleaved measured 0.96-1.05x plain there), int8 ones are read interleaved."""
     if want == "plain":
         return False, "plain (set)"
+    if quantization == "int4":
+        if want == "interleaved":
+            raise ConfigError("expert_layout=interleaved is not possible with quantization=int4: int4 units are read "
+                              "as stored (use auto or plain)")
+        return False, "as stored (int4 units: the C++ 4-bit op reads them as they are)"
     why_not = None if cpp else "kernels=torch or the C++ kernels are unavailable"
     why_not = why_not or can_interleave_experts(plan, dtype)
     if why_not is None and not interleaved_ops(quantization == "int8"):

@@ -46,7 +46,13 @@ from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
 from moeserve.memory.sizing import TierSizes, size_tiers
 from moeserve.memory.split import MemoryNeeds, process_rss_bytes
 from moeserve.memory.topology import MemoryTopology, detect_topology
-from moeserve.models.experts.plans import ExpertPlan, expert_plan, int8_expert_plan, interleaved_expert_plan
+from moeserve.models.experts.plans import (
+    ExpertPlan,
+    expert_plan,
+    int4_expert_plan,
+    int8_expert_plan,
+    interleaved_expert_plan,
+)
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.mixers.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions
@@ -233,21 +239,23 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
 
 
 def _spill_root(s: EngineSettings) -> Path | None:
-    """Where quantization=int8 keeps quantized units for an offloaded store's misses (None: quantize again)."""
+    """Where quantization=int8 / int4 keeps quantized units for an offloaded store's misses (None: quantize again)."""
     return None if s.int8_cache_dir == "off" else Path(s.int8_cache_dir or default_spill_root()).expanduser()
 
 
 def _expert_plans(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype,
                   s: EngineSettings) -> tuple[ExpertPlan, ExpertPlan]:
-    """(the checkpoint's expert plan, the plan the memory is sized with: int8 under quantization=int8)."""
+    """(the checkpoint's expert plan, the plan the memory is sized with: int8 / int4 under quantization=int8 / int4)."""
     dense = expert_plan(ckpt, arch, spec, dtype)
+    if s.quantization == "int4":
+        return dense, int4_expert_plan(dense, dtype, _spill_root(s))
     return dense, int8_expert_plan(dense, dtype, _spill_root(s)) if s.quantization == "int8" else dense
 
 
 def _held_plan(dense: ExpertPlan, sized: ExpertPlan, dtype: torch.dtype, s: EngineSettings,
                interleaved: bool) -> ExpertPlan:
     """The experts as the store holds them: `sized`, row-interleaved where the layout choice says so."""
-    if not interleaved:
+    if not interleaved or s.quantization == "int4":
         return sized
     if s.quantization == "int8":
         return int8_expert_plan(dense, dtype, _spill_root(s), interleaved=True)

@@ -9,11 +9,28 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from moeserve.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class FusedCodes:
+    """How the C++ 4-bit expert op (csrc/moe_experts_q4.cpp, q4_codes.h) reads a weight of a format as stored: its
+    format word in the op's spec, the elements per group scale, and the roles of the packed codes (two per byte, the
+    low nibble first), the group scales and the float32 tensor scale (None: the format has none). `scale_dtype`: the
+    group scales' dtype the op reads (None: any the format stores, 1 byte)."""
+
+    word: str
+    group: int
+    codes: str
+    scales: str
+    tensor_scale: str | None = None
+    scale_dtype: torch.dtype | None = None
 
 
 class Format(ABC):
@@ -68,3 +85,8 @@ class Format(ABC):
         ``tensors`` is keyed by role. Bit-exact with the format's reference decoder; allocates only bounded
         temporaries (documented per format).
         """
+
+    def fused_codes(self) -> FusedCodes | None:
+        """Where the C++ 4-bit expert op finds this format's codes and scales (it decodes them to exactly what
+        `dequantize` writes into bf16); None: the op does not read this format."""
+        return None

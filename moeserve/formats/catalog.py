@@ -10,10 +10,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from moeserve.errors import CheckpointError, UnsupportedModelError
-from moeserve.formats.base import Format
+from moeserve.formats.base import Format, FusedCodes
 from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
 from moeserve.formats.int4 import (
     INT4_DEFAULT_GROUP_SIZE,
@@ -89,6 +90,9 @@ class GptOssMxfp4Format(Format):
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_mxfp4(tensors["blocks"], tensors["scales"], out)
 
+    def fused_codes(self) -> FusedCodes:
+        return FusedCodes("mxfp4", MXFP4_GROUP_SIZE, "blocks", "scales")
+
 
 @dataclass(frozen=True)
 class CompressedTensorsMxfp4Format(Format):
@@ -107,6 +111,9 @@ class CompressedTensorsMxfp4Format(Format):
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_mxfp4(tensors["weight_packed"], tensors["weight_scale"], out)
+
+    def fused_codes(self) -> FusedCodes:
+        return FusedCodes("mxfp4", MXFP4_GROUP_SIZE, "weight_packed", "weight_scale")
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,9 @@ class CompressedTensorsNvfp4Format(Format):
         dequantize_nvfp4_ct(
             tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"], out
         )
+
+    def fused_codes(self) -> FusedCodes:
+        return FusedCodes("nvfp4-ct", NVFP4_GROUP_SIZE, "weight_packed", "weight_scale", "weight_global_scale")
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,10 @@ class CompressedTensorsInt4Format(Format):
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_int4_packed(tensors["weight_packed"], tensors["weight_scale"], out, self.group_size)
 
+    def fused_codes(self) -> FusedCodes:
+        # bf16 scales: (code - 8) * scale is then exact in fp32 before the one cast (fp16 ones are multiplied in fp16)
+        return FusedCodes("int4", self.group_size, "weight_packed", "weight_scale", scale_dtype=torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class ModelOptNvfp4Format(Format):
@@ -181,6 +195,9 @@ class ModelOptNvfp4Format(Format):
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         dequantize_nvfp4_modelopt(tensors["weight"], tensors["weight_scale"], tensors["weight_scale_2"], out)
+
+    def fused_codes(self) -> FusedCodes:
+        return FusedCodes("nvfp4-mo", NVFP4_GROUP_SIZE, "weight", "weight_scale", "weight_scale_2")
 
 
 @dataclass(frozen=True)

@@ -63,3 +63,31 @@ def dequantize_int4_packed(packed: Tensor, scale: Tensor, out: Tensor, group_siz
         scales_out.copy_(scale_flat[first : first + count])  # bf16 / fp16 -> float32 is exact
 
     dequantize_fp4_groups(packed.contiguous().view(torch.uint8), out, group_size, write_scales, nibbles=INT4_VALUES)
+
+
+INT4_QMIN, INT4_QMAX = -8, 7
+INT4_SCALE_STEPS = 7.5  # amax / 7.5: compressed-tensors' symmetric int4 scale (half its 15 steps)
+
+
+def quantize_int4_packed(weight: Tensor, group_size: int = INT4_DEFAULT_GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """Quantize ``weight`` ``[out, in]`` to this module's layout: ``(weight_packed int32 [out, in/8], weight_scale
+    bfloat16 [out, in/group_size])`` (quantization="int4": moeserve's on-load int4, read back by
+    `dequantize_int4_packed` and the C++ 4-bit expert op like any compressed-tensors W4A16 checkpoint).
+
+    Symmetric per group, computed as compressed-tensors' quantizer computes it on a bf16 weight (its
+    ``calculate_qparams`` and ``quantize``, every step a bf16 op): ``scale = amax / 7.5``, codes
+    ``clamp(round(w / scale), -8, 7)``, nibble ``code + 8``: the bytes compressed-tensors writes for the same bf16
+    weight (tests/formats/test_int4_quantize.py). A weight of another dtype is rounded to bf16 first; an all-zero
+    group (scale 0, where compressed-tensors would divide by zero) gets scale 1.0 and codes 0.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point() or weight.shape[1] % group_size or group_size % 8:
+        raise ValueError(f"int4 quantization needs a 2-D float weight whose columns split into groups of "
+                         f"{group_size}, got {weight.dtype} {tuple(weight.shape)}")
+    rows, cols = weight.shape
+    groups = weight.to(torch.bfloat16).reshape(rows, cols // group_size, group_size)
+    scale = groups.abs().amax(dim=2) / torch.tensor(INT4_SCALE_STEPS, dtype=torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(groups / scale[..., None]).clamp_(INT4_QMIN, INT4_QMAX)
+    nibbles = (codes.reshape(rows, cols).to(torch.int16) - INT4_QMIN).to(torch.uint8)
+    packed = nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)  # [rows, cols/2]: element 2j in the low nibble of byte j
+    return packed.contiguous().view(torch.int32), scale

@@ -37,7 +37,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "bench_mamba2_step": ("--rounds 1 --calls 1 --threads 1", "kernels    torch"),
     "bench_routing_noaux": ("--rounds 1 --calls 1 --batches 1", "batch     1: torch"),
     "decode_breakdown": ("{shape} --rounds 1 --tokens 4", "decode step"),
-    "int8_accuracy": ("--text {text} --tokens 16 --window 8", "int8 experts+dense   perplexity"),
+    "quant_accuracy": ("--text {text} --tokens 16 --window 8", "int4 experts         perplexity"),
     "policy_bench_replay": ("--shape tiny --fraction 0.5 --route-trace {trace} --prompts 1 --tokens 4 --prompt-len 4 "
                             "--cache-dir {cache}", "policy: 8 slots, engine hit rate"),
     "policy_cost": ("{trace} --capacity 8 --rounds 1", "reuse (deferred)"),

@@ -204,7 +204,8 @@ class ExpertOp {
                    const at::Tensor& weight_of, const std::vector<int64_t>& bounds) const = 0;
 };
 // The ops by the name FusedUnits.stack_op gives: "fused" (the fused SwiGLU op of expert_kernels._FusedSwiGLU on
-// [out, in] units with `plain`, else row-interleaved; int8 with scales), "relu2-loop" (TorchExperts on Relu2Math).
+// [out, in] units with `plain`, else row-interleaved; int8 with scales), "relu2-loop" (TorchExperts on Relu2Math),
+// "q4 <spec>" (moe_q4_experts_ of expert_kernels.CppQ4Experts: 4-bit units as stored, gpt-oss units).
 std::shared_ptr<const ExpertOp> make_expert_op(const StackConfig& cfg, const std::string& name, bool plain);
 
 std::unique_ptr<FfnPart> make_dense_mlp(const StackConfig& cfg, std::shared_ptr<const DenseFfn> mlp);

@@ -3,6 +3,7 @@
 // FFN, each as its Python class computes it.
 
 #include "decode_stack.h"
+#include "moe_experts_q4.h"
 
 namespace moeserve_stack {
 
@@ -108,6 +109,21 @@ class FusedSwigluOp : public ExpertOp {
 
  private:
   bool plain_;
+};
+
+// expert_kernels.CppQ4Experts: moe_q4_experts_ (4-bit units as stored, gpt-oss units) by its spec, parsed once; the
+// units are each projection's first tensor (fused_spec.py).
+class Q4Op : public ExpertOp {
+ public:
+  explicit Q4Op(const std::string& spec) : spec_(moeserve_q4::parse_spec(spec)) {}
+  void run(at::Tensor& out, const at::Tensor& x, const Units& u, const at::Tensor& token_of,
+           const at::Tensor& weight_of, const std::vector<int64_t>& bounds) const override {
+    TORCH_CHECK(u.gate_up_scale.empty() && u.down_scale.empty(), "DecodeStack: q4 units carry their scales");
+    moeserve_q4::run_experts(spec_, out, x, u.gate_up, u.down, token_of, weight_of, bounds);
+  }
+
+ private:
+  moeserve_q4::Spec spec_;
 };
 
 // unit_math.expert_linear: F.linear on an [out, in] weight, else x @ w^T.
@@ -362,7 +378,8 @@ std::unique_ptr<FfnPart> make_no_ffn() { return std::make_unique<NoFfn>(); }
 std::shared_ptr<const ExpertOp> make_expert_op(const StackConfig& cfg, const std::string& name, bool plain) {
   if (name == "fused") return std::make_shared<FusedSwigluOp>(plain);
   if (name == "relu2-loop") return std::make_shared<Relu2LoopOp>(cfg.row_block);
-  TORCH_CHECK(false, "DecodeStack: unknown expert op '", name, "' (fused, relu2-loop)");
+  if (name.rfind("q4 ", 0) == 0) return std::make_shared<Q4Op>(name.substr(3));
+  TORCH_CHECK(false, "DecodeStack: unknown expert op '", name, "' (fused, relu2-loop, q4 <spec>)");
 }
 
 std::unique_ptr<RoutingRule> make_pairs_routing(const StackConfig& cfg, StackLinear router, int64_t top_k,

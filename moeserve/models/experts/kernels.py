@@ -12,6 +12,7 @@ with one rounding per add, so where the experts live never changes a bit of the 
 | torch             | any (the plan's UnitMath)              | per-expert torch loop (CUDA, kernels=torch, formats without a fused op) |
 | cpp-swiglu        | SwiGLU [out, in], bf16/fp32 or int8    | moe_swiglu_ / moe_swiglu_int8_ (decode-sized batches; the torch loop above 64 tokens unless batch-invariant) |
 | cpp-interleaved   | SwiGLU 4-row interleaved, bf16 or int8 | moe_swiglu_interleaved_ / moe_swiglu_int8_interleaved_ (any batch) |
+| cpp-q4            | MXFP4 / NVFP4 / INT4 as stored, gpt-oss bf16 interleaved | moe_q4_experts_ (any batch; SwiGLU, gpt-oss's clamped SwiGLU with biases, relu2) |
 | batched           | any (UnitMath.bind_stacked)            | GPU: groups of min(top_k, GROUP) experts x ENTRY_ROWS tokens per batched matmul |
 
 `choose_expert_kernel` is the only place that asks what the units are (UnitMath.fused_units). The MoE layer and the
@@ -126,7 +127,8 @@ class TorchExperts(ExpertKernel):
 
     def describe(self) -> str:
         blocks = ", in fixed row blocks" if self.numerics.batch_invariant else ""
-        return f"torch ({type(self.math).__name__} per expert{blocks})"
+        why = self.math.why_not_fused()
+        return f"torch ({type(self.math).__name__} per expert{blocks}{'' if why is None else f'; no fused op: {why}'})"
 
 
 class BatchedExperts(ExpertKernel):
@@ -272,6 +274,26 @@ class CppInterleavedSwiGLU(_FusedSwiGLU):
         return f"{self.name} (the fused C++ op on row-interleaved units, every batch)"
 
 
+class CppQ4Experts(_FusedSwiGLU):
+    """Units read by moe_q4_experts_ (csrc/moe_experts_q4.cpp) as the spec says: 4-bit experts as stored, decoded in
+    registers, and gpt-oss's bf16 experts row-interleaved; canonical bf16 dots, any batch."""
+
+    def __init__(self, math: UnitMath, units: FusedUnits) -> None:
+        spec = units.spec
+        assert spec is not None
+        op = torch.ops.moeserve.moe_q4_experts_
+        super().__init__(math, units, lambda *args: op(*args, spec))
+        words = dict(w.split("=", 1) for w in spec.split())
+        self.fmt, self.act = words["fmt"], words["act"]
+        self.name = f"cpp-q4-{self.fmt}"
+
+    def describe(self) -> str:
+        how = ("bf16 rows interleaved in blocks of 4" if self.fmt == "bf16" else
+               f"{self.fmt} codes read as stored and decoded in registers to the reference decoder's bf16 values")
+        return (f"{self.name} (moe_q4_experts_: {how}, canonical bf16 dots, {self.act} activation; every batch, "
+                "batch-invariant)")
+
+
 def choose_expert_kernel(math: UnitMath, numerics: Numerics, dtype: torch.dtype, device: torch.device = CPU,
                          batched: bool | None = None, top_k: int = GROUP) -> ExpertKernel:
     """The kernel for units computed by `math`: on a GPU (any device but the CPU) the batched torch kernel;
@@ -285,6 +307,8 @@ def choose_expert_kernel(math: UnitMath, numerics: Numerics, dtype: torch.dtype,
     units = math.fused_units()
     if not numerics.cpp or units is None:
         return torch_loop
+    if units.spec is not None:
+        return CppQ4Experts(math, units)
     if units.interleaved:
         return CppInterleavedSwiGLU(math, units)
     if dtype in (torch.bfloat16, torch.float32):

@@ -27,12 +27,15 @@ from moeserve.checkpoint.safetensors_file import TensorRef
 from moeserve.errors import ConfigError, UnsupportedModelError
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
-from moeserve.models.experts.sources import Int8ExpertSource, InterleavedExpertSource
+from moeserve.formats.catalog import CompressedTensorsInt4Format
+from moeserve.models.experts.fused_spec import Activation, bf16_interleaved_units, q4_units
+from moeserve.models.experts.sources import Int4ExpertSource, Int8ExpertSource, InterleavedExpertSource
 from moeserve.models.experts.unit_math import (
     DequantizingKernel,
     ExpertMath,
     GptOssMath,
     Int8Kernel,
+    InterleavedGptOss,
     InterleavedSwiGLU,
     Projection,
     Relu2Math,
@@ -105,8 +108,10 @@ def stored_format_plan(
     projections: Sequence[ProjectionSource],
     math: ExpertMath,
     what: str,
+    act: Activation | None = None,
 ) -> ExpertPlan:
-    """A plan whose units hold each projection's stored tensors (any `Format`) and biases in `dtype`."""
+    """A plan whose units hold each projection's stored tensors (any `Format`) and biases in `dtype`; `act`: the
+    activation as the fused C++ op names it (fused_spec.py), which then reads formats it decodes as stored."""
     layers = spec.moe_layer_ids
     field_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     field_names: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection)
@@ -147,12 +152,15 @@ def stored_format_plan(
                 FieldSources(field, (_ref(ckpt, template, layer, e, p.stacked),))
                 for field, template, p in field_names
             )
-    kernel = DequantizingKernel(built, dtype, math)
+    fused = q4_units(built, layout, act, dtype)
+    kernel = DequantizingKernel(built, dtype, math, fused)
     stored = sum(r.nbytes for f in sources[(layers[0], 0)] for r in f.refs)
+    at_use = (f"dequantized at use into reused {kernel.buffer_nbytes / 2**10:.1f} KiB "
+              f"{str(dtype).removeprefix('torch.')} buffers")
     description = (
         f"{what} stored as {'/'.join(sorted(formats))} in every tier ({stored / 2**10:.1f} KiB per "
-        f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); dequantized at use into reused "
-        f"{kernel.buffer_nbytes / 2**10:.1f} KiB {str(dtype).removeprefix('torch.')} buffers"
+        f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); "
+        + (at_use if isinstance(fused, str) else f"read as stored by the C++ 4-bit op (or, on torch's path, {at_use})")
     )
     return ExpertPlan(layout, kernel, sources, description, quantized=True)
 
@@ -221,7 +229,7 @@ def swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
         ProjectionSource("gate_up", (2 * i, h), (names.expert_gate, names.expert_up), stacked=False),
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
-    return stored_format_plan(ckpt, scheme, spec, dtype, projections, _swiglu_math, "experts")
+    return stored_format_plan(ckpt, scheme, spec, dtype, projections, _swiglu_math, "experts", Activation("swiglu"))
 
 
 # ------------------------------------------------------------------------------------ relu2 (Nemotron-H)
@@ -242,7 +250,8 @@ def relu2_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: tor
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
     if scheme.is_quantized(names.expert_up.format(L=spec.moe_layer_ids[0], E=0)):
-        return stored_format_plan(ckpt, scheme, spec, dtype, projections, _relu2_math, "relu2 experts")
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, _relu2_math, "relu2 experts",
+                                  Activation("relu2"))
     layout = UnitLayout.build([("up", dtype, (i, h)), ("down", dtype, (h, i))])
     sources = {
         (layer, e): tuple(FieldSources(p.name, (ckpt.ref(p.shard_prefixes[0].format(L=layer, E=e) + ".weight",
@@ -288,7 +297,8 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
             ),
         )
         math = partial(_gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha)
-        return stored_format_plan(ckpt, scheme, spec, dtype, projections, math, "gpt-oss experts")
+        act = Activation("gptoss", m.swiglu_alpha, m.swiglu_limit)
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, math, "gpt-oss experts", act)
     fields = (
         ("gate_up", names.stacked_gate_up, (h, 2 * i)),
         ("gate_up_bias", names.stacked_gate_up + "_bias", (2 * i,)),
@@ -354,25 +364,123 @@ def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | N
     )
 
 
+# ------------------------------------------------------------------------------------- on-load int4 (optional)
+INT4_GROUP = 32  # elements per bf16 scale: Kimi-K2's W4A16 scheme (4.5 bits per weight)
+
+
+@dataclass(frozen=True)
+class _DenseProjection:
+    """One projection of a dense plan's unit: its matrix field (stored [in, out] where `transposed`: gpt-oss) and
+    its bias field."""
+
+    name: str
+    field: int
+    transposed: bool = False
+    bias: int | None = None
+
+
+def _dense_kind(dense: ExpertPlan) -> tuple[tuple[_DenseProjection, ...], ExpertMath, Activation]:
+    """The projections (gate_up or up, then down), the stored-format math and the activation of a dense plan."""
+    math = dense.math
+    if isinstance(math, SwiGLUMath):
+        return (_DenseProjection("gate_up", 0), _DenseProjection("down", 1)), _swiglu_math, Activation("swiglu")
+    if isinstance(math, Relu2Math):
+        return (_DenseProjection("up", 0), _DenseProjection("down", 1)), _relu2_math, Activation("relu2")
+    if isinstance(math, GptOssMath):
+        return ((_DenseProjection("gate_up", 0, True, 1), _DenseProjection("down", 2, True, 3)),
+                partial(_gpt_oss_stored_math, math.limit, math.alpha), Activation("gptoss", math.alpha, math.limit))
+    raise ConfigError(f"quantization=int4 quantizes SwiGLU, relu2 and gpt-oss experts, not {type(math).__name__}")
+
+
+def int4_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None,
+                     group: int = INT4_GROUP) -> ExpertPlan:
+    """`dense` with every expert matrix held as int4 in compressed-tensors' pack-quantized layout (symmetric, one
+    bf16 scale per `group` inputs: formats/int4.quantize_int4_packed) in every tier, biases as they are: units a
+    Kimi-K2-style checkpoint would have, so the same reader (DequantizingKernel, the C++ 4-bit op) computes them.
+    For `quantization="int4"` on a 16/32-bit checkpoint; `spill_root` as `int8_expert_plan`'s."""
+    if dense.quantized:
+        raise ConfigError("quantization=int4 quantizes 16/32-bit experts on load, but this checkpoint's experts are "
+                          "already quantized: leave quantization at none")
+    projections, math, act = _dense_kind(dense)
+    fmt = CompressedTensorsInt4Format(group_size=group)
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+    built: list[Projection] = []
+    targets: list[tuple[int, bool, bool]] = [(0, False, False)] * len(dense.layout.fields)
+    for p in projections:
+        shape = dense.layout.fields[p.field].shape
+        out, cols = (shape[1], shape[0]) if p.transposed else shape
+        if cols % group:
+            raise ConfigError(f"quantization=int4: expert {p.name} has {cols} inputs, not a multiple of {group}")
+        first = len(specs)
+        roles = (("weight_packed", torch.int32, (out, cols // 8)), ("weight_scale", torch.bfloat16, (out, cols // group)),
+                 ("weight_shape", torch.int64, (2,)))
+        specs += [(f"{p.name}.0.{role}", dt, s) for role, dt, s in roles]
+        targets[p.field] = (first, p.transposed, True)
+        bias = None
+        if p.bias is not None:
+            bias = len(specs)
+            specs.append((f"{p.name}.bias", dense.layout.fields[p.bias].dtype, (out,)))
+            targets[p.bias] = (bias, False, False)
+        role_fields = tuple((role, first + i) for i, (role, _, _) in enumerate(roles))
+        built.append(Projection((out, cols), (Shard(fmt, (0, out), role_fields),), bias))
+    layout = UnitLayout.build(specs)
+    kernel = DequantizingKernel(built, dtype, math, q4_units(built, layout, act, dtype))
+    description = (
+        f"experts quantized on load to int4 (symmetric, a bf16 scale per {group} inputs, compressed-tensors' "
+        f"pack-quantized layout), in every cache tier (unit {layout.nbytes / 2**10:.1f} KiB instead of "
+        f"{dense.layout.nbytes / 2**10:.1f} KiB); "
+        + ("a miss reads the checkpoint's 16/32-bit expert and quantizes it" if spill_root is None else
+           f"offloaded, units are quantized once into a spill file under {spill_root} that misses read")
+    )
+    frozen = tuple(targets)
+    return ExpertPlan(layout, kernel, dense.sources, description,
+                      make_source=lambda ckpt: Int4ExpertSource(dense.source(ckpt), layout, frozen, group,
+                                                                spill_root))
+
+
 # ------------------------------------------------------------------------------ row-interleaved SwiGLU units
 def can_interleave_experts(plan: ExpertPlan, dtype: torch.dtype) -> str | None:
-    """None when `plan`'s units can be held row-interleaved for the fused C++ op, else why not."""
-    if not isinstance(plan.math, SwiGLUMath) or plan.make_source is not None:
-        return "only plain SwiGLU experts in the compute dtype have the interleaved op"
+    """None when `plan`'s units can be held row-interleaved for a fused C++ op, else why not."""
+    if not isinstance(plan.math, (SwiGLUMath, GptOssMath)) or plan.make_source is not None:
+        return "only SwiGLU and gpt-oss experts in the compute dtype have an interleaved op"
     if dtype != torch.bfloat16:
         return f"the interleaved op is bf16 only (compute dtype {str(dtype).removeprefix('torch.')})"
-    (two_i, h), (h2, i) = (f.shape for f in plan.layout.fields)
+    h, i = _hidden_inter(plan)
     if h % 32 or i % 32:
         return f"hidden {h} and expert width {i} must be multiples of 32"
     return None
 
 
+def _hidden_inter(plan: ExpertPlan) -> tuple[int, int]:
+    """(hidden, expert width) of a dense SwiGLU ([2I, H], [H, I]) or gpt-oss ([H, 2I], [2I], [I, H], [H]) plan."""
+    if isinstance(plan.math, GptOssMath):
+        h, two_i = plan.layout.fields[0].shape
+        return h, two_i // 2
+    (_, h), (_, i) = (f.shape for f in plan.layout.fields)
+    return h, i
+
+
 def interleaved_expert_plan(dense: ExpertPlan) -> ExpertPlan:
-    """`dense` (plain SwiGLU units, bf16) with both matrices held flat and row-interleaved in every tier (same
-    bytes per unit). Check `can_interleave_experts` first."""
+    """`dense` (plain SwiGLU or gpt-oss units, bf16) with the matrices held flat and row-interleaved in every tier
+    (same bytes per unit). Check `can_interleave_experts` first."""
+    if isinstance(dense.math, GptOssMath):
+        return _interleaved_gpt_oss_plan(dense, dense.math)
     (two_i, h), (_, i) = (f.shape for f in dense.layout.fields)
     layout = UnitLayout.build([("gate_up", torch.bfloat16, (two_i * h,)), ("down", torch.bfloat16, (h * i,))])
     description = (f"{dense.description}, rows interleaved in blocks of 4 for the fused C++ expert op "
                    "(one sequential stream per 4 rows)")
     return ExpertPlan(layout, InterleavedSwiGLU(h, i), dense.sources, description,
                       make_source=lambda ckpt: InterleavedExpertSource(dense.source(ckpt), layout))
+
+
+def _interleaved_gpt_oss_plan(dense: ExpertPlan, math: GptOssMath) -> ExpertPlan:
+    """gpt-oss units ([H, 2I] + bias, [I, H] + bias, input-major as stored) held as gate_up [2I * H] and down
+    [H * I], each transposed and row-interleaved, with their biases: read by moe_q4_experts_ (fmt=bf16)."""
+    h, i = _hidden_inter(dense)
+    layout = UnitLayout.build([("gate_up", torch.bfloat16, (2 * i * h,)), ("gate_up_bias", torch.bfloat16, (2 * i,)),
+                               ("down", torch.bfloat16, (h * i,)), ("down_bias", torch.bfloat16, (h,))])
+    units = bf16_interleaved_units(layout, Activation("gptoss", math.alpha, math.limit), h, i)
+    description = (f"{dense.description}, transposed to [out, in] and rows interleaved in blocks of 4 for the C++ "
+                   "gpt-oss expert op")
+    return ExpertPlan(layout, InterleavedGptOss(h, i, math.limit, math.alpha, units), dense.sources, description,
+                      make_source=lambda ckpt: InterleavedExpertSource(dense.source(ckpt), layout, transposed=True))

@@ -29,16 +29,20 @@ RowFn = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class FusedUnits:
-    """Units a fused C++ SwiGLU op reads directly: the unit field indices of gate_up [2I, H], down [H, I] and, for
+    """Units a fused C++ expert op reads directly: the unit field indices of gate_up [2I, H], down [H, I] and, for
     int8 codes, their per-row float32 scales; `interleaved`: the matrices are held flat in the 4-row interleaved
-    layout (linear.interleave_rows / pack_int8_rows) instead of [out, in]."""
+    layout (linear.interleave_rows / pack_int8_rows) instead of [out, in]. `spec`: the units are read by
+    moe_q4_experts_ (4-bit formats as stored, gpt-oss experts), gate_up and down then being each projection's
+    first field and the spec saying where the rest is (models/experts/fused_spec.py)."""
 
     interleaved: bool
     gate_up: int = 0
     gate_up_scale: int | None = None
     down: int = 1
     down_scale: int | None = None
-    stack_op: str = "fused"  # the decode stack's ExpertOp (csrc/decode_stack.h): "fused", or "relu2-loop"
+    # the decode stack's ExpertOp (csrc/decode_stack.h): "fused", "relu2-loop", or "q4 <spec>"
+    stack_op: str = "fused"
+    spec: str | None = None
 
     @property
     def held_by_stack(self) -> bool:
@@ -79,6 +83,10 @@ class UnitMath(ABC):
     def loop_units(self) -> FusedUnits | None:
         """Where the decode stack's copy of the torch loop (expert_kernels.TorchExperts) finds these units' fields;
         None: the stack has no such loop for them."""
+        return None
+
+    def why_not_fused(self) -> str | None:
+        """Why no fused op reads these units (`fused_units` is None), for the start-up log; None: nothing to say."""
         return None
 
 
@@ -178,6 +186,31 @@ class GptOssMath(UnitMath):
         return lambda x: gpt_oss_expert_math(x, gate_up_t, gate_up_bias, down_t, down_bias, self.limit, self.alpha)
 
 
+class InterleavedGptOss(UnitMath):
+    """gpt-oss units held as gate_up [2I * H] and down [H * I] bf16, transposed to [out, in] and row-interleaved,
+    each followed by its bias: read by moe_q4_experts_ (csrc/moe_experts_q4.cpp, fmt=bf16). The torch form here
+    computes on de-interleaved copies: a slow reference, never the hot path."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, alpha: float, units: FusedUnits) -> None:
+        self.hidden, self.inter, self.limit, self.alpha, self.units = hidden, inter, limit, alpha, units
+
+    def _dense(self, w: ExpertWeights) -> tuple[torch.Tensor, ...]:
+        h, i = self.hidden, self.inter
+        return deinterleave_rows(w[0], 2 * i, h), w[1], deinterleave_rows(w[2], h, i), w[3]
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        gate_up, gate_up_bias, down, down_bias = self._dense(w)
+        return lambda x: gpt_oss_expert_math(x, gate_up.t(), gate_up_bias, down.t(), down_bias, self.limit,
+                                             self.alpha)
+
+    def bind_stacked(self, units: Sequence[ExpertWeights]) -> RowFn:
+        return GptOssMath(self.limit, self.alpha).bind_stacked(
+            [(d[0].t(), d[1], d[2].t(), d[3]) for d in map(self._dense, units)])
+
+    def fused_units(self) -> FusedUnits:
+        return self.units
+
+
 # ------------------------------------------------------------------------------------ stored (quantized) formats
 # (x [T, H], dense weights [out, in] per projection, bias per projection or None) -> [T, H]
 ExpertMath = Callable[[torch.Tensor, tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]], torch.Tensor]
@@ -206,8 +239,11 @@ class DequantizingKernel(UnitMath):
     every layer: a call finishes with them before the next call starts (one forward at a time).
     """
 
-    def __init__(self, projections: Sequence[Projection], dtype: torch.dtype, math: ExpertMath) -> None:
+    def __init__(self, projections: Sequence[Projection], dtype: torch.dtype, math: ExpertMath,
+                 fused: FusedUnits | str | None = None) -> None:
         self.projections, self.dtype, self.math = tuple(projections), dtype, math
+        # where the C++ op reads these units as stored (models/experts/fused_spec.py), or why it cannot
+        self._fused, self._why_not = (None, fused) if isinstance(fused, str) or fused is None else (fused, None)
         self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._stacked: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}  # (device, G) -> [G, out, in]
 
@@ -254,6 +290,12 @@ class DequantizingKernel(UnitMath):
     @property
     def buffer_nbytes(self) -> int:
         return sum(p.shape[0] * p.shape[1] for p in self.projections) * self.dtype.itemsize
+
+    def fused_units(self) -> FusedUnits | None:
+        return self._fused
+
+    def why_not_fused(self) -> str | None:
+        return self._why_not
 
 
 class Int8Kernel(UnitMath):
