@@ -6,8 +6,8 @@ and gpt-oss's bf16 units, with SwiGLU, gpt-oss's clamped SwiGLU with biases and 
   subnormal and fp32-denormal products, overflow, every E8M0 byte);
 - the op equals the plain torch reference of q4_cases.py (the reference decode, canonical dots, the op's roundings);
 - a token's result does not depend on the others (alone, 4 at a time in registers, many through the row buffer);
-- native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits (subprocesses, one ISA level each:
-  `python -m tests.kernels.test_q4_experts <isa> <inputs> <outputs>`).
+- native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits (the other levels in subprocesses,
+  each loading a library of the op's sources only: `python -m tests.kernels.test_q4_experts <isa> <inputs> <outputs>`).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def all_cases() -> list[dict]:
             cases.append(make_case(fmt, act, h, isz, n_exp, tokens, shards, seed=100 * i + j, edge=edge, group=group))
     cases.append(make_bf16_case(128, 32, 3, 6, seed=7))
     cases.append(make_bf16_case(1024, 64, 2, 3, seed=8, edge="small"))
-    cases.append(make_case("mxfp4-gpt-oss", "gptoss", 2880, 2880 // 8, 2, 2, 1, seed=9))  # gpt-oss's hidden size
+    cases.append(make_case("mxfp4-gpt-oss", "gptoss", 2880, 64, 2, 2, 1, seed=9))  # gpt-oss's hidden size
     return cases
 
 
@@ -106,12 +106,18 @@ def test_units_too_small_for_the_spec_are_refused():
                             case["weight_of"], [b for lo_hi in case["bounds"] for b in lo_hi], case["spec"])
 
 
+# the sources of the compared ops: the 4-bit op, its spec and codes, and canonical_dot_isa (dense_gemv.cpp)
+SOURCES = ("moe_experts_q4.cpp", "moe_experts_q4_spec.cpp", "q4_codes.cpp", "dense_gemv.cpp")
+
+
 @pytest.mark.slow
 def test_every_isa_gives_the_same_bits(cases, tmp_path):
+    """This process's library (native here) and the avx2 and generic builds of the op's sources (kernels.build_subset,
+    cached after the first build) on the same inputs: the same bits, and those of the reference."""
     inputs = tmp_path / "inputs.pt"
     torch.save(cases["cases"], inputs)
-    results = {}
-    for isa in ("native", "avx2", "generic"):
+    results = {"native": _run_all(cases["cases"])}
+    for isa in ("avx2", "generic"):
         proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_q4_experts", isa, str(inputs),
                                str(tmp_path / f"{isa}.pt")], capture_output=True, text=True, timeout=3600,
                               cwd=Path(__file__).parents[2])
@@ -126,12 +132,17 @@ def test_every_isa_gives_the_same_bits(cases, tmp_path):
 
 
 def _main(argv: list[str]) -> int:
+    """Subprocess entry: build and load the `isa` library of the op's sources, run the saved cases, save the outputs.
+    Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`)."""
     isa, inputs, outputs = argv
-    status = kernels.load(isa)
-    if not status.available:
-        print(f"isa={isa} kernels not available: {status.reason}")
+    try:
+        library = kernels.build_subset(SOURCES, isa)
+    except RuntimeError as err:
+        print(f"isa={isa} kernels not available: {err}")
         return 3
-    torch.save(_run_all(torch.load(inputs)), outputs)
+    torch.ops.load_library(str(library))
+    torch.save({"experts": [run_op(c, torch.ops.moeserve) for c in torch.load(inputs)],
+                "isa": [str(torch.ops.moeserve.canonical_dot_isa())]}, outputs)
     return 0
 
 
