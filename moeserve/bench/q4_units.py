@@ -77,10 +77,10 @@ def assemble(fmt: Format, shapes: Sequence[ProjectionShape], stored: Sequence[Se
     if isinstance(fused, str):
         raise ValueError(f"the C++ 4-bit op cannot read these units: {fused}")
     unit_bytes = []
-    for weights, bias in zip(stored, biases):
+    for weights, expert_biases in zip(stored, biases):
         buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
         views = layout.views(buf)
-        for proj, b in zip(projections, bias):
+        for proj, b in zip(projections, expert_biases):
             if b is not None and proj.bias_field is not None:
                 views[proj.bias_field].copy_(b)
         shard_list = [s for proj in projections for s in proj.shards]

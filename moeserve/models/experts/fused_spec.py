@@ -82,11 +82,12 @@ def q4_units(projections: Sequence[Projection], layout: UnitLayout, act: Activat
     (gu_rows, h), (h2, i) = projections[0].shape, projections[1].shape
     if h % 32 or i % 32 or gu_rows % 4 or h2 % 4:
         return f"hidden {h} and expert width {i} must be multiples of 32"
-    parts = [_projection_words(name, p, layout) for name, p in zip(("gu", "dn"), projections)]
-    for part in parts:
-        if isinstance(part, str):
-            return part
-    ((gu, gu_words), (dn, dn_words)) = parts  # type: ignore[misc]
+    gu_part, dn_part = (_projection_words(name, p, layout) for name, p in zip(("gu", "dn"), projections))
+    if isinstance(gu_part, str):
+        return gu_part
+    if isinstance(dn_part, str):
+        return dn_part
+    (gu, gu_words), (dn, dn_words) = gu_part, dn_part
     word, group = fmts.pop() if fmts else ("?", 0)
     spec = f"fmt={word} group={group} {act.words()} {gu_words} {dn_words}"
     return FusedUnits(interleaved=False, gate_up=gu, down=dn, stack_op=f"q4 {spec}", spec=spec)

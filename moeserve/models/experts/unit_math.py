@@ -243,7 +243,8 @@ class DequantizingKernel(UnitMath):
                  fused: FusedUnits | str | None = None) -> None:
         self.projections, self.dtype, self.math = tuple(projections), dtype, math
         # where the C++ op reads these units as stored (models/experts/fused_spec.py), or why it cannot
-        self._fused, self._why_not = (None, fused) if isinstance(fused, str) or fused is None else (fused, None)
+        self._fused: FusedUnits | None = fused if isinstance(fused, FusedUnits) else None
+        self._why_not: str | None = fused if isinstance(fused, str) else None
         self._buffers: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._stacked: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}  # (device, G) -> [G, out, in]
 
