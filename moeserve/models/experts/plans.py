@@ -414,12 +414,15 @@ def int4_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | N
         first = len(specs)
         roles = (("weight_packed", torch.int32, (out, cols // 8)), ("weight_scale", torch.bfloat16, (out, cols // group)),
                  ("weight_shape", torch.int64, (2,)))
-        specs += [(f"{p.name}.0.{role}", dt, s) for role, dt, s in roles]
+        # the codes keep the dense field's name (the checkpoint's sources name it), the scales and shape beside it
+        name = dense.layout.fields[p.field].name
+        specs += [(name if i == 0 else f"{name}.{role}", dt, s) for i, (role, dt, s) in enumerate(roles)]
         targets[p.field] = (first, p.transposed, True)
         bias = None
         if p.bias is not None:
             bias = len(specs)
-            specs.append((f"{p.name}.bias", dense.layout.fields[p.bias].dtype, (out,)))
+            field = dense.layout.fields[p.bias]
+            specs.append((field.name, field.dtype, (out,)))
             targets[p.bias] = (bias, False, False)
         role_fields = tuple((role, first + i) for i, (role, _, _) in enumerate(roles))
         built.append(Projection((out, cols), (Shard(fmt, (0, out), role_fields),), bias))
