@@ -62,17 +62,18 @@ struct Matrix {
   const uint16_t* bias = nullptr;
   int64_t k = 0;
 
-  // Row r's codes and tables (INT4 tables into s.tables).
-  QRow row(int64_t r, int64_t group, RowScratch& s) const {
+  // Row r's codes and tables (INT4 tables into slot `slot` of s.tables: one per row of a block of 4).
+  QRow row(int64_t r, int64_t group, RowScratch& s, int slot) const {
     const Shard* sh = &shards[0];
     for (const Shard& c : shards)
       if (r >= c.row0 && r < c.row0 + c.rows) sh = &c;
     const int64_t i = r - sh->row0, groups = k / group;
     const uint8_t* codes = sh->codes + i * (k / 2);
     if (sh->tab != nullptr) return QRow{codes, sh->tab, sh->scales + i * groups, group};
-    if (static_cast<int64_t>(s.tables.size()) < 16 * groups) s.tables.resize(16 * groups);
-    int4_tables(reinterpret_cast<const uint16_t*>(sh->scales) + i * groups, groups, s.tables.data());
-    return QRow{codes, s.tables.data(), nullptr, group};
+    if (static_cast<int64_t>(s.tables.size()) < 4 * 16 * groups) s.tables.resize(4 * 16 * groups);
+    uint16_t* tab = s.tables.data() + slot * 16 * groups;
+    int4_tables(reinterpret_cast<const uint16_t*>(sh->scales) + i * groups, groups, tab);
+    return QRow{codes, tab, nullptr, group};
   }
 };
 
@@ -85,16 +86,19 @@ struct Expert {
 template <class Fn>
 void q4_block(const Spec& spec, const Matrix& m, int64_t b, const uint16_t* const* xs, int64_t nt, RowScratch& s,
               Fn&& fn) {
-  float res[4];
+  if (nt <= 4) {  // decode: the 4 rows decoded in registers, once for all the tokens
+    const QRow rows[4] = {m.row(4 * b, spec.group, s, 0), m.row(4 * b + 1, spec.group, s, 1),
+                          m.row(4 * b + 2, spec.group, s, 2), m.row(4 * b + 3, spec.group, s, 3)};
+    float res[4][4];
+    rows4_dots(rows, m.k, xs, static_cast<int>(nt), res, true);
+    for (int64_t t = 0; t < nt; ++t)
+      for (int r = 0; r < 4; ++r) fn(t, r, res[t][r]);
+    return;
+  }
+  float res[4];  // prefill: each row decoded once into a row buffer the tokens read from L1
+  if (static_cast<int64_t>(s.row.size()) < m.k) s.row.resize(m.k);
   for (int r = 0; r < 4; ++r) {
-    const QRow row = m.row(4 * b + r, spec.group, s);
-    if (nt <= 4) {
-      row_dots(row, m.k, xs, static_cast<int>(nt), res, true);
-      for (int64_t t = 0; t < nt; ++t) fn(t, r, res[t]);
-      continue;
-    }
-    if (static_cast<int64_t>(s.row.size()) < m.k) s.row.resize(m.k);
-    decode_row(row, m.k, s.row.data());
+    decode_row(m.row(4 * b + r, spec.group, s, 0), m.k, s.row.data());
     for (int64_t t0 = 0; t0 < nt; t0 += 4) {
       const uint16_t* const* x = xs + t0;
       switch (std::min<int64_t>(4, nt - t0)) {
@@ -288,7 +292,7 @@ at::Tensor q4_decode(const at::Tensor& base, const std::string& spec_text, bool 
   at::Tensor w = at::empty({p.rows, p.k}, base.options().dtype(at::kBFloat16));
   RowScratch s;
   for (int64_t r = 0; r < p.rows; ++r)
-    decode_row(m.row(r, spec.group, s), p.k, reinterpret_cast<uint16_t*>(w.data_ptr()) + r * p.k);
+    decode_row(m.row(r, spec.group, s, 0), p.k, reinterpret_cast<uint16_t*>(w.data_ptr()) + r * p.k);
   return w;
 }
 

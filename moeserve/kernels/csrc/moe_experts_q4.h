@@ -31,19 +31,20 @@ struct QRow {
   const uint8_t* codes;   // K / 2 bytes, element 2j in the low nibble of byte j
   const uint16_t* tab;    // the tables
   const uint8_t* index;   // table of group g = tab + 16 * index[g] (the scale bytes); null: tab + 16 * g
-  int64_t group;          // elements per group: 16, or a multiple of 32
+  int64_t group;          // elements per group: 16, or 32 << n (parse_spec checks)
   const uint16_t* table(int64_t g) const { return tab + 16 * (index != nullptr ? index[g] : g); }
-  // The tables of chunk c's elements [32c, 32c + 16) and [32c + 16, 32c + 32).
-  const uint16_t* first(int64_t c) const { return table(32 * c / group); }
-  const uint16_t* second(int64_t c) const { return table((32 * c + 16) / group); }
+  // The tables of chunk c's elements [32c, 32c + 16) and [32c + 16, 32c + 32): a shift, never a division.
+  const uint16_t* first(int64_t c) const { return table(group == 16 ? 2 * c : c >> (__builtin_ctzll(group) - 5)); }
+  const uint16_t* second(int64_t c) const { return group == 16 ? table(2 * c + 1) : first(c); }
 };
 
 const uint16_t* mxfp4_tables();                                              // [256][16] by E8M0 byte
 void nvfp4_tables(float tensor_scale, bool divide, uint16_t* out);           // [256][16] by FP8 byte
 void int4_tables(const uint16_t* scales, int64_t groups, uint16_t* out);     // [groups][16] by bf16 scale
-// res[m] = the canonical dot of the decoded row with xs[m] (bf16 [k]), m < mb (1..4); the codes fetched ahead by
+// res[m][r] = the canonical dot of decoded row r (of 4) with xs[m] (bf16 [k]), m < mb (1..4): 4 rows at once, so
+// independent accumulators hide the dot's latency (as canonical_dot.h's block4_dots); the codes fetched ahead by
 // hand with `prefetch` (the pass that reads memory).
-void row_dots(const QRow& row, int64_t k, const uint16_t* const* xs, int mb, float* res, bool prefetch);
+void rows4_dots(const QRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch);
 void decode_row(const QRow& row, int64_t k, uint16_t* w);                    // w[k] = the decoded row (bf16)
 
 // ------------------------------------------------------------------------- the op (moe_experts_q4*.cpp)

@@ -114,8 +114,8 @@ Spec parse_spec(const std::string& text) {
     else if (key == "dn.shard") s.dn.shards.push_back(read_shard(key, v));
     else TORCH_CHECK(false, "expert op spec: unknown key '", key, "'");
   }
-  TORCH_CHECK(s.bf16 || s.group == 16 || (s.group > 0 && s.group % 32 == 0),
-              "expert op spec: group ", s.group, " (16 or a multiple of 32)");
+  TORCH_CHECK(s.bf16 || s.group == 16 || (s.group >= 32 && (s.group & (s.group - 1)) == 0),
+              "expert op spec: group ", s.group, " (16, or 32 times a power of two)");
   TORCH_CHECK(s.bf16 || s.fmt != Fmt::kMxfp4 || s.group == 32, "expert op spec: MXFP4 groups are 32");
   TORCH_CHECK(s.bf16 || (s.fmt != Fmt::kNvfp4Div && s.fmt != Fmt::kNvfp4Mul) || s.group == 16,
               "expert op spec: NVFP4 groups are 16");

@@ -47,12 +47,11 @@ inline uint16_t bf16_rne(float f) {
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// E2M1 code values (bit 3 the sign), as the references' table (formats/fp4.py).
-inline float e2m1(int n) {
-  static constexpr float kValues[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-  return kValues[n];
-}
+// E2M1 code values (bit 3 the sign), as the references' table (formats/fp4.py); INT4's (n - 8).
+constexpr float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+constexpr float kInt4[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+inline float e2m1(int n) { return kE2m1[n]; }
 
 // FP8 E4M3 (fn: no infinities, 0x7F / 0xFF NaN) -> fp32, exact.
 inline float fp8_e4m3(uint8_t b) {
@@ -78,22 +77,71 @@ const uint16_t* mxfp4_tables() {
   return tables.v;
 }
 
+namespace {
+
+// out[n] = bf16_rne(vals[n] * scale), n < 16: one group's table. The product is one fp32 multiply in the caller's
+// floating-point environment (as the reference decoders' torch ops); the rounding is integer work on the bits, so
+// the vector forms give the scalar form's bits.
+#if defined(MOESERVE_CANON_AVX512)
+inline void scaled_table(const __m512& vals, float scale, uint16_t* out) {
+  const __m512 v = _mm512_mul_ps(vals, _mm512_set1_ps(scale));
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+struct Values {
+  __m512 v;
+  explicit Values(const float* p) : v(_mm512_loadu_ps(p)) {}
+};
+inline void scaled_table(const Values& vals, float scale, uint16_t* out) { scaled_table(vals.v, scale, out); }
+#elif defined(MOESERVE_CANON_AVX2)
+inline __m256i rounded8(__m256 vals, float scale) {
+  const __m256 v = _mm256_mul_ps(vals, _mm256_set1_ps(scale));
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+struct Values {
+  __m256 lo, hi;
+  explicit Values(const float* p) : lo(_mm256_loadu_ps(p)), hi(_mm256_loadu_ps(p + 8)) {}
+};
+inline void scaled_table(const Values& vals, float scale, uint16_t* out) {
+  // packus (values <= 0xFFFF) interleaves 128-bit lanes: lo0 hi0 lo1 hi1 -> put them back in order
+  const __m256i packed = _mm256_packus_epi32(rounded8(vals.lo, scale), rounded8(vals.hi, scale));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+#else
+struct Values {
+  const float* p;
+  explicit Values(const float* q) : p(q) {}
+};
+inline void scaled_table(const Values& vals, float scale, uint16_t* out) {
+  for (int n = 0; n < 16; ++n) out[n] = bf16_rne(vals.p[n] * scale);
+}
+#endif
+
+}  // namespace
+
 // NVFP4: out[s][n] = bf16(fp32(E2M1[n] * gs(s))), gs(s) = fp32(fp8(s)) / tensor_scale (divide) or * tensor_scale.
 void nvfp4_tables(float tensor_scale, bool divide, uint16_t* out) {
+  const Values vals(kE2m1);
   for (int s = 0; s < 256; ++s) {
     const float f = fp8_e4m3(static_cast<uint8_t>(s));
-    const float gs = divide ? f / tensor_scale : f * tensor_scale;
-    for (int n = 0; n < 16; ++n) out[16 * s + n] = bf16_rne(e2m1(n) * gs);
+    scaled_table(vals, divide ? f / tensor_scale : f * tensor_scale, out + 16 * s);
   }
 }
 
 // INT4: out[g][n] = bf16(fp32((n - 8) * scale[g])) for a row's `groups` bf16 scales.
 void int4_tables(const uint16_t* scales, int64_t groups, uint16_t* out) {
+  const Values vals(kInt4);
   for (int64_t g = 0; g < groups; ++g) {
-    uint32_t u = static_cast<uint32_t>(scales[g]) << 16;
+    const uint32_t u = static_cast<uint32_t>(scales[g]) << 16;
     float s;
     std::memcpy(&s, &u, 4);
-    for (int n = 0; n < 16; ++n) out[16 * g + n] = bf16_rne(static_cast<float>(n - 8) * s);
+    scaled_table(vals, s, out + 16 * g);
   }
 }
 
@@ -112,8 +160,8 @@ inline void decode_chunk_scalar(const QRow& row, int64_t c, uint16_t* w) {
 }
 
 // ----------------------------------------------------------------------------------------------- the kernels
-// dots<MB>(row, k, xs, res, pf): res[m] = canonical dot of the decoded row with xs[m] (bf16 [k]), m < MB (1..4);
-//   pf: fetch the codes ahead by hand (the pass that reads memory). k % 32 == 0.
+// dots4<MB>(rows, k, xs, res, pf): res[m][r] = canonical dot of decoded row r (of 4) with xs[m] (bf16 [k]),
+//   m < MB (1..4); pf: fetch the codes ahead by hand (the pass that reads memory). k % 32 == 0.
 // decode(row, k, w): w[k] = the decoded row (bf16), for canonical_dot.h's row_dots over many inputs.
 
 #if defined(MOESERVE_CANON_AVX512)
@@ -132,16 +180,25 @@ inline __m512bh decode_chunk(const QRow& row, int64_t c) {
   return (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(nib, half), tabs);
 }
 
+// dots4<MB>: 4 rows, 4 * MB independent accumulators (each row's chunks still in order).
 template <int MB>
-inline void dots(const QRow& row, int64_t k, const uint16_t* const* xs, float* res, bool pf) {
-  __m512 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+inline void dots4(const QRow* rows, int64_t k, const uint16_t* const* xs, float (*res)[4], bool pf) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k / 32; ++c) {
-    if (pf && (c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row.codes + 16 * c + kPrefetch), _MM_HINT_T0);
-    const __m512bh w = decode_chunk(row, c);
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_loadu_si512(xs[m] + 32 * c));
+    if (pf && (c & 3) == 0)
+      for (int r = 0; r < 4; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes + 16 * c + kPrefetch), _MM_HINT_T0);
+    __m512bh w[4];
+    for (int r = 0; r < 4; ++r) w[r] = decode_chunk(rows[r], c);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[m] + 32 * c);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], w[r], xv);
+    }
   }
-  for (int m = 0; m < MB; ++m) res[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) res[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
 inline void decode(const QRow& row, int64_t k, uint16_t* w) {
@@ -176,33 +233,43 @@ inline moeserve_canon::Pairs decode8(const uint8_t* p, const Table& t) {
 
 // Only integer moves, lookups and blends before the FMAs: the lane mode's DAZ/FTZ cannot change a weight (a bf16
 // denormal weight becomes an fp32 denormal, which DAZ reads as zero, as vdpbf16ps does).
-template <int MB>
-inline void dots(const QRow& row, int64_t k, const uint16_t* const* xs, float* res, bool pf) {
+// Two rows against one input at once (4 accumulators; more would spill beside the tables), then the next two.
+inline void dots2x1(const QRow* rows, int64_t k, const uint16_t* x, float* res, bool pf) {
   using moeserve_canon::pin;
-  __m256 acc[MB][2];
+  __m256 acc[2][2];
   const unsigned saved = moeserve_canon::enter_lane_mode();
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < 2; ++h) pin(acc[m][h] = _mm256_setzero_ps());
+  for (int r = 0; r < 2; ++r)
+    for (int h = 0; h < 2; ++h) pin(acc[r][h] = _mm256_setzero_ps());
   for (int64_t c = 0; c < k / 32; ++c) {
-    if (pf && (c & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(row.codes + 16 * c + kPrefetch), _MM_HINT_T0);
-    const uint16_t* t0 = row.first(c);
-    const uint16_t* t1 = row.second(c);
-    const Table tab0 = load_table(t0);
-    const Table tab1 = t1 == t0 ? tab0 : load_table(t1);
-    for (int h = 0; h < 2; ++h) {
-      const moeserve_canon::Pairs wv = decode8(row.codes + 16 * c + 8 * h, h == 0 ? tab0 : tab1);
-      for (int m = 0; m < MB; ++m)
-        acc[m][h] = moeserve_canon::pair_step(acc[m][h], wv, moeserve_canon::load_pairs(xs[m] + 32 * c + 16 * h));
+    if (pf && (c & 3) == 0)
+      for (int r = 0; r < 2; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(rows[r].codes + 16 * c + kPrefetch), _MM_HINT_T0);
+    const moeserve_canon::Pairs xv[2] = {moeserve_canon::load_pairs(x + 32 * c),
+                                         moeserve_canon::load_pairs(x + 32 * c + 16)};
+    for (int r = 0; r < 2; ++r) {
+      const uint16_t* t0 = rows[r].first(c);
+      const uint16_t* t1 = rows[r].second(c);
+      const Table tab0 = load_table(t0);
+      const Table tab1 = t1 == t0 ? tab0 : load_table(t1);
+      for (int h = 0; h < 2; ++h)
+        acc[r][h] = moeserve_canon::pair_step(acc[r][h], decode8(rows[r].codes + 16 * c + 8 * h, h == 0 ? tab0 : tab1),
+                                              xv[h]);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < 2; ++h) pin(acc[m][h]);
+  for (int r = 0; r < 2; ++r)
+    for (int h = 0; h < 2; ++h) pin(acc[r][h]);
   _mm_setcsr(saved);
-  for (int m = 0; m < MB; ++m) {
-    pin(acc[m][0]);
-    pin(acc[m][1]);
-    res[m] = moeserve_canon::halving_sum(acc[m][0], acc[m][1]);
+  for (int r = 0; r < 2; ++r) {
+    pin(acc[r][0]);
+    pin(acc[r][1]);
+    res[r] = moeserve_canon::halving_sum(acc[r][0], acc[r][1]);
   }
+}
+
+template <int MB>
+inline void dots4(const QRow* rows, int64_t k, const uint16_t* const* xs, float (*res)[4], bool pf) {
+  for (int m = 0; m < MB; ++m)  // the later inputs find the 4 rows' codes in L1 / L2
+    for (int r = 0; r < 4; r += 2) dots2x1(rows + r, k, xs[m], res[m] + r, pf && m == 0);
 }
 
 inline void decode(const QRow& row, int64_t k, uint16_t* w) {
@@ -226,16 +293,25 @@ inline void decode(const QRow& row, int64_t k, uint16_t* w) {
   for (int64_t c = 0; c < k / 32; ++c) decode_chunk_scalar(row, c, w + 32 * c);
 }
 
+template <int MB>
+inline void dots4(const QRow* rows, int64_t k, const uint16_t* const* xs, float (*res)[4], bool pf) {
+  for (int r = 0; r < 4; ++r) {
+    float one[MB];
+    dots<MB>(rows[r], k, xs, one, pf);
+    for (int m = 0; m < MB; ++m) res[m][r] = one[m];
+  }
+}
+
 #endif
 
 }  // namespace
 
-void row_dots(const QRow& row, int64_t k, const uint16_t* const* xs, int mb, float* res, bool prefetch) {
+void rows4_dots(const QRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch) {
   switch (mb) {
-    case 1: dots<1>(row, k, xs, res, prefetch); break;
-    case 2: dots<2>(row, k, xs, res, prefetch); break;
-    case 3: dots<3>(row, k, xs, res, prefetch); break;
-    default: dots<4>(row, k, xs, res, prefetch); break;
+    case 1: dots4<1>(rows, k, xs, res, prefetch); break;
+    case 2: dots4<2>(rows, k, xs, res, prefetch); break;
+    case 3: dots4<3>(rows, k, xs, res, prefetch); break;
+    default: dots4<4>(rows, k, xs, res, prefetch); break;
   }
 }
 

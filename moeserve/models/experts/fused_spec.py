@@ -89,6 +89,8 @@ def q4_units(projections: Sequence[Projection], layout: UnitLayout, act: Activat
         return dn_part
     (gu, gu_words), (dn, dn_words) = gu_part, dn_part
     word, group = fmts.pop() if fmts else ("?", 0)
+    if group != 16 and (group < 32 or group & (group - 1)):
+        return f"groups of {group} elements (the op takes 16, or 32 times a power of two)"
     spec = f"fmt={word} group={group} {act.words()} {gu_words} {dn_words}"
     return FusedUnits(interleaved=False, gate_up=gu, down=dn, stack_op=f"q4 {spec}", spec=spec)
 
