@@ -37,6 +37,7 @@ def logprob_table(out) -> list[dict[int, float]]:  # noqa: ANN001
     return [{t: e.logprob for t, e in lp.items()} for lp in out.logprobs]
 
 
+@pytest.mark.slow  # four engines per architecture: 15 s at load 9
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
 def test_int4_experts_offloaded_equal_resident_through_the_4bit_op(bf16_folders, tmp_path: Path, arch: str) -> None:
     cpp_ops()  # skips where the C++ kernels are not available
