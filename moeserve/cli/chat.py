@@ -1,6 +1,6 @@
 """`moeserve chat MODEL`: an interactive conversation, tokens printed as they are generated.
 
-Sampling starts from the model's generation_config.json (cli/sampling_defaults.py), flags over it, and is printed
+Sampling starts from the model's generation_config.json (engine/sampling_defaults.py), flags over it, and is printed
 at start; /help, /reset, /set, /show, /exit are answered here (cli/chat_loop.py); Ctrl-C stops a reply.
 """
 
@@ -19,7 +19,7 @@ from moeserve.cli.common import (
     add_sampling_arguments,
     engine_settings,
 )
-from moeserve.cli.sampling_defaults import GENERATION_CONFIG_FILE, ChosenSampling, choose_sampling
+from moeserve.engine.sampling_defaults import GENERATION_CONFIG_FILE, ChosenSampling, choose_sampling
 
 # flags whose value, when given, wins over the model's recommendation (unset: None)
 _SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")

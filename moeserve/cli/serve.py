@@ -23,8 +23,8 @@ from typing import Any
 
 import uvicorn
 
-from moeserve.cli.sampling_defaults import describe_defaults, server_sampling
 from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
+from moeserve.engine.sampling_defaults import describe_defaults, server_sampling
 from moeserve.errors import MoeserveError
 from moeserve.preflight import check_engine_settings
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from moeserve.cli.sampling_defaults import ChosenSampling, server_sampling
 from moeserve.config import ServerSettings
 from moeserve.engine.async_engine import AsyncEngine, EngineDeadError, State
+from moeserve.engine.sampling_defaults import ChosenSampling, server_sampling
 from moeserve.errors import RequestError
 from moeserve.server.chat_format import ChatFormat, chat_format_for
 from moeserve.server.errors import APIError, from_exception, model_not_found

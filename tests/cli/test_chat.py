@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from moeserve.cli.chat_loop import STOPPED, USER_PROMPT, ChatLoop
-from moeserve.cli.sampling_defaults import CHAT_FALLBACK, choose_sampling, recommended_sampling
+from moeserve.engine.sampling_defaults import CHAT_FALLBACK, choose_sampling, recommended_sampling
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.errors import ConfigError
 

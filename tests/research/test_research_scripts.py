@@ -29,12 +29,14 @@ TRACE = ROOT / "tests" / "experts" / "data" / "demo-batch1.jsonl"  # the demo mo
 # research script -> (its arguments, a line fragment its figures print); {placeholders} are the fixtures' paths
 SCRIPTS: dict[str, tuple[str, str]] = {
     "admission_demo": ("--experts 6 --batch 2 --tokens 8", "same tokens: True"),
+    "bench_attention": ("--before . --rounds 1 --threads 1", "(min median max)"),
     "bench_canonical_gemv": ("--rounds 1 --threads 1", "experts plain:"),
     "bench_finite_check": ("--layers 1 --experts 4 --rounds 1 --folder {tmp}/finite", "inside the check"),
     "bench_gated_delta": ("--rounds 1 --tokens 64 --threads 1", "chunk form torch"),
     "bench_gemv": ("--rounds 1 --threads 1", "fused MoE op"),
     "bench_mamba2_chunk": ("--rounds 1 --calls 1 --tokens 64 --threads 1", "scan       torch"),
     "bench_mamba2_step": ("--rounds 1 --calls 1 --threads 1", "kernels    torch"),
+    "bench_q4_experts": ("--rounds 1 --threads 1", "(min median max)"),
     "bench_routing_noaux": ("--rounds 1 --calls 1 --batches 1", "batch     1: torch"),
     "decode_breakdown": ("{shape} --rounds 1 --tokens 4", "decode step"),
     "quant_accuracy": ("--text {text} --tokens 16 --window 8", "int4 experts         perplexity"),
@@ -87,7 +89,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 # the scripts that touch no process-wide state (the module docstring): run in this process
-IN_PROCESS = {"admission_demo", "bench_finite_check", "int8_accuracy", "policy_bench_replay", "policy_cost",
+IN_PROCESS = {"admission_demo", "bench_finite_check", "quant_accuracy", "policy_bench_replay", "policy_cost",
               "policy_lookahead", "policy_table", "serve_invariance_check", "trace_predictability"}
 # what a script must not contain to run here: the benchmarks' kernel and thread set-up, a seed, an environment
 # variable, a class or torch.ops patched in place (decode_breakdown and prefetch_opportunity patch them to time or
