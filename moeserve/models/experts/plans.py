@@ -100,6 +100,15 @@ class ProjectionSource:
     bias: str | None = None  # tensor name template of the bias [out], or None
 
 
+def _stored_sources(ckpt: Checkpoint, layers: Sequence[int], num_experts: int,
+                    field_names: list[tuple[str, str, ProjectionSource]]
+                    ) -> dict[tuple[int, int], tuple[FieldSources, ...]]:
+    """Each (layer, expert) unit's fields read from the tensors as stored (field, tensor name template, projection)."""
+    return {(layer, e): tuple(FieldSources(field, (_ref(ckpt, template, layer, e, p.stacked),))
+                              for field, template, p in field_names)
+            for layer in layers for e in range(num_experts)}
+
+
 def stored_format_plan(
     ckpt: Checkpoint,
     scheme: QuantScheme,
@@ -145,13 +154,7 @@ def stored_format_plan(
             field_names.append((f"{p.name}.bias", p.bias, p))
         built.append(Projection(p.shape, tuple(shards), bias_field))
     layout = UnitLayout.build(field_specs)
-    sources: dict[tuple[int, int], tuple[FieldSources, ...]] = {}
-    for layer in layers:
-        for e in range(spec.moe.num_experts):
-            sources[(layer, e)] = tuple(
-                FieldSources(field, (_ref(ckpt, template, layer, e, p.stacked),))
-                for field, template, p in field_names
-            )
+    sources = _stored_sources(ckpt, layers, spec.moe.num_experts, field_names)
     fused = q4_units(built, layout, act, dtype)
     kernel = DequantizingKernel(built, dtype, math, fused)
     stored = sum(r.nbytes for f in sources[(layers[0], 0)] for r in f.refs)
