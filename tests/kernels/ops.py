@@ -7,6 +7,8 @@ first op a test calls, not when pytest imports the module to collect it (a build
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -39,3 +41,18 @@ class _LazyOps:
 
 def lazy_ops() -> _LazyOps:
     return _LazyOps()
+
+
+def isa_subprocess_main(argv: list[str], sources: tuple[str, ...], run: Callable[[Any], Any]) -> int:
+    """The subprocess side of a cross-ISA test: argv = (isa, inputs file, outputs file); build and load the `isa`
+    library of `sources` (kernels.build_subset), save `run(the saved cases)`. Exit 3: not available (no compiler, a
+    failed build, a CPU that cannot run `isa`: as kernels.load)."""
+    isa, inputs, outputs = argv
+    try:
+        library = kernels.build_subset(sources, isa)
+    except RuntimeError as err:
+        print(f"isa={isa} kernels not available: {err}")
+        return 3
+    torch.ops.load_library(str(library))
+    torch.save(run(torch.load(inputs)), outputs)
+    return 0

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve import kernels
+from tests.kernels.ops import isa_subprocess_main
 from tests.kernels.test_canonical_isa import (
     assert_same_bits,
     bf16_from_float,
@@ -304,18 +304,8 @@ def test_every_isa_gives_the_same_bits(cases, tmp_path):
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: build and load the `isa` library of the attention sources, run the saved cases, save the
-    outputs. Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`)."""
-    isa, inputs, outputs = argv
-    try:
-        library = kernels.build_subset(SOURCES, isa)
-    except RuntimeError as err:
-        print(f"isa={isa} kernels not available: {err}")
-        return 3
-    torch.ops.load_library(str(library))
-    cases = torch.load(inputs)
-    torch.save(run_ops(cases["decode"], cases["mla"]), outputs)
-    return 0
+    """Subprocess entry (tests/kernels/ops.py isa_subprocess_main): the decode and MLA attention cases."""
+    return isa_subprocess_main(argv, SOURCES, lambda cases: run_ops(cases["decode"], cases["mla"]))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve import kernels
 from moeserve.models.layers.linear import pack_int8_rows
+from tests.kernels.ops import isa_subprocess_main
 from tests.kernels.test_canonical_isa import (
     assert_same_bits,
     bf16_from_float,
@@ -232,17 +232,8 @@ def test_every_isa_gives_the_same_bits(cases, tmp_path):
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: build and load the `isa` library of the ops' sources, run the saved cases, save the
-    outputs. Exit 3: not available (as kernels.load)."""
-    isa, inputs, outputs = argv
-    try:
-        library = kernels.build_subset(sources_of(OPS), isa)
-    except RuntimeError as err:
-        print(f"isa={isa} kernels not available: {err}")
-        return 3
-    torch.ops.load_library(str(library))
-    torch.save(run_ops(torch.load(inputs)), outputs)
-    return 0
+    """Subprocess entry (tests/kernels/ops.py isa_subprocess_main)."""
+    return isa_subprocess_main(argv, sources_of(OPS), run_ops)
 
 
 if __name__ == "__main__":

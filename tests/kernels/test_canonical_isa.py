@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from moeserve import kernels
-from tests.kernels.ops import suite_isa
+from tests.kernels.ops import isa_subprocess_main, suite_isa
 
 # ------------------------------------------------------------------------------------ the reference, plainly
 TINY = 2.0**-126  # the smallest normal fp32
@@ -342,18 +342,8 @@ def test_one_isa_per_process():
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: build and load the `isa` library of the ops' sources, run the saved cases, save the
-    outputs. Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`: as kernels.load)."""
-    isa, inputs, outputs = argv
-    try:
-        library = kernels.build_subset(sources_of(OPS), isa)
-    except RuntimeError as err:
-        print(f"isa={isa} kernels not available: {err}")
-        return 3
-    torch.ops.load_library(str(library))
-    cases = torch.load(inputs)
-    torch.save(run_ops(cases["linear"], cases["experts"]), outputs)
-    return 0
+    """Subprocess entry (tests/kernels/ops.py isa_subprocess_main): the linear and expert cases."""
+    return isa_subprocess_main(argv, sources_of(OPS), lambda cases: run_ops(cases["linear"], cases["experts"]))
 
 
 if __name__ == "__main__":

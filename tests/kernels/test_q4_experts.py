@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve import kernels
-from tests.kernels.ops import lazy_ops
+from tests.kernels.ops import isa_subprocess_main, lazy_ops
 from tests.kernels.q4_cases import make_bf16_case, make_case, reference, run_op, unit_views
 from tests.kernels.test_canonical_isa import assert_same_bits, one_thread
 
@@ -132,18 +131,10 @@ def test_every_isa_gives_the_same_bits(cases, tmp_path):
 
 
 def _main(argv: list[str]) -> int:
-    """Subprocess entry: build and load the `isa` library of the op's sources, run the saved cases, save the outputs.
-    Exit 3: not available (no compiler, a failed build, a CPU that cannot run `isa`)."""
-    isa, inputs, outputs = argv
-    try:
-        library = kernels.build_subset(SOURCES, isa)
-    except RuntimeError as err:
-        print(f"isa={isa} kernels not available: {err}")
-        return 3
-    torch.ops.load_library(str(library))
-    torch.save({"experts": [run_op(c, torch.ops.moeserve) for c in torch.load(inputs)],
-                "isa": [str(torch.ops.moeserve.canonical_dot_isa())]}, outputs)
-    return 0
+    """Subprocess entry (tests/kernels/ops.py isa_subprocess_main): the expert cases and the dot's ISA."""
+    return isa_subprocess_main(argv, SOURCES, lambda cases: {
+        "experts": [run_op(c, torch.ops.moeserve) for c in cases],
+        "isa": [str(torch.ops.moeserve.canonical_dot_isa())]})
 
 
 if __name__ == "__main__":
