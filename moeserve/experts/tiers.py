@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Container
+from collections.abc import Container, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 import torch
@@ -157,6 +158,34 @@ class Loader:
         finally:
             self._give_back(key, src, in_host, filled)
         return tier
+
+    @contextmanager
+    def on_host(self, key: Key) -> Iterator[torch.Tensor]:
+        """Unit `key` in host memory for the CPU to compute on where it sits (the hybrid placement,
+        docs/design/gpu.md): its host-tier slot, read from the disk into it first on a host miss (kept, as a load
+        keeps it), held busy (never another load's victim) until the block ends. Without a host slot for it (no
+        host tier, or every slot busy) the unit passes through a staging buffer and the block gets a copy."""
+        if self.verifier is not None:
+            self.verifier.before_read(key)
+        src, tier, in_host = self._take_source(key)
+        filled = tier is Tier.HOST
+        try:
+            if tier is Tier.DISK:
+                if self.copier is not None:
+                    self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
+                self._read(key, src)
+                filled = True
+            unit = src if in_host else src.clone()  # a staging buffer goes back at once: the next load needs it
+        except BaseException:
+            self._give_back(key, src, in_host, filled)
+            raise
+        if not in_host:
+            self._give_back(key, src, in_host, filled)
+        try:
+            yield unit
+        finally:
+            if in_host:
+                self._give_back(key, src, in_host, filled)
 
     def _read(self, key: Key, dst: torch.Tensor) -> None:
         self.source.read_unit(key[0], key[1], dst)

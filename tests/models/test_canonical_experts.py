@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moeserve.models.experts.canonical as canonical
 from moeserve.models.experts.canonical import CanonicalExperts, canonical_dots
 from moeserve.models.experts.kernels import CppInterleavedSwiGLU, CppSwiGLU, RoutedTokens, TorchExperts
 from moeserve.models.experts.unit_math import FusedUnits, SwiGLUMath
@@ -15,8 +16,10 @@ from moeserve.models.layers.linear import interleave_rows, pack_int8_rows
 from moeserve.models.numerics import Numerics
 from tests.kernels.ops import cpp_ops
 from tests.kernels.test_canonical_isa import canonical_dots as reference_dots
+from tests.kernels.test_canonical_isa import one_thread
 
-H, I, E = 64, 96, 5  # hidden, intermediate (3 chunks), experts
+# hidden, intermediate (8 and 7 chunks: long enough that the summation order shows in bf16), experts
+H, INTER, E = 256, 224, 5
 
 
 def routing(n: int, seed: int) -> RoutedTokens:
@@ -34,12 +37,12 @@ def units(int8: bool, interleaved: bool, seed: int = 3) -> list[tuple[torch.Tens
     made = []
     for _ in range(E):
         if int8:
-            gu, dn = (torch.randint(-127, 128, s, generator=gen, dtype=torch.int8) for s in ((2 * I, H), (H, I)))
-            scales = [torch.rand(n, generator=gen) * 0.01 for n in (2 * I, H)]
+            gu, dn = (torch.randint(-127, 128, s, generator=gen, dtype=torch.int8) for s in ((2 * INTER, H), (H, INTER)))
+            scales = [torch.rand(n, generator=gen) * 0.01 for n in (2 * INTER, H)]
             pack = pack_int8_rows if interleaved else (lambda t: t)
             made.append((pack(gu), scales[0], pack(dn), scales[1]))
         else:
-            gu, dn = edgy((2 * I, H), gen), edgy((H, I), gen)
+            gu, dn = edgy((2 * INTER, H), gen), edgy((H, INTER), gen)
             made.append(tuple(interleave_rows(t) if interleaved else t for t in (gu, dn)))
     return made
 
@@ -69,8 +72,8 @@ def test_canonical_dots_are_the_kernel_tests_reference() -> None:
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["bf16", "int8"])
-@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "plain"])
-@pytest.mark.parametrize("tokens", [1, 3, 70])
+@pytest.mark.parametrize(("interleaved", "tokens"), [(True, 1), (True, 20), (False, 3)],
+                         ids=["interleaved-decode", "interleaved-prefill", "plain"])
 def test_canonical_experts_equal_the_cpp_op_bit_for_bit(int8: bool, interleaved: bool, tokens: int) -> None:
     cpp_ops()
     w, routed = units(int8, interleaved), routing(tokens, seed=tokens)
@@ -79,6 +82,26 @@ def test_canonical_experts_equal_the_cpp_op_bit_for_bit(int8: bool, interleaved:
     cpp = (CppInterleavedSwiGLU(math, fused(int8, interleaved)) if interleaved
            else CppSwiGLU(fused(int8, interleaved), TorchExperts(math, numerics)))
     ours = CanonicalExperts(math, fused(int8, interleaved))
-    got, want = run(ours, routed, w), run(cpp, routed, w)
+    with one_thread():
+        got = run(ours, routed, w)
+    want = run(cpp, routed, w)
     assert want.isfinite().all() and want.abs().sum() > 0
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_the_order_matters_here_a_plain_fp32_sum_differs() -> None:
+    """The negative control: the same math with the dots summed in plain fp32 order (as a GEMM might) gives other
+    bits on these inputs, so the equality above is the canonical order's, not the inputs' luck."""
+    cpp_ops()
+    w, routed = units(False, True), routing(20, seed=20)
+    ours = CanonicalExperts(SwiGLUMath(), fused(False, True))
+    with one_thread():
+        want = run(ours, routed, w)
+
+    original = canonical.canonical_dots
+    canonical.canonical_dots = lambda w, x: x.float() @ w.float().T  # type: ignore[assignment]
+    try:
+        got = run(ours, routed, w)
+    finally:
+        canonical.canonical_dots = original
+    assert not torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -22,12 +22,12 @@ decode stack call the interface; `stack_units` tells the decode stack (csrc/deco
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from moeserve.experts.store import ExpertWeights
+from moeserve.experts.store import ExpertStore, ExpertWeights
 from moeserve.models.experts.unit_math import FusedUnits, UnitMath
 from moeserve.models.numerics import Numerics
 
@@ -86,6 +86,13 @@ class ExpertKernel(ABC):
     @abstractmethod
     def run(self, out: torch.Tensor, routed: RoutedTokens, chunks: Iterable[Chunk]) -> None:
         """out [N, H] += each expert's output for its tokens times their routing weights, in ascending expert order."""
+
+    def compute(self, out: torch.Tensor, routed: RoutedTokens, store: ExpertStore, layer: int,
+                prefetch: tuple[int, Sequence[int]] | None = None) -> None:
+        """`run` on the units `store` lends for `layer` (the MoE layer's call). The hybrid kernel
+        (models/experts/hybrid.py) overrides it: it asks the store for some experts and computes others where they
+        sit."""
+        self.run(out, routed, store.experts(layer, routed.experts, prefetch=prefetch))
 
     @property
     def stack_units(self) -> FusedUnits | None:

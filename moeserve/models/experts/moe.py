@@ -1,8 +1,9 @@
 """The MoE layer: a router picks each token's experts, the store lends their units, an ExpertKernel computes them.
 
     routed = router.route(x)                       # RoutedTokens: pairs grouped by expert, ascending
-    chunks = store.experts(layer, routed.experts)  # units, pinned while in use, loaded on a miss
-    kernel.run(out, routed, chunks)                # experts added in ascending id order: placement changes no bit
+    kernel.compute(out, routed, store, layer)      # = kernel.run(out, routed, store.experts(layer, routed.experts)):
+                                                   # units pinned while in use, loaded on a miss; experts added in
+                                                   # ascending id order, so placement changes no bit
 
 The routing (`Routing`: torch ops, or one C++ op with the same ATen kernels) and the kernel are chosen once when
 the model is built; this layer never asks what they are.
@@ -266,7 +267,7 @@ class MoEBlock(MLP):
             self.trace_hook(self.layer, routed.ids, predicted)
         hint = (self.predict_next.layer, predicted) if self.predict_next is not None and predicted else None
         out = torch.zeros_like(x)
-        self.experts.run(out, routed, self.store.experts(self.layer, routed.experts, prefetch=hint))
+        self.experts.compute(out, routed, self.store, self.layer, prefetch=hint)
         if self.shared_gate is not None:
             out = out + self.numerics.rows(self._gated_shared, x)
         elif self.shared is not None:
