@@ -140,6 +140,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
         full_attention_interval=4, partial_rotary_factor=0.25, max_position_embeddings=512,
     ),
+    # MiniMax-M2: one RMSNorm over all q heads and one over all k heads, rotary on 8 of each head's 16 dims
+    # (rotary_dim), sigmoid routing with a correction bias (randomized) choosing 2 of 8 experts, renormalised
+    "minimax_m2": dict(
+        model_type="minimax_m2", hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rotary_dim=8, num_local_experts=8, num_experts_per_tok=2,
+        vocab_size=300, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    ),
 }
 ARCHS = tuple(TINY_CONFIGS)
 
@@ -225,7 +232,7 @@ def randomize_zero_inits(model: Any, std: float = 0.1) -> None:
     choice they shift (and only the choice: the weights are the unbiased scores) is tested."""
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith("e_score_correction_bias"):  # a buffer (DeepSeek-V3, GLM-4.5) or a parameter
                 buffer.normal_(0.0, std)
         # zero-centred RMSNorms (Qwen3-Next, Qwen3.5) init their weight w to 0 (scale 1 + w): give them values, so a
         # norm that scaled by w, or ignored it, is caught

@@ -230,6 +230,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "first_k_dense_replace": (0, 4096),
     "num_nextn_predict_layers": (0, 64),
     "mtp_num_hidden_layers": (0, 64),
+    "num_mtp_modules": (0, 64),
     "full_attention_interval": (1, 4096),
     "linear_num_key_heads": (1, 2**14),
     "linear_num_value_heads": (1, 2**14),

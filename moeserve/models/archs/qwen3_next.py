@@ -1,4 +1,5 @@
-"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 MoE (Qwen3_5MoeForConditionalGeneration): hybrids of Gated
+"""Qwen3-Next (Qwen3NextForCausalLM) and Qwen3.5 / Qwen3.6 MoE (Qwen3_5MoeForConditionalGeneration, and the text-only
+Qwen3_5MoeForCausalLM): hybrids of Gated
 DeltaNet linear attention (models/mixers/gated_delta.py) and gated full attention, three linear layers to one full
 (`layer_types`, else every `full_attention_interval`-th layer is full).
 
@@ -11,6 +12,9 @@ DeltaNet linear attention (models/mixers/gated_delta.py) and gated full attentio
   (`model.visual.*`) and multi-token-prediction layers (`mtp.*`, mtp_num_hidden_layers): the text model is served,
   the rest never read (logged at start-up); its config.json nests the text model's fields under `text_config`.
   Its multimodal rotary (mrope) equals plain rotary for text: the three position streams are equal.
+- Qwen3.6 (Qwen3.6-35B-A3B) ships as this same class (model_type qwen3_5_moe, the 35B-A3B shapes): served as Qwen3.5.
+- The text-only Qwen3_5MoeForCausalLM (what transformers writes for a Qwen3.5 language model alone, model_type
+  qwen3_5_moe_text): the same model with flat config.json fields and flat `model.layers.*` names, mtp.* unserved.
 """
 
 from __future__ import annotations
@@ -113,3 +117,14 @@ class Qwen35Moe(Architecture):
                                                                                                     "torch_dtype")
         c.int("mtp_num_hidden_layers", default=0)  # bounds-checked; its layers are skipped (unserved)
         return hybrid_spec(self.name, c, "qkv_z_b_a", dtype)
+
+
+@register
+class Qwen35MoeText(Architecture):
+    name = "Qwen3_5MoeForCausalLM"
+    unserved = (("mtp.", MTP_REASON),)
+
+    def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
+        c = ConfigReader(config, where)
+        c.int("mtp_num_hidden_layers", default=0)  # bounds-checked; its layers are skipped (unserved)
+        return hybrid_spec(self.name, c, "qkv_z_b_a", c.optional_str("dtype", "torch_dtype"))

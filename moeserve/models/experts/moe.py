@@ -102,7 +102,7 @@ class TopkSoftmax(TorchRouting):
 
 
 class SigmoidGroups(TorchRouting):
-    """DeepSeek-V3's "noaux_tc" (GLM-4.5, DeepSeek-V3, Kimi-K2), op for op as transformers' Glm4MoeTopkRouter: fp32
+    """DeepSeek-V3's "noaux_tc" (GLM-4.5, DeepSeek-V3, Kimi-K2; MiniMax-M2 with one group), op for op as transformers' Glm4MoeTopkRouter: fp32
     logits from an fp32 router, sigmoid scores; the choice adds the layer's correction bias, keeps the topk_group
     groups (of n_group) whose top-2 scores sum highest and takes the top-k experts of those; the weights are the
     chosen experts' unbiased scores, renormalised (norm_topk_prob) and times routed_scaling_factor, in fp32.
@@ -117,7 +117,9 @@ class SigmoidGroups(TorchRouting):
         self.numerics = numerics
 
     def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
-        return router(x.float())  # [N, E] fp32: the router weight is held in fp32 (MoeSpec.router_fp32)
+        """[N, E] fp32: of an fp32 router (MoeSpec.router_fp32) from x in fp32, else in the compute dtype (the router
+        as stored, MiniMax-M2), cast to fp32 exactly."""
+        return router(x.float()) if self.spec.router_fp32 else router(x).float()
 
     def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.numerics.batch_invariant:
@@ -161,7 +163,8 @@ class CppSigmoidGroups(SigmoidGroups):
         return f"C++ moe_route_noaux ({self.spec.routing})"
 
     def why_not_stacked(self) -> str | None:
-        return None
+        # the stack's noaux rule computes the logits in fp32 (csrc/decode_stack_ffn.cpp NoauxRouting)
+        return None if self.spec.router_fp32 else "noaux_tc routing with a router in the compute dtype"
 
     def add_to_stack(self, stack: Any, router: Linear) -> None:
         s = self.spec
