@@ -15,12 +15,14 @@ The comparisons run through the shared driver tests/models/exactness.py.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.registry import get_architecture
@@ -273,3 +275,58 @@ def test_mtp_layers_are_skipped_at_load(tiny, tmp_path: Path) -> None:
         llm.engine.close()
     assert runs[0][:3] == runs[1][:3]
     assert "(0 tensors" not in runs[1][3]["skipped layers"] and "not loaded (" in runs[1][3]["skipped layers"]
+
+
+# ---------------------------------------------------------------------------------------------- Kimi-K2.5 / K2.6
+def write_tiny_kimi_k25(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """A random Kimi_K25ForConditionalGeneration (a one-block vision tower and its projector beside the DeepSeek-V3
+    text model of TINY, model_type kimi_k2 as published, lm_head untied) saved by transformers' save_pretrained."""
+    from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
+
+    from moeserve.bench.checkpoints import randomize_zero_inits
+
+    config = Kimi_K25Config(text_config={**TINY, "model_type": "kimi_k2"}, tie_word_embeddings=False,
+                            vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                               num_attention_heads=2), projection_hidden_size=32)
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(config).to(dtype).eval()
+    randomize_zero_inits(model)
+    model.save_pretrained(folder)
+    # transformers 5.24 writes the text model's layers as language_model.model.blocks.* (its load-time rename
+    # blocks -> layers, meant for the vision tower, reversed onto every name); the published checkpoints name them
+    # language_model.model.layers.*, which transformers loads unchanged: restore that layout
+    state = load_file(folder / "model.safetensors")
+    state = {n.replace("language_model.model.blocks.", "language_model.model.layers.", 1): t for n, t in state.items()}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory: pytest.TempPathFactory):
+    return functools.cache(lambda dtype: write_tiny_kimi_k25(tmp_path_factory.mktemp(f"kimi-{dtype}"), dtype))
+
+
+def test_kimi_k25_serves_the_language_model_only(kimi) -> None:
+    """fp32: transformers' greedy tokens and log-probabilities (within 1e-4) of the whole multimodal class on text;
+    the vision tower and projector never read, logged, out of the resident size."""
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    folder = kimi(torch.float32)
+    ref = Kimi_K25ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    X.assert_matches_transformers(folder, ref, prompts())
+    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32")
+    e = llm.engine
+    assert "the vision tower" in e.choices["not loaded: vision_tower.*"]
+    assert "the vision tower" in e.choices["not loaded: mm_projector.*"]
+    names = e.checkpoint.tensors
+    language = sum(r.nbytes for n, r in names.items() if n.startswith("language_model.") and ".mlp.experts." not in n)
+    assert any(n.startswith("vision_tower.") for n in names) and e.model.resident_bytes == language
+    e.close()
+
+
+def test_kimi_k25_bf16_offloaded_and_batched_equal_resident_alone(kimi) -> None:
+    """bf16, default settings: one expert slot == all resident, and sequences batched and preempted == each alone,
+    bit for bit."""
+    folder = kimi(torch.bfloat16)
+    X.assert_offloaded_equals_resident(folder, prompts(3), max_model_len=256)
+    X.assert_batched_and_preempted_equal_solo(folder, [(0, p) for p in prompts(8, (30, 21, 9))], 6, 12, 64)

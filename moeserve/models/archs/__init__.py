@@ -4,6 +4,7 @@ from moeserve.models.archs import (  # noqa: F401
     deepseek_v3,
     glm4_moe,
     gpt_oss,
+    kimi_k25,
     minimax_m2,
     mixtral,
     nemotron_h,

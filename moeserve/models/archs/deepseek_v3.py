@@ -80,20 +80,25 @@ class DeepseekV3(Architecture):
     names = SHARED_EXPERTS_NAMES
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
-        c = ConfigReader(config, where)
-        require(c, self.name, hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid")
-        num_layers = c.int("num_hidden_layers")
-        first_dense = c.int("first_k_dense_replace", default=3)
-        rope_dim = c.int("qk_rope_head_dim")
-        rope = deepseek_rope(c)
-        return read_spec(
-            self.name, c, num_layers, model_type="deepseek_v3", max_positions=4096,
-            dense_intermediate_size=c.int("intermediate_size"),
-            moe_layers=tuple(i >= first_dense for i in range(num_layers)),
-            # the rotary part of each head is what the shared Rotary tables are built for (head_dim = rope dims)
-            attention=replace(base_attention(c, num_layers), head_dim=rope_dim),
-            rope=rope,
-            moe=noaux_tc_moe(c, groups=(8, 4), routed_scaling_factor=2.5),  # transformers' defaults
-            skipped_layers=c.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
-            mla=read_mla(c, rope),
-        )
+        return deepseek_v3_spec(self.name, config, where)
+
+
+def deepseek_v3_spec(name: str, config: dict[str, Any], where: str) -> ModelSpec:
+    """The spec of a DeepSeek-V3 text model's config.json fields (DeepseekV3ForCausalLM, Kimi-K2.5's text_config)."""
+    c = ConfigReader(config, where)
+    require(c, name, hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid")
+    num_layers = c.int("num_hidden_layers")
+    first_dense = c.int("first_k_dense_replace", default=3)
+    rope_dim = c.int("qk_rope_head_dim")
+    rope = deepseek_rope(c)
+    return read_spec(
+        name, c, num_layers, model_type="deepseek_v3", max_positions=4096,
+        dense_intermediate_size=c.int("intermediate_size"),
+        moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        # the rotary part of each head is what the shared Rotary tables are built for (head_dim = rope dims)
+        attention=replace(base_attention(c, num_layers), head_dim=rope_dim),
+        rope=rope,
+        moe=noaux_tc_moe(c, groups=(8, 4), routed_scaling_factor=2.5),  # transformers' defaults
+        skipped_layers=c.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
+        mla=read_mla(c, rope),
+    )
