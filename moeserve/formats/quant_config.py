@@ -208,7 +208,7 @@ def _parse_modelopt(quant_config: Mapping[str, Any]) -> QuantScheme:
 def _parse_fp8(quant_config: Mapping[str, Any]) -> QuantScheme:
     block_size = quant_config.get("weight_block_size")
     fmt = str(quant_config.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3" or not (
+    if fmt not in ("e4m3", "float8_e4m3fn") or not (  # DeepSeek-V3 writes the one, MiniMax-M2 the other
         isinstance(block_size, list | tuple)
         and len(block_size) == 2
         and all(isinstance(size, int) and size > 0 for size in block_size)

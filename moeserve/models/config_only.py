@@ -11,7 +11,7 @@ test_config_only.py checks the tensor map against the headers of checkpoints tra
 
 Not in the map (what a real checkpoint may hold beside it): tensors the model does not serve (a vision tower,
 MTP layers) and activation scales (ModelOpt `input_scale`). Unquantized tensors take config.json's dtype (bfloat16
-if unset), except the routers transformers keeps in float32 and the routing correction biases (float32, as
+if unset), except the routers transformers keeps in float32 and their routing correction biases (float32, as
 transformers and the published checkpoints store them); a producer storing such a router in bf16 differs by
 experts x hidden x 2 bytes per MoE layer.
 """
@@ -121,9 +121,11 @@ def config_only_checkpoint(path: Path) -> Checkpoint:
 
 
 def _stored_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
-    """The routers transformers keeps in float32 (MoeSpec.router_fp32) and the routing correction biases: stored so."""
+    """The routers transformers keeps in float32 (MoeSpec.router_fp32) and, beside them, the routing correction biases:
+    stored so. A router in the compute dtype (MiniMax-M2) has its correction bias in that dtype too, as transformers
+    writes it (a plain buffer)."""
     names, m = arch.names, spec.moe
-    out = {names.router_correction_bias.format(L=L) for L in spec.moe_layer_ids if m.correction_bias}
+    out = {names.router_correction_bias.format(L=L) for L in spec.moe_layer_ids if m.correction_bias and m.router_fp32}
     return out | {names.router.format(L=L) + ".weight" for L in spec.moe_layer_ids if m.router_fp32}
 
 

@@ -26,7 +26,9 @@ from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
-from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35
+from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
+from tests.models.test_minimax_m2 import write_fp8 as write_minimax_fp8
+from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35, write_tiny_qwen35_text
 
 NEMOTRON_MODELOPT = {"producer": {"name": "modelopt"}, "quantization": {
     "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "*.mixer.gate"]}}
@@ -80,6 +82,14 @@ def _nemotron(folder: Path, **fields: int) -> Path:
     return folder
 
 
+def _kimi_remote_code(folder: Path) -> Path:
+    """Kimi-K2.5 under the architecture name of its published config.json (KimiK25ForConditionalGeneration)."""
+    write_tiny_kimi_k25(folder, torch.bfloat16)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["KimiK25ForConditionalGeneration"]}))
+    return folder
+
+
 def _nemotron_nvfp4(folder: Path) -> Path:
     src = _nemotron(folder.with_name(folder.name + "-bf16"), moe_shared_expert_intermediate_size=48)
     return C.quantize_checkpoint(src, folder, C.nvfp4_modelopt_quantize, None,
@@ -89,11 +99,15 @@ def _nemotron_nvfp4(folder: Path) -> Path:
 # case -> writer of the full checkpoint. Every architecture in moeserve/models/archs/ (bf16), then every quantized
 # format the tests write (the gpt-oss MXFP4 layout; compressed-tensors NVFP4 / MXFP4, ModelOpt NVFP4, FP8 blocks).
 CASES: dict[str, Callable[[Path], Path]] = {
-    **{arch: _tiny(arch) for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next")},
+    **{arch: _tiny(arch) for arch in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next",
+                                      "minimax_m2")},
     "gpt_oss": lambda folder: C.write_gpt_oss(folder),
     "deepseek_v3": lambda folder: write_deepseek(folder, torch.bfloat16),
     "qwen3_5_moe": write_tiny_qwen35,  # float32, vision tower and mtp.* tensors beside the language model
     "qwen3_5_moe-bf16": _qwen35_bf16,
+    "qwen3_5_moe_text": write_tiny_qwen35_text,  # float32, an mtp.* tensor beside
+    "kimi_k25": lambda folder: write_tiny_kimi_k25(folder, torch.bfloat16),  # vision tower and projector beside
+    "kimi_k25-remote-code": _kimi_remote_code,
     "nemotron_h": _nemotron,
     "gpt_oss-mxfp4": lambda folder: C.write_gpt_oss_mxfp4(C.write_gpt_oss(folder.with_name("gpt_oss-src")), folder),
     "qwen3_moe-nvfp4-ct": _quantized(C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG),
@@ -103,6 +117,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
                                       intermediate_size=72),
     "qwen3_moe-mxfp4-ct": _quantized(C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG),
     "deepseek_v3-fp8-block": _deepseek_fp8,
+    "minimax_m2-fp8-block": lambda folder: write_minimax_fp8(folder)[0],  # attention and experts FP8, as shipped
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
 }
 CONFIG_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")  # what a user downloads first
@@ -210,7 +225,7 @@ def test_inspect_from_config_equals_inspect_with_weights(folders, case: str, cap
     full, bare = folders(case)
     got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
     assert got[0] == "exit 0"
-    if case.startswith("qwen3_5_moe"):  # the full checkpoint also holds the vision tower and mtp.*, counted apart
+    if case.startswith(("qwen3_5_moe", "kimi_k25")):  # the full checkpoint also holds a vision tower or mtp.*, apart
         unserved = [line for line in want if line.startswith("not served:")]
         assert len(unserved) == 1 and "tensors" in unserved[0]
         want.remove(unserved[0])

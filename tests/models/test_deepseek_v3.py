@@ -289,7 +289,7 @@ def write_tiny_kimi_k25(folder: Path, dtype: torch.dtype = torch.float32, seed: 
                             vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
                                                num_attention_heads=2), projection_hidden_size=32)
     torch.manual_seed(seed)
-    model = Kimi_K25ForConditionalGeneration(config).to(dtype).eval()
+    model = Kimi_K25ForConditionalGeneration._from_config(config, dtype=dtype).eval()  # routers kept in fp32
     randomize_zero_inits(model)
     model.save_pretrained(folder)
     # transformers 5.24 writes the text model's layers as language_model.model.blocks.* (its load-time rename

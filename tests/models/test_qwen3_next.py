@@ -15,6 +15,7 @@ The comparisons run through the shared driver tests/models/exactness.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,36 @@ def test_a_step_too_small_for_a_prompt_chunk_is_refused(tiny_checkpoint) -> None
     with pytest.raises(ConfigError, match=r"chunks of 64 positions.*set at least 72") as err:
         LLM(str(tiny_checkpoint("qwen3_next")), skip_tokenizer_init=True, max_num_batched_tokens=40)
     assert "\n" not in str(err.value)
+
+
+def write_tiny_qwen35_text(folder: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A random Qwen3_5MoeForCausalLM (the text-only class: flat config.json, model.layers.*) saved by transformers,
+    plus an mtp.* tensor as the published checkpoints carry."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from moeserve.bench.checkpoints import randomize_zero_inits
+
+    torch.manual_seed(1)
+    model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**TINY_QWEN35_TEXT)).to(dtype).eval()
+    randomize_zero_inits(model)
+    model.save_pretrained(folder)
+    state = load_file(folder / "model.safetensors") | {"mtp.norm.weight": torch.randn(64).to(dtype)}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_qwen35_text_only_class_matches_transformers(tmp_path: Path) -> None:
+    """Qwen3_5MoeForCausalLM (refused before): fp32 tokens and log-probabilities of transformers' own class, the
+    same spec as the conditional-generation class of the same text config, mtp.* not loaded."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    folder = write_tiny_qwen35_text(tmp_path / "qwen35-text")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForCausalLM"] and "text_config" not in config
+    spec = get_architecture(config, "config.json").spec(config, "config.json")
+    wrapped = {**QWEN35_35B, "text_config": config}
+    want = get_architecture(wrapped, "config.json").spec(wrapped, "config.json")
+    assert spec == replace(want, architecture="Qwen3_5MoeForCausalLM")
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    choices = assert_matches_transformers(folder, ref, X.random_prompts(5, (70, 9)))
+    assert "multi-token-prediction" in choices["not loaded: mtp.*"]
