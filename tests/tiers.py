@@ -45,6 +45,12 @@ SLOW: dict[str, str] = {
     "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
         "Qwen3-Next solo, batched and preempted (11 s)",
     "models/test_nemotron_h.py::test_tiny_matches_transformers": "Nemotron-H against transformers (17 s)",
+    "models/test_minimax_m2.py::test_fp8_checkpoint_matches_transformers_on_its_dequantization":
+        "MiniMax-M2 FP8 written, dequantized and against transformers (12 s)",
+    "models/test_deepseek_v3.py::test_kimi_k25_serves_the_language_model_only":
+        "Kimi-K2.5 against transformers' multimodal class (6 s)",
+    "models/test_qwen3_next.py::test_qwen35_text_only_class_matches_transformers":
+        "Qwen3.5 text-only class against transformers (5 s)",
     "models/test_nemotron_h.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
         "Nemotron-H solo, batched and preempted (14 s)",
     "models/test_qwen3_5_nvfp4.py::test_matches_transformers_on_the_dequantized_bytes":

@@ -70,6 +70,10 @@ CASES = {
     "Nemotron-3-Nano-30B-A3B": Case(**FP32, settings={"memory_gb": 6}),
     "DeepSeek-V3": Case("bf16", [TEN * 3, [11, 5, 77]], STEPS, 256, settings={"memory_gb": 14}),
     "GLM-4.5-Air": Case("bf16", [TEN, [11, 5, 77]], 8, 64, settings={"memory_gb": 6}),
+    # transformers' comparison only (their bf16 exactness: the tiny checkpoints of tests/models/test_qwen3_next.py and
+    # test_minimax_m2.py; Qwen3.6's layers are Qwen3.5's, checked at real dims above)
+    "Qwen3.6-35B-A3B": Case("fp32", [TEN * 3, [11, 5, 77]], STEPS, 128, settings={"memory_gb": 6}),
+    "MiniMax-M2": Case("fp32", [TEN * 3, [11, 5, 77]], STEPS, 128, settings={"memory_gb": 6}),
 }
 
 
@@ -90,7 +94,7 @@ class Model:
 
 # GLM-4.5-Air's bf16 exactness at real dimensions is already checked by tests/engine/test_batch_invariance.py and
 # tests/engine/test_sequence_memory_exact.py (its real_dims_checkpoint): here only its transformers comparison
-EXACT = [name for name in CASES if name != "GLM-4.5-Air"]
+EXACT = [name for name in CASES if name not in ("GLM-4.5-Air", "Qwen3.6-35B-A3B", "MiniMax-M2")]
 
 
 # checkpoints other modules read too (tests/models/test_qwen3_5_nvfp4.py quantizes this one): written once per session
