@@ -29,7 +29,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
     import torch
 
     from moeserve.engine.llm_engine import demo_model_path
-    from moeserve.models.config_only import expert_parameters, open_for_sizing
+    from moeserve.models.config_only import expert_parameters, open_for_sizing, parameter_counts
     from moeserve.models.experts.plans import expert_plan
     from moeserve.models.inventory import describe_formats, expert_tensor_names, not_loaded
     from moeserve.models.validate import read_model
@@ -45,6 +45,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
     other_bytes = sum(ref.nbytes for name, ref in ckpt.tensors.items() if name not in experts)
     report = describe_formats(ckpt)
     num_moe = len(spec.moe_layer_ids)
+    counts = parameter_counts(arch, spec)
     return {
         "path": str(ckpt.path),
         "architecture": spec.architecture,
@@ -54,6 +55,9 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
         "experts_per_token": spec.moe.top_k,
         "params_expert": expert_parameters(arch, spec),
         "params_non_expert": sum(r.numel for n, r in ckpt.tensors.items() if n not in experts),
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "params_active_without_embedding": counts.active_without_embedding,
         "bytes_expert": expert_bytes,
         "bytes_non_expert": other_bytes,
         "bytes_per_expert": report.expert_stored_bytes,
@@ -76,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"experts:          {r['experts_per_layer']} per layer, {r['experts_per_token']} per token, "
           f"{r['params_expert'] / 1e6:.2f} M expert parameters")
     print(f"other parameters: {r['params_non_expert'] / 1e6:.2f} M (stored elements)")
+    print(f"parameters:       {r['params_total'] / 1e9:.2f} B total, {r['params_active'] / 1e9:.2f} B active per token "
+          f"({r['params_active_without_embedding'] / 1e9:.2f} B without the embedding table)")
     print(f"expert weights:   {r['bytes_expert'] / GiB:.3f} GiB stored ({r['bytes_per_expert'] / 2**20:.3f} MiB "
           "per expert)")
     print(f"other weights:    {r['bytes_non_expert'] / GiB:.3f} GiB stored (resident)")

@@ -18,7 +18,9 @@ experts x hidden x 2 bytes per MoE layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from moeserve.checkpoint.folder import Checkpoint, read_json
@@ -89,6 +91,34 @@ def expert_parameters(arch: Architecture, spec: ModelSpec) -> int:
             count *= dim
         total += count
     return total
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """A model's parameters as unquantized element counts (packed 4-bit storage does not halve them; scales are not
+    parameters), from the spec's tensor list (`expected_tensors`, `EXPERT_TENSORS`): served tensors only."""
+
+    total: int
+    active: int  # per token: every non-expert tensor (the embedding table whole) + top_k of each MoE layer's experts
+    embedding: int  # of which the embedding table (one row of it is read per token)
+
+    @property
+    def active_without_embedding(self) -> int:
+        return self.active - self.embedding
+
+
+def parameter_counts(arch: Architecture, spec: ModelSpec) -> ParameterCounts:
+    """Total and per-token parameters of `spec`. Publishers count "active" either way: with the embedding table
+    (Qwen) or without it (DeepSeek, Kimi, gpt-oss); both are given."""
+    empty = Checkpoint(path=Path("config.json"), config={}, generation_config={}, tensors={})
+    other = embedding = 0
+    for name, shape, _linear in expected_tensors(empty, arch, spec):
+        count = math.prod(shape)
+        other += count
+        embedding += count if name == arch.names.embed else 0
+    experts = expert_parameters(arch, spec)
+    active = other + experts // spec.moe.num_experts * spec.moe.top_k
+    return ParameterCounts(total=other + experts, active=active, embedding=embedding)
 
 
 def config_only_checkpoint(path: Path) -> Checkpoint:

@@ -19,9 +19,9 @@ from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.checkpoint.safetensors_file import DTYPES
 from moeserve.cli import main
 from moeserve.formats.catalog import FORMATS, create_format
-from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint
+from moeserve.models.config_only import EXPERT_TENSORS, config_only_checkpoint, parameter_counts
 from moeserve.models.experts.plans import EXPERT_PLANNERS
-from moeserve.models.registry import get_architecture
+from moeserve.models.registry import NOT_YET_SERVED, get_architecture
 from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
@@ -30,6 +30,7 @@ from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
 from tests.models.test_minimax_m2 import write_fp8 as write_minimax_fp8
 from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35, write_tiny_qwen35_text
 
+REFERENCE_CONFIGS = Path(__file__).resolve().parents[1] / "data" / "reference_configs"
 NEMOTRON_MODELOPT = {"producer": {"name": "modelopt"}, "quantization": {
     "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "*.mixer.gate"]}}
 
@@ -165,6 +166,9 @@ def test_tensor_map_equals_the_checkpoint_headers(folders, case: str) -> None:
     sized = config_only_checkpoint(bare / "config.json").tensors
     assert {n: (r.dtype_code, r.shape) for n, r in sized.items()} == served
     assert all(sized[n].nbytes == ckpt.tensors[n].nbytes for n in served)
+    if "quantization_config" not in ckpt.config and not (full / "hf_quant_config.json").is_file():
+        # inspect's `parameters:` line counts every served element
+        assert parameter_counts(arch, spec).total == sum(ckpt.tensors[n].numel for n in served)
 
 
 def _lines(capsys: pytest.CaptureFixture, argv: list[str]) -> list[str]:
@@ -289,3 +293,63 @@ def test_expert_parameters_equal_the_checkpoints_expert_tensors(folders, case: s
     names = expert_tensor_names(expert_plan(ckpt, arch, spec, torch.bfloat16))
     assert names, case
     assert expert_parameters(arch, spec) == sum(ckpt.tensors[n].numel for n in names)
+
+
+# Published parameter counts (billions), whether the publisher's "active" counts the embedding table, and where each
+# figure comes from. Kimi-K2.5's text model is Kimi-K2's (its config.json's text_config: tests/data/reference_configs
+# Kimi-K2.json under the K2.5 wrapper, INT4 experts as Kimi-K2-Thinking ships them); MiniMax-M2's config is
+# transformers' MiniMaxM2Config defaults (no published config.json was found offline).
+PUBLISHED_SIZES = {
+    # DeepSeek-V3 technical report (arXiv:2412.19437): "671B total parameters with 37B activated for each token"
+    "DeepSeek-V3": (671.0, 37.0),
+    # Kimi K2 technical report (arXiv:2507.20534): "32 billion activated parameters and 1.04 trillion total"; the
+    # Kimi-K2.5 model card: 1T total, 32B activated
+    "Kimi-K2.5": (1040.0, 32.0),
+    # MiniMax-M2 model card (huggingface.co/MiniMaxAI/MiniMax-M2): "230 billion total parameters with 10 billion
+    # active parameters" (one significant digit: checked as rounding to it)
+    "MiniMax-M2": (230.0, 10.0),
+}
+
+
+def published_config(name: str) -> dict:
+    from tests.models.test_int4_pack_quantized import KIMI_K2_THINKING
+    from tests.models.test_minimax_m2 import PUBLISHED
+
+    if name == "MiniMax-M2":
+        return PUBLISHED
+    config = {k: v for k, v in json.loads((REFERENCE_CONFIGS / f"{name.removesuffix('.5')}.json").read_text()).items()
+              if not k.startswith("_")}
+    if name == "DeepSeek-V3":
+        return config
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "tie_word_embeddings": False,
+            "text_config": {k: v for k, v in config.items() if k not in ("architectures", "quantization_config")},
+            "quantization_config": KIMI_K2_THINKING}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_SIZES)
+def test_parameters_from_the_config_match_the_published_figures(name: str) -> None:
+    """The counts `inspect` prints from a config alone (`parameter_counts`; its line is checked against the weights'
+    above): total parameters within 2% of the published figure, active ones (without the embedding table, as
+    DeepSeek, Moonshot and MiniMax count them) within 2%, or rounding to a one-digit figure."""
+    config = published_config(name)
+    arch = get_architecture(config, "config.json")
+    counts = parameter_counts(arch, arch.spec(config, "config.json"))
+    total, active = counts.total / 1e9, counts.active_without_embedding / 1e9
+    want_total, want_active = PUBLISHED_SIZES[name]
+    assert abs(total / want_total - 1) < 0.02, (name, total)
+    if name == "MiniMax-M2":  # "10 billion": one significant digit
+        assert round(active) == want_active, (name, active)
+    else:
+        assert abs(active / want_active - 1) < 0.02, (name, active)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_YET_SERVED))
+def test_architectures_not_served_yet_are_refused_saying_what_they_need(name: str, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "config.json"
+    config = json.loads((REFERENCE_CONFIGS / "DeepSeek-V4-Flash-0731-REAP160.json").read_text())
+    path.write_text(json.dumps({**config, "architectures": [name]}))
+    for command in ("plan", "inspect"):
+        lines = _lines(capsys, [command, str(path)])
+        assert lines[0] == "exit 1" and len(lines) == 2, lines
+        assert f"architecture {name} is not served yet: it needs {NOT_YET_SERVED[name]}" in lines[1]
