@@ -1,6 +1,7 @@
 """Tokenizer and chat template from a model folder, rendered exactly as transformers renders them.
 
-Tokens come from `tokenizer.json` through the `tokenizers` library. The chat template comes from
+Tokens come from `tokenizer.json` through the `tokenizers` library (a GGUF's from its metadata:
+checkpoint/gguf/tokenizer.py). The chat template comes from
 `chat_template.jinja`, else the `chat_template` key of `tokenizer_config.json` (or an explicit override file).
 The jinja environment mirrors transformers' `apply_chat_template`: a sandbox with trim_blocks and lstrip_blocks,
 loop controls, a `tojson` that does not escape HTML, `raise_exception` and `strftime_now`, and the special tokens
@@ -10,6 +11,7 @@ loop controls, a `tojson` that does not escape HTML, `raise_exception` and `strf
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -36,6 +38,13 @@ def _read_text(path: Path) -> str:
         raise CheckpointError(f"{path}: cannot read as UTF-8 text ({err})") from None
 
 
+def _load(path: Path, make: Callable[[], Any]) -> Any:
+    try:
+        return make()
+    except Exception as err:  # tokenizers raises a bare Exception on malformed files
+        raise CheckpointError(f"{path}: cannot load tokenizer ({str(err).splitlines()[0]})") from None
+
+
 LONG_TEXT_CHARS = 1 << 16  # from here on encode() releases the GIL (encode_batch of one text)
 
 
@@ -43,16 +52,20 @@ class Tokenizer:
     def __init__(self, folder: Path, chat_template_path: str | None = None) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(
-                f"{folder}: no tokenizer.json (pass skip_tokenizer_init=True to run on token ids only)"
-            )
-        try:
-            self._tok = HFTokenizer.from_file(str(path))
-        except Exception as err:  # tokenizers raises a bare Exception on malformed files
-            raise CheckpointError(f"{path}: cannot load tokenizer ({str(err).splitlines()[0]})") from None
-        self.config: dict[str, Any] = read_json(folder / "tokenizer_config.json", required=False)
+        self.config: dict[str, Any]
+        if folder.is_file() and folder.suffix == ".gguf":  # a GGUF's metadata (checkpoint/gguf/tokenizer.py)
+            from moeserve.checkpoint.gguf.tokenizer import gguf_tokenizer
+
+            spec, self.config = gguf_tokenizer(folder)
+            self._tok = _load(folder, lambda: HFTokenizer.from_str(spec))
+        else:
+            path = folder / "tokenizer.json"
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{folder}: no tokenizer.json (pass skip_tokenizer_init=True to run on token ids only)"
+                )
+            self._tok = _load(path, lambda: HFTokenizer.from_file(str(path)))
+            self.config = read_json(folder / "tokenizer_config.json", required=False)
         self.special_tokens: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             text = _token_text(self.config.get(key))

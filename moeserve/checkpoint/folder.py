@@ -3,6 +3,8 @@
 `open_checkpoint(model)` resolves a folder path, or a model id already in the local Hugging Face cache
 (``$HF_HUB_CACHE`` or ``~/.cache/huggingface/hub/models--org--name/snapshots/<rev>``) without any network
 access, reads the JSON files and every shard header, and validates them. Tensor data is not touched here.
+A GGUF file (or split files, or a folder holding them and no config.json) opens as the same `Checkpoint`
+(checkpoint/gguf/open.py).
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ def hf_hub_cache() -> Path:
 def resolve_model_path(model: str) -> Path:
     """A local folder for `model` (a path, or an org/name id found in the local HF cache). Never downloads."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
     if path.exists():
-        raise CheckpointError(f"{model}: expected a model folder, got a file")
+        raise CheckpointError(f"{model}: expected a model folder or a .gguf file, got another file")
     if "/" in model and not model.startswith((".", "/", "~")) and model.count("/") == 1:
         repo = hf_hub_cache() / ("models--" + model.replace("/", "--"))
         snapshots = repo / "snapshots"
@@ -87,6 +89,9 @@ class Checkpoint:
     generation_config: dict[str, Any]
     tensors: dict[str, TensorRef]
     reader: FileReader = field(default_factory=FileReader, repr=False)
+    # "safetensors" (a HF folder), "gguf" (config and names made from a GGUF's header: checkpoint/gguf/open.py) or
+    # "config" (config.json alone, no weights: models/config_only.py)
+    origin: str = "safetensors"
 
     def ref(self, name: str, shape: tuple[int, ...] | None = None) -> TensorRef:
         """The TensorRef of `name`; if `shape` is given, check it matches what the config implies."""
@@ -118,8 +123,12 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
-    """Resolve and validate a model folder. Reads config files and shard headers only."""
+    """Resolve and validate a model folder (or GGUF model). Reads config files and shard headers only."""
     path = resolve_model_path(str(model))
+    from moeserve.checkpoint.gguf.open import is_gguf, open_gguf  # imports this module
+
+    if is_gguf(path):
+        return open_gguf(path)
     config = read_json(path / "config.json")
     generation_config = read_json(path / "generation_config.json", required=False)
     index_path = path / INDEX_FILE

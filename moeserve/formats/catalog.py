@@ -15,6 +15,7 @@ from torch import Tensor
 
 from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format, FusedCodes
+from moeserve.formats.gguf import GGUF_FORMATS
 from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
 from moeserve.formats.int4 import (
     INT4_DEFAULT_GROUP_SIZE,
@@ -264,6 +265,7 @@ FORMATS: Mapping[str, type[Format]] = MappingProxyType(
             ModelOptNvfp4Format,
             Fp8BlockFormat,
             Int8PerChannelFormat,
+            *GGUF_FORMATS.values(),
         )
     }
 )

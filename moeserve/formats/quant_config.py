@@ -6,12 +6,15 @@ else the model is unquantized. Supported schemes (anything else raises `Unsuppor
 - ``compressed-tensors`` with format ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized``; ``ignore`` list;
 - ``compressed-tensors`` ``pack-quantized`` int4, symmetric, group strategy (Kimi-K2-Thinking's W4A16); ``ignore``;
 - ``modelopt`` with ``quant_algo`` ``NVFP4``; ``exclude_modules`` wildcards;
-- ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense.
+- ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense;
+- ``gguf`` (a GGUF file's checkpoint, checkpoint/gguf/open.py): ``tensor_types`` gives each quantized expert
+  projection's ggml type (experts written ``*``); every other tensor is read dense (dequantized as it is read).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,7 @@ from moeserve.formats.catalog import (
     GptOssMxfp4Format,
     ModelOptNvfp4Format,
 )
+from moeserve.formats.gguf import GGUF_FORMATS
 from moeserve.formats.module_match import ModuleMatcher
 
 UNQUANTIZED = "none"
@@ -95,6 +99,34 @@ class QuantScheme:
     def dequantize(self, prefix: str, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         """Dequantize the weight at ``prefix`` from its tensors (keyed by role, see `Format.select`) into out."""
         self.format_for(prefix).dequantize(tensors, out)
+
+
+@dataclass(frozen=True)
+class GGUFScheme(QuantScheme):
+    """A GGUF's experts: one ggml type per projection module (experts written ``*``), each its `GGUFFormat`."""
+
+    types: tuple[tuple[str, str], ...] = ()  # (module, ggml type name)
+
+    def _type(self, module_name: str) -> str | None:
+        return dict(self.types).get(_GGUF_EXPERT.sub(".experts.*.", module_name))
+
+    def is_quantized(self, module_name: str) -> bool:
+        return self._type(module_name) is not None
+
+    def format_for(self, module_name: str) -> Format:
+        name = self._type(module_name)
+        return _DENSE if name is None else GGUF_FORMATS[name]()
+
+
+_GGUF_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _parse_gguf(quant_config: Mapping[str, Any]) -> QuantScheme:
+    types = quant_config.get("tensor_types") or {}
+    unknown = sorted(t for t in types.values() if t not in GGUF_FORMATS)
+    if unknown:
+        raise _unsupported(f"gguf type {unknown[0]}")
+    return GGUFScheme("gguf", types=tuple(sorted(types.items())))
 
 
 def load_quant_scheme(model_dir: str | Path) -> QuantScheme:
@@ -229,6 +261,7 @@ _PARSERS: Mapping[str, Callable[[Mapping[str, Any]], QuantScheme]] = {
     "compressed-tensors": _parse_compressed_tensors,
     "modelopt": _parse_modelopt,
     "fp8": _parse_fp8,
+    "gguf": _parse_gguf,
 }
 
 

@@ -147,7 +147,7 @@ def config_only_checkpoint(path: Path) -> Checkpoint:
             _add(tensors, path, fmt.stored_name(name, role), code, stored_shape)
     generation = read_json(path.parent / "generation_config.json", required=False) if path.name == "config.json" \
         else {}
-    return Checkpoint(path=path, config=config, generation_config=generation, tensors=tensors)
+    return Checkpoint(path=path, config=config, generation_config=generation, tensors=tensors, origin="config")
 
 
 def _stored_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
@@ -193,4 +193,4 @@ def open_for_sizing(model: str) -> Checkpoint:
 
 def has_weights(ckpt: Checkpoint) -> bool:
     """False for a config-only checkpoint (its tensors point into the config file: nothing to read)."""
-    return not ckpt.path.is_file()
+    return ckpt.origin != "config"

@@ -13,14 +13,17 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import CheckpointError
-from moeserve.formats import Format, QuantScheme, load_quant_scheme
+from moeserve.formats import Format, QuantScheme, load_quant_scheme, parse_quant_config
 from moeserve.formats.catalog import DenseFormat
 
 _DENSE = DenseFormat()
 
 
 def checkpoint_scheme(ckpt: Checkpoint) -> QuantScheme:
-    """The quantization scheme of a checkpoint (config.json quantization_config or hf_quant_config.json)."""
+    """The quantization scheme of a checkpoint (config.json quantization_config or hf_quant_config.json; a GGUF's
+    config made from its header holds its own)."""
+    if ckpt.origin == "gguf":
+        return parse_quant_config(ckpt.config["quantization_config"])
     return load_quant_scheme(ckpt.path)
 
 

@@ -1,0 +1,199 @@
+"""What each GGUF architecture means in Hugging Face terms: its config.json, and the checkpoint name of each tensor.
+
+One `GGUFArch` per llama.cpp architecture (general.architecture), registered in `GGUF_ARCHS`: data only. `config`
+turns the metadata into the config.json the HF checkpoint would hold (keys `{arch}.block_count`, ... as llama.cpp's
+loader reads them, src/llama-arch.cpp), so the model registry reads a GGUF exactly as a folder; `tensor_names`
+gives each GGUF tensor's HF name(s) and the transform that undoes llama.cpp's converter (convert_hf_to_gguf.py):
+- a layer's experts, stacked [E, out, in] in one tensor, are E per-expert tensors (each one contiguous byte range);
+- llama (Mixtral) stores q/k rows permuted for ggml's rotary (`LlamaModel.permute`): un-permuted here;
+- qwen2moe's shared-expert gate [hidden] is the HF [1, hidden].
+An architecture, or a metadata key, that moeserve cannot map is refused in one line naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeserve.errors import CheckpointError, UnsupportedModelError
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+REQUIRED = object()  # a metadata key without a default
+
+_LAYER = "model.layers.{L}."
+# GGUF tensor name (after "blk.{L}.") -> HF name, the layers of Qwen-style checkpoints
+LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    "attn_norm.weight": _LAYER + "input_layernorm.weight",
+    "ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    **{f"attn_{g}.{kind}": f"{_LAYER}self_attn.{h}_proj.{kind}"
+       for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
+    "attn_q_norm.weight": _LAYER + "self_attn.q_norm.weight",
+    "attn_k_norm.weight": _LAYER + "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": _LAYER + "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": _LAYER + "mlp.shared_expert_gate.weight",
+    **{f"ffn_{p}_shexp.weight": f"{_LAYER}mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")},
+    **{f"ffn_{p}.weight": f"{_LAYER}mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+})
+EXPERT_TENSORS: Mapping[str, str] = MappingProxyType({
+    f"ffn_{p}_exps.weight": f"{_LAYER}mlp.experts.{{E}}.{p}_proj.weight" for p in ("gate", "up", "down")})
+GLOBAL_TENSORS: Mapping[str, str] = {"token_embd.weight": "model.embed_tokens.weight",
+                                     "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+# HF config key -> (GGUF key after "{arch}.", default); every architecture reads these
+COMMON_KEYS: Mapping[str, tuple[str, Any]] = {
+    "num_hidden_layers": ("block_count", REQUIRED),
+    "hidden_size": ("embedding_length", REQUIRED),
+    "num_attention_heads": ("attention.head_count", REQUIRED),
+    "max_position_embeddings": ("context_length", REQUIRED),
+    "rms_norm_eps": ("attention.layer_norm_rms_epsilon", REQUIRED),
+    "rope_theta": ("rope.freq_base", 10000.0),
+    "num_experts_per_tok": ("expert_used_count", REQUIRED),
+    "intermediate_size": ("feed_forward_length", 0),
+}
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """One llama.cpp architecture: its HF name and model_type, extra config keys, fixed values, tensor names."""
+
+    gguf_name: str
+    hf_architecture: str
+    model_type: str
+    keys: Mapping[str, tuple[str, Any]] = field(default_factory=dict)  # beyond COMMON_KEYS
+    fixed: Mapping[str, Any] = field(default_factory=dict)  # HF keys llama.cpp's graph implies (norm_topk_prob)
+    layer_tensors: Mapping[str, str] = field(default_factory=lambda: LAYER_TENSORS)
+    expert_tensors: Mapping[str, str] = field(default_factory=lambda: EXPERT_TENSORS)
+    permute_qk: bool = False  # q/k rows permuted by the converter (llama)
+
+    def config(self, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], where: Path
+               ) -> dict[str, Any]:
+        """The config.json of this GGUF (metadata `meta`, the GGUF tensors' shapes)."""
+        config: dict[str, Any] = {"architectures": [self.hf_architecture], "model_type": self.model_type,
+                                  "torch_dtype": "bfloat16", "hidden_act": "silu"}
+        for hf_key, (key, default) in {**COMMON_KEYS, **self.keys}.items():
+            full = f"{self.gguf_name}.{key}"
+            if full in meta:
+                config[hf_key] = _number(meta[full], full, where)
+            elif default is REQUIRED:
+                raise CheckpointError(f"{where}: metadata key '{full}' is missing ({self.gguf_name} needs it)")
+            elif default is not None:
+                config[hf_key] = default
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        config["vocab_size"] = _vocab_size(meta, tensor_shapes, where)
+        config["tie_word_embeddings"] = "output.weight" not in tensor_shapes
+        config["attention_bias"] = config["qkv_bias"] = "blk.0.attn_q.bias" in tensor_shapes
+        config.update(self.fixed)
+        if "mlp_only_layers" in self.fixed:  # Qwen: a block without a router is a dense MLP layer
+            config["mlp_only_layers"] = [L for L in range(config["num_hidden_layers"])
+                                         if f"blk.{L}.ffn_gate_inp.weight" not in tensor_shapes]
+        config.update(_rope_scaling(meta, self.gguf_name, where))
+        for key in ("bos_token_id", "eos_token_id"):
+            if f"tokenizer.ggml.{key}" in meta:
+                config[key] = meta[f"tokenizer.ggml.{key}"]
+        return config
+
+    def tensor_names(self, gguf_name: str, num_experts: int) -> tuple[str, list[str]] | None:
+        """("expert" | "dense", HF names) of a GGUF tensor: E names for stacked experts; None: not one it maps."""
+        if gguf_name in GLOBAL_TENSORS:
+            return "dense", [GLOBAL_TENSORS[gguf_name]]
+        m = _BLOCK.fullmatch(gguf_name)
+        if m is None:
+            return None
+        layer, stem = m.group(1), m.group(2)
+        if stem in self.expert_tensors:
+            return "expert", [self.expert_tensors[stem].format(L=layer, E=e) for e in range(num_experts)]
+        if stem in self.layer_tensors:
+            return "dense", [self.layer_tensors[stem].format(L=layer)]
+        return None
+
+    def transform(self, gguf_name: str, config: Mapping[str, Any]) -> Transform | None:
+        """What undoes the converter for this tensor (None: stored as HF holds it)."""
+        stem = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
+        if stem == "ffn_gate_inp_shexp.weight":
+            return lambda w: w.reshape(1, -1)
+        if self.permute_qk and stem in ("attn_q.weight", "attn_k.weight"):
+            heads = config["num_attention_heads"] if stem == "attn_q.weight" else config["num_key_value_heads"]
+            return lambda w: unpermute_rows(w, heads)
+        return None
+
+
+def unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The inverse of llama.cpp's `LlamaModel.permute`: per head, rows (pairs interleaved) back to halves."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _number(value: Any, key: str, where: Path) -> Any:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CheckpointError(f"{where}: metadata key '{key}' must be a number, got {str(value)[:40]}")
+    # GGUF floats are float32: the shortest decimal of that float32 is the value the HF config held (1e-06)
+    return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def _vocab_size(meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path) -> int:
+    if "token_embd.weight" not in shapes:
+        raise CheckpointError(f"{where}: tensor 'token_embd.weight' is missing")
+    rows = shapes["token_embd.weight"][0]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens and len(tokens) > rows:
+        raise CheckpointError(f"{where}: tokenizer.ggml.tokens holds {len(tokens)} tokens, but token_embd.weight "
+                              f"has {rows} rows")
+    return rows
+
+
+def _rope_scaling(meta: Mapping[str, Any], arch: str, where: Path) -> dict[str, Any]:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind not in ("yarn", "linear"):
+        raise UnsupportedModelError(f"{where}: metadata {arch}.rope.scaling.type={kind!r} is not supported "
+                                    "(none, linear, yarn)")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = meta.get(f"{arch}.rope.scaling.original_context_length")
+    return {"rope_scaling": scaling}
+
+
+_MIXTRAL = "model.layers.{L}.block_sparse_moe."
+GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
+    GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe",
+             keys={"num_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "head_dim": ("attention.key_length", None),
+                   "num_key_value_heads": ("attention.head_count_kv", None)},
+             fixed={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    GGUFArch("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe",
+             keys={"num_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "shared_expert_intermediate_size":
+                   ("expert_shared_feed_forward_length", 0), "num_key_value_heads": ("attention.head_count_kv", None)},
+             fixed={"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    GGUFArch("olmoe", "OlmoeForCausalLM", "olmoe",
+             keys={"num_experts": ("expert_count", REQUIRED), "num_key_value_heads": ("attention.head_count_kv", None),
+                   "clip_qkv": ("attention.clamp_kqv", None)},
+             fixed={"norm_topk_prob": False}),
+    GGUFArch("llama", "MixtralForCausalLM", "mixtral",
+             keys={"num_local_experts": ("expert_count", REQUIRED),
+                   "num_key_value_heads": ("attention.head_count_kv", None)},
+             layer_tensors={**LAYER_TENSORS, "ffn_gate_inp.weight": _MIXTRAL + "gate.weight"},
+             expert_tensors={f"ffn_{p}_exps.weight": f"{_MIXTRAL}experts.{{E}}.{w}.weight"
+                             for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
+             permute_qk=True),
+)}
+
+
+def gguf_arch(meta: Mapping[str, Any], where: Path) -> GGUFArch:
+    """The `GGUFArch` of general.architecture; one line naming the key and the supported ones otherwise."""
+    name = meta.get("general.architecture")
+    arch = GGUF_ARCHS.get(name) if isinstance(name, str) else None
+    if arch is None:
+        raise UnsupportedModelError(f"{where}: general.architecture={name!r} is not read by moeserve; supported: "
+                                    f"{', '.join(sorted(GGUF_ARCHS))}")
+    return arch
