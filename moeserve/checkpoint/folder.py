@@ -10,13 +10,15 @@ A GGUF file (or split files, or a folder holding them and no config.json) opens 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from moeserve.checkpoint import strict_json
-from moeserve.checkpoint.safetensors_file import FileReader, TensorRef, parse_header
+from moeserve.checkpoint.base import Checkpoint
+from moeserve.checkpoint.safetensors_file import TensorRef, parse_header
 from moeserve.errors import CheckpointError
+
+__all__ = ["Checkpoint", "hf_hub_cache", "open_checkpoint", "read_json", "resolve_model_path"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -80,52 +82,10 @@ def read_json(path: Path, required: bool = True) -> dict[str, Any]:
     return data
 
 
-@dataclass
-class Checkpoint:
-    """A validated model folder: parsed configs and a map of every tensor to its byte range."""
-
-    path: Path
-    config: dict[str, Any]
-    generation_config: dict[str, Any]
-    tensors: dict[str, TensorRef]
-    reader: FileReader = field(default_factory=FileReader, repr=False)
-    # "safetensors" (a HF folder), "gguf" (config and names made from a GGUF's header: checkpoint/gguf/open.py) or
-    # "config" (config.json alone, no weights: models/config_only.py)
-    origin: str = "safetensors"
-
-    def ref(self, name: str, shape: tuple[int, ...] | None = None) -> TensorRef:
-        """The TensorRef of `name`; if `shape` is given, check it matches what the config implies."""
-        ref = self.tensors.get(name)
-        if ref is None:
-            raise CheckpointError(f"{self.path}: tensor '{name}' is missing from the checkpoint")
-        if shape is not None and tuple(ref.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{ref.path}: tensor '{name}' has shape {list(ref.shape)}, but config.json implies {list(shape)}"
-            )
-        return ref
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-    def stored_dtype(self) -> str:
-        """The dtype code most bytes are stored in (the checkpoint's dtype)."""
-        totals: dict[str, int] = {}
-        for ref in self.tensors.values():
-            totals[ref.dtype_code] = totals.get(ref.dtype_code, 0) + ref.nbytes
-        return max(totals, key=lambda k: totals[k]) if totals else "F32"
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(r.nbytes for r in self.tensors.values())
-
-    def close(self) -> None:
-        self.reader.close()
-
-
 def open_checkpoint(model: str | os.PathLike[str]) -> Checkpoint:
     """Resolve and validate a model folder (or GGUF model). Reads config files and shard headers only."""
     path = resolve_model_path(str(model))
-    from moeserve.checkpoint.gguf.open import is_gguf, open_gguf  # imports this module
+    from moeserve.checkpoint.gguf.open import is_gguf, open_gguf
 
     if is_gguf(path):
         return open_gguf(path)

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from moeserve.errors import CheckpointError, UnsupportedModelError
 from moeserve.formats.base import Format, FusedCodes
-from moeserve.formats.gguf import GGUF_FORMATS
 from moeserve.formats.fp8_block import DEFAULT_BLOCK_SIZE, dequantize_fp8_block, fp8_block_scale_shape
+from moeserve.formats.gguf import GGUF_FORMATS
 from moeserve.formats.int4 import (
     INT4_DEFAULT_GROUP_SIZE,
     INT4_PER_WORD,
@@ -253,22 +253,18 @@ class Int8PerChannelFormat(Format):
 
 
 # Format name -> class. Read-only: adding a format means adding a class above and listing it here.
-FORMATS: Mapping[str, type[Format]] = MappingProxyType(
-    {
-        cls.name: cls
-        for cls in (
-            DenseFormat,
-            GptOssMxfp4Format,
-            CompressedTensorsMxfp4Format,
-            CompressedTensorsNvfp4Format,
-            CompressedTensorsInt4Format,
-            ModelOptNvfp4Format,
-            Fp8BlockFormat,
-            Int8PerChannelFormat,
-            *GGUF_FORMATS.values(),
-        )
-    }
+_CLASSES: tuple[type[Format], ...] = (
+    DenseFormat,
+    GptOssMxfp4Format,
+    CompressedTensorsMxfp4Format,
+    CompressedTensorsNvfp4Format,
+    CompressedTensorsInt4Format,
+    ModelOptNvfp4Format,
+    Fp8BlockFormat,
+    Int8PerChannelFormat,
+    *GGUF_FORMATS.values(),
 )
+FORMATS: Mapping[str, type[Format]] = MappingProxyType({cls.name: cls for cls in _CLASSES})
 
 
 def create_format(name: str, **options: Any) -> Format:

@@ -11,6 +11,7 @@ metadata (archs.py), every tensor under its HF name, as a byte range of the GGUF
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,13 +20,14 @@ from typing import Any
 
 import torch
 
-from moeserve.checkpoint.folder import Checkpoint
+from moeserve.checkpoint.base import Checkpoint
 from moeserve.checkpoint.gguf.archs import GGUFArch, Transform, gguf_arch
 from moeserve.checkpoint.gguf.header import GGUFHeader, TensorInfo, read_header
 from moeserve.checkpoint.gguf.quants import dequantize, is_readable
 from moeserve.checkpoint.safetensors_file import DTYPES, FileReader, TensorRef
 from moeserve.errors import CheckpointError, UnsupportedModelError
 
+log = logging.getLogger("moeserve")
 GGUF_METHOD = "gguf"  # quantization_config.quant_method of a GGUF checkpoint
 _SPLIT = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 _EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")
@@ -103,9 +105,19 @@ def open_gguf(path: Path) -> Checkpoint:
     config = arch.config(meta, {n: i.shape for n, i in infos.items()}, files[0])
     tensors, expert_types = _refs(arch, infos, config, files[0])
     config["quantization_config"] = {"quant_method": GGUF_METHOD, "tensor_types": expert_types}
+    _log_types(files, infos, expert_types)
     generation = {"eos_token_id": eog} if (eog := end_of_generation_ids(meta)) else {}
     return Checkpoint(path=files[0], config=config, generation_config=generation, tensors=tensors,
                       reader=GGUFFileReader(), origin="gguf")
+
+
+def _log_types(files: list[Path], infos: dict[str, TensorInfo], expert_types: dict[str, str]) -> None:
+    """One line: the experts' types (kept in every tier) and the other tensors stored quantized (dequantized at load)."""
+    experts = ", ".join(sorted(set(expert_types.values()))) or "a float type"
+    decoded = sorted({i.ggml_type.name for n, i in infos.items() if "_exps." not in n and not i.ggml_type.is_float})
+    count = sum(1 for n, i in infos.items() if "_exps." not in n and not i.ggml_type.is_float)
+    log.info("%s: GGUF of %d file(s); experts kept as %s in every tier; %d other tensors stored as %s are dequantized "
+             "at load into the compute dtype", files[0].name, len(files), experts, count, "/".join(decoded) or "-")
 
 
 def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
