@@ -16,6 +16,7 @@ def test_registry_lists_every_format():
         "nvfp4-modelopt",
         "fp8-block",
         "int8-per-channel",
+        *(f"gguf-{t}" for t in ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")),
     }
     for name, cls in FORMATS.items():
         assert cls.name == name and create_format(name).name == name
