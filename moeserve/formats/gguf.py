@@ -35,6 +35,9 @@ class GGUFFormat(Format):
         return (*w.shape[:-1], row_bytes // self.ggml.block_bytes * self.ggml.block_elems)
 
     def stored_shapes(self, shape: tuple[int, ...], dense_code: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        if shape[-1] % self.ggml.block_elems:
+            raise CheckpointError(f"{self.name}: rows of {shape[-1]} values do not hold whole "
+                                  f"{self.ggml.block_elems}-value blocks")
         return {"weight": ("U8", (*shape[:-1], self.ggml.row_bytes(shape[-1])))}
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
