@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from moeserve.errors import ConfigError
+from moeserve.experts.placement import check_placement
 
 ENV_PREFIX = "MOESERVE_"
 
@@ -113,6 +114,13 @@ class EngineSettings(BaseModel):
         "auto", description="how experts are held: interleaved = rows in blocks of 4 for the fused C++ op (bf16 or "
         "int8 SwiGLU experts with kernels=cpp), plain = as stored; auto = interleaved where it applies"
     )
+    placement: str = Field(
+        "auto", description="where a CUDA machine computes experts missing from GPU memory: gpu = copy each to a "
+        "GPU slot; hybrid = per layer call, computed by the CPU from host RAM or copied, whichever finishes sooner "
+        "(costs probed at start-up, re-checked as the run goes, logged, in /metrics); cpu = on the CPU once the GPU "
+        "slots are full; auto = gpu for now (the hybrid's GPU kernel has no GPU figure yet). Any placement gives "
+        "the same bits (docs/design/gpu.md)"
+    )
     decode_step: Literal["auto", "fused", "per_op"] = Field(
         "auto", description="decode-only steps: fused = every layer in one C++ call (resident row-interleaved "
         "experts, kernels=cpp, bf16 on CPU), per_op = one op call per piece from Python; auto = fused where it applies"
@@ -134,6 +142,11 @@ class EngineSettings(BaseModel):
     cache_trace: str | None = Field(
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
     )
+
+    @field_validator("placement")
+    @classmethod
+    def _placement_value(cls, value: str) -> str:
+        return check_placement(value)
 
     @field_validator("prefetch", mode="before")
     @classmethod

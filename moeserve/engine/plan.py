@@ -40,9 +40,17 @@ from moeserve.engine.choices import (
     store_options,
 )
 from moeserve.engine.sizing import memory_needs, size_for_context, spec_kv_groups
+from moeserve.experts.placement import Costs
 from moeserve.experts.spill import default_spill_root
 from moeserve.experts.store import StoreOptions
+from moeserve.memory.device import CudaOps
 from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES
+from moeserve.memory.probes import (
+    device_read_bandwidth,
+    host_to_device_bandwidth,
+    matmul_flops,
+    memory_bandwidth,
+)
 from moeserve.memory.sizing import TierSizes, size_tiers
 from moeserve.memory.split import MemoryNeeds, process_rss_bytes
 from moeserve.memory.topology import MemoryTopology, detect_topology
@@ -88,6 +96,16 @@ class StartupProbe:
         finally:
             self.kernel_seconds = time.monotonic() - t0
 
+    def placement_costs(self, device: torch.device) -> Costs | None:
+        """The hybrid placement's costs (experts/placement.py), measured now on `device` and the host (~1 s); None
+        on a CPU (nothing to place)."""
+        if device.type != "cuda":
+            return None
+        h2d = host_to_device_bandwidth(CudaOps(device), device)
+        return Costs(h2d.bytes_per_s, memory_bandwidth(256 * 2**20, 3), device_read_bandwidth(device),
+                     matmul_flops(torch.device("cpu")), matmul_flops(device),
+                     "measured at start-up" + (f"; {h2d.note}" if h2d.note else ""))
+
     def runtime_bytes(self) -> int:
         """What the process holds before the weights: its RSS now."""
         return process_rss_bytes()
@@ -116,6 +134,9 @@ class PlanningProbe(StartupProbe):
     def runtime_bytes(self) -> int:
         return RUNTIME_OVERHEAD_BYTES
 
+    def placement_costs(self, device: torch.device) -> Costs | None:
+        return None  # not measured: moeserve plan builds no model
+
     def interleaved_ops(self, int8: bool) -> bool:
         return True
 
@@ -143,6 +164,8 @@ class EnginePlan:
     store_options: StoreOptions
     choices: tuple[tuple[str, str], ...]  # (name, line) of each choice, as logged, in order
     kv_choices: tuple[tuple[str, str], ...]  # lines logged after the built KV cache's own ("KV cache")
+    placement: str = "auto"  # EngineSettings.placement; the model resolves it against its units (models/experts/hybrid.py)
+    placement_costs: Costs | None = None  # measured when a CUDA engine is asked for placement=hybrid or cpu
 
     @property
     def dtype_name(self) -> str:
@@ -170,7 +193,8 @@ class EnginePlan:
 
     @property
     def model_options(self) -> ModelOptions:
-        return ModelOptions(self.numerics, self.numerics_reason, self.dense_int8, self.decode_step)
+        return ModelOptions(self.numerics, self.numerics_reason, self.dense_int8, self.decode_step, self.placement,
+                            self.placement_costs)
 
 
 class _Lines:
@@ -233,9 +257,13 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     numerics, numerics_reason = choose_numerics(cpp, s.batch_invariant, dtype, device)
     kv_blocks = size_pools(groups, block_bytes, split.kv_bytes, s.block_size, s.max_num_seqs, batched,
                            split.max_model_len)
+    costs = probe.placement_costs(device) if s.placement in ("hybrid", "cpu") else None
+    if costs is not None:
+        lines.add("placement costs", costs.describe())
     return EnginePlan(device, dtype, threads, cpp, numerics, numerics_reason, s.quantization == "int8",
                       s.decode_step, batched, tuple(groups), tuple(block_bytes), tuple(kv_blocks), snapshots, needs,
-                      sizes, held, options, tuple(lines.items), _kv_choices(spec, dtype, groups, block_bytes, s))
+                      sizes, held, options, tuple(lines.items), _kv_choices(spec, dtype, groups, block_bytes, s),
+                      s.placement, costs)
 
 
 def _spill_root(s: EngineSettings) -> Path | None:

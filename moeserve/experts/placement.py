@@ -1,7 +1,7 @@
 """Where a MoE layer call's experts are computed on a GPU machine with host RAM: the placement policy (pure Python).
 
     costs = Costs(h2d_bytes_per_s=..., host_read_bytes_per_s=..., hbm_bytes_per_s=..., cpu_flops=..., gpu_flops=...)
-    chooser = PlacementChooser("auto", costs)
+    chooser = PlacementChooser("hybrid", costs)
     split = chooser.choose(hits, misses)   # hits: experts already in a GPU slot; misses: the others
     split.cpu                              # misses computed by the CPU from host RAM, where they sit
     split.copy                             # misses copied over PCIe to a GPU slot and computed there
@@ -16,7 +16,7 @@ models/experts/hybrid.py, overlaps them), so a call takes the longer of the two:
     gpu_compute_s(e) = max(unit bytes / hbm_bytes_per_s, tokens * flops / gpu_flops)
     copy_s(e) = unit bytes / h2d_bytes_per_s
 
-`auto` places the misses one at a time, most tokens first (ties: lower id first), each on the side whose finish
+`hybrid` places the misses one at a time, most tokens first (ties: lower id first), each on the side whose finish
 time grows least (ties: the CPU, which moves no bytes over PCIe). `gpu` copies every miss (the store's behaviour
 without a hybrid); `cpu` computes every miss on the CPU once the GPU's slots are full (`free_slots`: while slots
 are free a miss fills one, so the cache warms). The choice never changes a bit of the output: both sides compute an
@@ -34,7 +34,7 @@ import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-PLACEMENTS = ("auto", "gpu", "cpu")
+PLACEMENTS = ("auto", "gpu", "hybrid", "cpu")  # the `placement` setting; the chooser takes the last three
 RECHECK_CALLS = 256  # layer calls between two re-checks of the costs
 SMOOTHING = 0.25  # weight of a new measurement in the running rate
 
@@ -110,7 +110,9 @@ class PlacementChooser:
     """The per-call choice (module docstring). Pure: the same inputs give the same split."""
 
     def __init__(self, mode: str, costs: Costs) -> None:
-        self.mode, self.costs = check_placement(mode), costs
+        if check_placement(mode) == "auto":
+            raise ValueError("PlacementChooser: resolve placement=auto first (resolve_placement)")
+        self.mode, self.costs = mode, costs
 
     def choose(self, hits: Sequence[ExpertWork], misses: Sequence[ExpertWork], free_slots: int = 0) -> Split:
         """The split of `misses` for a call whose `hits` the GPU holds. `free_slots`: GPU slots free now (under
@@ -143,10 +145,32 @@ class PlacementChooser:
         return as_gpu < as_cpu
 
     def describe(self) -> str:
-        rule = {"auto": "each miss where the call finishes sooner (CPU from RAM vs copy over PCIe)",
+        rule = {"hybrid": "each miss where the call finishes sooner (CPU from RAM vs copy over PCIe)",
                 "gpu": "every miss copied to a GPU slot", "cpu": "every miss computed by the CPU from RAM once the "
                 "GPU slots are full"}[self.mode]
         return f"{self.mode}: {rule}; costs: {self.costs.describe()}"
+
+
+def resolve_placement(want: str, device_type: str, host_tier: bool, why_not_canonical: str | None) -> tuple[str, str]:
+    """(placement, reason) for the `placement` setting `want`: "none" on a machine without a GPU, else gpu, hybrid
+    or cpu. ValueError (one line) when an explicit hybrid or cpu cannot apply: no CUDA device, no host tier (unified
+    memory: one pool), or units without a canonical form on both devices (`why_not_canonical`)."""
+    check_placement(want)
+    if device_type == "cpu":
+        if want != "auto":
+            raise ValueError(f"placement={want} needs a CUDA device (this engine computes on the CPU)")
+        return "none", "CPU: every expert computed where it is held"
+    blocker = (None if host_tier else "no host tier (unified memory: one pool, the GPU computes every expert)") \
+        or why_not_canonical
+    if want in ("hybrid", "cpu") and blocker is not None:
+        raise ValueError(f"placement={want} is not possible here: {blocker} (use auto or gpu)")
+    if want == "gpu":
+        return "gpu", "asked for: every miss copied to a GPU slot"
+    if want != "auto":
+        return want, f"asked for: {'per layer call, from measured costs' if want == 'hybrid' else 'misses on the CPU'}"
+    return "gpu", (f"auto: every miss copied to a GPU slot ({blocker})" if blocker is not None else
+                   "auto: every miss copied to a GPU slot (the hybrid's GPU kernel, the canonical order in torch "
+                   "ops, has no GPU speed figure yet; placement=hybrid or cpu turns it on)")
 
 
 def typical_split(chooser: PlacementChooser, top_k: int, unit_bytes: int, flops_per_token: int) -> str:

@@ -165,3 +165,40 @@ def host_to_device_bandwidth(ops: DeviceOps, device: torch.device, nbytes: int =
     seconds = time.perf_counter() - t0
     note = "" if pinned else f"pinned memory unavailable ({why_not}): pageable, blocking copies"
     return Bandwidth(nbytes / max(seconds, 1e-9), nbytes, note)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_read_bandwidth(device: torch.device, nbytes: int = 256 * MiB, repeats: int = 3) -> float:
+    """Memory bandwidth of `device` in bytes/s: best of `repeats` copies of an `nbytes` buffer within it, counting
+    the bytes read and written (what a kernel streaming its weights once can hope for, read and write alike)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def matmul_flops(device: torch.device, rows: int = 256, k: int = 2048, repeats: int = 3) -> float:
+    """bf16 GEMM rate of `device` in flop/s: best of `repeats` [rows, k] x [k, k] products (a proxy for the expert
+    kernels' compute rate at prefill; decode is bound by bandwidth, measured apart)."""
+    a = torch.ones(rows, k, dtype=torch.bfloat16, device=device)
+    b = torch.ones(k, k, dtype=torch.bfloat16, device=device)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * k * k / best

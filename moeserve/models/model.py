@@ -17,9 +17,11 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import MoeserveError
+from moeserve.experts.placement import Costs
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
 from moeserve.models.decode_stack import choose_decode_step
+from moeserve.models.experts.hybrid import place_experts
 from moeserve.models.experts.kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.experts.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.experts.plans import ExpertPlan
@@ -58,6 +60,8 @@ class ModelOptions:
     numerics_reason: str = ""  # why these numerics (choose_numerics), for the start-up log
     dense_int8: bool = False  # quantization="int8": dense Linears as int8 (with the C++ ops; see build_model)
     decode_step: str = "auto"  # auto, fused, per_op (decode_stack.choose_decode_step)
+    placement: str = "auto"  # where missed experts are computed on a GPU machine (models/experts/hybrid.py)
+    placement_costs: Costs | None = None  # what the hybrid placement weighs (measured at start-up), or None
 
 
 class MoeModel:
@@ -169,8 +173,9 @@ def build_model(
     store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
                         expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
-    kernel = choose_expert_kernel(plan.math, numerics, dtype, device, top_k=spec.moe.top_k)
-    choices.append(("expert kernel", kernel.describe()))
+    kernel, placement = place_experts(choose_expert_kernel(plan.math, numerics, dtype, device, top_k=spec.moe.top_k),
+                                      plan.math, dtype, store, opts.placement, opts.placement_costs, spec)
+    choices += [("expert kernel", kernel.describe()), ("placement", placement)]
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))

@@ -2,11 +2,12 @@
 fake GPU's slots computed by the GPU side's canonical kernel (torch ops), missed experts either copied in or
 computed by the CPU's C++ op from the host tier, as the placement chooser decides per layer call; every step's
 logits equal to the all-resident run (C++ ops only) bit for bit, with the fast tier starting cold and warming up
-mid-run, under placements forced to GPU-only, CPU-only, and mixed (auto with costs that alternate a decode token's
+mid-run, under placements forced to GPU-only, CPU-only, and mixed (hybrid with costs that alternate a decode token's
 misses between the sides).
 
-The test hook is test-only: it wraps `choose_expert_kernel` (as tests/experts/test_three_tiers_batched.py does) so
-the offloaded engine runs `HybridExperts` on CPU, and three_tiers gives its store the fake GPU + a host tier.
+The engine is built as a user builds it with `placement=gpu|hybrid|cpu`, with two test-only hooks: three_tiers
+gives its store the fake GPU + a host tier (so the store's fast tier is a device's, and the placement applies), and
+the start-up probe reports hand-set costs instead of measuring a GPU (COSTS).
 """
 
 from __future__ import annotations
@@ -17,37 +18,37 @@ from typing import Any
 import pytest
 import torch
 
-from moeserve.experts.placement import Costs, PlacementChooser
+from moeserve.engine import plan as engine_plan
+from moeserve.experts.placement import Costs
 from moeserve.models import model as model_module
-from moeserve.models.experts.canonical import CanonicalExperts
+from moeserve.models.experts import hybrid as hybrid_module
 from moeserve.models.experts.hybrid import HybridExperts
-from moeserve.models.experts.kernels import choose_expert_kernel
 from tests.experts.test_three_tiers import FAST_UNITS, folder_of, logprob_tables, run, three_tiers
 
 __all__ = ["folder_of", "three_tiers"]  # fixtures, used by name
 
 FAST = 1e15  # compute and HBM so fast they never decide
 COSTS = {
-    "gpu": Costs(1, 1, FAST, FAST, FAST),
+    "gpu": Costs(FAST, 1, FAST, FAST, FAST),  # hybrid, copies free: every miss copied (the GPU side computes all)
     "cpu": Costs(1, 1, FAST, FAST, FAST),
-    # PCIe as fast as host DRAM: a decode token's misses alternate CPU, copy, CPU, copy (ties go to the CPU)
+    # hybrid, PCIe as fast as host DRAM: a decode token's misses alternate CPU, copy, CPU, copy (ties go to the CPU)
     "mixed": Costs(1, 1, FAST, FAST, FAST),
 }
 
 
 def install_hybrid(monkeypatch: pytest.MonkeyPatch, placement: str) -> list[HybridExperts]:
+    """From now on an engine's start-up probe reports COSTS[placement] as the measured placement costs; returns the
+    list the hybrid kernels built (by models/experts/hybrid.place_experts, as for a user) are appended to."""
     made: list[HybridExperts] = []
+    monkeypatch.setattr(engine_plan.StartupProbe, "placement_costs", lambda self, device: COSTS[placement])
 
-    def choose(math, numerics, dtype, device=torch.device("cpu"), batched=None, top_k=8):  # type: ignore[no-untyped-def]
-        cpu = choose_expert_kernel(math, numerics, dtype, device, top_k=top_k)
-        units = math.fused_units()
-        assert CanonicalExperts.supports(units, dtype), f"no canonical form for {type(math).__name__}"
-        mode = "auto" if placement == "mixed" else placement
-        kernel = HybridExperts(CanonicalExperts(math, units), cpu, PlacementChooser(mode, COSTS[placement]), 1)
-        made.append(kernel)
-        return kernel
+    def place(*args, **kwargs):  # type: ignore[no-untyped-def]
+        kernel, line = hybrid_module.place_experts(*args, **kwargs)
+        if isinstance(kernel, HybridExperts):
+            made.append(kernel)
+        return kernel, line
 
-    monkeypatch.setattr(model_module, "choose_expert_kernel", choose)
+    monkeypatch.setattr(model_module, "place_experts", place)
     return made
 
 
@@ -57,7 +58,8 @@ def check_hybrid_equals_resident(folder: Any, three_tiers: Callable, monkeypatch
     assert resident.resident
     three_tiers(resident.total_experts // 2)
     made = install_hybrid(monkeypatch, placement)
-    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30, **settings)
+    logits, outs, store = run(folder, expert_cache_gb=FAST_UNITS * resident.unit_nbytes / 2**30,
+                              placement="cpu" if placement == "cpu" else "hybrid", **settings)
     assert not store.resident and store.capacity == FAST_UNITS and len(made) == 1
     stats = made[0].snapshot()
     if placement != "gpu":  # (gpu-only: 3 slots for every layer's experts, each evicted before its layer returns)
@@ -87,3 +89,22 @@ def test_hybrid_mixed_placement_every_canonical_family_and_format(folder_of, thr
     settings = {"quantization": "int8"} if case == "int8" else {}
     check_hybrid_equals_resident(folder_of(case), three_tiers, monkeypatch, "mixed", case, **settings)
 
+
+
+def test_the_placement_line_and_refusals(folder_of, three_tiers, monkeypatch) -> None:
+    from moeserve.engine.llm import LLM
+    from moeserve.errors import ConfigError
+
+    folder = folder_of("qwen3_moe")
+    cpu = LLM(str(folder), skip_tokenizer_init=True, threads=1)
+    try:
+        assert dict(cpu.engine.model.choices)["placement"].startswith("every expert resident")
+    finally:
+        cpu.engine.close()
+    with pytest.raises(ConfigError, match="placement=cpu needs a CUDA device"):
+        LLM(str(folder), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7, placement="cpu")
+    three_tiers(4)
+    install_hybrid(monkeypatch, "mixed")
+    with pytest.raises(ConfigError, match="placement=hybrid is not possible here: 4-bit and gpt-oss units"):
+        LLM(str(folder_of("nvfp4-ct")), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7,
+            placement="hybrid")

@@ -96,9 +96,16 @@ class CanonicalExperts(ExpertKernel):
         self._silu: dict[torch.device, torch.Tensor] = {}  # the table, per device it was needed on
 
     @staticmethod
-    def supports(units: FusedUnits | None, dtype: torch.dtype) -> bool:
-        """Whether these units have a canonical form here: SwiGLU (the fused op, not a 4-bit spec), bf16 compute."""
-        return units is not None and units.spec is None and units.stack_op == "fused" and dtype == torch.bfloat16
+    def why_not(units: FusedUnits | None, dtype: torch.dtype) -> str | None:
+        """None when these units have a canonical form on both devices (SwiGLU units of the fused C++ op, bf16 or
+        int8, computed in bf16), else why not (one line)."""
+        if dtype != torch.bfloat16:
+            return f"the canonical expert order is bf16's (compute dtype {str(dtype).removeprefix('torch.')})"
+        if units is not None and units.spec is not None:
+            return "4-bit and gpt-oss units (moe_q4_experts_): no canonical GPU kernel for them yet"
+        if units is None or units.stack_op != "fused":
+            return "units without a fused C++ SwiGLU op (stored formats, relu2): no canonical GPU kernel for them yet"
+        return None
 
     def _matrix(self, w: ExpertWeights, field: int, rows: int, k: int) -> torch.Tensor:
         t = w[field]

@@ -28,10 +28,29 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.experts.placement import CostTracker, ExpertWork, PlacementChooser, Split
+from moeserve import kernels
+from moeserve.errors import ConfigError
+from moeserve.experts.placement import (
+    Costs,
+    CostTracker,
+    ExpertWork,
+    PlacementChooser,
+    Split,
+    resolve_placement,
+    typical_split,
+)
 from moeserve.experts.store import ExpertStore
 from moeserve.models.experts.canonical import CanonicalExperts
-from moeserve.models.experts.kernels import Chunk, ExpertKernel, RoutedTokens, add_in_expert_order
+from moeserve.models.experts.kernels import (
+    Chunk,
+    ExpertKernel,
+    RoutedTokens,
+    add_in_expert_order,
+    choose_expert_kernel,
+)
+from moeserve.models.experts.unit_math import UnitMath
+from moeserve.models.numerics import Numerics
+from moeserve.models.spec import ModelSpec
 
 log = logging.getLogger("moeserve")
 
@@ -140,3 +159,33 @@ class HybridExperts(ExpertKernel):
     def describe(self) -> str:
         return (f"hybrid (GPU: {self.gpu.describe()}; CPU, overlapped: {self.cpu.describe()}; placement "
                 f"{self.chooser.describe()})")
+
+
+def place_experts(kernel: ExpertKernel, math: UnitMath, dtype: torch.dtype, store: ExpertStore, want: str,
+                  costs: Costs | None, spec: ModelSpec) -> tuple[ExpertKernel, str]:
+    """(the kernel the MoE layers run, the start-up log's placement line) for the `placement` setting `want`:
+    `kernel` as chosen, or a HybridExperts whose CPU side is the C++ op on the same units (experts/placement.py
+    resolve_placement says when; an explicit placement that cannot apply raises ConfigError)."""
+    if store.resident:
+        return kernel, "every expert resident in the fast tier: nothing to place"
+    units = math.fused_units()
+    why_not = CanonicalExperts.why_not(units, dtype)
+    device = "cuda" if store.copier is not None else store.device.type  # a device fast tier (tests: a fake one)
+    if why_not is None and want in ("hybrid", "cpu") and store.device.type != "cpu":
+        status = kernels.load("native")  # the CPU side's ops, in a process that computes on a GPU
+        why_not = None if status.available else f"the C++ expert ops are not available ({status.reason})"
+    try:
+        mode, reason = resolve_placement(want, device, store.loader.host is not None, why_not)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if mode not in ("hybrid", "cpu"):
+        return kernel, reason
+    if costs is None:
+        raise ConfigError(f"placement={want}: no placement costs were measured (a CUDA engine measures them)")
+    assert units is not None  # resolve_placement checked them
+    flops = 6 * spec.hidden_size * spec.moe.intermediate_size  # gate_up [2I, H] and down [H, I]: 3HI multiply-adds
+    cpu = choose_expert_kernel(math, Numerics(cpp=True, batch_invariant=True), dtype)  # canonical at any batch
+    chooser = PlacementChooser(mode, costs)
+    tracker = CostTracker(chooser, spec.moe.top_k, store.unit_nbytes, flops)
+    hybrid = HybridExperts(CanonicalExperts(math, units), cpu, chooser, flops, tracker)
+    return hybrid, f"{reason}; {typical_split(chooser, spec.moe.top_k, store.unit_nbytes, flops)}"
