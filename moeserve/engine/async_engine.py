@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.errors import MoeserveError
+from moeserve.models.model import placement_stats
 
 log = logging.getLogger("moeserve")
 
@@ -250,6 +251,11 @@ class AsyncEngine:
         """The loaded engine's ExpertStore (its statistics for /metrics), or None while loading or without one."""
         model = getattr(self.engine, "model", None)
         return getattr(model, "store", None)
+
+    def placement_stats(self) -> Any:
+        """The hybrid placement's (PlacementStats, Costs) for /metrics, or None (loading, or no hybrid placement)."""
+        model = getattr(self.engine, "model", None)
+        return None if model is None or not hasattr(model, "moe_blocks") else placement_stats(model)
 
     def degraded(self) -> str | None:
         """None when healthy, else one line: the engine serves, but some requests fail (LLMEngine.health_problem)."""

@@ -181,6 +181,17 @@ def typical_split(chooser: PlacementChooser, top_k: int, unit_bytes: int, flops_
 
 
 @dataclass
+class PlacementStats:
+    """Expert computations by where they ran, since start-up (exported by /metrics)."""
+
+    gpu_hits: int = 0  # experts already in a GPU slot
+    copied: int = 0  # misses copied to a GPU slot and computed there
+    cpu: int = 0  # misses computed by the CPU from host RAM
+    cpu_seconds: float = 0.0  # wall time of the CPU side
+    calls: int = 0
+
+
+@dataclass
 class CostTracker:
     """The costs as the run goes: rates measured on real calls (`observe_*`) folded in every `RECHECK_CALLS`
     calls; `recheck` returns a log line when the typical decode call's split changed (None otherwise)."""

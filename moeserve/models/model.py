@@ -17,7 +17,7 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import MoeserveError
-from moeserve.experts.placement import Costs
+from moeserve.experts.placement import Costs, PlacementStats
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
 from moeserve.models.decode_stack import choose_decode_step
@@ -132,6 +132,11 @@ class MoeModel:
         for i, block in enumerate(self.moe_blocks):
             inner = block.routing.inner if isinstance(block.routing, ForcedRouting) else block.routing
             block.routing = inner if forced is None else ForcedRouting(inner, functools.partial(forced, i))
+
+
+def placement_stats(model: MoeModel) -> tuple[PlacementStats, Costs] | None:
+    """The hybrid placement's counters and costs (/metrics), or None when every expert is computed where held."""
+    return model.moe_blocks[0].experts.placement_stats() if model.moe_blocks else None
 
 
 def link_prefetch(blocks: list[MoEBlock]) -> None:

@@ -146,6 +146,7 @@ class ServerMetrics:
         for counter in (self.prompt_tokens, self.generation_tokens, self.request_success, self.rejected):
             lines += counter.render(self.labels)
         lines += _expert_lines(engine, self.labels)
+        lines += _placement_lines(engine, self.labels)
         lines += _sequence_memory_lines(engine, self.labels)
         lines += _choice_lines(engine, self.labels)
         return "\n".join(lines + vllm_lines(lines)) + "\n"
@@ -213,6 +214,29 @@ def _sequence_memory_lines(engine: Any, labels: dict[str, str]) -> list[str]:
         lines += _gauge(metric, doc, stats[key], labels, "counter")
     lines += _gauge("last_step_prefill_tokens", "Prefill tokens in the last engine step (chunked prefill: at most "
                     "max_num_batched_tokens).", stats["last_step_prefill_tokens"], labels)
+    return lines
+
+
+def _placement_lines(engine: Any, labels: dict[str, str]) -> list[str]:
+    """The hybrid placement (placement=hybrid or cpu on a GPU machine): expert computations by where they ran, the
+    CPU side's time and the costs the chooser weighs now (re-checked as the run goes)."""
+    get = getattr(engine, "placement_stats", None)
+    found = get() if get is not None else None
+    if found is None:
+        return []
+    stats, costs = found
+    name = PREFIX + "expert_placements_total"
+    lines = [f"# HELP {name} Routed experts computed, by where: gpu_hit (in a GPU slot), copied (a miss copied to a "
+             "GPU slot), cpu (a miss computed by the CPU from host RAM).", f"# TYPE {name} counter"]
+    for where, value in (("gpu_hit", stats.gpu_hits), ("copied", stats.copied), ("cpu", stats.cpu)):
+        lines.append(f"{name}{_labels({**labels, 'where': where})} {_fmt(value)}")
+    lines += _gauge("expert_cpu_side_seconds_total", "Wall seconds of the hybrid placement's CPU side.",
+                    stats.cpu_seconds, labels, "counter")
+    name = PREFIX + "expert_placement_cost"
+    lines += [f"# HELP {name} The placement chooser's costs now (bytes/s or flop/s; {costs.source}).",
+              f"# TYPE {name} gauge"]
+    for kind in ("h2d_bytes_per_s", "host_read_bytes_per_s", "hbm_bytes_per_s", "cpu_flops", "gpu_flops"):
+        lines.append(f"{name}{_labels({**labels, 'kind': kind})} {_fmt(getattr(costs, kind))}")
     return lines
 
 

@@ -108,3 +108,19 @@ def test_the_placement_line_and_refusals(folder_of, three_tiers, monkeypatch) ->
     with pytest.raises(ConfigError, match="placement=hybrid is not possible here: 4-bit and gpt-oss units"):
         LLM(str(folder_of("nvfp4-ct")), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7,
             placement="hybrid")
+
+
+def test_metrics_show_where_experts_ran_and_the_costs() -> None:
+    from moeserve.experts.placement import PlacementStats
+    from moeserve.server.metrics import _placement_lines
+
+    class Engine:
+        def placement_stats(self):  # type: ignore[no-untyped-def]
+            return PlacementStats(gpu_hits=7, copied=2, cpu=5, cpu_seconds=0.25, calls=3), COSTS["mixed"]
+
+    text = "\n".join(_placement_lines(Engine(), {"model_name": "m"}))
+    assert 'moeserve:expert_placements_total{model_name="m",where="cpu"} 5' in text
+    assert 'moeserve:expert_placements_total{model_name="m",where="gpu_hit"} 7' in text
+    assert 'moeserve:expert_placement_cost{kind="h2d_bytes_per_s",model_name="m"} 1' in text
+    assert "moeserve:expert_cpu_side_seconds_total" in text
+    assert _placement_lines(object(), {}) == []

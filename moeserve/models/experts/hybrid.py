@@ -24,7 +24,6 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +34,7 @@ from moeserve.experts.placement import (
     CostTracker,
     ExpertWork,
     PlacementChooser,
+    PlacementStats,
     Split,
     resolve_placement,
     typical_split,
@@ -53,17 +53,6 @@ from moeserve.models.numerics import Numerics
 from moeserve.models.spec import ModelSpec
 
 log = logging.getLogger("moeserve")
-
-
-@dataclass
-class PlacementStats:
-    """Expert computations by where they ran, since start-up (exported by /metrics)."""
-
-    gpu_hits: int = 0  # experts already in a GPU slot
-    copied: int = 0  # misses copied to a GPU slot and computed there
-    cpu: int = 0  # misses computed by the CPU from host RAM
-    cpu_seconds: float = 0.0  # wall time of the CPU side
-    calls: int = 0
 
 
 class HybridExperts(ExpertKernel):
@@ -155,6 +144,9 @@ class HybridExperts(ExpertKernel):
         with self._lock:
             s = self.stats
             return PlacementStats(s.gpu_hits, s.copied, s.cpu, s.cpu_seconds, s.calls)
+
+    def placement_stats(self) -> tuple[PlacementStats, Costs]:
+        return self.snapshot(), self.chooser.costs
 
     def describe(self) -> str:
         return (f"hybrid (GPU: {self.gpu.describe()}; CPU, overlapped: {self.cpu.describe()}; placement "

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.experts.placement import Costs, PlacementStats
 from moeserve.experts.store import ExpertStore, ExpertWeights
 from moeserve.models.experts.unit_math import FusedUnits, UnitMath
 from moeserve.models.numerics import Numerics
@@ -102,6 +103,10 @@ class ExpertKernel(ABC):
     def describe(self) -> str:
         """One line for the start-up log."""
         return self.name
+
+    def placement_stats(self) -> tuple[PlacementStats, Costs] | None:
+        """Where this kernel's experts were computed, and the costs it weighs (/metrics); None: all where held."""
+        return None
 
 
 class TorchExperts(ExpertKernel):
