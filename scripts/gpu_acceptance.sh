@@ -2,6 +2,7 @@
 # GPU acceptance: the first thing to run on a CUDA machine (the CUDA path is otherwise tested only through fakes).
 #
 #   scripts/gpu_acceptance.sh [--quick]      # --quick: the bench on the small shape only (no 7.5 GB build)
+#   scripts/gpu_acceptance.sh --hybrid-only  # step 5 alone (about 5 minutes on the small shape, rerunnable warm)
 #
 # Steps, each PASS / FAIL in the table printed at the end (exit status 1 if any failed):
 #   1. gpu tests         every test marked gpu (pytest -m gpu): the CUDA store, quantized formats on CUDA, ...
@@ -11,16 +12,24 @@
 #                        (scripts/gpu_memory_check.py: memory_gb below the model's size makes that true on any GPU)
 #   4. bench small/large `moeserve bench --device cuda --peers none` on the small and large shapes (tokens/s per
 #                        case, moeserve on the GPU: its experts in GPU slots <- pinned RAM <- disk)
+#   5. hybrid            the hybrid placement (scripts/gpu_hybrid_check.py, under `timeout`): CPU- vs GPU-computed
+#                        experts bit for bit (bf16, int8; 4-bit units reported as not covered), then decode b1 / b8
+#                        and prefill 512 with memory_gb a third of the small shape (a GPU holding a small share of
+#                        the experts), each with the HBM, PCIe H2D and host DRAM ceilings probed beside it and every
+#                        path's bytes/s as a fraction of its ceiling; peak GPU memory <= memory_gb; placement=hybrid
+#                        and placement=cpu give the same logits every step
 # Environment: PYTHON (default .venv/bin/python), OUT (logs and JSON; default a new temporary folder).
 # Without CUDA it says so in one line and exits 2, running nothing.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-.venv/bin/python}
 QUICK=0
+HYBRID_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --quick) QUICK=1 ;;
-    *) echo "gpu_acceptance: unknown argument '$arg' (did you mean --quick?)" >&2; exit 2 ;;
+    --hybrid-only) HYBRID_ONLY=1 ;;
+    *) echo "gpu_acceptance: unknown argument '$arg' (valid: --quick, --hybrid-only)" >&2; exit 2 ;;
   esac
 done
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -49,6 +58,19 @@ step() {  # step NAME LOGFILE DETAIL-COMMAND -- COMMAND...
   tail -n 3 "$log"
 }
 
+hybrid_step() {
+  step "hybrid" "$OUT/hybrid.log" "grep -E '^hybrid check' '$OUT/hybrid.log'" -- \
+    timeout 420 env PYTHONPATH="$PWD" "$PY" scripts/gpu_hybrid_check.py --shape small
+  echo; echo "hybrid (scripts/gpu_hybrid_check.py):"; grep -vE '^(W[0-9]|WARNING|Failed to load)' "$OUT/hybrid.log" | tail -n 20
+}
+if [ "$HYBRID_ONLY" -eq 1 ]; then
+  hybrid_step
+  echo; echo "GPU acceptance, hybrid only ($(cat "$OUT/device.txt"))"
+  for row in "${ROWS[@]}"; do echo "$row"; done
+  echo "logs: $OUT"
+  exit "$FAILED"
+fi
+
 step "gpu tests" "$OUT/gpu_tests.log" "tail -n 1 '$OUT/gpu_tests.log'" -- \
   "$PY" -m pytest -q -p no:cacheprovider -m gpu tests
 step "cuda == resident" "$OUT/three_tiers.log" "tail -n 1 '$OUT/three_tiers.log'" -- \
@@ -65,6 +87,7 @@ for shape in "${SHAPES[@]}"; do
   echo; echo "moeserve bench --shape $shape --device cuda (its own table):"
   tail -n 25 "$OUT/bench_$shape.log"
 done
+hybrid_step
 
 echo
 echo "GPU acceptance ($(cat "$OUT/device.txt"))"
