@@ -158,10 +158,13 @@ def place_experts(kernel: ExpertKernel, math: UnitMath, dtype: torch.dtype, stor
     """(the kernel the MoE layers run, the start-up log's placement line) for the `placement` setting `want`:
     `kernel` as chosen, or a HybridExperts whose CPU side is the C++ op on the same units (experts/placement.py
     resolve_placement says when; an explicit placement that cannot apply raises ConfigError)."""
-    if store.resident:
-        return kernel, "every expert resident in the fast tier: nothing to place"
     units = math.fused_units()
     why_not = CanonicalExperts.why_not(units, dtype)
+    if store.resident:
+        if want in ("hybrid", "cpu") and why_not is None and units is not None and store.device.type != "cpu":
+            # the same kernel as the GPU side of an offloaded run: resident == offloaded under this placement
+            return CanonicalExperts(math, units), "every expert resident on the GPU: all on the canonical kernel"
+        return kernel, "every expert resident in the fast tier: nothing to place"
     device = "cuda" if store.copier is not None else store.device.type  # a device fast tier (tests: a fake one)
     if why_not is None and want in ("hybrid", "cpu") and store.device.type != "cpu":
         status = kernels.load("native")  # the CPU side's ops, in a process that computes on a GPU
