@@ -51,6 +51,10 @@ SLOW: dict[str, str] = {
         "MiniMax-M2 FP8 written, dequantized and against transformers (12 s)",
     "models/test_deepseek_v3.py::test_kimi_k25_serves_the_language_model_only":
         "Kimi-K2.5 against transformers' multimodal class (6 s)",
+    "models/test_deepseek_v3.py::test_kimi_k25_bf16_offloaded_and_batched_equal_resident_alone":
+        "Kimi-K2.5 resident, offloaded, alone, batched and preempted (15 s at load 10)",
+    "models/test_minimax_m2.py::test_fp8_bf16_offloaded_equals_resident_and_batched_equals_alone":
+        "MiniMax-M2 FP8 resident, offloaded, alone, batched and preempted (11 s at load 10)",
     "models/test_qwen3_next.py::test_qwen35_text_only_class_matches_transformers":
         "Qwen3.5 text-only class against transformers (5 s)",
     "models/test_nemotron_h.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
