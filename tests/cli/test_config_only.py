@@ -298,7 +298,8 @@ def test_expert_parameters_equal_the_checkpoints_expert_tensors(folders, case: s
 
 # Published parameter counts (billions), whether the publisher's "active" counts the embedding table, and where each
 # figure comes from. Kimi-K2.5's text model is Kimi-K2's (its config.json's text_config: tests/data/reference_configs
-# Kimi-K2.json under the K2.5 wrapper, INT4 experts as Kimi-K2-Thinking ships them); MiniMax-M2's config is
+# Kimi-K2.json under the K2.5 wrapper, INT4 experts as Kimi-K2-Thinking ships them, its ignore list in K2.5's module
+# names); MiniMax-M2's config is
 # transformers' MiniMaxM2Config defaults (no published config.json was found offline).
 PUBLISHED_SIZES = {
     # DeepSeek-V3 technical report (arXiv:2412.19437): "671B total parameters with 37B activated for each token"
@@ -313,7 +314,7 @@ PUBLISHED_SIZES = {
 
 
 def published_config(name: str) -> dict:
-    from tests.models.test_int4_pack_quantized import KIMI_K2_THINKING
+    from tests.models.test_int4_pack_quantized import KIMI_K2_THINKING, KIMI_K25_IGNORE
     from tests.models.test_minimax_m2 import PUBLISHED
 
     if name == "MiniMax-M2":
@@ -324,7 +325,7 @@ def published_config(name: str) -> dict:
         return config
     return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "tie_word_embeddings": False,
             "text_config": {k: v for k, v in config.items() if k not in ("architectures", "quantization_config")},
-            "quantization_config": KIMI_K2_THINKING}
+            "quantization_config": {**KIMI_K2_THINKING, "ignore": KIMI_K25_IGNORE}}
 
 
 @pytest.mark.parametrize("name", PUBLISHED_SIZES)

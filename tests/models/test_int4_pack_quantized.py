@@ -1,7 +1,8 @@
 """compressed-tensors ``pack-quantized`` INT4 experts: Kimi-K2-Thinking's W4A16 (int4 symmetric, one bf16 scale per
 32 inputs, ``weight_packed`` int32 of 8 codes, ``weight_shape``), formats/int4.py + ``int4-ct`` in formats/catalog.py.
 
-The checkpoints: a tiny DeepseekV3ForCausalLM (Kimi-K2's class) and a tiny Qwen3-MoE, written by transformers in bf16
+The checkpoints: a tiny DeepseekV3ForCausalLM (Kimi-K2's class), a tiny Kimi-K2.5 (its multimodal class: names under
+language_model.*, INT4 experts as it ships) and a tiny Qwen3-MoE, written by transformers in bf16
 (correction biases randomized), whose routed experts are quantized by compressed-tensors' OWN code (`calculate_qparams`
 for the scales, `PackedQuantizationCompressor.compress` for the stored tensors) with Kimi-K2-Thinking's scheme, and
 its ``quantization_config`` written by compressed-tensors' `QuantizationConfig` with Kimi-K2-Thinking's ignore list
@@ -34,11 +35,15 @@ from moeserve.errors import UnsupportedModelError
 from moeserve.formats import load_quant_scheme
 from tests.models import exactness as X
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
+from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
 
 GROUP_SIZE = 32
 # Kimi-K2-Thinking's config.json quantization_config "ignore" (moonshotai/Kimi-K2-Thinking)
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
-IGNORE = {"deepseek_v3": KIMI_IGNORE, "qwen3_moe": [*KIMI_IGNORE, "re:.*mlp.gate$"]}
+# Kimi-K2.5's, in its checkpoint's module names (the language model under language_model.; its published list was not
+# available offline): compressed-tensors matches a plain name whole, so "lm_head" alone would not name its head
+KIMI_K25_IGNORE = ["language_model.lm_head", *KIMI_IGNORE[1:]]
+IGNORE = {"deepseek_v3": KIMI_IGNORE, "kimi_k25": KIMI_K25_IGNORE, "qwen3_moe": [*KIMI_IGNORE, "re:.*mlp.gate$"]}
 ARCHS = tuple(IGNORE)
 
 
@@ -66,7 +71,7 @@ def is_quantized(name: str, arch: str) -> bool:
     from compressed_tensors.utils.match import match_name
 
     module = name.removesuffix(".weight")
-    linear = name.endswith("_proj.weight") and name.startswith("model.layers.")
+    linear = name.endswith("_proj.weight") and name.startswith(("model.layers.", "language_model.model.layers."))
     return linear and not any(match_name(module, target) for target in IGNORE[arch])
 
 
@@ -135,6 +140,7 @@ def float32_reference(src: Path, quantized: Path, folder: Path) -> Path:
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("int4_pack_quantized")
     srcs = {"deepseek_v3": write_deepseek(root / "deepseek_v3-bf16", torch.bfloat16),
+            "kimi_k25": write_tiny_kimi_k25(root / "kimi_k25-bf16", torch.bfloat16),
             "qwen3_moe": write_tiny_checkpoint(root / "qwen3_moe-bf16", "qwen3_moe", "bfloat16")}
     return {**{f"{a}-bf16": s for a, s in srcs.items()}, **{a: write_int4(s, root / a, a) for a, s in srcs.items()}}
 
@@ -181,10 +187,11 @@ def test_the_nibble_is_offset_binary_as_compressed_tensors_packs_it() -> None:
 def test_matches_transformers_on_the_decompressed_weights(folders: dict[str, Path], arch: str,
                                                          tmp_path: Path) -> None:
     """fp32: transformers' greedy tokens, logprobs within 1e-4, on compressed-tensors' float32 decoding."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Kimi_K25ForConditionalGeneration
 
     reference = float32_reference(folders[f"{arch}-bf16"], folders[arch], tmp_path / "ref")
-    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    model_class = Kimi_K25ForConditionalGeneration if arch == "kimi_k25" else AutoModelForCausalLM  # multimodal
+    model = model_class.from_pretrained(reference, dtype=torch.float32).eval()
     choices = X.assert_matches_transformers(folders[arch], model, prompts())
     assert "experts stored as int4-ct in every tier" in choices["experts"]
 
