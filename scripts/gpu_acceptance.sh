@@ -13,7 +13,7 @@
 #   4. bench small/large `moeserve bench --device cuda --peers none` on the small and large shapes (tokens/s per
 #                        case, moeserve on the GPU: its experts in GPU slots <- pinned RAM <- disk)
 #   5. hybrid            the hybrid placement (scripts/gpu_hybrid_check.py, under `timeout`): CPU- vs GPU-computed
-#                        experts bit for bit (bf16, int8; 4-bit units reported as not covered), then decode b1 / b8
+#                        experts bit for bit (bf16, int8 units), then decode b1 / b8
 #                        and prefill 512 with memory_gb a third of the small shape (a GPU holding a small share of
 #                        the experts), each with the HBM, PCIe H2D and host DRAM ceilings probed beside it and every
 #                        path's bytes/s as a fraction of its ceiling; peak GPU memory <= memory_gb; placement=hybrid

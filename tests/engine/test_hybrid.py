@@ -83,7 +83,8 @@ def test_hybrid_placements_equal_resident(folder_of, three_tiers, monkeypatch, p
     check_hybrid_equals_resident(folder_of("qwen3_moe"), three_tiers, monkeypatch, placement, placement)
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "int8"])
+@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "gpt_oss", "int8",
+                                  "nvfp4-ct", "mxfp4-gpt-oss"])
 def test_hybrid_mixed_placement_every_canonical_family_and_format(folder_of, three_tiers, monkeypatch,
                                                                    case: str) -> None:
     settings = {"quantization": "int8"} if case == "int8" else {}
@@ -105,8 +106,8 @@ def test_the_placement_line_and_refusals(folder_of, three_tiers, monkeypatch) ->
         LLM(str(folder), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7, placement="cpu")
     three_tiers(4)
     install_hybrid(monkeypatch, "mixed")
-    with pytest.raises(ConfigError, match="placement=hybrid is not possible here: 4-bit and gpt-oss units"):
-        LLM(str(folder_of("nvfp4-ct")), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7,
+    with pytest.raises(ConfigError, match="placement=hybrid is not possible here: units without a fused C"):
+        LLM(str(folder_of("fp8-block")), skip_tokenizer_init=True, threads=1, expert_cache_gb=1e-7,
             placement="hybrid")
 
 
@@ -124,3 +125,38 @@ def test_metrics_show_where_experts_ran_and_the_costs() -> None:
     assert 'moeserve:expert_placement_cost{kind="h2d_bytes_per_s",model_name="m"} 1' in text
     assert "moeserve:expert_cpu_side_seconds_total" in text
     assert _placement_lines(object(), {}) == []
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "mxfp4-gpt-oss", "nvfp4-ct", "mxfp4-ct", "nvfp4-modelopt", "int8"])
+def test_canonical_kernel_equals_the_models_cpu_kernel(folder_of, case: str) -> None:
+    """The GPU side's kernel on a model's own units (as loaded, every format) against the kernel the CPU engine
+    chose for them, bit for bit, on random token rows: the C++ ops of every unit kind the hybrid takes."""
+    from moeserve.engine.llm import LLM
+    from moeserve.models.experts.canonical import CanonicalExperts
+    from moeserve.models.experts.kernels import RoutedTokens
+
+    llm = LLM(str(folder_of(case)), skip_tokenizer_init=True, threads=1,
+              quantization="int8" if case.startswith("int8") else "none")
+    try:
+        block = llm.engine.model.moe_blocks[0]
+        units = llm.engine.model.store.resident_units(block.layer)
+        kernel = block.experts
+        assert kernel.name.startswith("cpp"), kernel.describe()
+        ours = CanonicalExperts(kernel.math, kernel.math.fused_units())
+        gen = torch.Generator().manual_seed(1)
+        n, e, k = 24, len(units), block.spec.top_k
+        x = torch.randn(n, llm.engine.model.spec.hidden_size, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        weights = torch.rand(n * k, generator=gen)[order]
+        routed = RoutedTokens.from_counts(x, ids, order // k, weights, torch.bincount(ids.reshape(-1), minlength=e)
+                                          .tolist())
+        outs = []
+        for kern in (kernel, ours):
+            out = torch.zeros_like(x)
+            kern.run(out, routed, [[(i, units[i]) for i in routed.experts]])
+            outs.append(out)
+        assert outs[0].isfinite().all() and outs[0].abs().sum() > 0
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), ours.describe()
+    finally:
+        llm.engine.close()

@@ -89,6 +89,12 @@ class UnitMath(ABC):
         """Why no fused op reads these units (`fused_units` is None), for the start-up log; None: nothing to say."""
         return None
 
+    def dense_projections(self, w: ExpertWeights) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None:
+        """The units moe_q4_experts_ reads (`fused_units().spec`) as (weight [out, in] holding the values the op
+        decodes, bias or None) per projection, gate_up then down (valid until the next call); None: not such
+        units. The hybrid placement's GPU side computes on them (models/experts/canonical.py)."""
+        return None
+
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T for one expert (x [T, in], W [out, in]: F.linear) or G stacked ones (x [G, M, in], W [G, out, in])."""
@@ -210,6 +216,10 @@ class InterleavedGptOss(UnitMath):
     def fused_units(self) -> FusedUnits:
         return self.units
 
+    def dense_projections(self, w: ExpertWeights) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        gate_up, gate_up_bias, down, down_bias = self._dense(w)
+        return (gate_up, gate_up_bias), (down, down_bias)
+
 
 # ------------------------------------------------------------------------------------ stored (quantized) formats
 # (x [T, H], dense weights [out, in] per projection, bias per projection or None) -> [T, H]
@@ -297,6 +307,12 @@ class DequantizingKernel(UnitMath):
 
     def why_not_fused(self) -> str | None:
         return self._why_not
+
+    def dense_projections(self, w: ExpertWeights) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...] | None:
+        if self._fused is None or self._fused.spec is None:
+            return None
+        return tuple(zip(self.dequantize(w), (None if p.bias_field is None else w[p.bias_field]
+                                              for p in self.projections), strict=True))
 
 
 class Int8Kernel(UnitMath):
