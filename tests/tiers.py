@@ -47,6 +47,8 @@ SLOW: dict[str, str] = {
     "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
         "Qwen3-Next solo, batched and preempted (11 s)",
     "models/test_nemotron_h.py::test_tiny_matches_transformers": "Nemotron-H against transformers (17 s)",
+    "models/test_int4_pack_quantized.py::test_matches_transformers_on_the_decompressed_weights":
+        "DeepSeek-V3, Kimi-K2.5 and Qwen3-MoE INT4 against transformers (4 to 22 s each at load 10)",
     "models/test_minimax_m2.py::test_fp8_checkpoint_matches_transformers_on_its_dequantization":
         "MiniMax-M2 FP8 written, dequantized and against transformers (12 s)",
     "models/test_deepseek_v3.py::test_kimi_k25_serves_the_language_model_only":

@@ -136,13 +136,28 @@ def float32_reference(src: Path, quantized: Path, folder: Path) -> Path:
     return folder
 
 
+WRITERS = {"deepseek_v3": lambda folder: write_deepseek(folder, torch.bfloat16),
+           "kimi_k25": lambda folder: write_tiny_kimi_k25(folder, torch.bfloat16),
+           "qwen3_moe": lambda folder: write_tiny_checkpoint(folder, "qwen3_moe", "bfloat16")}
+
+
+class Folders(dict):
+    """arch -> its int4 checkpoint, `arch-bf16` -> the bf16 one it was made from: written on first use."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key: str) -> Path:
+        arch = key.removesuffix("-bf16")
+        src = self[f"{arch}-bf16"] = WRITERS[arch](self.root / f"{arch}-bf16")
+        self[arch] = write_int4(src, self.root / arch, arch)
+        return self[key]
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("int4_pack_quantized")
-    srcs = {"deepseek_v3": write_deepseek(root / "deepseek_v3-bf16", torch.bfloat16),
-            "kimi_k25": write_tiny_kimi_k25(root / "kimi_k25-bf16", torch.bfloat16),
-            "qwen3_moe": write_tiny_checkpoint(root / "qwen3_moe-bf16", "qwen3_moe", "bfloat16")}
-    return {**{f"{a}-bf16": s for a, s in srcs.items()}, **{a: write_int4(s, root / a, a) for a, s in srcs.items()}}
+    return Folders(tmp_path_factory.mktemp("int4_pack_quantized"))
 
 
 def prompts(seed: int = 0) -> list[list[int]]:
