@@ -208,8 +208,8 @@ def _layer_choices(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, layers
         choices.append(("routing", moe_blocks[0].routing.describe()))
     if spec.skipped_layers:
         skipped = [ref.nbytes for name, ref in ckpt.tensors.items() if is_skipped(arch, spec, name)]
-        choices.append(("skipped layers", f"num_nextn_predict_layers={spec.skipped_layers}: the multi-token-"
-                        f"prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
+        choices.append(("skipped layers", f"{spec.skipped_layers} announced (num_nextn_predict_layers, MiniMax-M2's "
+                        f"num_mtp_modules): the multi-token-prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch) + _activation_scales(ckpt, load.scheme)
     linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]

@@ -237,7 +237,7 @@ def _check_layer_count(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) ->
     on the depth."""
     deepest = max((layer for name in ckpt.tensors if (layer := layer_of(arch, name)) is not None), default=-1)
     if deepest >= spec.num_layers + spec.skipped_layers:
-        skipped = f" + {spec.skipped_layers} skipped (num_nextn_predict_layers)" if spec.skipped_layers else ""
+        skipped = f" + {spec.skipped_layers} skipped (num_nextn_predict_layers or num_mtp_modules)" if spec.skipped_layers else ""
         raise CheckpointError(
             f"{ckpt.path / 'config.json'}: num_hidden_layers={spec.num_layers}{skipped}, but the checkpoint holds "
             f"tensors of layer {deepest} ({deepest + 1} layers); the config does not belong to these weights"
