@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moeserve.errors import ConfigError
 from moeserve.experts.placement import check_placement
@@ -56,6 +56,11 @@ class EngineSettings(BaseModel):
         None, gt=0, description="everything the process may hold, GiB (2**30 bytes): resident weights, expert cache, "
         "KV pool, read buffers and runtime; split at start-up (logged) or refused before loading (default: free "
         "memory less headroom)"
+    )
+    request_memory_mb: float | None = Field(
+        None, ge=0, description="what the HTTP server's requests may hold at once (bodies, parsing, tokenization), "
+        "MiB, a part of the memory budget; beyond it requests get 503 (default: `moeserve serve` reserves what two "
+        "of the largest bodies take, max_request_body_mb x 20; none elsewhere)"
     )
     kv_cache_gb: float | None = Field(
         None, gt=0, description="size of the paged KV pool inside the memory budget, GiB (default: chosen by the "
@@ -173,7 +178,10 @@ class ServerSettings(BaseModel):
     generation_config: str = Field(
         "auto", description="request sampling defaults: auto (the model's generation_config.json), vllm (none), or "
         "a folder holding a generation_config.json")
-    api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints")
+    api_key: str | None = Field(None, description="require this bearer token on /v1 endpoints (visible in `ps`: "
+                                "prefer api_key_file or MOESERVE_API_KEY)")
+    api_key_file: str | None = Field(None, description="read the API key from this file (its first line), so it "
+                                     "is not on the command line")
     max_queued_requests: int = Field(64, ge=0, description="requests waiting beyond max_num_seqs before 503")
     shutdown_timeout: float = Field(30.0, ge=0, description="seconds to drain in-flight requests on SIGTERM")
     disable_log_requests: bool = Field(
@@ -181,6 +189,20 @@ class ServerSettings(BaseModel):
         "and GET /health polls never are"
     )
     max_request_body_mb: float = Field(16.0, gt=0, description="largest request body accepted, in MB (413 beyond)")
+    max_connections: int | None = Field(
+        None, ge=1, description="open connections at most; one beyond closes the oldest idle one (default: 3/4 of "
+        "the open-file limit, at most 4096)")
+    max_concurrent_requests: int = Field(
+        256, ge=1, description="requests in progress at most (/health and /metrics apart); 503 beyond")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="seconds a connection may take to send a request's head (line and headers), from "
+        "its opening or its previous answer; closed beyond")
+    body_timeout_s: float = Field(60.0, gt=0, description="seconds a request body may take to arrive; 408 beyond")
+    timeout_keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    template_timeout_s: float = Field(
+        10.0, gt=0, description="seconds a chat template may take to render one request; 400 beyond")
+    template_max_output_mb: float = Field(
+        64.0, gt=0, description="largest text a chat template may render for one request, MB; 400 beyond")
     responses_store_max: int = Field(
         1000, ge=0, description="responses kept in memory for /v1/responses previous_response_id (oldest evicted "
         "first; 0 keeps none)")
@@ -195,6 +217,12 @@ class ServerSettings(BaseModel):
         if isinstance(names, list) and not [n for n in names if str(n).strip()]:
             raise ValueError("give at least one name, or leave served_model_name unset")
         return names
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> ServerSettings:
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give api_key or api_key_file, not both")
+        return self
 
     @field_validator("api_key")
     @classmethod

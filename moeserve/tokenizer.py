@@ -19,6 +19,13 @@ from typing import Any
 
 from moeserve.checkpoint.folder import read_json
 from moeserve.errors import CheckpointError, RequestError
+from moeserve.template_limits import (
+    LimitedSandbox,
+    RenderLimits,
+    TemplateLimitError,
+    joined_within,
+    within_time,
+)
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -127,7 +134,6 @@ class Tokenizer:
     @cached_property
     def _compiled(self) -> Any:
         import jinja2.ext
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise jinja2.exceptions.TemplateError(message)
@@ -137,8 +143,7 @@ class Tokenizer:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+        env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -150,9 +155,11 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        limits: RenderLimits | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` with the model's template (same text as transformers' apply_chat_template)."""
+        """Render `messages` with the model's template (same text as transformers' apply_chat_template); within
+        `limits` (template_limits.py) when given: else TemplateLimitError."""
         if self.chat_template is None:
             raise RequestError("this model has no chat template; use completions, or pass --chat-template FILE",
                                param="messages")
@@ -164,9 +171,16 @@ class Tokenizer:
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
+        variables = {"messages": chat, "tools": tools, "documents": None,
+                     "add_generation_prompt": add_generation_prompt, **self.special_tokens, **kwargs}
         try:
-            return str(self._compiled.render(messages=chat, tools=tools, documents=None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **{**self.special_tokens, **kwargs}))
+            if limits is None:
+                return str(self._compiled.render(**variables))
+            template = self._compiled
+            template.environment.max_output_chars = limits.max_output_chars  # renders run on one thread
+            return within_time(lambda: joined_within(template.generate(**variables), limits.max_output_chars),
+                               limits.timeout_s)
         except jinja2.exceptions.TemplateError as err:
             raise RequestError(f"chat template error: {err}", param="messages") from None
+        except TemplateLimitError as err:
+            raise RequestError(str(err), param="messages") from None

@@ -1,15 +1,18 @@
 """`moeserve serve MODEL`: the OpenAI-compatible HTTP server.
 
-The socket opens first and the model loads in the engine thread meanwhile (/health answers 503 "Loading model"
-until it is ready, as llama.cpp does). Uvicorn's "Uvicorn running on ..." and "Application startup complete" lines
+The listening socket is bound first, before anything loads (a port another server holds is one line at once, and
+of two servers started together on one port exactly one gets it), then handed to uvicorn; the model loads in the
+engine thread meanwhile (/health answers 503 "Loading model" until it is ready, as llama.cpp does). Uvicorn's "Uvicorn running on ..." and "Application startup complete" lines
 are held back until the model is loaded, so the log reads in order: model, placement and budgets with reasons,
 "Loading weights took ...", the listening address, "Application startup complete". SIGTERM stops accepting
-requests (503 while draining), lets in-flight ones finish for up to --shutdown-timeout seconds, and exits 0.
+requests while the socket stays open (new requests and /health get 503 `shutting_down`), lets in-flight ones finish
+for up to --shutdown-timeout seconds, then closes the socket and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import logging
 import math
@@ -17,9 +20,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -28,9 +32,14 @@ from moeserve.engine.sampling_defaults import describe_defaults, server_sampling
 from moeserve.errors import MoeserveError
 from moeserve.preflight import check_engine_settings
 
+if TYPE_CHECKING:
+    from moeserve.server.connections import ServeConfig
+
 log = logging.getLogger("moeserve")
 
 _HELD_UVICORN_LINES = ("Uvicorn running on", "Application startup complete")
+LISTEN_BACKLOG = 2048  # uvicorn's default
+DRAIN_POLL_S = 0.05
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -108,21 +117,50 @@ def describe_model(engine: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Settings checked (the port, then the engine's) before anything loads; then serve until stopped."""
+    """Settings checked (the key file, the engine's) and the socket bound before anything loads; then serve until
+    stopped."""
     engine_settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model_path)
-    server_settings: ServerSettings = settings_from_args(ServerSettings, args)
-    check_port_free(server_settings.host, server_settings.port)  # before the model loads, not after
-    check_engine_settings(engine_settings)  # a bad setting: one line now, not once the server runs
-    if server_settings.generation_config not in ("auto", "vllm"):  # a folder: its file read now, not at load
-        server_sampling(server_settings.generation_config, {})
-    return _serve(engine_settings, server_settings)
+    server_settings = with_key_from_file(settings_from_args(ServerSettings, args))
+    engine_settings = with_request_memory(engine_settings, server_settings)
+    with bind_socket(server_settings.host, server_settings.port) as sock:  # before the model loads, not after
+        check_engine_settings(engine_settings)  # a bad setting: one line now, not once the server runs
+        if server_settings.generation_config not in ("auto", "vllm"):  # a folder: its file read now, not at load
+            server_sampling(server_settings.generation_config, {})
+        return _serve(engine_settings, server_settings, sock)
 
 
-def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> int:
+def with_key_from_file(settings: ServerSettings) -> ServerSettings:
+    """`api_key_file`'s first line as the API key (ConfigError, one line, when it cannot be read or is empty)."""
+    from moeserve.errors import ConfigError
+
+    if settings.api_key_file is None:
+        return settings
+    try:
+        lines = Path(settings.api_key_file).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"api_key_file {settings.api_key_file}: cannot read it ({err})") from None
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"api_key_file {settings.api_key_file}: its first line is empty; write the key there")
+    return settings.model_copy(update={"api_key": key})
+
+
+def with_request_memory(engine: EngineSettings, server: ServerSettings) -> EngineSettings:
+    """request_memory_mb, when unset: what two of the largest bodies take (server/request_memory.py's charge)."""
+    from moeserve.server.request_memory import RequestMemory
+
+    if engine.request_memory_mb is not None:
+        return engine
+    largest = RequestMemory.cost(int(server.max_request_body_mb * 1e6))
+    return engine.model_copy(update={"request_memory_mb": math.ceil(2 * largest / 2**20)})
+
+
+def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, sock: socket.socket) -> int:
     from moeserve.engine.async_engine import AsyncEngine
     from moeserve.engine.llm_engine import LLMEngine
     from moeserve.server.app import build_app
     from moeserve.server.metrics import ServerMetrics
+    from moeserve.server.request_memory import RequestMemory
     from moeserve.server.state import ServerState
 
     names = served_names(server_settings, engine_settings.model)
@@ -167,39 +205,63 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings) -> 
 
     async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
                                engine_settings.max_num_seqs + server_settings.max_queued_requests, on_loaded)
-    state = ServerState(async_engine, server_settings, name, ServerMetrics(name), aliases=names)
-    app = build_app(state)
-    config = uvicorn.Config(app, host=server_settings.host, port=server_settings.port, log_config=None,
-                            access_log=not server_settings.disable_log_requests,
-                            timeout_graceful_shutdown=math.ceil(server_settings.shutdown_timeout))
-    server = DrainingServer(config, state, hold.listening)
-    server.run()
+    memory = RequestMemory(int((engine_settings.request_memory_mb or 0) * 2**20))
+    state = ServerState(async_engine, server_settings, name, ServerMetrics(name), aliases=names,
+                        request_memory=memory)
+    server = DrainingServer(serve_config(build_app(state), server_settings, sock), state, hold.listening)
+    server.run(sockets=[sock])
     if outcome["exit_code"] == 0:
         log.info("server stopped")
     return outcome["exit_code"]
 
 
-def check_port_free(host: str, port: int) -> None:
-    """Raise ConfigError (one line) when host:port cannot be listened on (another server holds it, or the address
-    is not this machine's): said at once, before minutes of loading rather than after. Binds as uvicorn does
-    (SO_REUSEADDR) and closes at once."""
+def serve_config(app: Any, settings: ServerSettings, sock: socket.socket | None = None) -> ServeConfig:
+    """uvicorn's config with the connection limits (server/connections.py), logged with their reasons."""
+    from moeserve.server.connections import (
+        ConnectionLimits,
+        ServeConfig,
+        max_connections_choice,
+        open_file_limit,
+    )
+
+    max_connections, why = max_connections_choice(settings.max_connections, open_file_limit(),
+                                                  settings.max_concurrent_requests)
+    log.info("connections: at most %d open (%s), %d requests in progress (max_concurrent_requests); a request's "
+             "head within %g s (header_timeout_s, 16 KiB at most), its body within %g s (body_timeout_s, %g MB at "
+             "most); idle keep-alive closed after %g s (timeout_keep_alive_s)", max_connections, why,
+             settings.max_concurrent_requests, settings.header_timeout_s, settings.body_timeout_s,
+             settings.max_request_body_mb, settings.timeout_keep_alive_s)
+    host, port = (settings.host, settings.port) if sock is None else sock.getsockname()[:2]
+    return ServeConfig(app, ConnectionLimits(max_connections, settings.header_timeout_s), host=host, port=port,
+                       log_config=None, access_log=not settings.disable_log_requests,
+                       timeout_keep_alive=math.ceil(settings.timeout_keep_alive_s),
+                       timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout))
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket for host:port, bound and listening now, before minutes of loading (handed to uvicorn).
+    Raises ConfigError (one line) when another process holds the port or the address is not this machine's. Binds as
+    uvicorn does (SO_REUSEADDR), so a restart does not wait for TIME_WAIT; of two servers started together, one
+    gets the port and the other this error."""
     from moeserve.errors import ConfigError
 
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} (check --host)") from None
     family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as err:
-            why = "another process is listening there; stop it or choose another --port" \
-                if err.errno == errno.EADDRINUSE else "check --host and --port"
-            raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} ({why})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as err:
+        sock.close()
+        why = "another process is listening there; stop it or choose another --port" \
+            if err.errno == errno.EADDRINUSE else "check --host and --port"
+        raise ConfigError(f"cannot listen on {host}:{port}: {err.strerror} ({why})") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _quiet_health_polls(record: logging.LogRecord) -> bool:
@@ -218,7 +280,10 @@ def _chat_format_name(state: Any) -> str:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn.Server whose signal handler first marks the app as draining (new requests get 503)."""
+    """uvicorn.Server that drains as documented: its signal handler marks the app as draining, and the socket stays
+    open (new requests and /health get 503 `shutting_down`) until the requests in flight finish or
+    shutdown_timeout passes; then uvicorn's own shutdown closes the socket and the connections. Accept errors
+    (EMFILE) are logged once in a while, not a traceback each (server/connections.py)."""
 
     def __init__(self, config: uvicorn.Config, state: Any, listening: Callable[[str], None] = lambda url: None
                  ) -> None:
@@ -227,12 +292,23 @@ class DrainingServer(uvicorn.Server):
         self.listening = listening
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        from moeserve.server.connections import AcceptErrorLog
+
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         await super().startup(sockets)
         if self.should_exit or not self.servers:
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]  # the real port, when --port 0
         host = f"[{host}]" if ":" in host else host
         self.listening(f"http://{host}:{port}")
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timeout = float(self.state.settings.shutdown_timeout)
+        deadline = time.monotonic() + timeout
+        while self.state.engine.num_in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)  # still listening: new requests meanwhile get 503 shutting_down
+        self.config.timeout_graceful_shutdown = max(1, math.ceil(deadline - time.monotonic()))
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.draining:

@@ -44,7 +44,8 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[K
     staging = (4 + (BYPASS_BUFFERS if s.expert_admission == "policy" else 0)) * unit
     workspace = batched_workspace_bytes(spec.hidden_size, m.intermediate_size or 0, dtype.itemsize, unit)
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
-                       staging, acts + rotary, runtime_bytes, workspace)
+                       staging, acts + rotary, runtime_bytes, workspace,
+                       request_bytes=int((s.request_memory_mb or 0) * 2**20))
 
 
 def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec

@@ -7,7 +7,7 @@ Rules, in order:
    memory/budget.py (max(HEADROOM_MIN_BYTES, HEADROOM_FRACTION of free)), logged as derived. A memory_gb above
    what is free now is allowed; its line says so (the OS may swap).
 2. The fixed parts come first: resident weights (everything but the experts), the expert store's read buffers,
-   and the runtime: one step's activations (`activation_bytes`) and the rotary tables, plus, with memory_gb only,
+   what the HTTP server's requests may hold (request_memory_mb, `moeserve serve` only), and the runtime: one step's activations (`activation_bytes`) and the rotary tables, plus, with memory_gb only,
    the process's RSS measured at start-up (interpreter, torch, tokenizer) and what it grows by later
    (`process_growth_bytes`: 2%, at least 8 MiB). Without memory_gb that RSS is already
    outside free memory and is not charged twice. room = B - fixed.
@@ -63,6 +63,7 @@ class MemoryNeeds:
     process_bytes: int = 0  # the process's RSS at start-up: charged against memory_gb (free memory excludes it)
     # the GPU's batched expert kernel's stacked (dequantized) weights; charged as runtime on CUDA only (sizing.py)
     expert_workspace_bytes: int = 0
+    request_bytes: int = 0  # what the HTTP server's requests may hold (request_memory_mb; server/request_memory.py)
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,12 @@ class MemorySplit:
     # (name, value with its reason), in this order: "memory budget", "KV pool", "placement", "max_model_len".
     # The engine logs them at start-up as "name: value" (its choices), `moeserve plan` prints them the same way.
     lines: tuple[tuple[str, str], ...]
+    request_bytes: int = 0  # the server's requests (a fixed part, named in the "memory budget" line when set)
 
     @property
     def total_bytes(self) -> int:
-        return self.resident_bytes + self.staging_bytes + self.overhead_bytes + self.expert_bytes + self.kv_bytes
+        return (self.resident_bytes + self.staging_bytes + self.overhead_bytes + self.expert_bytes + self.kv_bytes
+                + self.request_bytes)
 
 
 def kv_for(needs: MemoryNeeds, tokens: int, seqs: int = 1) -> int:
@@ -140,7 +143,7 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
     total = r.fixed + kv + expert_bytes
     lines = (
         ("memory budget", f"{budget.why}: resident weights {fmt_bytes(n.resident_bytes)} + read buffers "
-                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(budget.runtime)} + KV pool "
+                          f"{fmt_bytes(n.staging_bytes)} + runtime {fmt_bytes(budget.runtime)}{_requests(n)} + KV pool "
                           f"{fmt_bytes(kv)} + experts {fmt_bytes(expert_bytes)} = {fmt_bytes(total)}"),
         ("KV pool", f"{fmt_bytes(kv)} ({kv_why})"),
         ("placement", f"{capacity} of {n.total_experts} experts in the fast tier, {fmt_bytes(expert_bytes)} "
@@ -148,7 +151,12 @@ def split_memory(needs: MemoryNeeds, *, memory_gb: float | None, expert_cache_gb
         ("max_model_len", ctx_line),
     )
     return MemorySplit(None if memory_gb is None else budget.nbytes, budget.nbytes, n.resident_bytes,
-                       n.staging_bytes, budget.runtime, capacity, expert_bytes, kv, ctx, lines)
+                       n.staging_bytes, budget.runtime, capacity, expert_bytes, kv, ctx, lines, n.request_bytes)
+
+
+def _requests(n: MemoryNeeds) -> str:
+    """The server's request memory as a term of the budget's sum (nothing when there is none)."""
+    return f" + requests {fmt_bytes(n.request_bytes)} (request_memory_mb)" if n.request_bytes else ""
 
 
 def _budget(n: MemoryNeeds, memory_gb: float | None, free_bytes: int) -> _Budget:
@@ -169,9 +177,9 @@ def _budget(n: MemoryNeeds, memory_gb: float | None, free_bytes: int) -> _Budget
 
 def _room(n: MemoryNeeds, b: _Budget, max_model_len: int | None) -> _Room:
     """2. the fixed parts first; 3. what they leave must hold one expert and the KV of one sequence."""
-    fixed = n.resident_bytes + n.staging_bytes + b.runtime
+    fixed = n.resident_bytes + n.staging_bytes + b.runtime + n.request_bytes
     parts = (f"resident weights {fmt_bytes(n.resident_bytes)} + read buffers {fmt_bytes(n.staging_bytes)} + "
-             f"runtime {fmt_bytes(b.runtime)}")
+             f"runtime {fmt_bytes(b.runtime)}{_requests(n)}")
     min_ctx = max_model_len or min(MIN_CONTEXT, n.model_max_len)
     r = _Room(fixed, b.nbytes - fixed, parts, max_model_len or n.model_max_len, min_ctx, kv_for(n, min_ctx))
     unit = n.unit_nbytes

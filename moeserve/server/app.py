@@ -8,7 +8,6 @@ fake engine (anything with LLMEngine's add_request / abort_request / step / has_
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -22,7 +21,7 @@ from moeserve.engine.async_engine import State
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.errors import APIError, install_error_handlers, model_not_found
-from moeserve.server.guard import RequestGuard
+from moeserve.server.guard import GuardLimits, RequestGuard, key_matches
 from moeserve.server.messages.protocol import CountTokensRequest, MessagesRequest
 from moeserve.server.messages.serving import count_tokens, create_message
 from moeserve.server.metrics import StatsLogger
@@ -55,13 +54,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 def _api_key_check(state: ServerState) -> Any:
     expected = state.settings.api_key
 
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        header = request.headers.get("authorization", "")
-        # Bearer (OpenAI clients), or x-api-key (Anthropic clients)
-        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+    async def check(request: Request) -> None:  # the guard checked first (before the body); kept for the route
+        if expected is not None and not key_matches(dict(request.scope.get("headers") or []), expected):
             raise APIError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
 
     return Depends(check)
@@ -107,7 +101,10 @@ def build_app(state: ServerState, manage_engine: bool = True) -> FastAPI:
                   redoc_url=None if keyed else "/redoc")
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, max_body_bytes=int(state.settings.max_request_body_mb * 1e6))
+    settings = state.settings
+    app.add_middleware(RequestGuard, limits=GuardLimits(
+        int(settings.max_request_body_mb * 1e6), settings.api_key, settings.max_concurrent_requests,
+        settings.body_timeout_s, state.request_memory))
     auth = [_api_key_check(state)]
     if keyed:
         _keyed_docs(app, auth)

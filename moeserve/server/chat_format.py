@@ -54,6 +54,7 @@ from moeserve.server.reasoning import (
 from moeserve.server.streaming import Delta
 from moeserve.server.structured import grammar_spec
 from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
+from moeserve.template_limits import RenderLimits
 
 log = logging.getLogger("moeserve")
 
@@ -250,8 +251,9 @@ _TAKES_TEXT_ARGUMENTS = re.compile(r"""arguments(?:'\]|"\])?\s+is\s+string""")
 class TemplateChat(ChatFormat):
     name = "jinja chat template"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, limits: RenderLimits | None = None) -> None:
         self.tokenizer = tokenizer
+        self.limits = limits  # time and output size of one render (template_timeout_s, template_max_output_mb)
         template = getattr(tokenizer, "chat_template", None)
         self.template = template if isinstance(template, str) else None
         self.tool_parser = tool_parser_for(self.template)
@@ -372,6 +374,7 @@ class TemplateChat(ChatFormat):
             rendered = [_template_message(m, self.null_content, self.arguments_as_text) for m in messages]
             return str(self.tokenizer.apply_chat_template(rendered,
                                                           add_generation_prompt=add_generation_prompt, tools=tools,
+                                                          **({"limits": self.limits} if self.limits else {}),
                                                           **kwargs))
         except RequestError:
             raise
@@ -462,6 +465,8 @@ CHAT_FORMATS: dict[str, Callable[[Any, Path | None], ChatFormat]] = {
 }
 
 
-def chat_format_for(model_type: str | None, tokenizer: Any, model_folder: Path | None) -> ChatFormat:
+def chat_format_for(model_type: str | None, tokenizer: Any, model_folder: Path | None,
+                    limits: RenderLimits | None = None) -> ChatFormat:
+    """The chat format of `model_type`; a jinja template renders within `limits`."""
     make = CHAT_FORMATS.get(model_type or "")
-    return make(tokenizer, model_folder) if make is not None else TemplateChat(tokenizer)
+    return make(tokenizer, model_folder) if make is not None else TemplateChat(tokenizer, limits)

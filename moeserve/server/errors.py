@@ -10,6 +10,7 @@ anything unexpected. Messages are cut to MAX_MESSAGE_CHARS: a validation error m
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeserve.engine.async_engine import EngineDeadError, EngineLoadingError, QueueFullError
 from moeserve.errors import ExpertLoadError, MoeserveError, RequestError
 from moeserve.server.log_text import client_text
+from moeserve.server.protocol import printable
 
 log = logging.getLogger("moeserve.server")
 
@@ -89,27 +91,72 @@ def from_exception(err: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(err).__name__}", "server_error", code="internal_error")
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "function-after", "json-or-python"})
+_SHOWN_VALUE_CHARS = 40  # a wrong value is quoted in the error when it is a scalar this short
+
+
+def client_path(loc: tuple[Any, ...] | list[Any]) -> list[str]:
+    """A pydantic error location as the path the client wrote: "body" and union branch tags ("list[int]",
+    "function-after[...]") dropped, so no Python repr reaches the client. Items: a field name or an index."""
+    out: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            out.append(str(part))
+        elif part != "body" and part.isidentifier() and part not in _TYPE_TAGS:
+            out.append(part)
+    return out
+
+
+def _joined(path: list[str]) -> str:
+    return ".".join(path)  # messages.0.content: as the errors of OpenAI's API write it
+
+
+def _shown_value(value: Any) -> str:
+    """` (got 1.5)`: the value that broke the rule, when it is a short scalar; never a container or a long text."""
+    if isinstance(value, bool) or value is None:
+        return f" (got {'null' if value is None else str(value).lower()})"
+    if isinstance(value, (int, float)):
+        text = repr(value)
+        return f" (got {text})" if len(text) <= _SHOWN_VALUE_CHARS else ""
+    if isinstance(value, str) and len(value) <= _SHOWN_VALUE_CHARS:
+        return f" (got the string {printable(value)!r})"
+    return ""
+
+
+def _rule(message: str) -> str:
+    """pydantic's message without any Python repr left in it (an object address, a function)."""
+    return _PY_REPR.sub("...", message)
+
+
+_PY_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>|functools\.partial\([^)]*\)")
+
+
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """One line in the client's terms: each broken rule as `field (got value): rule`, the field as the client
+    wrote it; a union's branches that failed at the same field are one item."""
     unknown = [item for item in err.errors() if item.get("type") == "unrecognized_argument"]
     if unknown:  # one clear line, as OpenAI answers (other errors of a union's branches would only blur it)
-        # drop "body" and pydantic's union branch tags ("list[ContentPart]"): the path the client wrote
-        loc = [str(p) for p in unknown[0].get("loc", ()) if p != "body" and (isinstance(p, int) or p.isidentifier())]
-        where = ".".join(loc)
+        path = client_path(unknown[0].get("loc", ()))
+        where = _joined(path)
         field = str((unknown[0].get("ctx") or {}).get("field", ""))
-        return (f"{where}: " if where else "") + str(unknown[0].get("msg")), ".".join([*loc, field])
-    parts = []
+        return (f"{where}: " if where else "") + str(unknown[0].get("msg")), _joined([*path, field])
+    parts: list[str] = []
+    seen: set[str] = set()
     first_param: str | None = None
-    for item in err.errors()[:MAX_VALIDATION_ERRORS]:
+    errors = err.errors()
+    for item in errors:
         if item.get("type") == "json_invalid":  # loc is ("body", character offset): not a field
             offset = (item.get("loc") or ("", "?"))[-1]
             why = (item.get("ctx") or {}).get("error", "JSON decode error")
-            parts.append(f"the body is not valid JSON ({why} at character {offset})")
-            continue
-        loc = [str(p) for p in item.get("loc", ()) if p != "body"]
-        where = ".".join(loc) or "body"
-        first_param = first_param or (where if loc else None)  # the whole body is no field to name
-        parts.append(f"{where}: {item.get('msg', 'invalid')}")  # never the input itself: it may be huge
-    more = len(err.errors()) - MAX_VALIDATION_ERRORS
+            text = f"the body is not valid JSON ({why} at character {offset})"
+        else:
+            where = _joined(client_path(item.get("loc", ()))) or "body"
+            first_param = first_param or (where if where != "body" else None)  # the whole body is no field
+            text = f"{where}{_shown_value(item.get('input'))}: {_rule(str(item.get('msg', 'invalid')))}"
+        if text not in seen and len(parts) < MAX_VALIDATION_ERRORS:
+            seen.add(text)
+            parts.append(text)
+    more = len(errors) - len(parts) if len(parts) == MAX_VALIDATION_ERRORS else 0
     if more > 0:
         parts.append(f"and {more} more")
     return "invalid request: " + "; ".join(parts), first_param

@@ -41,7 +41,7 @@ def unknown_field_message(name: str, known: list[str]) -> str:
 class RequestModel(BaseModel):
     """A request body (or part of one): unknown fields are refused with a "did you mean"."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -72,7 +72,7 @@ class SamplingFields(RequestModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=100)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**24)  # and at most the vocabulary (request_fields.check_ranges)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, ge=0.01, le=100)  # tiny values overflow the logits
     presence_penalty: float | None = Field(None, ge=-2, le=2)

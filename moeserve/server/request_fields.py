@@ -66,6 +66,20 @@ REFUSALS: list[tuple[str, Callable[[Any], Any], Callable[[Any], bool], str]] = [
 ]
 
 
+def check_ranges(req: SamplingFields, vocab_size: int | None) -> None:
+    """Raise RequestError (400) naming the field, its value and the rule, for values that are each valid alone but
+    not together (min_tokens above max_tokens would run silently to `length`) or not for this model (top_k beyond
+    the vocabulary)."""
+    limit_name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    limit = getattr(req, limit_name)
+    if limit is not None and req.min_tokens > limit:
+        raise RequestError(f"min_tokens is {req.min_tokens} but {limit_name} is {limit}: min_tokens must be at most "
+                           f"{limit_name}", param="min_tokens")
+    if vocab_size is not None and req.top_k is not None and req.top_k > vocab_size:
+        raise RequestError(f"top_k is {req.top_k}: it must be -1, 0 (both: no top-k) or at most the vocabulary "
+                           f"size, {vocab_size}", param="top_k")
+
+
 def check_request_fields(req: SamplingFields) -> None:
     """Raise RequestError (400) for a field set to something moeserve cannot honour."""
     for name, get, refused, why in REFUSALS:

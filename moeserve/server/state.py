@@ -20,7 +20,9 @@ from moeserve.server.chat_format import ChatFormat, chat_format_for
 from moeserve.server.errors import APIError, from_exception, model_not_found
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import ModelCard, RequestModel, SamplingFields
-from moeserve.server.request_fields import check_request_fields
+from moeserve.server.request_fields import check_ranges, check_request_fields
+from moeserve.server.request_memory import RequestMemory
+from moeserve.template_limits import RenderLimits
 
 log = logging.getLogger("moeserve.server")
 T = TypeVar("T")
@@ -41,6 +43,8 @@ class ServerState:
     # name); `model_name`, the first, is the one answered
     aliases: tuple[str, ...] = ()
     draining: bool = False
+    # what requests may hold (request_memory_mb, a line of the memory split); None: not bounded (tests)
+    request_memory: RequestMemory | None = None
     loop: asyncio.AbstractEventLoop | None = None  # the server's, set at start-up (for the shutdown timer)
     _chat_format: ChatFormat | None = None
     _sampling: ChosenSampling | None = None
@@ -51,10 +55,21 @@ class ServerState:
     _text_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize"))
 
+    _text_jobs: int = 0  # queued or running on the tokenization thread
+
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` on the tokenization thread; the event loop keeps serving meanwhile."""
+        """`fn(*args, **kwargs)` on the tokenization thread; the event loop keeps serving meanwhile. The queue is
+        bounded like the engine's (max_num_seqs + max_queued_requests): a 503 beyond it."""
+        if self._text_jobs >= self.engine.max_in_flight:
+            raise APIError(503, f"{self._text_jobs} requests are waiting to be tokenized, the most this server "
+                           "queues (max_num_seqs + max_queued_requests); retry shortly", "server_error",
+                           code="server_busy", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
+        self._text_jobs += 1
+        try:
+            return await loop.run_in_executor(self._text_pool, functools.partial(fn, *args, **kwargs))
+        finally:
+            self._text_jobs -= 1
 
     def close(self) -> None:
         self._text_pool.shutdown(wait=False, cancel_futures=True)
@@ -89,6 +104,12 @@ class ServerState:
         return getattr(self.llm, "tokenizer", None)
 
     @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size (None for an engine that does not say, as test fakes)."""
+        size = getattr(getattr(self.llm, "spec", None), "vocab_size", None)
+        return size if isinstance(size, int) else None
+
+    @property
     def max_model_len(self) -> int:
         return int(self.llm.max_model_len)
 
@@ -103,7 +124,8 @@ class ServerState:
                 checkpoint = getattr(self.llm, "checkpoint", None)
                 model_type = checkpoint.config.get("model_type") if checkpoint is not None else None
                 folder = Path(checkpoint.path) if checkpoint is not None else None
-                self._chat_format = chat_format_for(model_type, self.tokenizer, folder)
+                limits = RenderLimits(self.settings.template_timeout_s, int(self.settings.template_max_output_mb * 1e6))
+                self._chat_format = chat_format_for(model_type, self.tokenizer, folder, limits)
             return self._chat_format
 
     @property
@@ -151,6 +173,7 @@ class ServerState:
         if isinstance(body, SamplingFields):
             try:
                 check_request_fields(body)
+                check_ranges(body, self.vocab_size)
             except RequestError as err:
                 raise from_exception(err) from None
         if body is not None:

@@ -30,7 +30,7 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path, capsys) -> None
     import socket
 
     from moeserve.cli import main
-    from moeserve.cli.serve import check_port_free
+    from moeserve.cli.serve import bind_socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -40,4 +40,4 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path, capsys) -> None
         err = capsys.readouterr().err
         assert f"error: cannot listen on 127.0.0.1:{port}:" in err and "another process is listening" in err
         assert "no-such-model" not in err
-    check_port_free("127.0.0.1", port)  # free again once closed
+    bind_socket("127.0.0.1", port).close()  # free again once closed
