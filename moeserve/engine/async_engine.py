@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from moeserve.engine.logits_processor import FINISH_CONSTRAINT_FAILED, ConstraintFailedError
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.errors import MoeserveError
@@ -135,6 +136,9 @@ class AsyncEngine:
                     raise item
                 if item.finished:
                     finished = True
+                failed = next((c for c in item.outputs if c.finish_reason == FINISH_CONSTRAINT_FAILED), None)
+                if failed is not None:  # not a normal finish: the stream raises (the request's other choices end)
+                    raise ConstraintFailedError(str(failed.stop_reason), len(failed.token_ids))
                 yield item
                 if finished:
                     return

@@ -176,7 +176,7 @@ class GrammarConstraint(Constraint):
         self._lock = threading.Lock()  # handler threads compile while the engine thread copies
         self.vocab_size, self.grammar_eos = vocab_size, grammar_eos
 
-    def new_processor(self, end_token_ids: set[int]) -> LogitsProcessor:
+    def new_processor(self, end_token_ids: set[int]) -> GrammarProcessor:
         with self._lock:
             matcher = self._matcher.deep_copy()
         return GrammarProcessor(matcher, self.vocab_size, self.grammar_eos, sorted(end_token_ids))
@@ -193,6 +193,7 @@ class GrammarProcessor(LogitsProcessor):
         self.end_token_ids = [t for t in end_token_ids if t < vocab_size]
         self.mask_seconds = 0.0  # time spent computing and applying masks (`moeserve bench structured` reads it)
         self.masks = 0
+        self._failure: str | None = None
 
     def allowed(self) -> np.ndarray:
         """bool [V]: the tokens that may come next (end tokens exactly when the grammar is satisfied)."""
@@ -200,7 +201,7 @@ class GrammarProcessor(LogitsProcessor):
         m.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)  # little-endian words
         allowed = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: self.vocab_size].view(np.bool_)
         if m.is_error():
-            log.warning("grammar matcher failed, ending the sequence: %s", _one_line(m.get_error()))
+            self._failed(f"the grammar engine failed: {_one_line(m.get_error())}")
             allowed[:] = False
         end_ok = m.is_error() or m.is_accepting() or not allowed.any()
         allowed[self.grammar_eos] = False  # llguidance's EOS stands for "may end": the sequence's own end tokens
@@ -216,10 +217,18 @@ class GrammarProcessor(LogitsProcessor):
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
-            log.warning("grammar matcher refused token %d: %s", token_id, _one_line(self.matcher.get_error()))
+            self._failed(f"the grammar engine refused token {token_id}: {_one_line(self.matcher.get_error())}")
 
     def is_finished(self) -> bool:
-        return bool(self.matcher.is_stopped())
+        return self._failure is not None or bool(self.matcher.is_stopped())
+
+    def failure(self) -> str | None:
+        return self._failure
+
+    def _failed(self, why: str) -> None:
+        if self._failure is None:
+            log.warning("grammar constraint failed: %s", why)
+            self._failure = why
 
 
 class GrammarCompiler:
@@ -275,6 +284,12 @@ class GrammarCompiler:
             what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice", "lark": "grammar"}[spec.kind]
             raise RequestError(f"invalid {what}: {_one_line(matcher.get_error())}", param=spec.param)
         constraint = GrammarConstraint(matcher, self.vocab_size, list(tokenizer.eos_tokens))
+        probe = constraint.new_processor(set())
+        probe.allowed()  # the first mask: a grammar the engine cannot follow from its start is known now, a 400
+        if probe.failure() is not None:
+            what = {"json_schema": "JSON schema", "regex": "regex", "choice": "choice", "lark": "grammar"}[spec.kind]
+            raise RequestError(f"{what} the grammar engine cannot follow: {probe.failure()}", param=spec.param,
+                               code="constraint_failed")
         with self._lock:
             self._cache[grammar] = constraint
             while len(self._cache) > self._cache_size:

@@ -15,6 +15,20 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from moeserve.errors import RequestError
+
+FINISH_CONSTRAINT_FAILED = "error"  # a sequence's finish_reason when its constraint failed mid-way
+
+
+class ConstraintFailedError(RequestError):
+    """A request's output constraint failed while generating (the grammar engine refused a token or its own state):
+    the output so far does not satisfy it. Raised by the request's stream instead of a normal finish."""
+
+    def __init__(self, why: str, tokens: int) -> None:
+        super().__init__(f"the output constraint failed after {tokens} generated tokens ({why}); the output does "
+                         "not satisfy it, so none is returned. Simplify the schema, regex or grammar",
+                         param=None, code="constraint_failed")
+
 
 class LogitsProcessor(ABC):
     """The state of one sequence's constraint."""
@@ -30,6 +44,11 @@ class LogitsProcessor(ABC):
     @abstractmethod
     def is_finished(self) -> bool:
         """True when nothing may follow: the sequence ends here (finish_reason "stop")."""
+
+    def failure(self) -> str | None:
+        """Why the constraint can no longer be followed (its engine failed), else None: the sequence then ends with
+        finish_reason FINISH_CONSTRAINT_FAILED, never as a normal stop."""
+        return None
 
 
 class Constraint(ABC):

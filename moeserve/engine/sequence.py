@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from moeserve.engine.logits_processor import LogitsProcessor
+from moeserve.engine.logits_processor import FINISH_CONSTRAINT_FAILED, LogitsProcessor
 from moeserve.engine.outputs import CompletionOutput, Logprob
 from moeserve.engine.sampling_params import SamplingParams
 from moeserve.state.manager import SeqBlocks
@@ -72,6 +72,9 @@ class Sequence:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
         n_out = len(self.output_token_ids)
+        if self.logits_processor is not None and self.logits_processor.failure() is not None:  # its mask failed
+            self._finish(FINISH_CONSTRAINT_FAILED, self.logits_processor.failure())
+            return
         if n_out >= p.min_tokens and (token_id in self.eos_token_ids or token_id in (p.stop_token_ids or [])):
             self._finish("stop", token_id)
             if detokenize is not None:  # the stop token itself is not part of the text
@@ -89,7 +92,10 @@ class Sequence:
             self._detokenize(detokenize, n_out, final)
             if p.stop_strings and n_out >= p.min_tokens and self._cut_at_stop_string(searched):
                 return
-        if constrained_end:
+        failure = self.logits_processor.failure() if self.logits_processor is not None else None
+        if failure is not None:
+            self._finish(FINISH_CONSTRAINT_FAILED, failure)
+        elif constrained_end:
             self._finish("stop")
         elif p.max_tokens is not None and n_out >= p.max_tokens:
             self._finish("length")

@@ -54,7 +54,7 @@ from moeserve.server.reasoning import (
 from moeserve.server.streaming import Delta
 from moeserve.server.structured import grammar_spec
 from moeserve.server.tool_parsers import ToolCallDelta, ToolParser, tool_parser_for
-from moeserve.template_limits import RenderLimits
+from moeserve.template_limits import LimitedSandbox, RenderLimits
 
 log = logging.getLogger("moeserve")
 
@@ -211,8 +211,8 @@ def template_variables(template: str | None) -> set[str] | None:
     import jinja2.ext
     from jinja2 import meta
 
-    try:
-        env = jinja2.Environment(extensions=[jinja2.ext.loopcontrols])
+    try:  # the sandbox that renders it: its `*` is never folded at compile time (a 2 GB constant would be built)
+        env = LimitedSandbox(extensions=[jinja2.ext.loopcontrols])
         return set(meta.find_undeclared_variables(env.parse(template)))
     except jinja2.TemplateError:
         return None
