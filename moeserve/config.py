@@ -59,8 +59,8 @@ class EngineSettings(BaseModel):
     )
     request_memory_mb: float | None = Field(
         None, ge=0, description="what the HTTP server's requests may hold at once (bodies, parsing, tokenization), "
-        "MiB, a part of the memory budget; beyond it requests get 503 (default: `moeserve serve` reserves what two "
-        "of the largest bodies take, max_request_body_mb x 20; none elsewhere)"
+        "MiB, a part of the memory budget; beyond it requests get 503 (default: `moeserve serve` reserves what one "
+        "of the largest bodies may take to tokenize, max_request_body_mb x 200; none elsewhere)"
     )
     kv_cache_gb: float | None = Field(
         None, gt=0, description="size of the paged KV pool inside the memory budget, GiB (default: chosen by the "

@@ -146,13 +146,14 @@ def with_key_from_file(settings: ServerSettings) -> ServerSettings:
 
 
 def with_request_memory(engine: EngineSettings, server: ServerSettings) -> EngineSettings:
-    """request_memory_mb, when unset: what two of the largest bodies take (server/request_memory.py's charge)."""
+    """request_memory_mb, when unset: what one of the largest bodies takes (server/request_memory.py's charge), so
+    that a body of max_request_body_mb can always be served."""
     from moeserve.server.request_memory import RequestMemory
 
     if engine.request_memory_mb is not None:
         return engine
     largest = RequestMemory.cost(int(server.max_request_body_mb * 1e6))
-    return engine.model_copy(update={"request_memory_mb": math.ceil(2 * largest / 2**20)})
+    return engine.model_copy(update={"request_memory_mb": math.ceil(largest / 2**20)})
 
 
 def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, sock: socket.socket) -> int:

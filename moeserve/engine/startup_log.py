@@ -32,7 +32,9 @@ def startup_summary(architecture: str, plan: Any) -> str:
     return (f"{architecture} on {plan.device.type}, {plan.dtype_name}, {plan.threads} threads, "
             f"{'C++ kernels' if plan.cpp_kernels else 'torch ops'}; memory {fmt_bytes(split.budget_bytes)} "
             f"({budget}) = resident {fmt_bytes(split.resident_bytes)} + read buffers {fmt_bytes(split.staging_bytes)}"
-            f" + runtime {fmt_bytes(split.overhead_bytes)} + KV pool {fmt_bytes(split.kv_bytes)} + experts "
+            f" + runtime {fmt_bytes(split.overhead_bytes)}"
+            + (f" + requests {fmt_bytes(split.request_bytes)}" if split.request_bytes else "")
+            + f" + KV pool {fmt_bytes(split.kv_bytes)} + experts "
             f"{fmt_bytes(split.expert_bytes)}; {where}; max_model_len {split.max_model_len}")
 
 
