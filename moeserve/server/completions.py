@@ -62,6 +62,7 @@ async def _prompt_token_ids(req: CompletionRequest, state: ServerState) -> list[
             continue
         if state.tokenizer is None:
             raise APIError(400, "text prompts need a tokenizer; send token ids", param="prompt")
+        state.check_text_fits(p, "prompt")  # before seconds of tokenizing a text that cannot fit
         out.append(list(await state.off_loop(state.tokenizer.encode, p)))  # off the event loop: a long text takes s
     return out
 

@@ -30,6 +30,7 @@ T = TypeVar("T")
 # Streams still open this long before uvicorn's graceful-shutdown deadline are ended by the server (an error event,
 # then [DONE]) rather than cut mid-body by uvicorn's task cancellation.
 STREAM_CUT_MARGIN_S = 0.5
+TEXT_BYTES_MARGIN = 4  # a normalizer may shrink text (NFKC: a 3-byte full-width letter to 1 byte)
 _ABSENT = object()
 
 
@@ -56,6 +57,7 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize"))
 
     _text_jobs: int = 0  # queued or running on the tokenization thread
+    _longest_token: int | None = None  # the longest token's UTF-8 bytes (check_text_fits), once known
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the tokenization thread; the event loop keeps serving meanwhile. The queue is
@@ -180,6 +182,30 @@ class ServerState:
             for name, value in self.sampling_defaults().values.items():
                 if name != "max_tokens" and getattr(body, name, _ABSENT) is None:
                     setattr(body, name, value)  # as vLLM's to_sampling_params: only fields the request left unset
+
+    def check_text_fits(self, text: str, param: str) -> None:
+        """A 400 (context_length_exceeded) without tokenizing, when `text` certainly holds more tokens than the
+        context: more than TEXT_BYTES_MARGIN x the longest token's bytes x max_model_len bytes (a token covers at
+        most that many; the margin covers normalizers that shrink text). Tokenizing a 15 MB text takes seconds to
+        minutes and gigabytes; this refusal takes microseconds."""
+        longest = self.longest_token_bytes
+        if longest is None:
+            return
+        limit = TEXT_BYTES_MARGIN * longest * self.max_model_len
+        if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                           f"your {param} is {len(text)} characters, more than {limit} (at least "
+                           f"{self.max_model_len + 1} tokens, whatever the tokenizer). Please reduce the length of "
+                           f"the {param}.", param=param, code="context_length_exceeded")
+
+    @property
+    def longest_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes any token's text takes (None without a tokenizer that lists its vocabulary)."""
+        if self._longest_token is None:
+            tok = getattr(self.tokenizer, "_tok", None)
+            vocab = tok.get_vocab(with_added_tokens=True) if tok is not None else None
+            self._longest_token = max((len(t.encode()) for t in vocab), default=0) if vocab else None
+        return self._longest_token or None
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         """The engine's own prompt checks (empty, token ids out of range), as 400s."""
