@@ -93,6 +93,8 @@ class MoeModel:
             return
         self.closed = True
         self.store.close()
+        if self.moe_blocks:
+            self.moe_blocks[0].experts.close()  # one kernel object serves every MoE layer
         self.layers, self.moe_blocks = [], []
         self.layer_pass = self.decode_step = None  # type: ignore[assignment]
         self.embed = self.final_norm = torch.empty(0)

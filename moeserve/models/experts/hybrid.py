@@ -145,6 +145,9 @@ class HybridExperts(ExpertKernel):
             s = self.stats
             return PlacementStats(s.gpu_hits, s.copied, s.cpu, s.cpu_seconds, s.calls)
 
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
     def placement_stats(self) -> tuple[PlacementStats, Costs]:
         return self.snapshot(), self.chooser.costs
 

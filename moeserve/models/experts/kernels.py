@@ -104,6 +104,10 @@ class ExpertKernel(ABC):
         """One line for the start-up log."""
         return self.name
 
+    def close(self) -> None:
+        """Stop any thread of this kernel's own (the hybrid's CPU worker); the model is closing. Idempotent."""
+        return None
+
     def placement_stats(self) -> tuple[PlacementStats, Costs] | None:
         """Where this kernel's experts were computed, and the costs it weighs (/metrics); None: all where held."""
         return None
