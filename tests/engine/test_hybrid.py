@@ -160,3 +160,34 @@ def test_canonical_kernel_equals_the_models_cpu_kernel(folder_of, case: str) -> 
         assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), ours.describe()
     finally:
         llm.engine.close()
+
+
+def test_the_cpu_side_runs_while_the_gpu_side_computes(folder_of, three_tiers, monkeypatch) -> None:
+    """Overlap, shown without timing: in every call with work on both sides, the CPU side (worker thread) waits until
+    the GPU side of the same call has started. Run one after the other on one thread, it would wait in vain."""
+    import threading
+
+    from moeserve.models.experts.canonical import CanonicalExperts
+
+    gpu_started = threading.Event()
+    waited: list[bool] = []
+    compute, cpu_side, contributions = HybridExperts.compute, HybridExperts._cpu_side, CanonicalExperts.contributions
+
+    def new_call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        gpu_started.clear()
+        return compute(self, *args, **kwargs)
+
+    def cpu_waits_for_gpu(self, store, layer, experts, spans, *rest):  # type: ignore[no-untyped-def]
+        if len(spans) > len(experts):  # the GPU side has experts of this call too
+            waited.append(gpu_started.wait(30))
+        return cpu_side(self, store, layer, experts, spans, *rest)
+
+    def gpu_starts(self, *args):  # type: ignore[no-untyped-def]
+        gpu_started.set()
+        return contributions(self, *args)
+
+    monkeypatch.setattr(HybridExperts, "compute", new_call)
+    monkeypatch.setattr(HybridExperts, "_cpu_side", cpu_waits_for_gpu)
+    monkeypatch.setattr(CanonicalExperts, "contributions", gpu_starts)
+    check_hybrid_equals_resident(folder_of("qwen3_moe"), three_tiers, monkeypatch, "mixed", "overlap")
+    assert waited and all(waited), f"{waited.count(False)} of {len(waited)} calls: the CPU side ran alone"
