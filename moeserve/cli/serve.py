@@ -301,6 +301,9 @@ class DrainingServer(uvicorn.Server):
             return
         host, port = self.servers[0].sockets[0].getsockname()[:2]  # the real port, when --port 0
         host = f"[{host}]" if ":" in host else host
+        if sockets is not None:  # uvicorn says where it listens only for a socket it bound itself
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
+                                                    port)
         self.listening(f"http://{host}:{port}")
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

@@ -32,7 +32,7 @@ from tests.server.conftest import ThreadServer, engine_factory, make_state
 SEED = 20_251_125
 FAST_EXAMPLES = 5
 SLOW_EXAMPLES = 120
-NEGATIVE_SLOW_EXAMPLES = 30  # per POST operation: each case is a request the server must refuse
+NEGATIVE_SLOW_EXAMPLES = 10  # per POST operation: each case is a request the server must refuse
 OPERATIONS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id}", "/v1/responses",
               "/v1/responses/{response_id}", "/v1/messages", "/v1/messages/count_tokens", "/health", "/metrics",
               "/tokenize", "/detokenize"}
