@@ -138,6 +138,7 @@ def test_idle_sockets_and_slow_bodies_beyond_the_cap_leave_health_answering(
 
         threading.Thread(target=trickle, daemon=True).start()
         latencies = health_latencies(server.url, 5.0)
+        print(f"/health: {len(latencies)} polls, slowest {max(latencies) * 1e3:.0f} ms")
         assert max(latencies) < HEALTH_WITHIN_S, latencies
         closed = [closed_by_server(s) for s in sockets]
         assert all(closed), f"{closed.count(False)} of {len(sockets)} sockets still open after 5 s"
