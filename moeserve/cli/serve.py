@@ -293,9 +293,11 @@ class DrainingServer(uvicorn.Server):
         self.listening = listening
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        from moeserve.server.connections import AcceptErrorLog
+        from moeserve.server.connections import EVICT_ON_EXHAUSTED, AcceptErrorLog, close_oldest_idle
 
-        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        connections = self.server_state.connections
+        asyncio.get_running_loop().set_exception_handler(
+            AcceptErrorLog(on_exhausted=lambda: close_oldest_idle(connections, EVICT_ON_EXHAUSTED)))
         await super().startup(sockets)
         if self.should_exit or not self.servers:
             return

@@ -10,7 +10,9 @@
   when every connection has a request in progress, the new one is closed. Requests in progress are bounded below
   that by the guard (`max_concurrent_requests`, guard.py), and their bodies by `body_timeout_s`.
 - An accept() that fails for lack of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM: asyncio retries a
-  second later) is one WARNING line per ACCEPT_LOG_EVERY_S with the count, not a traceback per attempt.
+  second later) closes the EVICT_ON_EXHAUSTED oldest idle connections, so the retry finds a descriptor (a /health
+  probe gets in within about a second), and is one WARNING line per ACCEPT_LOG_EVERY_S with the count, not a
+  traceback per attempt.
 
 `ServeConfig` carries these limits into `GuardedH11Protocol`, which uvicorn builds once per connection.
 """
@@ -30,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("moeserve.server")
 
 ACCEPT_LOG_EVERY_S = 10.0
+EVICT_ON_EXHAUSTED = 8  # idle connections closed when accept() finds no descriptor
 _ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS, ENOMEM
 
 
@@ -102,6 +105,15 @@ class GuardedH11Protocol(H11Protocol):
         return self.cycle is None or self.cycle.response_complete
 
 
+def close_oldest_idle(connections: set[Any], count: int) -> int:
+    """Close up to `count` of the oldest idle connections; returns how many."""
+    closed = 0
+    while closed < count and (victim := _oldest_idle(connections, None)) is not None:
+        victim.transport.close()
+        closed += 1
+    return closed
+
+
 def _oldest_idle(connections: set[Any], newcomer: Any) -> Any | None:
     idle = [c for c in connections if c is not newcomer and isinstance(c, GuardedH11Protocol) and c.idle()
             and not c.transport.is_closing()]
@@ -110,10 +122,11 @@ def _oldest_idle(connections: set[Any], newcomer: Any) -> Any | None:
 
 class AcceptErrorLog:
     """An event loop exception handler: accept() failures counted and logged once per ACCEPT_LOG_EVERY_S without
-    a traceback; anything else goes to the loop's default handler."""
+    a traceback, each calling `on_exhausted` (serve closes idle connections there); anything else goes to the
+    loop's default handler."""
 
-    def __init__(self, clock: Any = time.monotonic) -> None:
-        self.clock = clock
+    def __init__(self, clock: Any = time.monotonic, on_exhausted: Any = lambda: None) -> None:
+        self.clock, self.on_exhausted = clock, on_exhausted
         self.failed = 0  # since the last line
         self.last_line_at: float | None = None
 
@@ -122,6 +135,7 @@ class AcceptErrorLog:
             loop.default_exception_handler(context)
             return
         self.failed += 1
+        self.on_exhausted()
         now = self.clock()
         if self.last_line_at is not None and now - self.last_line_at < ACCEPT_LOG_EVERY_S:
             return
