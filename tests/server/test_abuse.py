@@ -70,10 +70,15 @@ def test_without_the_key_the_body_is_not_read(server: ThreadServer) -> None:
 
 
 # ---------------------------------------------------------------------------------- 3. RecursionError
+DEPTH = 100_000
+
+
+@pytest.mark.parametrize("body", [
+    "[" * DEPTH + '"\\ud800"' + "]" * DEPTH,  # the whole body, with a surrogate (the guard parses it)
+    json.dumps({"prompt": "hi", "max_tokens": 1, "guided_json": "[" * DEPTH + "]" * DEPTH}),  # a field parsed later
+], ids=["body", "schema-text"])
 def test_a_body_nested_beyond_the_recursion_limit_is_400_without_traceback(
-        server: ThreadServer, caplog: pytest.LogCaptureFixture) -> None:
-    depth = 100_000
-    body = "[" * depth + '"\\ud800"' + "]" * depth
+        server: ThreadServer, caplog: pytest.LogCaptureFixture, body: str) -> None:
     with caplog.at_level(logging.INFO):
         resp = post(server, "/v1/completions", body)
     assert resp.status_code == 400, resp.text[:300]
