@@ -5,6 +5,7 @@ model served from its GGUF (bf16 weights, exactly the folder's) writes the folde
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,29 @@ def test_the_demo_model_served_from_its_gguf_writes_the_folder_text(demo_gguf: P
         texts.append(llm.generate(["Once upon a time"], params)[0].outputs[0].text)
         llm.engine.close()
     assert texts[0] == texts[1] and texts[0]
+
+
+LLAMA_CPP_SRC = Path(os.environ.get("MOESERVE_LLAMA_CPP_SRC", "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+REAL_VOCABS = ("qwen2", "qwen35", "llama-bpe", "gpt-2", "mpt")  # byte-level BPE vocabularies llama.cpp ships
+
+
+@pytest.mark.parametrize("name", REAL_VOCABS)
+def test_real_vocabularies_match_their_reference_ids_and_llama_cpp(name: str) -> None:
+    """llama.cpp's own vocabulary GGUFs (models/ggml-vocab-*.gguf: Qwen2/3's 151,936 tokens, Llama 3's 128,256, ...)
+    with its tokenizer test texts (.inp) and the ids the model's HF tokenizer gives them (.out)."""
+    vocab = LLAMA_CPP_SRC / "models" / f"ggml-vocab-{name}.gguf"
+    if not vocab.is_file():
+        pytest.skip(f"llama.cpp's source is not at {LLAMA_CPP_SRC} (set MOESERVE_LLAMA_CPP_SRC; not in CI)")
+    texts = (vocab.parent / f"{vocab.name}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = (vocab.parent / f"{vocab.name}.out").read_text().split("\n")
+    ours = Tokenizer(vocab)
+    for text, ids in zip(texts, expected, strict=False):
+        assert ours.encode(text, add_special_tokens=False) == [int(i) for i in ids.split()], text
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    theirs = llama_cpp.Llama(model_path=str(vocab), vocab_only=True, verbose=False)
+    for text in [*texts, *SAMPLE]:
+        assert ours.encode(text, add_special_tokens=False) == theirs.tokenize(text.encode(), add_bos=False,
+                                                                               special=True), text
