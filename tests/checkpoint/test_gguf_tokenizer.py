@@ -58,7 +58,7 @@ def test_the_demo_model_served_from_its_gguf_writes_the_folder_text(demo_gguf: P
     assert texts[0] == texts[1] and texts[0]
 
 
-LLAMA_CPP_SRC = Path(os.environ.get("MOESERVE_LLAMA_CPP_SRC", "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP_SRC = Path(os.environ.get("LLAMA_CPP_SRC", "/tmp/llama/llama_cpp_python-0.3.36/vendor/llama.cpp"))
 REAL_VOCABS = ("qwen2", "qwen35", "llama-bpe", "gpt-2", "mpt")  # byte-level BPE vocabularies llama.cpp ships
 
 
@@ -68,7 +68,7 @@ def test_real_vocabularies_match_their_reference_ids_and_llama_cpp(name: str) ->
     with its tokenizer test texts (.inp) and the ids the model's HF tokenizer gives them (.out)."""
     vocab = LLAMA_CPP_SRC / "models" / f"ggml-vocab-{name}.gguf"
     if not vocab.is_file():
-        pytest.skip(f"llama.cpp's source is not at {LLAMA_CPP_SRC} (set MOESERVE_LLAMA_CPP_SRC; not in CI)")
+        pytest.skip(f"llama.cpp's source is not at {LLAMA_CPP_SRC} (set LLAMA_CPP_SRC; not in CI)")
     texts = (vocab.parent / f"{vocab.name}.inp").read_text().split("\n__ggml_vocab_test__\n")
     expected = (vocab.parent / f"{vocab.name}.out").read_text().split("\n")
     ours = Tokenizer(vocab)
