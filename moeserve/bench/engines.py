@@ -32,6 +32,9 @@ class BenchEngine(ABC):
     """An engine the benchmark can time: load once, then decode and prefill greedy, token ids in and out."""
 
     name: str = ""
+    # (dense, expert) weight bytes per parameter read from the engine's own file (a quantized GGUF's mix of
+    # types); None: report.BYTES_PER_PARAM by the engine's name
+    bytes_per_param: tuple[float, float] | None = None
 
     @abstractmethod
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Timing:
@@ -165,7 +168,8 @@ class TransformersEngine(BenchEngine):
 
 
 class LlamaCppEngine(BenchEngine):
-    """llama.cpp through llama-cpp-python on a GGUF of the same weights (batch 1 only in its Python API)."""
+    """llama.cpp through llama-cpp-python on a GGUF of the same weights: one sequence through its `Llama` API,
+    several through a batched context on the same loaded model (bench/llama_batch.py)."""
 
     name = "llama.cpp"
 
@@ -174,15 +178,20 @@ class LlamaCppEngine(BenchEngine):
 
         from llama_cpp import Llama
 
-        n = threads or len(os.sched_getaffinity(0))
-        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=n, n_threads_batch=n, n_batch=512,
-                         verbose=False, logits_all=False)
+        from moeserve.bench.gguf_file import bytes_per_param
+
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.n_ctx = n_ctx
+        self.llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
+                         n_batch=512, verbose=False, logits_all=False)
+        self.bytes_per_param = bytes_per_param(gguf_path)  # (dense, experts) as this file stores them
+        self.batched: Any = None  # LlamaBatchedDecoder, made on the first decode of several sequences
 
     def decode(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        if len(prompts) != 1:
+            return self._decode_batched(prompts, new_tokens)
         import numpy as np
 
-        if len(prompts) != 1:
-            raise NotImplementedError("llama-cpp-python's Llama API decodes one sequence at a time")
         llm = self.llm
         vocab = llm.n_vocab()
 
@@ -202,11 +211,26 @@ class LlamaCppEngine(BenchEngine):
         seconds = time.perf_counter() - t0
         return Timing(seconds, new_tokens, new_tokens, [out])
 
+    def _decode_batched(self, prompts: list[list[int]], new_tokens: int) -> Timing:
+        from moeserve.bench.llama_batch import LlamaBatchedDecoder
+
+        if self.batched is None or self.batched.n_seq != len(prompts):
+            if self.batched is not None:
+                self.batched.close()
+            self.batched = LlamaBatchedDecoder(self.llm._model.model, len(prompts), self.n_ctx, self.threads)
+        seconds, tokens = self.batched.decode(prompts, new_tokens)
+        return Timing(seconds, len(prompts) * new_tokens, new_tokens, tokens)
+
     def prefill(self, prompt: list[int]) -> Timing:
         self.llm.reset()
         t0 = time.perf_counter()
         self.llm.eval(prompt)
         return Timing(time.perf_counter() - t0, len(prompt), 1)
+
+    def close(self) -> None:
+        if self.batched is not None:
+            self.batched.close()
+            self.batched = None
 
 
 ENGINE_CLASSES: dict[str, type[BenchEngine]] = {

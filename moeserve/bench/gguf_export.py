@@ -5,12 +5,15 @@ Nemotron-H in bench/gguf_arch.py).
 Streaming like the safetensors writer (bench/gguf_file.py): tensor infos are declared first, then each tensor is
 read from the checkpoint, converted (experts of a layer stacked to [E, I, H] as llama.cpp expects) and written
 before the next. Weights stay BF16 ("bf16") or are quantized to llama.cpp's Q8_0 ("q8_0"); norms and the router
-stay F32, as llama.cpp's own converter keeps them. The vocabulary is declared "no_vocab": the benchmark feeds
+stay F32, as llama.cpp's own converter keeps them. The 4-bit kinds ("q4_0", "q4_k_m") are made from the BF16 GGUF
+by llama.cpp's own quantizer (`llama_model_quantize`, what `llama-quantize` runs: Q4_K_M's mix of Q4_K and Q6_K
+by its rule), as users make them. The vocabulary is declared "no_vocab": the benchmark feeds
 token ids.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -27,8 +30,10 @@ from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
 from moeserve.errors import ConfigError
 from moeserve.memory import pagecache
 
-__all__ = ["GGUF_KINDS", "GGUF_WRITERS", "ensure_gguf", "gguf_path", "write_gguf"]
+__all__ = ["GGUF_KINDS", "GGUF_WRITERS", "LLAMA_QUANTIZED", "ensure_gguf", "gguf_path", "write_gguf"]
 log = logging.getLogger("moeserve.bench")
+# GGUF kinds llama.cpp's quantizer makes from the BF16 GGUF: kind -> its llama_ftype (LLAMA_FTYPE_MOSTLY_*)
+LLAMA_QUANTIZED = {"q4_0": 2, "q4_k_m": 15}
 
 
 def gguf_path(checkpoint_dir: Path, kind: str) -> Path:
@@ -43,10 +48,28 @@ def ensure_gguf(checkpoint_dir: Path, shape: Shape, kind: str = "bf16") -> Path:
     if out.is_file():
         return out
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    write_gguf(open_checkpoint(checkpoint_dir), shape, tmp, kind)
+    if kind in LLAMA_QUANTIZED:
+        quantize_gguf(ensure_gguf(checkpoint_dir, shape, "bf16"), tmp, kind)
+    else:
+        write_gguf(open_checkpoint(checkpoint_dir), shape, tmp, kind)
     os.rename(tmp, out)
     log.info("GGUF export %s: %s", out.name, pagecache.drop([out]).describe())
     return out
+
+
+def quantize_gguf(src: Path, out: Path, kind: str) -> None:
+    """llama.cpp's quantizer (llama-cpp-python's binding of `llama_model_quantize`) from the GGUF `src` to `out`."""
+    import llama_cpp
+
+    if kind not in LLAMA_QUANTIZED:
+        raise ValueError(f"llama.cpp quantizes to {', '.join(LLAMA_QUANTIZED)}, not {kind!r}")
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_QUANTIZED[kind]
+    params.nthread = len(os.sched_getaffinity(0))
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ConfigError(f"llama.cpp could not quantize {src.name} to {kind} (llama_model_quantize returned {rc})")
 
 
 def _tensors(ckpt: Checkpoint, shape: BenchShape) -> Iterator[Entry]:

@@ -106,6 +106,21 @@ def file_type(kind: str) -> int:
 Entry = tuple[str, tuple[int, ...], Callable[[], torch.Tensor], bool]  # (GGUF name, HF shape, loader, keep F32)
 
 
+def bytes_per_param(path: str | Path) -> tuple[float, float]:
+    """(dense, expert) bytes per parameter of a GGUF as stored, whatever its mix of types: the experts are the
+    `*_exps` tensors, dense every other one but the token embedding (a decode step reads one row of it)."""
+    import gguf
+
+    sums = {True: [0, 0], False: [0, 0]}  # expert?: [bytes, params]
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name == "token_embd.weight":
+            continue
+        acc = sums["_exps." in t.name]
+        acc[0] += int(t.n_bytes)
+        acc[1] += int(t.n_elements)
+    return sums[False][0] / max(sums[False][1], 1), sums[True][0] / max(sums[True][1], 1)
+
+
 def write_entries(writer, entries: Iterable[Entry], kind: str) -> None:  # type: ignore[no-untyped-def]
     """Tensor infos first (they follow from the shapes alone), then each tensor read, encoded and written in turn;
     `writer` (a gguf.GGUFWriter with its metadata added) is closed."""

@@ -12,9 +12,12 @@ from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, p
 # (dense, expert) weight bytes per parameter as each engine stores them. moeserve's int8 quantizes the experts
 # (per-output-channel scales, negligible) and, with its C++ kernels, the dense Linears but routers: its dense bytes
 # come from ceilings.dense_bytes_per_step_int8 (the 1.0 here is not used); Q8_0 is 32 int8 + one fp16 scale per
-# block of 32, dense and experts.
+# block of 32, dense and experts. int4 quantizes the experts only (a nibble + a bf16 scale per 32 inputs). A
+# quantized GGUF's mix of types (Q4_K_M: Q4_K, Q6_K where llama.cpp's rule keeps more bits) is read from the file
+# (engines.BenchEngine.bytes_per_param), not from here.
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
-    "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
+    "moeserve": (2.0, 2.0), "moeserve-int8": (1.0, 1.0), "moeserve-int4": (2.0, 0.5 + 2 / 32),
+    "transformers": (2.0, 2.0), "accelerate": (2.0, 2.0),
     "llama.cpp": (2.0, 2.0), "llama.cpp-q8": (34 / 32, 34 / 32), "moeserve-no-prefetch": (2.0, 2.0),
     "moeserve-torch-kernels": (2.0, 2.0), "moeserve-plain-experts": (2.0, 2.0),
     "moeserve-per-op": (2.0, 2.0), "moeserve-batch-variant": (2.0, 2.0), "moeserve-lru": (2.0, 2.0),
@@ -62,8 +65,9 @@ def sequence_memory(cfg: BenchConfig) -> dict[str, Any]:
 
 def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped],
               bandwidths: dict[str, float], machine: dict[str, Any],
-              load_rss: dict[str, int]) -> dict[str, Any]:
-    """The whole benchmark as one JSON-ready dict; rows are one per (case, engine)."""
+              load_rss: dict[str, int], file_bytes: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+    """The whole benchmark as one JSON-ready dict; rows are one per (case, engine). `file_bytes`: an engine's
+    (dense, expert) bytes per parameter as its weight file stores them, over BYTES_PER_PARAM."""
     by_key = {(r.case, r.engine): r for r in results}
     seq_memory = sequence_memory(cfg)
     per_sequence = sum(seq_memory["bytes_per_step"].values())  # decode steps only: prefill is compute-bound
@@ -71,7 +75,7 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
     for r in results:
         ours = by_key.get((r.case, "moeserve"))
         tokens_per_step = cfg.prefill_len if r.case == "prefill" else _batch_of(r.case)
-        step = _step_bytes(cfg, r, ours, tokens_per_step, per_sequence)
+        step = _step_bytes(cfg, r, ours, tokens_per_step, per_sequence, (file_bytes or {}).get(r.engine))
         rows.append({"case": r.case, "engine": r.engine, **_speed_fields(r, step, bandwidths, tokens_per_step),
                      **_memory_fields(r, load_rss), **_traffic_fields(r, step, tokens_per_step),
                      # how many times faster moeserve is than this engine, paired run by run
@@ -82,15 +86,16 @@ def summarize(cfg: BenchConfig, results: list[CaseResult], skipped: list[Skipped
 
 
 def _step_bytes(cfg: BenchConfig, r: CaseResult, ours: CaseResult | None, tokens_per_step: int,
-                per_sequence: float) -> ceilings.StepBytes:
-    """Bytes one step of `r`'s engine reads: dense weights, experts from fast memory and disk, sequence memory."""
+                per_sequence: float, from_file: tuple[float, float] | None = None) -> ceilings.StepBytes:
+    """Bytes one step of `r`'s engine reads: dense weights, experts from fast memory and disk, sequence memory;
+    `from_file`: the engine's (dense, expert) bytes per parameter read from its weight file."""
     # moeserve and its variants: their own store counters; other engines: moeserve's (same model and cache)
     # moeserve's counters summed over all runs: every engine's runs see the same prompts (and, with a route
     # trace, the same trace tokens), where one run each would compare different stretches of the routing
     ref_run = _summed_run(r) if r.engine.startswith("moeserve") or not ours else _summed_run(ours)
-    int8 = r.engine.startswith("moeserve") and cfg.quantization == "int8"  # moeserve peers quantize alike
-    engine_key = "moeserve-int8" if int8 else r.engine
-    bpp = BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
+    quantized = r.engine.startswith("moeserve") and cfg.quantization != "none"  # moeserve peers quantize alike
+    engine_key = f"moeserve-{cfg.quantization}" if quantized else r.engine
+    bpp = from_file or BYTES_PER_PARAM.get(engine_key, BYTES_PER_PARAM.get(r.engine, (2.0, 2.0)))
     store = ref_run.get("store") or {}
     dense = dense_bytes(cfg, r.engine, engine_key, bpp, tokens_per_step)
     if store:

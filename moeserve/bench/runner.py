@@ -38,7 +38,9 @@ SELF_PEERS: dict[str, dict[str, Any]] = {
     "moeserve-prefetch": {"prefetch": True}, "moeserve-prefetch-auto": {"prefetch": "auto"},
     "moeserve-admission": {"expert_admission": "policy"},
 }
-PEERS = ("transformers", "accelerate", "llama.cpp", "llama.cpp-q8", *SELF_PEERS)
+# llama.cpp on a GGUF of the same weights: peer name -> GGUF kind (bench/gguf_export.py)
+LLAMA_PEERS = {"llama.cpp": "bf16", "llama.cpp-q8": "q8_0", "llama.cpp-q4_0": "q4_0", "llama.cpp-q4_k_m": "q4_k_m"}
+PEERS = ("transformers", "accelerate", *LLAMA_PEERS, *SELF_PEERS)
 
 
 @dataclass(frozen=True)
@@ -183,14 +185,13 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
         return Worker("transformers", cgroup=_cgroup(cfg, peer), model=model, threads=cfg.threads,
                       offload_folder=str(offload),
                       max_cpu_memory_bytes=dense + cache)
-    if peer in ("llama.cpp", "llama.cpp-q8"):
+    if peer in LLAMA_PEERS:
         if importlib.util.find_spec("llama_cpp") is None:
             raise ImportError("llama-cpp-python is not installed (optional: pip install 'moeserve[llamacpp]', "
                               "which compiles llama.cpp, ~7 minutes)")
         from moeserve.bench.gguf_export import ensure_gguf
 
-        kind = "q8_0" if peer.endswith("q8") else "bf16"
-        path = ensure_gguf(cfg.checkpoint, cfg.shape, kind)
+        path = ensure_gguf(cfg.checkpoint, cfg.shape, LLAMA_PEERS[peer])
         drop_inputs([path], peer)  # read by an earlier run: its pages may be charged to this process, not the peer
         return Worker("llama.cpp", cgroup=_cgroup(cfg, peer), gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)

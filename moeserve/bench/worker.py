@@ -39,7 +39,8 @@ def _serve(conn: Connection, engine_name: str, kwargs: dict[str, Any], cgroup: M
         from moeserve.bench.engines import ENGINE_CLASSES
 
         engine = ENGINE_CLASSES[engine_name](**kwargs)
-        conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes(), "name": engine.name}))
+        conn.send(("ok", {"peak_rss_bytes": peak_rss_bytes(), "name": engine.name,
+                          "bytes_per_param": engine.bytes_per_param}))
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
         conn.send(("error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"))
         return
@@ -79,6 +80,8 @@ class Worker:
             raise
         self.name: str = info["name"]
         self.load_peak_rss_bytes: int = info["peak_rss_bytes"]
+        # (dense, expert) weight bytes per parameter as the engine reports them from its file; None: by its name
+        self.bytes_per_param: tuple[float, float] | None = info["bytes_per_param"]
 
     def _receive(self) -> Any:
         try:

@@ -152,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:
-        load_rss = {w.name: w.load_peak_rss_bytes for w in workers.values()}
+        load_rss = {key: w.load_peak_rss_bytes for key, w in workers.items()}
+        file_bytes = {key: w.bytes_per_param for key, w in workers.items() if w.bytes_per_param}
         results = runner.run_cases(cfg, workers)
     finally:
         for w in workers.values():
@@ -163,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
     # Best of before and after: the ceiling is what the hardware gives when undisturbed.
     bandwidths = {k: max(before[k], after[k]) for k in before}
     bandwidths.update({f"{k}_before": before[k] for k in before} | {f"{k}_after": after[k] for k in after})
-    summary = report.summarize(cfg, results, skipped, bandwidths, runner.machine_info(), load_rss)
+    summary = report.summarize(cfg, results, skipped, bandwidths, runner.machine_info(), load_rss,
+                                file_bytes)
     print(report.format_table(summary))
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=2))

@@ -115,6 +115,57 @@ def test_llama_cpp_on_the_gguf_agrees_with_moeserve(tiny_dir):
     assert theirs.decode([prompt], 6).token_ids == ours.decode([prompt], 6).token_ids
 
 
+def test_llama_cpp_batched_decode_gives_each_sequence_its_tokens_alone(tiny_dir):
+    """The llama.cpp peer at batch > 1 (one context of several sequences, bench/llama_batch.py): each sequence's
+    greedy tokens are those the Llama API gives it alone, up to the first step whose top two logits (alone) lie
+    within 0.005 of each other: llama.cpp's numbers depend on the batch (on this checkpoint a margin of 6e-4 flips a
+    token), so a near-tie may break either way. The timing counts every sequence's tokens."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    from moeserve.bench.engines import LlamaCppEngine
+    from moeserve.bench.gguf_export import ensure_gguf
+
+    prompts = [[5, 17, 42, 99, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8], [200, 100, 50, 25, 12, 6, 3, 4, 150]]
+    theirs = LlamaCppEngine(str(ensure_gguf(tiny_dir, SHAPES["tiny"], "bf16")), threads=1, n_ctx=64)
+    together = theirs.decode(prompts, 6)
+    alone = [theirs.decode([p], 6).token_ids[0] for p in prompts]
+
+    def sure_steps(prompt: list[int], tokens: list[int]) -> int:  # leading steps without a near-tie, alone
+        llm = theirs.llm
+        for i in range(len(tokens)):
+            llm.reset()
+            llm.eval(prompt + tokens[:i])
+            top = np.sort(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)))[-2:]
+            if top[1] - top[0] < 0.005:
+                return i
+        return len(tokens)
+
+    sure = [sure_steps(p, t) for p, t in zip(prompts, alone)]
+    theirs.close()
+    assert sum(sure) >= 12  # most steps are decided
+    assert [t[:n] for t, n in zip(together.token_ids, sure)] == [t[:n] for t, n in zip(alone, sure)]
+    assert (together.tokens, together.steps, [len(t) for t in together.token_ids]) == (18, 6, [7, 7, 7])
+
+
+def test_llama_cpp_quantizes_the_gguf_and_its_bytes_are_read_from_the_file(tiny_dir):
+    """The Q4_0 peer's GGUF is made by llama.cpp's own quantizer from the BF16 one; gguf_file.bytes_per_param reads
+    each file's (dense, expert) bytes per weight: BF16 experts 2 bytes, Q4_0 ones 18 bytes per block of 32."""
+    pytest.importorskip("llama_cpp")
+    import gguf
+
+    from moeserve.bench.gguf_export import ensure_gguf
+    from moeserve.bench.gguf_file import bytes_per_param
+
+    bf16 = bytes_per_param(ensure_gguf(tiny_dir, SHAPES["tiny"], "bf16"))
+    path = ensure_gguf(tiny_dir, SHAPES["tiny"], "q4_0")
+    q4 = bytes_per_param(path)
+    experts = [t for t in gguf.GGUFReader(str(path)).tensors if "_exps." in t.name]
+    assert experts and {t.tensor_type for t in experts} == {gguf.GGMLQuantizationType.Q4_0}
+    assert bf16[1] == 2.0 and q4[1] == 18 / 32
+    assert 2.0 < bf16[0] < 4.0 and q4[0] < bf16[0]  # norms and routers stay F32 in both
+
+
 def test_moeserve_decode_times_only_decode_steps_after_a_chunked_prefill(tiny_dir):
     """A prompt longer than max_num_batched_tokens is prefilled in several steps; the timed part starts once every
     request has its first token, so it holds exactly new_tokens steps (and tokens) per request."""

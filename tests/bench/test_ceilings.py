@@ -113,3 +113,29 @@ def test_each_run_is_set_against_the_bandwidth_probed_beside_it():
     assert row["fraction_of_ceiling"] == pytest.approx((10 / c1 + 20 / c4) / 2)
     assert row["best_probe_ceiling_tokens_per_s"] == pytest.approx(c4)
     assert row["fraction_of_best_probe_ceiling"] == pytest.approx(15 / c4)  # median tok/s 15 against the best probe
+
+
+def test_quantized_engines_read_their_own_bytes_per_parameter():
+    """moeserve with quantization=int4 counts its experts at a nibble + a bf16 scale per 32 weights (its dense
+    Linears stay bf16); an engine whose weight file states its bytes (a quantized GGUF) is counted by those, over
+    BYTES_PER_PARAM. By hand on the tiny shape: 4 experts of 6144 weights per step, all hits."""
+    from moeserve.bench.report import summarize
+
+    store = {"hits": 8, "misses": 0, "bytes_read": 0}
+    run = {"tokens": 10, "seconds": 1.0, "steps": 2, "store": store, "peak_rss_bytes": 1}
+
+    def row_bytes(quantization: str, engine: str, file_bytes: dict | None = None) -> float:
+        cfg = BenchConfig(SHAPES["tiny"], checkpoint=None, cases=("prefill",), peers=(),  # type: ignore[arg-type]
+                          prefill_len=1, quantization=quantization)
+        results = [CaseResult("moeserve", "prefill", [run])]
+        if engine != "moeserve":
+            results.append(CaseResult(engine, "prefill", [{**run, "store": None}]))
+        summary = summarize(cfg, results, [], {"memory_bytes_per_s": 1e9, "disk_bytes_per_s": 1e9}, {}, {},
+                            file_bytes)
+        return next(r for r in summary["rows"] if r["engine"] == engine)["bytes_per_token_memory"]
+
+    assert row_bytes("none", "moeserve") == pytest.approx(84864 + 4 * 6144 * 2)
+    assert row_bytes("int4", "moeserve") == pytest.approx(84864 + 4 * 6144 * (0.5 + 2 / 32))
+    # a GGUF of 1.25 bytes per dense parameter (84864 bytes are 42432 bf16 parameters) and 0.5 per expert one
+    assert row_bytes("none", "llama.cpp-q4_0", {"llama.cpp-q4_0": (1.25, 0.5)}) == pytest.approx(
+        42432 * 1.25 + 4 * 6144 * 0.5)
