@@ -173,7 +173,8 @@ def _settings(cfg: BenchConfig) -> dict[str, Any]:
             "prompt_len": cfg.prompt_len, "prefill_len": cfg.prefill_len, "repeats": cfg.repeats,
             "expert_cache_gb": cfg.expert_cache_gb, "quantization": cfg.quantization, "threads": cfg.threads,
             "prefetch": cfg.prefetch, "memory_limit_bytes": cfg.memory_limit_bytes,
-            "route_trace": None if cfg.route_trace is None else str(cfg.route_trace), "device": cfg.device}
+            "route_trace": None if cfg.route_trace is None else str(cfg.route_trace), "device": cfg.device,
+            "cpu_isa": cfg.cpu_isa}
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -192,6 +193,8 @@ def format_table(summary: dict[str, Any]) -> str:
     if limit:
         lines.append(f"each engine in a memory cgroup of {limit / 2**30:.1f} GiB, page cache included (a machine with "
                      "that much memory); 'charged': the most its cgroup held at once")
+    if summary["settings"].get("cpu_isa", "auto") != "auto":
+        lines.append(f"moeserve's C++ kernels built for cpu_isa={summary['settings']['cpu_isa']} (its variants' too)")
     if summary["settings"].get("device", "cpu") != "cpu":
         lines.append(f"moeserve on {summary['settings']['device']} (GPU slots <- RAM <- disk); the ceilings above are "
                      "the CPU's memory and the disk's, not the GPU's")

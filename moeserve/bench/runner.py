@@ -64,6 +64,7 @@ class BenchConfig:
     # BENCHMARK ONLY: moeserve's experts follow this routing trace (bench/route_trace.py); None: its routers
     route_trace: Path | None = None
     device: str = "cpu"  # where moeserve computes ("cuda": GPU slots <- RAM <- disk); peers run on the CPU
+    cpu_isa: str = "auto"  # the ISA moeserve's C++ kernels are built for (its cpu_isa setting) and its variants'
 
 
 @dataclass
@@ -110,6 +111,8 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
         ours["route_trace"] = str(cfg.route_trace)
     if cfg.device != "cpu":
         ours["device"] = cfg.device
+    if cfg.cpu_isa != "auto":
+        ours["cpu_isa"] = cfg.cpu_isa
     try:
         _start_all(cfg, cache_dir, workers, skipped, ours)
     except BaseException:

@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "model's locality; peers other than moeserve's variants are skipped")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="moeserve's on-load quantization")
+    p.add_argument("--cpu-isa", default="auto", choices=["auto", "avx2", "generic"],
+                   help="ISA moeserve's C++ kernels are built for (its cpu_isa setting; peers run as built)")
     p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
                    help="moeserve's expert prefetch (default: the engine's default)")
     p.add_argument("--threads", type=int, default=None, help="compute threads of every engine (default: all cores)")
@@ -148,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
                              args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
                              memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace,
-                             device=args.device)
+                             device=args.device, cpu_isa=args.cpu_isa)
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:
