@@ -42,7 +42,7 @@ from moeserve.models.loader import WeightLoader
 from moeserve.models.mixers.attention import Attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
-from moeserve.models.mixers.mla import build_mla
+from moeserve.models.mixers.mla import MlaAttention, build_mla
 from moeserve.models.numerics import Numerics
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
@@ -214,6 +214,11 @@ def _layer_choices(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, layers
                         f"num_mtp_modules): the multi-token-prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch) + _activation_scales(ckpt, load.scheme)
+    for kind in (Attention, MlaAttention):
+        found = [layer.attn for layer in layers if isinstance(layer.attn, kind)]
+        if found:
+            choices.append(("attention" if kind is Attention else "latent attention",
+                            f"{len(found)} layers; {found[0].describe()}"))
     linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
     if linear:
         choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))

@@ -13,7 +13,7 @@ from tests.server.conftest import ThreadServer
 from tests.server.test_metrics import scrape
 
 EXPECTED = ("device", "dtype", "threads", "kernels", "max_model_len", "memory", "placement", "expert layout",
-            "experts", "host tier", "KV cache", "expert store", "expert kernel", "decode step", "batch invariance")
+            "experts", "host tier", "KV cache", "expert store", "expert kernel", "decode step", "batch invariance", "attention")
 
 
 def test_engine_records_every_choice_as_logged(caplog: pytest.LogCaptureFixture) -> None:
@@ -24,6 +24,11 @@ def test_engine_records_every_choice_as_logged(caplog: pytest.LogCaptureFixture)
     logged = {r.getMessage() for r in caplog.records if r.name == "moeserve.choices" and r.levelno == logging.INFO}
     for name, text in choices.items():
         assert f"{name}: {text}" in logged  # the record is what the log printed, at the default level
+    # the attention line names the path that runs: the C++ op for every token when the kernels are on (the default
+    # batch-invariant mode), torch's attention otherwise
+    cpp = choices["kernels"].startswith("cpp")
+    assert ("C++ decode_attention for every token" in choices["attention"]) == cpp
+    assert ("torch scaled_dot_product_attention" in choices["attention"]) == (not cpp)
     with pytest.raises(TypeError):
         choices["device"] = "elsewhere"  # type: ignore[index]
     llm.engine.close()

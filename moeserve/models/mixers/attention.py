@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from moeserve.models.layers.base import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
 from moeserve.models.layers.linear import Linear
-from moeserve.models.mixers.query_blocks import query_blocks
+from moeserve.models.mixers.query_blocks import QUERY_BLOCK, query_blocks
 from moeserve.models.numerics import Numerics
 from moeserve.models.spec import AttentionSpec
 from moeserve.state.kv_cache import PagedKVCache
@@ -104,6 +104,22 @@ class Attention(TokenMixer):
             both = torch.cat([out, gate[0]], dim=-1)
             return self.numerics.rows(lambda t: t[:, : out.shape[1]] * torch.sigmoid(t[:, out.shape[1]:]), both)
         return out * torch.sigmoid(gate[0])
+
+    def describe(self) -> str:
+        """The start-up log's line: what attends the prompt and the decode tokens, and why."""
+        softmax = "explicit softmax with the sinks' logit (torch matmuls)" if self.sinks is not None else \
+            "torch scaled_dot_product_attention"
+        if self.numerics.cpp and self.numerics.batch_invariant:
+            return ("C++ qk_norm_rope_cache, then C++ decode_attention for every token, prompt included: each query "
+                    "row alone in one stated order (csrc/attention_core.h: the same bits on every ISA), prompt rows "
+                    "in tiles of queries per pass over the keys")
+        if self.numerics.cpp:
+            return (f"C++ decode_attention for decode-only batches; prompts and mixed batches by {softmax} per "
+                    "sequence (batch_invariant=false)")
+        if self.numerics.batch_invariant:
+            return (f"{softmax} in query blocks of {QUERY_BLOCK} aligned positions (batch-invariant; the C++ kernels "
+                    "are off)")
+        return f"{softmax} per sequence, decode batches in one padded call (batch_invariant=false, the C++ kernels off)"
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o]

@@ -75,6 +75,14 @@ class MlaAttention(TokenMixer):
             out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
         return self.o(out.reshape(n, self.num_heads * s.v_head_dim))
 
+    def describe(self) -> str:
+        """The start-up log's line: how the latent cache is attended, and why."""
+        if self.numerics.cpp:
+            return ("C++ mla_attention for every token, absorbed form over the latent cache: each query row alone in "
+                    "one stated order (csrc/attention_core.h: the same bits on every ISA)")
+        return (f"torch, absorbed form over the latent cache, queries in blocks of {QUERY_BLOCK} aligned positions "
+                "(the C++ kernels are off)")
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm (fp32, cast, then scaled); batch-invariant: in fixed row blocks."""
         return self.numerics.rows(lambda t: rms_norm(t, weight, self.eps), x)
