@@ -212,14 +212,28 @@ inline float halving_sum(__m256 lo, __m256 hi) {
   return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
 }
 
+// The end of every AVX2 lane loop (here, canonical_int8.h, q4_codes.cpp): pins the N accumulator pairs (pair i:
+// lanes 0-7 and 8-15 of result i) where the FMAs left them, restores the caller's MXCSR `saved` (the halving sums
+// run in the caller's mode, as after vdpbf16ps), then res[i] = the halving sum of pair i.
+template <int N>
+inline void finish_lanes(__m256 (&acc)[N][2], unsigned saved, float* res) {
+  for (int i = 0; i < N; ++i)
+    for (int h = 0; h < 2; ++h) pin(acc[i][h]);
+  _mm_setcsr(saved);
+  for (int i = 0; i < N; ++i) {
+    pin(acc[i][0]);
+    pin(acc[i][1]);
+    res[i] = halving_sum(acc[i][0], acc[i][1]);
+  }
+}
+
 // Up to 2 input rows at once: 8 * MB accumulators, the x pairs of a chunk in registers (16 ymm at MB = 1).
 template <int MB>
 inline void block4_avx2(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
-  __m256 acc[MB][4][2];
+  __m256 acc[4 * MB][2];  // pair 4 m + r: input m, row r
   const unsigned saved = enter_lane_mode();
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < 2; ++h) pin(acc[m][r][h] = _mm256_setzero_ps());
+  for (int i = 0; i < 4 * MB; ++i)
+    for (int h = 0; h < 2; ++h) pin(acc[i][h] = _mm256_setzero_ps());
   const char* bytes = reinterpret_cast<const char*>(blk);
   for (int64_t c = 0; c < k / 32; ++c) {
     if (pf > 0)
@@ -230,19 +244,10 @@ inline void block4_avx2(const uint16_t* blk, int64_t k, const uint16_t* const* x
     for (int r = 0; r < 4; ++r)
       for (int h = 0; h < 2; ++h) {
         const Pairs wv = load_pairs(blk + c * 128 + 32 * r + 16 * h);
-        for (int m = 0; m < MB; ++m) acc[m][r][h] = pair_step(acc[m][r][h], wv, xv[m][h]);
+        for (int m = 0; m < MB; ++m) acc[4 * m + r][h] = pair_step(acc[4 * m + r][h], wv, xv[m][h]);
       }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < 2; ++h) pin(acc[m][r][h]);
-  _mm_setcsr(saved);
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) {
-      pin(acc[m][r][0]);
-      pin(acc[m][r][1]);
-      res[m][r] = halving_sum(acc[m][r][0], acc[m][r][1]);
-    }
+  finish_lanes(acc, saved, &res[0][0]);
 }
 
 template <int MB>
@@ -268,14 +273,7 @@ inline void row_dots(const uint16_t* w, int64_t k, const uint16_t* const* xs, fl
       for (int m = 0; m < MB; ++m) acc[m][h] = pair_step(acc[m][h], wv, load_pairs(xs[m] + c * 32 + 16 * h));
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < 2; ++h) pin(acc[m][h]);
-  _mm_setcsr(saved);
-  for (int m = 0; m < MB; ++m) {
-    pin(acc[m][0]);
-    pin(acc[m][1]);
-    res[m] = halving_sum(acc[m][0], acc[m][1]);
-  }
+  finish_lanes(acc, saved, res);
 }
 
 #elif defined(MOESERVE_CANON_NEON)

@@ -103,11 +103,10 @@ inline void block4_dots_i8(const int8_t* blk, int64_t k, const uint16_t* const* 
 template <int MB>
 inline void block4_i8_avx2(const int8_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4], int64_t pf) {
   using namespace moeserve_canon;
-  __m256 acc[MB][4][2];
+  __m256 acc[4 * MB][2];  // pair 4 m + r: input m, row r
   const unsigned saved = enter_lane_mode();
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < 2; ++h) pin(acc[m][r][h] = _mm256_setzero_ps());
+  for (int i = 0; i < 4 * MB; ++i)
+    for (int h = 0; h < 2; ++h) pin(acc[i][h] = _mm256_setzero_ps());
   const char* bytes = reinterpret_cast<const char*>(blk);
   for (int64_t c = 0; c < k / 32; ++c) {
     if (pf > 0)
@@ -119,22 +118,13 @@ inline void block4_i8_avx2(const int8_t* blk, int64_t k, const uint16_t* const* 
         Pairs first, second;
         decode_half_pair(blk + c * 128 + 64 * p + 32 * h, first, second);
         for (int m = 0; m < MB; ++m) {
-          acc[m][2 * p][h] = pair_step(acc[m][2 * p][h], first, xv[m]);
-          acc[m][2 * p + 1][h] = pair_step(acc[m][2 * p + 1][h], second, xv[m]);
+          acc[4 * m + 2 * p][h] = pair_step(acc[4 * m + 2 * p][h], first, xv[m]);
+          acc[4 * m + 2 * p + 1][h] = pair_step(acc[4 * m + 2 * p + 1][h], second, xv[m]);
         }
       }
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r)
-      for (int h = 0; h < 2; ++h) pin(acc[m][r][h]);
-  _mm_setcsr(saved);
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) {
-      pin(acc[m][r][0]);
-      pin(acc[m][r][1]);
-      res[m][r] = halving_sum(acc[m][r][0], acc[m][r][1]);
-    }
+  finish_lanes(acc, saved, &res[0][0]);
 }
 
 template <int MB>
@@ -198,14 +188,7 @@ inline void row_dots_i8(const int8_t* w, int64_t k, const uint16_t* const* xs, f
       for (int m = 0; m < MB; ++m) acc[m][h] = pair_step(acc[m][h], wv, load_pairs(xs[m] + c * 32 + 16 * h));
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int h = 0; h < 2; ++h) pin(acc[m][h]);
-  _mm_setcsr(saved);
-  for (int m = 0; m < MB; ++m) {
-    pin(acc[m][0]);
-    pin(acc[m][1]);
-    res[m] = halving_sum(acc[m][0], acc[m][1]);
-  }
+  finish_lanes(acc, saved, res);
 }
 
 #else  // via bf16

@@ -274,14 +274,7 @@ inline void dots2x1(const QRow* rows, int64_t k, const uint16_t* x, float* res, 
                                               xv[h]);
     }
   }
-  for (int r = 0; r < 2; ++r)
-    for (int h = 0; h < 2; ++h) pin(acc[r][h]);
-  _mm_setcsr(saved);
-  for (int r = 0; r < 2; ++r) {
-    pin(acc[r][0]);
-    pin(acc[r][1]);
-    res[r] = moeserve_canon::halving_sum(acc[r][0], acc[r][1]);
-  }
+  moeserve_canon::finish_lanes(acc, saved, res);
 }
 
 template <int MB>
