@@ -20,8 +20,10 @@
 //
 // Decoding, per ISA (the same values: integer moves and table lookups only):
 //   AVX512-BF16  32 nibbles -> 32 word indices, one vpermw over the two 16-entry tables of the chunk's halves
-//   AVX2 + FMA   8 bytes -> the (odd, even) fp32 pairs of canonical_dot.h: two vpermps over each table half,
-//                blended on the nibble's top bit
+//   AVX2 + FMA   the tables kept SPLIT (a group's 16 low bytes, then its 16 high bytes: `kSplit`): a chunk's 32
+//                nibbles -> its 32 bf16 by two vpshufb (low and high bytes) and a byte interleave, which leaves
+//                elements 0-7 | 16-23 and 8-15 | 24-31 in two registers: accumulated in that lane order and put
+//                back in canonical_dot.h's before the halving sum (the same lanes, each in the same order)
 //   scalar       byte by byte into 32 bf16, then canonical_dot.h's chunk_scalar
 #include <cmath>
 #include <cstdint>
@@ -63,15 +65,49 @@ inline float fp8_e4m3(uint8_t b) {
 
 }  // namespace
 
+namespace {
+
+// AVX2 builds keep every group's table split: its 16 entries' low bytes, then their high bytes (the vpshufb operands).
+#if defined(MOESERVE_CANON_AVX2)
+constexpr bool kSplit = true;
+#else
+constexpr bool kSplit = false;
+#endif
+
+// Entry n of a table as stored (split or as 16 bf16).
+inline uint16_t entry(const uint16_t* t, int n) {
+  if constexpr (kSplit) {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(t);
+    return static_cast<uint16_t>(b[n] | (b[16 + n] << 8));
+  }
+  return t[n];
+}
+
+// A table of 16 bf16 rewritten as stored (split where kSplit).
+inline void store_form(uint16_t* t) {
+  if constexpr (kSplit) {
+    uint8_t b[32];
+    for (int n = 0; n < 16; ++n) {
+      b[n] = static_cast<uint8_t>(t[n] & 0xFF);
+      b[16 + n] = static_cast<uint8_t>(t[n] >> 8);
+    }
+    std::memcpy(t, b, 32);
+  }
+}
+
+}  // namespace
+
 // MXFP4: table[s][n] = bf16(E2M1[n] * 2^(s - 127)), for every scale byte s. Computed as formats/mxfp4.py does it
 // ((2 E2M1[n]) * 2^(s - 128): 2^(s - 127) overflows fp32 at s = 255) in double, exact, then cast.
 const uint16_t* mxfp4_tables() {
   static const struct T {
     uint16_t v[256 * 16];
     T() {
-      for (int s = 0; s < 256; ++s)
+      for (int s = 0; s < 256; ++s) {
         for (int n = 0; n < 16; ++n)
           v[16 * s + n] = bf16_rne(static_cast<float>(std::ldexp(2.0 * e2m1(n), s - 128)));
+        store_form(v + 16 * s);
+      }
     }
   } tables;
   return tables.v;
@@ -109,9 +145,15 @@ struct Values {
   explicit Values(const float* p) : lo(_mm256_loadu_ps(p)), hi(_mm256_loadu_ps(p + 8)) {}
 };
 inline void scaled_table(const Values& vals, float scale, uint16_t* out) {
-  // packus (values <= 0xFFFF) interleaves 128-bit lanes: lo0 hi0 lo1 hi1 -> put them back in order
+  // packus (values <= 0xFFFF) interleaves 128-bit lanes: entries 0-3 8-11 | 4-7 12-15; each lane's low bytes then
+  // its high bytes (vpshufb), then the quadwords in order: the split table (kSplit)
   const __m256i packed = _mm256_packus_epi32(rounded8(vals.lo, scale), rounded8(vals.hi, scale));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+  const __m256i bytes = _mm256_shuffle_epi8(packed, _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11,
+                                                                      13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                                                                      9, 11, 13, 15));
+  // quadwords now: lo(0-3 8-11) hi(0-3 8-11) | lo(4-7 12-15) hi(4-7 12-15), as dwords lo0-3 lo8-11 hi0-3 hi8-11 ...
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, order));
 }
 #else
 struct Values {
@@ -174,8 +216,8 @@ inline void decode_chunk_scalar(const QRow& row, int64_t c, uint16_t* w) {
   const uint8_t* p = row.codes + 16 * c;
   const uint16_t* t[2] = {row.first(c), row.second(c)};
   for (int j = 0; j < 16; ++j) {
-    w[2 * j] = t[j / 8][p[j] & 15];
-    w[2 * j + 1] = t[j / 8][p[j] >> 4];
+    w[2 * j] = entry(t[j / 8], p[j] & 15);
+    w[2 * j + 1] = entry(t[j / 8], p[j] >> 4);
   }
 }
 
@@ -226,33 +268,40 @@ inline void decode(const QRow& row, int64_t k, uint16_t* w) {
 
 #elif defined(MOESERVE_CANON_AVX2)
 
-// A table's 16 bf16 as fp32: entries 0-7 and 8-15.
-struct Table {
-  __m256 lo, hi;
+// Chunk c's 32 weights as bf16 in two registers: lo = elements 0-7 | 16-23, hi = 8-15 | 24-31 (the byte interleave
+// works within 128-bit lanes). Nibbles in element order (lane 0: elements 0-15, lane 1: 16-31), each lane looked up
+// in its half's split table (low bytes, then high bytes), the two bytes of each weight interleaved.
+struct Words {
+  __m256i lo, hi;
 };
-inline Table load_table(const uint16_t* t) {
-  auto half = [](const uint16_t* p) {
-    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+inline Words decode_chunk(const QRow& row, int64_t c) {
+  const uint8_t* t0 = reinterpret_cast<const uint8_t*>(row.first(c));
+  const uint8_t* t1 = reinterpret_cast<const uint8_t*>(row.second(c));
+  auto lanes = [](const uint8_t* a, const uint8_t* b) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
   };
-  return {half(t), half(t + 8)};
+  const __m256i tl = lanes(t0, t1), th = lanes(t0 + 16, t1 + 16);
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row.codes + 16 * c));
+  const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+  const __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(lo, hi)),
+                                              _mm_unpackhi_epi8(lo, hi), 1);
+  const __m256i lb = _mm256_shuffle_epi8(tl, nib), hb = _mm256_shuffle_epi8(th, nib);
+  return {_mm256_unpacklo_epi8(lb, hb), _mm256_unpackhi_epi8(lb, hb)};
 }
 
-// Bytes p[0..7] -> canonical_dot.h's pairs: lane j odd = the high nibble of byte j, even = the low one. vpermps
-// reads an index's low 3 bits; blendv takes the upper half where the nibble's bit 3 (moved to bit 31) is set.
-inline moeserve_canon::Pairs decode8(const uint8_t* p, const Table& t) {
-  const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i hi = _mm256_srli_epi32(d, 4);
-  const __m256 odd = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, hi), _mm256_permutevar8x32_ps(t.hi, hi),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(d, 24)));
-  const __m256 even = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t.lo, d), _mm256_permutevar8x32_ps(t.hi, d),
-                                       _mm256_castsi256_ps(_mm256_slli_epi32(d, 28)));
-  return {odd, even};
+// 16 bf16 as canonical_dot.h's (odd, even) fp32 pairs.
+inline moeserve_canon::Pairs pairs_of(__m256i w) {
+  return {_mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)))),
+          _mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
 }
 
-// Only integer moves, lookups and blends before the FMAs: the lane mode's DAZ/FTZ cannot change a weight (a bf16
-// denormal weight becomes an fp32 denormal, which DAZ reads as zero, as vdpbf16ps does).
-// Two rows against one input at once (4 accumulators; more would spill beside the tables), then the next two.
+// Only integer moves and lookups before the FMAs: the lane mode's DAZ/FTZ cannot change a weight (a bf16 denormal
+// weight becomes an fp32 denormal, which DAZ reads as zero, as vdpbf16ps does).
+// Two rows against one input at once, then the next two. Accumulator 0 holds canonical lanes 0-3 | 8-11 (the
+// pairs of elements 0-7 | 16-23), accumulator 1 lanes 4-7 | 12-15; x is loaded in the same arrangement, and the
+// lanes are put back in canonical order before the halving sum: each lane sees the same products in the same order.
 inline void dots2x1(const QRow* rows, int64_t k, const uint16_t* x, float* res, bool pf) {
   using moeserve_canon::pin;
   __m256 acc[2][2];
@@ -262,19 +311,24 @@ inline void dots2x1(const QRow* rows, int64_t k, const uint16_t* x, float* res, 
   const NextBlock next(rows, 2, k);
   for (int64_t c = 0; c < k / 32; ++c) {
     if (pf) next.fetch(c);
-    const moeserve_canon::Pairs xv[2] = {moeserve_canon::load_pairs(x + 32 * c),
-                                         moeserve_canon::load_pairs(x + 32 * c + 16)};
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * c + 16));
+    const moeserve_canon::Pairs xv[2] = {pairs_of(_mm256_permute2x128_si256(x0, x1, 0x20)),
+                                         pairs_of(_mm256_permute2x128_si256(x0, x1, 0x31))};
     for (int r = 0; r < 2; ++r) {
-      const uint16_t* t0 = rows[r].first(c);
-      const uint16_t* t1 = rows[r].second(c);
-      const Table tab0 = load_table(t0);
-      const Table tab1 = t1 == t0 ? tab0 : load_table(t1);
-      for (int h = 0; h < 2; ++h)
-        acc[r][h] = moeserve_canon::pair_step(acc[r][h], decode8(rows[r].codes + 16 * c + 8 * h, h == 0 ? tab0 : tab1),
-                                              xv[h]);
+      const Words w = decode_chunk(rows[r], c);
+      acc[r][0] = moeserve_canon::pair_step(acc[r][0], pairs_of(w.lo), xv[0]);
+      acc[r][1] = moeserve_canon::pair_step(acc[r][1], pairs_of(w.hi), xv[1]);
     }
   }
-  moeserve_canon::finish_lanes(acc, saved, res);
+  __m256 lanes[2][2];
+  for (int r = 0; r < 2; ++r) {
+    pin(acc[r][0]);
+    pin(acc[r][1]);
+    lanes[r][0] = _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x20);  // canonical lanes 0-7
+    lanes[r][1] = _mm256_permute2f128_ps(acc[r][0], acc[r][1], 0x31);  // and 8-15
+  }
+  moeserve_canon::finish_lanes(lanes, saved, res);
 }
 
 template <int MB>
