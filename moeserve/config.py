@@ -188,7 +188,9 @@ class ServerSettings(BaseModel):
         False, description="no log line per request (uvicorn's access log; vLLM's name); errors are still logged, "
         "and GET /health polls never are"
     )
-    max_request_body_mb: float = Field(16.0, gt=0, description="largest request body accepted, in MB (413 beyond)")
+    max_request_body_mb: float = Field(
+        4.0, gt=0, description="largest request body accepted, in MB (413 beyond); serve reserves x200 of it in "
+        "memory_gb for tokenizing (request_memory_mb)")
     max_connections: int | None = Field(
         None, ge=1, description="open connections at most; one beyond closes the oldest idle one (default: 3/4 of "
         "the open-file limit, at most 4096)")
