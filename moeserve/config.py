@@ -102,7 +102,8 @@ class EngineSettings(BaseModel):
     quantization: Literal["none", "int8", "int4"] = Field(
         "none", description="on-load weight quantization of 16-bit checkpoints: int8 = experts and dense Linears "
         "as int8 with per-row scales; int4 = experts as int4 with a bf16 scale per 32 inputs (compressed-tensors' "
-        "W4A16 layout, read as stored by the C++ 4-bit expert op), the rest unchanged"
+        "W4A16 layout, read as stored by the C++ 4-bit expert op) and dense Linears as int8 (as llama.cpp's "
+        "Q4_K_M keeps its dense tensors at more bits than its experts)"
     )
     kernels: Literal["auto", "cpp", "torch"] = Field(
         "auto", description="CPU kernels: cpp = moeserve's C++ ops (built with g++ on first use), torch = "

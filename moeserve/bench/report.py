@@ -12,7 +12,8 @@ from moeserve.bench.runner import BenchConfig, CaseResult, Skipped, _batch_of, p
 # (dense, expert) weight bytes per parameter as each engine stores them. moeserve's int8 quantizes the experts
 # (per-output-channel scales, negligible) and, with its C++ kernels, the dense Linears but routers: its dense bytes
 # come from ceilings.dense_bytes_per_step_int8 (the 1.0 here is not used); Q8_0 is 32 int8 + one fp16 scale per
-# block of 32, dense and experts. int4 quantizes the experts only (a nibble + a bf16 scale per 32 inputs). A
+# block of 32, dense and experts. int4 quantizes the experts to a nibble + a bf16 scale per 32 inputs and the dense
+# Linears as int8 does (the 2.0 here is not used either). A
 # quantized GGUF's mix of types (Q4_K_M: Q4_K, Q6_K where llama.cpp's rule keeps more bits) is read from the file
 # (engines.BenchEngine.bytes_per_param), not from here.
 BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
@@ -28,9 +29,9 @@ BYTES_PER_PARAM: dict[str, tuple[float, float]] = {
 def dense_bytes(cfg: BenchConfig, engine: str, engine_key: str, bytes_per_param: tuple[float, float],
                 tokens_per_step: int) -> int:
     """Non-expert bytes of one step as `engine` (`engine_key` in BYTES_PER_PARAM) stores them. moeserve's int8
-    dense GEMV needs its C++ kernels (kernels=auto finds them on the bench machines; the torch-kernels peer
-    keeps the dense Linears in bf16)."""
-    if engine_key == "moeserve-int8":
+    dense GEMV (quantization int8 and int4) needs its C++ kernels (kernels=auto finds them on the bench machines;
+    the torch-kernels peer keeps the dense Linears in bf16)."""
+    if engine_key in ("moeserve-int8", "moeserve-int4"):
         if engine != "moeserve-torch-kernels":
             return ceilings.dense_bytes_per_step_int8(cfg.shape, tokens_per_step)
         return ceilings.dense_bytes_per_step(cfg.shape, 2.0, tokens_per_step)

@@ -151,7 +151,7 @@ class EnginePlan:
     cpp_kernels: bool  # the moeserve C++ ops are loaded and chosen
     numerics: Numerics
     numerics_reason: str  # logged by the model as "batch invariance"
-    dense_int8: bool  # quantization=int8: the dense Linears too (with the C++ ops)
+    dense_int8: bool  # quantization=int8 / int4: the dense Linears as int8 (with the C++ ops)
     decode_step: str  # EngineSettings.decode_step; the model resolves auto against its built layers
     max_num_batched_tokens: int
     kv_groups: tuple[KVGroup, ...]  # the sequence-memory groups (layers of one cache kind)
@@ -260,7 +260,7 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     costs = probe.placement_costs(device) if s.placement in ("hybrid", "cpu") else None
     if costs is not None:
         lines.add("placement costs", costs.describe())
-    return EnginePlan(device, dtype, threads, cpp, numerics, numerics_reason, s.quantization == "int8",
+    return EnginePlan(device, dtype, threads, cpp, numerics, numerics_reason, s.quantization in ("int8", "int4"),
                       s.decode_step, batched, tuple(groups), tuple(block_bytes), tuple(kv_blocks), snapshots, needs,
                       sizes, held, options, tuple(lines.items), _kv_choices(spec, dtype, groups, block_bytes, s),
                       s.placement, costs)

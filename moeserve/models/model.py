@@ -58,7 +58,7 @@ class ModelOptions:
 
     numerics: Numerics = field(default_factory=Numerics)  # C++ ops or torch, batch invariance, row block
     numerics_reason: str = ""  # why these numerics (choose_numerics), for the start-up log
-    dense_int8: bool = False  # quantization="int8": dense Linears as int8 (with the C++ ops; see build_model)
+    dense_int8: bool = False  # quantization="int8" / "int4": dense Linears as int8 (with the C++ ops; see build_model)
     decode_step: str = "auto"  # auto, fused, per_op (decode_stack.choose_decode_step)
     placement: str = "auto"  # where missed experts are computed on a GPU machine (models/experts/hybrid.py)
     placement_costs: Costs | None = None  # what the hybrid placement weighs (measured at start-up), or None
@@ -167,7 +167,7 @@ def build_model(
     options: ModelOptions | None = None,
 ) -> MoeModel:
     """Stream the checkpoint into a MoeModel whose store holds `expert_capacity` experts in the fast tier.
-    `options.dense_int8` (quantization="int8"): with the C++ ops, the dense Linears that every token reads in full
+    `options.dense_int8` (quantization="int8" or "int4"): with the C++ ops, the dense Linears that every token reads in full
     (q/k/v, o, dense and shared-expert MLPs, LM head) become per-row int8 (see Linear); routers and the shared-
     expert gate stay in the compute dtype (tiny, and they pick the experts: a flipped choice costs more than their
     bytes save), and so does the embedding (a token reads one row of it)."""
@@ -197,7 +197,7 @@ def build_model(
     model.choices = choices + model.choices + [("batch invariance", opts.numerics_reason or numerics.id)]
     int8 = _int8_summary(asked, opts, load.int8_linears, dtype)
     if int8:
-        model.choices.append(("dense layers (quantization=int8)", int8))
+        model.choices.append(("dense layers", int8))
     return model
 
 
@@ -268,17 +268,17 @@ def _norm(load: WeightLoader, name: str, spec: ModelSpec, shape: tuple[int, ...]
 
 
 def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dtype: torch.dtype) -> str:
-    """quantization="int8": what build_model quantized in the dense part, and why ("" when not asked)."""
+    """quantization="int8" / "int4": what build_model quantized in the dense part, and why ("" when not asked)."""
     if opts.dense_int8 and int8_linears == 0:
         return (f"kept in {str(dtype).removeprefix('torch.')}: the int8 dense GEMV takes bf16 activations (and "
-                "K % 32 == 0), so only the experts are int8")
+                "K % 32 == 0), so only the experts are quantized")
     if opts.dense_int8:
         return (f"{int8_linears} Linears quantized to int8 with per-row float32 scales (q/k/v, o_proj, dense and "
                 "shared-expert MLPs, LM head); kept in the compute dtype: routers and shared-expert gates (tiny, "
                 "and they choose the experts), embedding (one row read per token), norms")
     if asked.dense_int8:
         return ("kept in the compute dtype: the int8 dense GEMV needs the C++ kernels (kernels=torch or "
-                "unavailable), so only the experts are int8")
+                "unavailable), so only the experts are quantized")
     return ""
 
 

@@ -116,8 +116,8 @@ def test_each_run_is_set_against_the_bandwidth_probed_beside_it():
 
 
 def test_quantized_engines_read_their_own_bytes_per_parameter():
-    """moeserve with quantization=int4 counts its experts at a nibble + a bf16 scale per 32 weights (its dense
-    Linears stay bf16); an engine whose weight file states its bytes (a quantized GGUF) is counted by those, over
+    """moeserve with quantization=int4 counts its experts at a nibble + a bf16 scale per 32 weights and its dense
+    Linears as int8 counts them (Shape.dense_bytes_int8); an engine whose weight file states its bytes (a quantized GGUF) is counted by those, over
     BYTES_PER_PARAM. By hand on the tiny shape: 4 experts of 6144 weights per step, all hits."""
     from moeserve.bench.report import summarize
 
@@ -135,7 +135,9 @@ def test_quantized_engines_read_their_own_bytes_per_parameter():
         return next(r for r in summary["rows"] if r["engine"] == engine)["bytes_per_token_memory"]
 
     assert row_bytes("none", "moeserve") == pytest.approx(84864 + 4 * 6144 * 2)
-    assert row_bytes("int4", "moeserve") == pytest.approx(84864 + 4 * 6144 * (0.5 + 2 / 32))
+    assert row_bytes("int4", "moeserve") == pytest.approx(
+        SHAPES["tiny"].dense_bytes_int8(1) + 4 * 6144 * (0.5 + 2 / 32))
+    assert SHAPES["tiny"].dense_bytes_int8(1) < 0.75 * 84864
     # a GGUF of 1.25 bytes per dense parameter (84864 bytes are 42432 bf16 parameters) and 0.5 per expert one
     assert row_bytes("none", "llama.cpp-q4_0", {"llama.cpp-q4_0": (1.25, 0.5)}) == pytest.approx(
         42432 * 1.25 + 4 * 6144 * 0.5)

@@ -1,6 +1,6 @@
 """quantization="int4": experts of a 16-bit checkpoint quantized on load to compressed-tensors' pack-quantized int4
 (symmetric, a bf16 scale per 32 inputs: formats/int4.quantize_int4_packed), int4 in every cache tier and read as
-stored by the C++ 4-bit op (kernels=cpp). Offloading (misses read the spill file) must stay bit-exact; the accuracy
+stored by the C++ 4-bit op (kernels=cpp); the dense Linears int8 as under quantization=int8. Offloading (misses read the spill file) must stay bit-exact; the accuracy
 cost against the unquantized model is bounded on the first step (same context)."""
 
 from __future__ import annotations
@@ -48,12 +48,15 @@ def test_int4_experts_offloaded_equal_resident_through_the_4bit_op(bf16_folders,
                                    int8_cache_dir=str(tmp_path / "spill"))
     kernel = resident_llm.engine.choices["expert kernel"]
     assert "cpp-q4-int4" in kernel, kernel
+    model = resident_llm.engine.model  # the dense Linears as int8, as quantization=int8 makes them
+    assert model.layers[0].attn.qkv.layout == "int8" and "int8" in dict(model.choices)["dense layers"]
     assert offloaded_llm.engine.model.store.stats.misses > 0
     for a, b in zip(offloaded, resident):
         assert a.token_ids == b.token_ids and logprob_table(a) == logprob_table(b)
     layout = resident_llm.engine.model.store.layout
     assert [f.dtype for f in layout.fields if f.name.endswith(".weight_scale")] == [torch.bfloat16] * 2
-    # The C++ op and torch's per-call dequantization compute the same int4 weights (other dot orders): close
+    # The C++ op and torch's per-call dequantization compute the same int4 weights (other dot orders; torch's path
+    # keeps the dense Linears in bf16, the int8 dense GEMV being a C++ op): close
     _, via_torch = run(folder, kernels="torch", quantization="int4")
     assert max(_first_step_deviations(resident, via_torch)) < 0.05
     # Accuracy cost against bf16 on the first step (same context), tiny random models: under 0.25 nats (qwen3_moe),

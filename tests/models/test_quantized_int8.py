@@ -106,7 +106,7 @@ def test_int8_dense_linears_offloaded_equal_resident_and_close_to_bf16(bf16_fold
     assert [lin.layout for lin in (attn.qkv, attn.o, dense_mlp.gate, dense_mlp.up, dense_mlp.down, model._head)] \
         == ["int8"] * 6
     assert moe.router.layout != "int8" and model.embed.dtype == torch.bfloat16
-    assert "routers" in dict(model.choices)["dense layers (quantization=int8)"]
+    assert "routers" in dict(model.choices)["dense layers"]
     bf16_model = teacher_forced(folder, kernels="cpp")[0].engine.model
     assert model.resident_bytes < 0.75 * bf16_model.resident_bytes  # int8 codes counted at their size
 
@@ -122,7 +122,7 @@ def test_int8_dense_linears_offloaded_equal_resident_and_close_to_bf16(bf16_fold
 def test_int8_with_torch_kernels_keeps_dense_linears(bf16_folders) -> None:
     llm, _ = teacher_forced(bf16_folders["qwen3_moe"], kernels="torch", quantization="int8", int8_cache_dir="off")
     model = llm.engine.model
-    assert model.layers[0].attn.qkv.layout != "int8" and "C++ kernels" in dict(model.choices)["dense layers (quantization=int8)"]
+    assert model.layers[0].attn.qkv.layout != "int8" and "C++ kernels" in dict(model.choices)["dense layers"]
 
 
 def test_int8_tied_head_is_a_quantized_copy(tmp_path: Path) -> None:
