@@ -6,7 +6,9 @@ loader reads them, src/llama-arch.cpp), so the model registry reads a GGUF exact
 gives each GGUF tensor's HF name(s) and the transform that undoes llama.cpp's converter (convert_hf_to_gguf.py):
 - a layer's experts, stacked [E, out, in] in one tensor, are E per-expert tensors (each one contiguous byte range);
 - llama (Mixtral) stores q/k rows permuted for ggml's rotary (`LlamaModel.permute`): un-permuted here;
-- qwen2moe's shared-expert gate [hidden] is the HF [1, hidden].
+- qwen2moe's shared-expert gate [hidden] is the HF [1, hidden];
+- glm4moe's block_count counts its NextN (multi-token prediction) layers: `derive` takes nextn_predict_layers off
+  num_hidden_layers, and the tensors of those layers are skipped (as moeserve skips them in the HF checkpoint).
 An architecture, or a metadata key, that moeserve cannot map is refused in one line naming it.
 """
 
@@ -25,6 +27,8 @@ import torch
 from moeserve.errors import CheckpointError, UnsupportedModelError
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+# what an architecture's metadata and tensor shapes imply beyond key copies: updates the config in place
+Derive = Callable[[dict[str, Any], Mapping[str, Any], Mapping[str, tuple[int, ...]], Path], None]
 REQUIRED = object()  # a metadata key without a default
 
 _LAYER = "model.layers.{L}."
@@ -72,6 +76,7 @@ class GGUFArch:
     layer_tensors: Mapping[str, str] = field(default_factory=lambda: LAYER_TENSORS)
     expert_tensors: Mapping[str, str] = field(default_factory=lambda: EXPERT_TENSORS)
     permute_qk: bool = False  # q/k rows permuted by the converter (llama)
+    derive: Derive | None = None
 
     def config(self, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], where: Path
                ) -> dict[str, Any]:
@@ -96,19 +101,25 @@ class GGUFArch:
             config["mlp_only_layers"] = [L for L in range(config["num_hidden_layers"])
                                          if f"blk.{L}.ffn_gate_inp.weight" not in tensor_shapes]
         config.update(_rope_scaling(meta, self.gguf_name, where))
+        if self.derive is not None:
+            self.derive(config, meta, tensor_shapes, where)
         for key in ("bos_token_id", "eos_token_id"):
             if f"tokenizer.ggml.{key}" in meta:
                 config[key] = meta[f"tokenizer.ggml.{key}"]
         return config
 
-    def tensor_names(self, gguf_name: str, num_experts: int) -> tuple[str, list[str]] | None:
-        """("expert" | "dense", HF names) of a GGUF tensor: E names for stacked experts; None: not one it maps."""
+    def tensor_names(self, gguf_name: str, num_experts: int, num_layers: int | None = None
+                     ) -> tuple[str, list[str]] | None:
+        """("expert" | "dense", HF names) of a GGUF tensor: E names for stacked experts; ("skipped", []) for a block
+        past `num_layers` (glm4moe's NextN layers); None: not one it maps."""
         if gguf_name in GLOBAL_TENSORS:
             return "dense", [GLOBAL_TENSORS[gguf_name]]
         m = _BLOCK.fullmatch(gguf_name)
         if m is None:
             return None
         layer, stem = m.group(1), m.group(2)
+        if num_layers is not None and int(layer) >= num_layers:
+            return "skipped", []
         if stem in self.expert_tensors:
             return "expert", [self.expert_tensors[stem].format(L=layer, E=e) for e in range(num_experts)]
         if stem in self.layer_tensors:
@@ -163,6 +174,31 @@ def _rope_scaling(meta: Mapping[str, Any], arch: str, where: Path) -> dict[str, 
     return {"rope_scaling": scaling}
 
 
+def _glm4moe(config: dict[str, Any], meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path
+             ) -> None:
+    """GLM-4.5's config from llama.cpp's glm4moe keys (src/models/glm4-moe.cpp): block_count less the NextN layers,
+    partial rotary from rope.dimension_count, sigmoid routing, the q/k norms present or not."""
+    nextn = meta.get("glm4moe.nextn_predict_layers", 0)
+    config["num_nextn_predict_layers"] = nextn
+    config["num_hidden_layers"] -= nextn
+    gating = meta.get("glm4moe.expert_gating_func", SIGMOID)
+    if gating != SIGMOID:
+        raise UnsupportedModelError(f"{where}: metadata glm4moe.expert_gating_func={gating!r} is not supported "
+                                    f"({SIGMOID}: sigmoid)")
+    rotated = meta.get("glm4moe.rope.dimension_count", config["head_dim"] // 2)
+    config["partial_rotary_factor"] = rotated / config["head_dim"]
+    config["norm_topk_prob"] = bool(meta.get("glm4moe.expert_weights_norm", False))
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
+
+
+SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+_GLM = "model.layers.{L}.mlp."
+GLM4MOE_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    **{k: v for k, v in LAYER_TENSORS.items() if k not in ("ffn_norm.weight", "ffn_gate_inp_shexp.weight")},
+    "post_attention_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    "exp_probs_b.bias": _GLM + "gate.e_score_correction_bias",
+    **{f"ffn_{p}_shexp.weight": f"{_GLM}shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+})
 _MIXTRAL = "model.layers.{L}.block_sparse_moe."
 GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
     GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe",
@@ -186,6 +222,15 @@ GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
              expert_tensors={f"ffn_{p}_exps.weight": f"{_MIXTRAL}experts.{{E}}.{w}.weight"
                              for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
              permute_qk=True),
+    GGUFArch("glm4moe", "Glm4MoeForCausalLM", "glm4_moe",
+             keys={"n_routed_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "head_dim": ("attention.key_length", None),
+                   "num_key_value_heads": ("attention.head_count_kv", None),
+                   "n_shared_experts": ("expert_shared_count", REQUIRED),
+                   "first_k_dense_replace": ("leading_dense_block_count", 0),
+                   "routed_scaling_factor": ("expert_weights_scale", 1.0),
+                   "n_group": ("expert_group_count", 1), "topk_group": ("expert_group_used_count", 1)},
+             layer_tensors=GLM4MOE_LAYER_TENSORS, derive=_glm4moe),
 )}
 
 

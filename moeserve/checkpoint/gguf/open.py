@@ -141,12 +141,17 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
     written `*`)."""
     tensors: dict[str, TensorRef] = {}
     expert_types: dict[str, str] = {}
-    num_experts = int(config.get("num_experts", config.get("num_local_experts", 0)))
+    num_experts = int(next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                            if k in config), 0))
+    skipped = 0
     for name, info in infos.items():
-        mapped = arch.tensor_names(name, num_experts)
+        mapped = arch.tensor_names(name, num_experts, config["num_hidden_layers"])
         if mapped is None:
             raise UnsupportedModelError(f"{where}: tensor '{name}' is not one moeserve maps for {arch.gguf_name}")
         kind, hf_names = mapped
+        if kind == "skipped":
+            skipped += 1
+            continue
         if not is_readable(info.ggml_type):
             raise UnsupportedModelError(f"{where}: tensor '{name}' is stored as {info.ggml_type.name}; moeserve "
                                         "reads F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and MXFP4")
@@ -161,6 +166,9 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
                     info.ggml_type.name
         else:
             tensors[hf_names[0]] = _dense_ref(hf_names[0], info, arch.transform(name, config))
+    if skipped:
+        log.info("%s: %d tensors of the blocks past num_hidden_layers=%d (the NextN layers) are not read", where.name,
+                 skipped, config["num_hidden_layers"])
     return tensors, expert_types
 
 
