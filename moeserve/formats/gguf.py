@@ -53,3 +53,35 @@ def _format_class(type_name: str) -> type[GGUFFormat]:
 # ggml type name -> its Format class, for every quantized type with a dequantizer
 GGUF_FORMATS: Mapping[str, type[GGUFFormat]] = {
     name: _format_class(name) for name in DEQUANTIZERS if not TYPES_BY_NAME[name].is_float}
+
+
+@dataclass(frozen=True)
+class LayerMixedGGUFFormat(Format):
+    """One expert projection whose layers store different ggml types (llama.cpp's Q4_K_M gives some layers'
+    ``ffn_down_exps`` Q6_K, others Q4_K). Not a stored format: a unit layout's view of them. Role ``weight`` is
+    sized for the largest type's rows and a layer of a smaller type fills a prefix of it (the rest zeros); role
+    ``type`` ([1] int32, written into each unit by its source: models/experts/sources.LayerTaggedSource) indexes
+    `formats`, whose `dequantize` then decodes that prefix."""
+
+    name: ClassVar[str] = "gguf-mixed"
+    roles: ClassVar[tuple[str, ...]] = ("weight", "type")
+    formats: tuple[GGUFFormat, ...] = ()
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        w, big = tensors["weight"], self.largest
+        return (*w.shape[:-1], w.shape[-1] // big.ggml.block_bytes * big.ggml.block_elems)
+
+    @property
+    def largest(self) -> GGUFFormat:
+        """The type with the most bytes per value: the one the weight field is sized for."""
+        return max(self.formats, key=lambda f: f.ggml.block_bytes / f.ggml.block_elems)
+
+    def stored_shapes(self, shape: tuple[int, ...], dense_code: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"weight": self.largest.stored_shapes(shape, dense_code)["weight"], "type": ("I32", (1,))}
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        """Decode the prefix of the weight field that the unit's own type fills ([..., out, its row bytes])."""
+        fmt, w = self.formats[int(tensors["type"][0])], tensors["weight"]
+        row = fmt.ggml.row_bytes(out.shape[-1])
+        prefix = w.reshape(-1)[: w.numel() // w.shape[-1] * row].view(*w.shape[:-1], row)
+        fmt.dequantize({"weight": prefix}, out)

@@ -38,6 +38,9 @@ K_DIMS = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size":
 # case -> (tiny architecture, expert types, other matrices' type, config overrides)
 CASES = {
     "qwen3moe-k-quants": ("qwen3_moe", {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}, "Q8_0", K_DIMS),
+    # llama.cpp's Q4_K_M mix: a projection's type changes across layers (units sized for the widest)
+    "qwen3moe-down-q6_k-then-q4_k": ("qwen3_moe", {"gate": "Q4_K", "up": "Q5_K", "down": "Q6_K", "1.down": "Q4_K"},
+                                     "Q8_0", K_DIMS),
     "mixtral-q8_0-q4_0-mxfp4": ("mixtral", {"gate": "Q8_0", "up": "Q4_0", "down": "MXFP4"}, "Q4_0", {}),
     "qwen2moe-f16": ("qwen2_moe", "F16", "Q8_0", {}),
     "olmoe-bf16": ("olmoe", "BF16", "BF16", {}),
@@ -84,7 +87,10 @@ def test_offloaded_equals_resident_with_experts_in_their_ggml_type(files, case: 
     assert "stored as gguf-" in run.choices["experts"], run.choices["experts"]
     ckpt = open_checkpoint(gguf)
     expert = next(n for n in ckpt.tensors if ".experts.0." in n).split(".experts.0.")[0] + ".experts.0."
-    stored = assert_a_miss_reads_one_expert(gguf, PROMPTS[:1], expert)
+    assert expert.startswith("model.layers.0."), expert
+    stored = assert_a_miss_reads_one_expert(gguf, PROMPTS[:1], expert.replace(".0.", ".{L}.", 1))
     types = ckpt.config["quantization_config"]["tensor_types"]
     assert stored == sum(r.nbytes for n, r in ckpt.tensors.items() if n.startswith(expert))
+    if "then" in case:  # the down projection's type changes across layers: units sized for the widest
+        assert "change ggml type across layers" in run.choices["experts"], run.choices["experts"]
     assert len(set(types.values())) == 3  # gate, up and down each in their own type, as stored

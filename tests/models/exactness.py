@@ -232,17 +232,20 @@ def assert_offloaded_equals_resident(folder: Path, prompts: list[list[int]], res
 def assert_a_miss_reads_one_expert(folder: Path, prompts: list[list[int]], expert: str,
                                    not_read: tuple[str, ...] = ()) -> int:
     """One expert slot: every miss reads exactly the stored tensors of one expert (named `expert` + role, those ending
-    in `not_read` left out, e.g. activation scales), nothing more. Returns those bytes."""
+    in `not_read` left out, e.g. activation scales), nothing more. `expert` may name the layer "{L}" (experts whose
+    stored size differs by layer: a miss of layer L reads layer L's). Returns the bytes of the first MoE layer's."""
     llm = LLM(str(folder), skip_tokenizer_init=True, expert_cache_gb=1e-9)
     engine, store = llm.engine, llm.engine.model.store
     before = engine.checkpoint.reader.bytes_read
     llm.generate([{"prompt_token_ids": p} for p in prompts], greedy())
-    stored = sum(r.nbytes for n, r in engine.checkpoint.tensors.items()
-                 if n.startswith(expert) and not n.endswith(not_read))
+    stored = {layer: sum(r.nbytes for n, r in engine.checkpoint.tensors.items()
+                         if n.startswith(expert.replace("{L}", str(layer))) and not n.endswith(not_read))
+              for layer in store.layers}
     read = engine.checkpoint.reader.bytes_read - before
     engine.close()
-    assert store.capacity == 1 and store.stats.misses > 0 and read == store.stats.misses * stored
-    return stored
+    misses = sum(store.stats.layer(layer).misses * stored[layer] for layer in store.layers)
+    assert store.capacity == 1 and store.stats.misses > 0 and read == misses
+    return stored[store.layers[0]]
 
 
 def assert_matches_transformers(folder: Path, ref_model: Any, prompts: list[list[int]], steps: int = STEPS,

@@ -28,8 +28,14 @@ from moeserve.errors import ConfigError, UnsupportedModelError
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
 from moeserve.formats.catalog import CompressedTensorsInt4Format
+from moeserve.formats.gguf import GGUFFormat, LayerMixedGGUFFormat
 from moeserve.models.experts.fused_spec import Activation, bf16_interleaved_units, q4_units
-from moeserve.models.experts.sources import Int4ExpertSource, Int8ExpertSource, InterleavedExpertSource
+from moeserve.models.experts.sources import (
+    Int4ExpertSource,
+    Int8ExpertSource,
+    InterleavedExpertSource,
+    LayerTaggedSource,
+)
 from moeserve.models.experts.unit_math import (
     DequantizingKernel,
     ExpertMath,
@@ -126,26 +132,34 @@ def stored_format_plan(
     field_names: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection)
     built: list[Projection] = []
     formats: set[str] = set()
+    tags: dict[str, dict[int, int]] = {}  # type field of a projection whose layers differ -> layer -> type index
+    padded: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection) sized for the largest
     for p in projections:
         rows = p.shape[0] // len(p.shard_prefixes)
         shards = []
         for s, template in enumerate(p.shard_prefixes):
-            fmt = _one_format(scheme, template, layers)
-            formats.add(fmt.name)
-            prefix = template.format(L=layers[0], E=0)
-            if not p.stacked:
-                _check_per_expert(ckpt, fmt, template, layers[0])
-            if p.stacked:  # the stored tensors hold every expert: check the shape of the whole stack
-                check_dense_shape(ckpt, fmt, prefix, (spec.moe.num_experts, rows, p.shape[1]))
-            else:
-                check_dense_shape(ckpt, fmt, prefix, (rows, p.shape[1]))
+            by_layer = {layer: scheme.format_for(template.format(L=layer, E=0)) for layer in layers}
+            fmt = _projection_format(template, by_layer)
+            formats.update(f.name for f in by_layer.values())
+            for layer in {f: layer for layer, f in reversed(by_layer.items())}.values():  # each stored format once
+                if not p.stacked:
+                    _check_per_expert(ckpt, by_layer[layer], template, layer)
+                stack = (spec.moe.num_experts,) if p.stacked else ()
+                check_dense_shape(ckpt, by_layer[layer], template.format(L=layer, E=0), (*stack, rows, p.shape[1]))
             role_fields = []
             for role in fmt.roles:
-                ref = _ref(ckpt, fmt.stored_name(template, role), layers[0], 0, p.stacked)
                 field = f"{p.name}.{s}.{role}"
                 role_fields.append((role, len(field_specs)))
+                if isinstance(fmt, LayerMixedGGUFFormat) and role == "type":  # written by the source, per layer
+                    field_specs.append((field, torch.int32, (1,)))
+                    tags[field] = {layer: fmt.formats.index(f) for layer, f in by_layer.items()}
+                    continue
+                widest = next(layer for layer, f in by_layer.items() if f == getattr(fmt, "largest", f))
+                ref = _ref(ckpt, fmt.stored_name(template, role), widest, 0, p.stacked)
                 field_specs.append((field, ref.dtype, ref.shape))  # stored dtype: nothing is converted
                 field_names.append((field, fmt.stored_name(template, role), p))
+                if isinstance(fmt, LayerMixedGGUFFormat):
+                    padded.append(field_names[-1])
             shards.append(Shard(fmt, (s * rows, (s + 1) * rows), tuple(role_fields)))
         bias_field = None
         if p.bias is not None:
@@ -157,7 +171,7 @@ def stored_format_plan(
     sources = _stored_sources(ckpt, layers, spec.moe.num_experts, field_names)
     fused = q4_units(built, layout, act, dtype)
     kernel = DequantizingKernel(built, dtype, math, fused)
-    stored = sum(r.nbytes for f in sources[(layers[0], 0)] for r in f.refs)
+    stored = max(sum(r.nbytes for f in sources[(layer, 0)] for r in f.refs) for layer in layers)
     at_use = (f"dequantized at use into reused {kernel.buffer_nbytes / 2**10:.1f} KiB "
               f"{str(dtype).removeprefix('torch.')} buffers")
     description = (
@@ -165,18 +179,36 @@ def stored_format_plan(
         f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); "
         + (at_use if isinstance(fused, str) else f"read as stored by the C++ 4-bit op (or, on torch's path, {at_use})")
     )
-    return ExpertPlan(layout, kernel, sources, description, quantized=True)
+    if not tags:
+        return ExpertPlan(layout, kernel, sources, description, quantized=True)
+    pad = _padding(ckpt, layout, layers, spec.moe.num_experts, padded)
+    description += (f"; {', '.join(sorted({f[1].split('.')[-2] for f in padded}))} change ggml type across layers: "
+                    f"units sized for the widest, a narrower layer's blocks pad to it ({pad / 2**20:.1f} MiB "
+                    f"in all, {pad / (len(layers) * spec.moe.num_experts * layout.nbytes):.1%} of the units)")
+    frozen = tuple(f for f, _, _ in padded)
+    return ExpertPlan(layout, kernel, sources, description, quantized=True,
+                      make_source=lambda c: LayerTaggedSource(c, layout, sources, tags, frozen))
 
 
-def _one_format(scheme: QuantScheme, template: str, layers: Sequence[int]) -> Format:
-    """The format of a projection; every MoE layer must store it the same way (one unit layout per model)."""
-    fmts = {scheme.format_for(template.format(L=layer, E=0)) for layer in layers}
-    if len(fmts) != 1:
-        raise UnsupportedModelError(
-            f"experts '{template}' are stored in different formats across layers "
-            f"({', '.join(sorted(f.name for f in fmts))}); one format per expert projection is supported"
-        )
-    return fmts.pop()
+def _padding(ckpt: Checkpoint, layout: UnitLayout, layers: Sequence[int], num_experts: int,
+             padded: Sequence[tuple[str, str, ProjectionSource]]) -> int:
+    """Bytes of the sized-for-the-widest fields that no layer's stored blocks fill, over every unit."""
+    return sum((layout.field(field).nbytes - _ref(ckpt, template, layer, 0, p.stacked).nbytes) * num_experts
+               for field, template, p in padded for layer in layers)
+
+
+def _projection_format(template: str, by_layer: dict[int, Format]) -> Format:
+    """The format of a projection's units: its layers' one format, or a GGUF projection whose layers differ in
+    ggml type (llama.cpp's Q4_K_M mixes) read through one layout sized for the widest type."""
+    fmts = sorted(set(by_layer.values()), key=lambda f: f.name)
+    if len(fmts) == 1:
+        return fmts[0]
+    if all(isinstance(f, GGUFFormat) for f in fmts):
+        return LayerMixedGGUFFormat(tuple(f for f in fmts if isinstance(f, GGUFFormat)))
+    raise UnsupportedModelError(
+        f"experts '{template}' are stored in different formats across layers "
+        f"({', '.join(f.name for f in fmts)}); only a GGUF's ggml types may differ across layers"
+    )
 
 
 def _check_per_expert(ckpt: Checkpoint, fmt: Format, template: str, layer: int) -> None:

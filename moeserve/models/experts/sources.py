@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from moeserve.checkpoint.finite import check_expert_unit
+from moeserve.checkpoint.folder import Checkpoint
 from moeserve.checkpoint.safetensors_file import Placer, TensorRef
 from moeserve.experts.spill import UnitSpill, fingerprint, open_or_build
-from moeserve.experts.unit import ExpertSource, UnitLayout
+from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats.int4 import quantize_int4_packed
 from moeserve.formats.int8 import quantize_int8_per_channel
 from moeserve.models.layers.linear import pack_int8_rows
@@ -218,3 +219,25 @@ def _interleave_placed(shape: tuple[int, ...], transposed: bool, dst: torch.Tens
     if stored.storage_offset() % 2:  # a tensor at an odd file offset: 2-byte views need an even start
         stored = stored.clone()
     _interleave(dst.view(torch.int16), stored.view(torch.int16).view(shape), transposed)
+
+
+class LayerTaggedSource(ExpertSource):
+    """Reads units whose projections change ggml type across layers (formats/gguf.LayerMixedGGUFFormat): the stored
+    blocks fill a prefix of their field as the plain source reads them; the rest of the field is zeroed (a re-read
+    gives the same bytes) and each `tags` field ([1] int32) gets the layer's type index."""
+
+    def __init__(self, checkpoint: Checkpoint, layout: UnitLayout,
+                 sources: dict[tuple[int, int], tuple[FieldSources, ...]], tags: dict[str, dict[int, int]],
+                 padded: tuple[str, ...]) -> None:
+        super().__init__(checkpoint, layout, sources)
+        self.tags = {layout.field(name): by_layer for name, by_layer in tags.items()}
+        self.padded = {name: layout.field(name) for name in padded}
+
+    def read_unit(self, layer: int, expert: int, unit_bytes: torch.Tensor) -> None:
+        super().read_unit(layer, expert, unit_bytes)
+        for fs in self.sources[(layer, expert)]:
+            field = self.padded.get(fs.field)
+            if field is not None:
+                unit_bytes[field.offset + sum(r.nbytes for r in fs.refs) : field.offset + field.nbytes].zero_()
+        for field, by_layer in self.tags.items():
+            unit_bytes[field.offset : field.offset + field.nbytes].view(field.dtype)[0] = by_layer[layer]
