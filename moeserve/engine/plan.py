@@ -54,13 +54,8 @@ from moeserve.memory.probes import (
 from moeserve.memory.sizing import TierSizes, size_tiers
 from moeserve.memory.split import MemoryNeeds, process_rss_bytes
 from moeserve.memory.topology import MemoryTopology, detect_topology
-from moeserve.models.experts.plans import (
-    ExpertPlan,
-    expert_plan,
-    int4_expert_plan,
-    int8_expert_plan,
-    interleaved_expert_plan,
-)
+from moeserve.models.experts.on_load import int4_expert_plan, int8_expert_plan
+from moeserve.models.experts.plans import ExpertPlan, expert_plan, interleaved_expert_plan
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.mixers.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions

@@ -2,7 +2,7 @@
 
 Every planner lives here and is registered in `EXPERT_PLANNERS` by expert kind (ModelSpec.moe.expert_kind); the
 model asks `expert_plan` and never branches on the format or the architecture. Transformations of a plan (int8
-on load, row-interleaved units) are functions of a plan returning a plan.
+and int4 on load: models/experts/on_load.py; row-interleaved units) are functions of a plan returning a plan.
 
 Quantized experts stay in their STORED format in every tier: the unit holds the stored tensors of every
 projection (packed codes, block scales, global scales) plus the biases, so a 4-bit expert is 4-bit on disk, in
@@ -17,22 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.checkpoint.safetensors_file import TensorRef
-from moeserve.errors import ConfigError, UnsupportedModelError
+from moeserve.errors import UnsupportedModelError
 from moeserve.experts.unit import ExpertSource, FieldSources, UnitLayout
 from moeserve.formats import Format, QuantScheme
-from moeserve.formats.catalog import CompressedTensorsInt4Format
 from moeserve.formats.gguf import GGUFFormat, LayerMixedGGUFFormat
 from moeserve.models.experts.fused_spec import Activation, bf16_interleaved_units, q4_units
 from moeserve.models.experts.sources import (
-    Int4ExpertSource,
-    Int8ExpertSource,
     InterleavedExpertSource,
     LayerTaggedSource,
 )
@@ -40,7 +37,6 @@ from moeserve.models.experts.unit_math import (
     DequantizingKernel,
     ExpertMath,
     GptOssMath,
-    Int8Kernel,
     InterleavedGptOss,
     InterleavedSwiGLU,
     Projection,
@@ -115,6 +111,48 @@ def _stored_sources(ckpt: Checkpoint, layers: Sequence[int], num_experts: int,
             for layer in layers for e in range(num_experts)}
 
 
+@dataclass
+class _StoredFields:
+    """The fields of a stored-format unit, added shard by shard: (field, dtype, shape) specs; (field, tensor name
+    template, projection) of those read from the checkpoint; the type fields of projections whose ggml type changes
+    across layers (field -> layer -> index into its LayerMixedGGUFFormat's formats) and the fields sized for the
+    widest of them."""
+
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = dataclass_field(default_factory=list)
+    names: list[tuple[str, str, ProjectionSource]] = dataclass_field(default_factory=list)
+    tags: dict[str, dict[int, int]] = dataclass_field(default_factory=dict)
+    padded: list[tuple[str, str, ProjectionSource]] = dataclass_field(default_factory=list)
+    formats: set[str] = dataclass_field(default_factory=set)
+
+    def shard(self, ckpt: Checkpoint, scheme: QuantScheme, spec: ModelSpec, p: ProjectionSource, s: int) -> Shard:
+        """Shard `s` of projection `p`: its format (checked against the stored shapes of every layer's) and fields."""
+        layers, template = spec.moe_layer_ids, p.shard_prefixes[s]
+        rows = p.shape[0] // len(p.shard_prefixes)
+        by_layer = {layer: scheme.format_for(template.format(L=layer, E=0)) for layer in layers}
+        fmt = _projection_format(template, by_layer)
+        self.formats.update(f.name for f in by_layer.values())
+        for layer in {f: layer for layer, f in reversed(by_layer.items())}.values():  # each stored format once
+            if not p.stacked:
+                _check_per_expert(ckpt, by_layer[layer], template, layer)
+            stack = (spec.moe.num_experts,) if p.stacked else ()
+            check_dense_shape(ckpt, by_layer[layer], template.format(L=layer, E=0), (*stack, rows, p.shape[1]))
+        role_fields = []
+        for role in fmt.roles:
+            field = f"{p.name}.{s}.{role}"
+            role_fields.append((role, len(self.specs)))
+            if isinstance(fmt, LayerMixedGGUFFormat) and role == "type":  # written by the source, per layer
+                self.specs.append((field, torch.int32, (1,)))
+                self.tags[field] = {layer: fmt.formats.index(f) for layer, f in by_layer.items()}
+                continue
+            widest = next(layer for layer, f in by_layer.items() if f == getattr(fmt, "largest", f))
+            ref = _ref(ckpt, fmt.stored_name(template, role), widest, 0, p.stacked)
+            self.specs.append((field, ref.dtype, ref.shape))  # stored dtype: nothing is converted
+            self.names.append((field, fmt.stored_name(template, role), p))
+            if isinstance(fmt, LayerMixedGGUFFormat):
+                self.padded.append(self.names[-1])
+        return Shard(fmt, (s * rows, (s + 1) * rows), tuple(role_fields))
+
+
 def stored_format_plan(
     ckpt: Checkpoint,
     scheme: QuantScheme,
@@ -126,68 +164,41 @@ def stored_format_plan(
     act: Activation | None = None,
 ) -> ExpertPlan:
     """A plan whose units hold each projection's stored tensors (any `Format`) and biases in `dtype`; `act`: the
-    activation as the fused C++ op names it (fused_spec.py), which then reads formats it decodes as stored."""
+    activation as the fused C++ op names it (fused_spec.py), which then reads formats it decodes as stored. A GGUF
+    projection whose ggml type changes across layers gets one field sized for the widest type (LayerMixedGGUFFormat)."""
     layers = spec.moe_layer_ids
-    field_specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    field_names: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection)
+    fields = _StoredFields()
     built: list[Projection] = []
-    formats: set[str] = set()
-    tags: dict[str, dict[int, int]] = {}  # type field of a projection whose layers differ -> layer -> type index
-    padded: list[tuple[str, str, ProjectionSource]] = []  # (field, tensor name template, projection) sized for the largest
     for p in projections:
-        rows = p.shape[0] // len(p.shard_prefixes)
-        shards = []
-        for s, template in enumerate(p.shard_prefixes):
-            by_layer = {layer: scheme.format_for(template.format(L=layer, E=0)) for layer in layers}
-            fmt = _projection_format(template, by_layer)
-            formats.update(f.name for f in by_layer.values())
-            for layer in {f: layer for layer, f in reversed(by_layer.items())}.values():  # each stored format once
-                if not p.stacked:
-                    _check_per_expert(ckpt, by_layer[layer], template, layer)
-                stack = (spec.moe.num_experts,) if p.stacked else ()
-                check_dense_shape(ckpt, by_layer[layer], template.format(L=layer, E=0), (*stack, rows, p.shape[1]))
-            role_fields = []
-            for role in fmt.roles:
-                field = f"{p.name}.{s}.{role}"
-                role_fields.append((role, len(field_specs)))
-                if isinstance(fmt, LayerMixedGGUFFormat) and role == "type":  # written by the source, per layer
-                    field_specs.append((field, torch.int32, (1,)))
-                    tags[field] = {layer: fmt.formats.index(f) for layer, f in by_layer.items()}
-                    continue
-                widest = next(layer for layer, f in by_layer.items() if f == getattr(fmt, "largest", f))
-                ref = _ref(ckpt, fmt.stored_name(template, role), widest, 0, p.stacked)
-                field_specs.append((field, ref.dtype, ref.shape))  # stored dtype: nothing is converted
-                field_names.append((field, fmt.stored_name(template, role), p))
-                if isinstance(fmt, LayerMixedGGUFFormat):
-                    padded.append(field_names[-1])
-            shards.append(Shard(fmt, (s * rows, (s + 1) * rows), tuple(role_fields)))
+        shards = tuple(fields.shard(ckpt, scheme, spec, p, s) for s in range(len(p.shard_prefixes)))
         bias_field = None
         if p.bias is not None:
-            bias_field = len(field_specs)
-            field_specs.append((f"{p.name}.bias", dtype, (p.shape[0],)))
-            field_names.append((f"{p.name}.bias", p.bias, p))
-        built.append(Projection(p.shape, tuple(shards), bias_field))
-    layout = UnitLayout.build(field_specs)
-    sources = _stored_sources(ckpt, layers, spec.moe.num_experts, field_names)
+            bias_field = len(fields.specs)
+            fields.specs.append((f"{p.name}.bias", dtype, (p.shape[0],)))
+            fields.names.append((f"{p.name}.bias", p.bias, p))
+        built.append(Projection(p.shape, shards, bias_field))
+    layout = UnitLayout.build(fields.specs)
+    sources = _stored_sources(ckpt, layers, spec.moe.num_experts, fields.names)
     fused = q4_units(built, layout, act, dtype)
     kernel = DequantizingKernel(built, dtype, math, fused)
     stored = max(sum(r.nbytes for f in sources[(layer, 0)] for r in f.refs) for layer in layers)
     at_use = (f"dequantized at use into reused {kernel.buffer_nbytes / 2**10:.1f} KiB "
               f"{str(dtype).removeprefix('torch.')} buffers")
     description = (
-        f"{what} stored as {'/'.join(sorted(formats))} in every tier ({stored / 2**10:.1f} KiB per "
+        f"{what} stored as {'/'.join(sorted(fields.formats))} in every tier ({stored / 2**10:.1f} KiB per "
         f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); "
         + (at_use if isinstance(fused, str) else f"read as stored by the C++ 4-bit op (or, on torch's path, {at_use})")
     )
-    if not tags:
+    if not fields.tags:
         return ExpertPlan(layout, kernel, sources, description, quantized=True)
-    pad = _padding(ckpt, layout, layers, spec.moe.num_experts, padded)
-    description += (f"; {', '.join(sorted({f[1].split('.')[-2] for f in padded}))} change ggml type across layers: "
-                    f"units sized for the widest, a narrower layer's blocks pad to it ({pad / 2**20:.1f} MiB "
-                    f"in all, {pad / (len(layers) * spec.moe.num_experts * layout.nbytes):.1%} of the units)")
-    frozen = tuple(f for f, _, _ in padded)
+    pad = _padding(ckpt, layout, layers, spec.moe.num_experts, fields.padded)
+    changing = ', '.join(sorted({name.split('.')[0] for name, _, _ in fields.padded}))
+    description += (f"; {changing} change ggml type across layers: units sized for the widest, a narrower layer's "
+                    f"blocks padded to it ({pad / 2**20:.1f} MiB in all, "
+                    f"{pad / (len(layers) * spec.moe.num_experts * layout.nbytes):.1%} of the units)")
+    tags, padded = fields.tags, tuple(name for name, _, _ in fields.padded)
     return ExpertPlan(layout, kernel, sources, description, quantized=True,
-                      make_source=lambda c: LayerTaggedSource(c, layout, sources, tags, frozen))
+                      make_source=lambda c: LayerTaggedSource(c, layout, sources, tags, padded))
 
 
 def _padding(ckpt: Checkpoint, layout: UnitLayout, layers: Sequence[int], num_experts: int,
@@ -232,7 +243,7 @@ def _ref(ckpt: Checkpoint, template: str, layer: int, expert: int, stacked: bool
 
 
 # ------------------------------------------------------------------------------------------ SwiGLU (Qwen...)
-def _swiglu_math(
+def swiglu_stored_math(
     x: torch.Tensor, dense: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
 ) -> torch.Tensor:
     return swiglu_expert(x, dense)
@@ -264,11 +275,11 @@ def swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
         ProjectionSource("gate_up", (2 * i, h), (names.expert_gate, names.expert_up), stacked=False),
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
-    return stored_format_plan(ckpt, scheme, spec, dtype, projections, _swiglu_math, "experts", Activation("swiglu"))
+    return stored_format_plan(ckpt, scheme, spec, dtype, projections, swiglu_stored_math, "experts", Activation("swiglu"))
 
 
 # ------------------------------------------------------------------------------------ relu2 (Nemotron-H)
-def _relu2_math(
+def relu2_stored_math(
     x: torch.Tensor, dense: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
 ) -> torch.Tensor:
     return relu2_expert(x, dense)
@@ -285,7 +296,7 @@ def relu2_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: tor
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
     if scheme.is_quantized(names.expert_up.format(L=spec.moe_layer_ids[0], E=0)):
-        return stored_format_plan(ckpt, scheme, spec, dtype, projections, _relu2_math, "relu2 experts",
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, relu2_stored_math, "relu2 experts",
                                   Activation("relu2"))
     layout = UnitLayout.build([("up", dtype, (i, h)), ("down", dtype, (h, i))])
     sources = {
@@ -298,7 +309,7 @@ def relu2_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: tor
 
 
 # -------------------------------------------------------------------------------------------------- gpt-oss
-def _gpt_oss_stored_math(
+def gpt_oss_stored_math(
     limit: float,
     alpha: float,
     x: torch.Tensor,
@@ -331,7 +342,7 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
                 "down", (h, i), (names.stacked_down,), stacked=True, bias=names.stacked_down + "_bias"
             ),
         )
-        math = partial(_gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha)
+        math = partial(gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha)
         act = Activation("gptoss", m.swiglu_alpha, m.swiglu_limit)
         return stored_format_plan(ckpt, scheme, spec, dtype, projections, math, "gpt-oss experts", act)
     fields = (
@@ -352,128 +363,6 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
     }
     dense_math = GptOssMath(m.swiglu_limit, m.swiglu_alpha)  # [H, 2I], [2I], [I, H], [H] (input-major, as stored)
     return ExpertPlan(layout, dense_math, sources, f"gpt-oss experts in {str(dtype).removeprefix('torch.')}")
-
-
-# ------------------------------------------------------------------------------------- on-load int8 (optional)
-def int8_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None,
-                     interleaved: bool = False) -> ExpertPlan:
-    """`dense` with every 2-D field held as int8 + per-row float32 scales in every tier (1-D fields, the
-    biases, stay as they are). For `quantization="int8"` on a 16/32-bit checkpoint. `spill_root`: where an
-    offloaded store keeps the quantized units for its misses (None: misses quantize again). `interleaved`
-    (SwiGLU units, see `can_interleave_experts`): the codes held flat in pack_int8_rows' row-interleaved layout for
-    the fused C++ op."""
-    if dense.quantized:
-        raise ConfigError(
-            "quantization=int8 quantizes 16/32-bit experts on load, but this checkpoint's experts "
-            "are already quantized: leave quantization at none"
-        )
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    targets: list[tuple[int, int | None]] = []
-    for f in dense.layout.fields:
-        if len(f.shape) == 2:
-            specs.append((f.name, torch.int8, (f.shape[0] * f.shape[1],) if interleaved else f.shape))
-        else:
-            specs.append((f.name, f.dtype, f.shape))
-        if len(f.shape) == 2:
-            specs.append((f.name + ".scale", torch.float32, (f.shape[0],)))
-            targets.append((len(specs) - 2, len(specs) - 1))
-        else:
-            targets.append((len(specs) - 1, None))
-    layout = UnitLayout.build(specs)
-    frozen_targets = tuple(targets)
-    math = Int8Kernel(dense.math, [f.shape for f in dense.layout.fields], frozen_targets, dtype, interleaved)
-    description = (
-        f"experts quantized on load to int8 with per-row scales, in every cache tier (unit "
-        f"{layout.nbytes / 2**10:.1f} KiB instead of {dense.layout.nbytes / 2**10:.1f} KiB); "
-        + ("rows interleaved in blocks of 4 for the fused C++ op; " if interleaved else
-           f"dequantized at use into reused {str(dtype).removeprefix('torch.')} buffers; ")
-        + ("a miss reads the checkpoint's 16/32-bit expert and quantizes it" if spill_root is None else
-           f"offloaded, units are quantized once into a spill file under {spill_root} that misses read")
-    )
-    return ExpertPlan(
-        layout,
-        math,
-        dense.sources,
-        description,
-        make_source=lambda ckpt: Int8ExpertSource(dense.source(ckpt), layout, frozen_targets, spill_root),
-    )
-
-
-# ------------------------------------------------------------------------------------- on-load int4 (optional)
-INT4_GROUP = 32  # elements per bf16 scale: Kimi-K2's W4A16 scheme (4.5 bits per weight)
-
-
-@dataclass(frozen=True)
-class _DenseProjection:
-    """One projection of a dense plan's unit: its matrix field (stored [in, out] where `transposed`: gpt-oss) and
-    its bias field."""
-
-    name: str
-    field: int
-    transposed: bool = False
-    bias: int | None = None
-
-
-def _dense_kind(dense: ExpertPlan) -> tuple[tuple[_DenseProjection, ...], ExpertMath, Activation]:
-    """The projections (gate_up or up, then down), the stored-format math and the activation of a dense plan."""
-    math = dense.math
-    if isinstance(math, SwiGLUMath):
-        return (_DenseProjection("gate_up", 0), _DenseProjection("down", 1)), _swiglu_math, Activation("swiglu")
-    if isinstance(math, Relu2Math):
-        return (_DenseProjection("up", 0), _DenseProjection("down", 1)), _relu2_math, Activation("relu2")
-    if isinstance(math, GptOssMath):
-        return ((_DenseProjection("gate_up", 0, True, 1), _DenseProjection("down", 2, True, 3)),
-                partial(_gpt_oss_stored_math, math.limit, math.alpha), Activation("gptoss", math.alpha, math.limit))
-    raise ConfigError(f"quantization=int4 quantizes SwiGLU, relu2 and gpt-oss experts, not {type(math).__name__}")
-
-
-def int4_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | None = None,
-                     group: int = INT4_GROUP) -> ExpertPlan:
-    """`dense` with every expert matrix held as int4 in compressed-tensors' pack-quantized layout (symmetric, one
-    bf16 scale per `group` inputs: formats/int4.quantize_int4_packed) in every tier, biases as they are: units a
-    Kimi-K2-style checkpoint would have, so the same reader (DequantizingKernel, the C++ 4-bit op) computes them.
-    For `quantization="int4"` on a 16/32-bit checkpoint; `spill_root` as `int8_expert_plan`'s."""
-    if dense.quantized:
-        raise ConfigError("quantization=int4 quantizes 16/32-bit experts on load, but this checkpoint's experts are "
-                          "already quantized: leave quantization at none")
-    projections, math, act = _dense_kind(dense)
-    fmt = CompressedTensorsInt4Format(group_size=group)
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-    built: list[Projection] = []
-    targets: list[tuple[int, bool, bool]] = [(0, False, False)] * len(dense.layout.fields)
-    for p in projections:
-        shape = dense.layout.fields[p.field].shape
-        out, cols = (shape[1], shape[0]) if p.transposed else shape
-        if cols % group:
-            raise ConfigError(f"quantization=int4: expert {p.name} has {cols} inputs, not a multiple of {group}")
-        first = len(specs)
-        roles = (("weight_packed", torch.int32, (out, cols // 8)), ("weight_scale", torch.bfloat16, (out, cols // group)),
-                 ("weight_shape", torch.int64, (2,)))
-        # the codes keep the dense field's name (the checkpoint's sources name it), the scales and shape beside it
-        name = dense.layout.fields[p.field].name
-        specs += [(name if i == 0 else f"{name}.{role}", dt, s) for i, (role, dt, s) in enumerate(roles)]
-        targets[p.field] = (first, p.transposed, True)
-        bias = None
-        if p.bias is not None:
-            bias = len(specs)
-            field = dense.layout.fields[p.bias]
-            specs.append((field.name, field.dtype, (out,)))
-            targets[p.bias] = (bias, False, False)
-        role_fields = tuple((role, first + i) for i, (role, _, _) in enumerate(roles))
-        built.append(Projection((out, cols), (Shard(fmt, (0, out), role_fields),), bias))
-    layout = UnitLayout.build(specs)
-    kernel = DequantizingKernel(built, dtype, math, q4_units(built, layout, act, dtype))
-    description = (
-        f"experts quantized on load to int4 (symmetric, a bf16 scale per {group} inputs, compressed-tensors' "
-        f"pack-quantized layout), in every cache tier (unit {layout.nbytes / 2**10:.1f} KiB instead of "
-        f"{dense.layout.nbytes / 2**10:.1f} KiB); "
-        + ("a miss reads the checkpoint's 16/32-bit expert and quantizes it" if spill_root is None else
-           f"offloaded, units are quantized once into a spill file under {spill_root} that misses read")
-    )
-    frozen = tuple(targets)
-    return ExpertPlan(layout, kernel, dense.sources, description,
-                      make_source=lambda ckpt: Int4ExpertSource(dense.source(ckpt), layout, frozen, group,
-                                                                spill_root))
 
 
 # ------------------------------------------------------------------------------ row-interleaved SwiGLU units
