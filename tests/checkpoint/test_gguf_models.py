@@ -92,5 +92,5 @@ def test_offloaded_equals_resident_with_experts_in_their_ggml_type(files, case: 
     types = ckpt.config["quantization_config"]["tensor_types"]
     assert stored == sum(r.nbytes for n, r in ckpt.tensors.items() if n.startswith(expert))
     if "then" in case:  # the down projection's type changes across layers: units sized for the widest
-        assert "change ggml type across layers" in run.choices["experts"], run.choices["experts"]
+        assert "the ggml type of down changes across layers" in run.choices["experts"], run.choices["experts"]
     assert len(set(types.values())) == 3  # gate, up and down each in their own type, as stored

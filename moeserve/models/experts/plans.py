@@ -193,8 +193,8 @@ def stored_format_plan(
         return ExpertPlan(layout, kernel, sources, description, quantized=True)
     pad = _padding(ckpt, layout, layers, spec.moe.num_experts, fields.padded)
     changing = ', '.join(sorted({name.split('.')[0] for name, _, _ in fields.padded}))
-    description += (f"; {changing} change ggml type across layers: units sized for the widest, a narrower layer's "
-                    f"blocks padded to it ({pad / 2**20:.1f} MiB in all, "
+    description += (f"; the ggml type of {changing} changes across layers: units sized for the widest, a narrower "
+                    f"layer's blocks padded to it ({pad / 2**20:.1f} MiB in all, "
                     f"{pad / (len(layers) * spec.moe.num_experts * layout.nbytes):.1%} of the units)")
     tags, padded = fields.tags, tuple(name for name, _, _ in fields.padded)
     return ExpertPlan(layout, kernel, sources, description, quantized=True,
