@@ -236,3 +236,16 @@ def test_unlisted_plain_lm_head_is_read_as_stored(folders, copy_checkpoint) -> N
     assert "model.layers.0.self_attn.q_proj" in model.dequantized_linears
     ckpt = open_checkpoint(folder)
     assert torch.equal(model.lm_head, ckpt.reader.read(ckpt.ref("lm_head.weight")))
+
+
+def test_a_projection_whose_format_changes_across_layers_is_refused_unless_gguf() -> None:
+    from moeserve.formats.catalog import CompressedTensorsInt4Format
+    from moeserve.formats.gguf import GGUF_FORMATS, LayerMixedGGUFFormat
+    from moeserve.models.experts.plans import _projection_format
+
+    q4k, q6k = GGUF_FORMATS["Q4_K"](), GGUF_FORMATS["Q6_K"]()
+    mixed = _projection_format("blk.{L}.down", {0: q6k, 1: q4k, 2: q6k})
+    assert isinstance(mixed, LayerMixedGGUFFormat) and set(mixed.formats) == {q4k, q6k} and mixed.largest == q6k
+    assert _projection_format("blk.{L}.down", {0: q4k, 1: q4k}) == q4k
+    with pytest.raises(UnsupportedModelError, match="different formats across layers"):
+        _projection_format("model.layers.{L}.mlp.experts.{E}.down_proj", {0: q4k, 1: CompressedTensorsInt4Format()})
