@@ -38,8 +38,8 @@ SLOW: dict[str, str] = {
         "each size bomb run through a command under a memory bound (59 s)",
     "checkpoint/test_gguf_models.py": "tiny GGUFs of four architectures against their dequantized checkpoints, "
         "transformers, and offloaded (50 s)",
-    "checkpoint/test_gguf_archs.py": "a tiny GLM-4.5 GGUF against its dequantized checkpoint, transformers, and "
-        "offloaded (10 s)",
+    "checkpoint/test_gguf_archs.py": "tiny GLM-4.5 and DeepSeek-V3 GGUFs against their dequantized checkpoints, "
+        "transformers, and offloaded (12 s)",
     "models/test_quantized.py::test_offloaded_equals_resident_and_a_miss_reads_the_stored_bytes":
         "each quantized format's engine, resident and offloaded with a one-expert cache (35 s)",
     "models/test_quantized_int8.py::test_int8_experts_offloaded_equal_resident_and_cost_little_accuracy":

@@ -7,6 +7,9 @@ gives each GGUF tensor's HF name(s) and the transform that undoes llama.cpp's co
 - a layer's experts, stacked [E, out, in] in one tensor, are E per-expert tensors (each one contiguous byte range);
 - llama (Mixtral) stores q/k rows permuted for ggml's rotary (`LlamaModel.permute`): un-permuted here;
 - qwen2moe's shared-expert gate [hidden] is the HF [1, hidden];
+- deepseek2 (DeepSeek-V3, Kimi-K2) keeps MLA latent: `kv_b_proj` is stored split per head into `attn_k_b`
+  (the nope rows, transposed: [heads, kv_lora, nope]) and `attn_v_b` [heads, v, kv_lora]; `joined` names the parts
+  and `join` rebuilds the HF [heads x (nope + v), kv_lora] from them (older files' `attn_kv_b` is read as is);
 - glm4moe's block_count counts its NextN (multi-token prediction) layers: `derive` takes nextn_predict_layers off
   num_hidden_layers, and the tensors of those layers are skipped (as moeserve skips them in the HF checkpoint).
 An architecture, or a metadata key, that moeserve cannot map is refused in one line naming it.
@@ -27,6 +30,7 @@ import torch
 from moeserve.errors import CheckpointError, UnsupportedModelError
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+Join = Callable[[list[torch.Tensor]], torch.Tensor]  # the decoded parts of one HF tensor -> that tensor
 # what an architecture's metadata and tensor shapes imply beyond key copies: updates the config in place
 Derive = Callable[[dict[str, Any], Mapping[str, Any], Mapping[str, tuple[int, ...]], Path], None]
 REQUIRED = object()  # a metadata key without a default
@@ -77,6 +81,8 @@ class GGUFArch:
     expert_tensors: Mapping[str, str] = field(default_factory=lambda: EXPERT_TENSORS)
     permute_qk: bool = False  # q/k rows permuted by the converter (llama)
     derive: Derive | None = None
+    joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # HF stem -> its GGUF parts, in order
+    join: Callable[[Mapping[str, Any]], Join] | None = None  # the Join of `joined`'s parts, given the config
 
     def config(self, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], where: Path
                ) -> dict[str, Any]:
@@ -122,6 +128,9 @@ class GGUFArch:
             return "skipped", []
         if stem in self.expert_tensors:
             return "expert", [self.expert_tensors[stem].format(L=layer, E=e) for e in range(num_experts)]
+        for hf, parts in self.joined.items():
+            if stem in parts:
+                return f"part {parts.index(stem)} of {len(parts)}", [hf.format(L=layer)]
         if stem in self.layer_tensors:
             return "dense", [self.layer_tensors[stem].format(L=layer)]
         return None
@@ -181,23 +190,69 @@ def _glm4moe(config: dict[str, Any], meta: Mapping[str, Any], shapes: Mapping[st
     nextn = meta.get("glm4moe.nextn_predict_layers", 0)
     config["num_nextn_predict_layers"] = nextn
     config["num_hidden_layers"] -= nextn
-    gating = meta.get("glm4moe.expert_gating_func", SIGMOID)
-    if gating != SIGMOID:
-        raise UnsupportedModelError(f"{where}: metadata glm4moe.expert_gating_func={gating!r} is not supported "
-                                    f"({SIGMOID}: sigmoid)")
+    _sigmoid_gating(meta, "glm4moe", where, default=SIGMOID)
     rotated = meta.get("glm4moe.rope.dimension_count", config["head_dim"] // 2)
     config["partial_rotary_factor"] = rotated / config["head_dim"]
     config["norm_topk_prob"] = bool(meta.get("glm4moe.expert_weights_norm", False))
     config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in shapes
 
 
-SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+def _deepseek2(config: dict[str, Any], meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path
+               ) -> None:
+    """DeepSeek-V3's config from llama.cpp's deepseek2 keys (src/models/deepseek2.cpp): MLA's widths from the
+    latent key / value lengths (`_mla`: the decompressed heads'; older files: key_length / value_length are),
+    every head its own kv head (head_count_kv 1 is MLA's one latent row), sigmoid noaux_tc routing, yarn's mscale
+    from its log multiplier (llama.cpp keeps 0.1 * mscale_all_dim only, so mscale = mscale_all_dim)."""
+    a = "deepseek2."
+    _sigmoid_gating(meta, "deepseek2", where, default=SOFTMAX)
+    rope = config["qk_rope_head_dim"]
+    key = meta.get(a + "attention.key_length_mla", meta.get(a + "attention.key_length"))
+    value = meta.get(a + "attention.value_length_mla", meta.get(a + "attention.value_length"))
+    if not isinstance(key, int) or not isinstance(value, int):
+        raise CheckpointError(f"{where}: metadata key '{a}attention.key_length_mla' is missing (deepseek2 needs it)")
+    config.update(qk_nope_head_dim=key - rope, v_head_dim=value, num_key_value_heads=config["num_attention_heads"],
+                  scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True)
+    config.pop("head_dim", None)
+    config["norm_topk_prob"] = bool(meta.get(a + "expert_weights_norm", False))
+    nextn = meta.get(a + "nextn_predict_layers", 0)
+    config["num_hidden_layers"] -= nextn
+    if "rope_scaling" in config and config["rope_scaling"]["rope_type"] == "yarn":
+        mscale = float(str(np.float32(meta.get(a + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1)))
+        config["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale, beta_fast=32.0, beta_slow=1.0)
+
+
+def kv_b_join(config: Mapping[str, Any]) -> Join:
+    """attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora] -> kv_b_proj [heads x (nope + v), kv_lora]
+    (the inverse of the converter's split, conversion/deepseek.py)."""
+    def join(parts: list[torch.Tensor]) -> torch.Tensor:
+        k_b, v_b = parts
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
+
+    return join
+
+
+def _sigmoid_gating(meta: Mapping[str, Any], arch: str, where: Path, default: int) -> None:
+    gating = meta.get(f"{arch}.expert_gating_func", default)
+    if gating != SIGMOID:
+        raise UnsupportedModelError(f"{where}: metadata {arch}.expert_gating_func={gating!r} is not supported "
+                                    f"({SIGMOID}: sigmoid)")
+
+
+SIGMOID, SOFTMAX = 2, 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID / _SOFTMAX
 _GLM = "model.layers.{L}.mlp."
 GLM4MOE_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     **{k: v for k, v in LAYER_TENSORS.items() if k not in ("ffn_norm.weight", "ffn_gate_inp_shexp.weight")},
     "post_attention_norm.weight": _LAYER + "post_attention_layernorm.weight",
     "exp_probs_b.bias": _GLM + "gate.e_score_correction_bias",
     **{f"ffn_{p}_shexp.weight": f"{_GLM}shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")},
+})
+_ATTN = _LAYER + "self_attn."
+DEEPSEEK2_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    **{k: v for k, v in GLM4MOE_LAYER_TENSORS.items() if k != "post_attention_norm.weight"},
+    "ffn_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    "attn_q_a.weight": _ATTN + "q_a_proj.weight", "attn_q_a_norm.weight": _ATTN + "q_a_layernorm.weight",
+    "attn_q_b.weight": _ATTN + "q_b_proj.weight", "attn_kv_a_mqa.weight": _ATTN + "kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": _ATTN + "kv_a_layernorm.weight", "attn_kv_b.weight": _ATTN + "kv_b_proj.weight",
 })
 _MIXTRAL = "model.layers.{L}.block_sparse_moe."
 GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
@@ -231,6 +286,17 @@ GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
                    "routed_scaling_factor": ("expert_weights_scale", 1.0),
                    "n_group": ("expert_group_count", 1), "topk_group": ("expert_group_used_count", 1)},
              layer_tensors=GLM4MOE_LAYER_TENSORS, derive=_glm4moe),
+    GGUFArch("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3",
+             keys={"n_routed_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "n_shared_experts": ("expert_shared_count", REQUIRED),
+                   "first_k_dense_replace": ("leading_dense_block_count", 0),
+                   "routed_scaling_factor": ("expert_weights_scale", 1.0),
+                   "n_group": ("expert_group_count", 1), "topk_group": ("expert_group_used_count", 1),
+                   "q_lora_rank": ("attention.q_lora_rank", None), "kv_lora_rank": ("attention.kv_lora_rank",
+                                                                                   REQUIRED),
+                   "qk_rope_head_dim": ("rope.dimension_count", REQUIRED)},
+             layer_tensors=DEEPSEEK2_LAYER_TENSORS, derive=_deepseek2,
+             joined={_ATTN + "kv_b_proj.weight": ("attn_k_b.weight", "attn_v_b.weight")}, join=kv_b_join),
 )}
 
 

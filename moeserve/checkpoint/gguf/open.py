@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from moeserve.checkpoint.base import Checkpoint
-from moeserve.checkpoint.gguf.archs import GGUFArch, Transform, gguf_arch
+from moeserve.checkpoint.gguf.archs import GGUFArch, Join, Transform, gguf_arch
 from moeserve.checkpoint.gguf.header import GGUFHeader, TensorInfo, read_header
 from moeserve.checkpoint.gguf.quants import dequantize, is_readable
 from moeserve.checkpoint.safetensors_file import DTYPES, FileReader, TensorRef
@@ -62,14 +62,18 @@ def gguf_files(path: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class DecodedRef(TensorRef):
-    """A tensor made, when read, from stored GGUF tensors: dequantized to float32, then `transform`ed."""
+    """A tensor made, when read, from stored GGUF tensors: dequantized to float32, then `transform`ed (one part) or
+    `join`ed (several: deepseek2's attn_k_b and attn_v_b)."""
 
     stored: tuple[TensorInfo, ...] = ()
     transform: Transform | None = None
+    join: Join | None = None
 
     def decode(self, raw: Sequence[torch.Tensor]) -> torch.Tensor:
-        parts = [dequantize(r.view(*info.shape[:-1], -1), info.ggml_type) for r, info in zip(raw, self.stored,
-                                                                                           strict=True)]
+        parts = [dequantize(r.view(*info.shape[:-1], -1), info.ggml_type).reshape(info.shape)
+                 for r, info in zip(raw, self.stored, strict=True)]
+        if self.join is not None:
+            return self.join(parts)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return self.transform(out) if self.transform is not None else out
 
@@ -144,6 +148,7 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
     num_experts = int(next((config[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                             if k in config), 0))
     skipped = 0
+    parts: dict[str, dict[int, TensorInfo]] = {}  # HF name -> its stored parts by index (arch.joined)
     for name, info in infos.items():
         mapped = arch.tensor_names(name, num_experts, config["num_hidden_layers"])
         if mapped is None:
@@ -151,6 +156,9 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
         kind, hf_names = mapped
         if kind == "skipped":
             skipped += 1
+            continue
+        if kind.startswith("part "):
+            parts.setdefault(hf_names[0], {})[int(kind.split()[1])] = info
             continue
         if not is_readable(info.ggml_type):
             raise UnsupportedModelError(f"{where}: tensor '{name}' is stored as {info.ggml_type.name}; moeserve "
@@ -166,10 +174,31 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
                     info.ggml_type.name
         else:
             tensors[hf_names[0]] = _dense_ref(hf_names[0], info, arch.transform(name, config))
+    for hf, stored in parts.items():
+        tensors[hf] = _joined_ref(arch, hf, stored, config, where)
     if skipped:
         log.info("%s: %d tensors of the blocks past num_hidden_layers=%d (the NextN layers) are not read", where.name,
                  skipped, config["num_hidden_layers"])
     return tensors, expert_types
+
+
+def _joined_ref(arch: GGUFArch, hf: str, stored: dict[int, TensorInfo], config: dict[str, Any], where: Path
+                ) -> TensorRef:
+    """The float32 DecodedRef of HF tensor `hf`, joined from the GGUF tensors `arch.joined` names for it."""
+    names = arch.joined[re.sub(r"\.layers\.\d+\.", ".layers.{L}.", hf)]
+    missing = [n for i, n in enumerate(names) if i not in stored]
+    if missing or arch.join is None:
+        layer = next(iter(stored.values())).name.split(".")[1]
+        raise CheckpointError(f"{where}: tensor 'blk.{layer}.{missing[0] if missing else names[0]}' is missing "
+                              f"(with {', '.join(names)} it makes {hf})")
+    infos = tuple(stored[i] for i in range(len(names)))
+    join = arch.join(config)
+    shape = tuple(join([torch.empty(i.shape, device="meta") for i in infos]).shape)
+    numel = 1
+    for d in shape:
+        numel *= d
+    dtype, itemsize = DTYPES["F32"]
+    return DecodedRef(hf, infos[0].path, infos[0].offset, numel * itemsize, dtype, "F32", shape, infos, join=join)
 
 
 def _expert_ref(name: str, info: TensorInfo, expert: int) -> TensorRef:
