@@ -168,3 +168,21 @@ def _converter_source(folder: Path, arch: str) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
         "bos_token": None, "chat_template": CHATML_TEMPLATE}))
     return folder
+
+
+@pytest.mark.slow
+def test_glm4_pre_tokenizer_ids_equal_llama_cpp(tmp_path: Path) -> None:
+    """tokenizer.ggml.pre "glm4" (GLM-4.5's GGUFs): moeserve's ids equal llama.cpp's on the multilingual sample and
+    special tokens (a tiny glm4moe GGUF with the Qwen2 vocabulary, local only)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (not in CI)")
+    from tests.checkpoint.test_gguf_llama_cpp import LLAMA_CPP_SRC, VOCAB
+    from tests.checkpoint.test_gguf_tokenizer import SAMPLE
+
+    if not VOCAB.is_file():
+        pytest.skip(f"llama.cpp's source is not at {LLAMA_CPP_SRC} (set LLAMA_CPP_SRC; not in CI)")
+    src = _converter_source(tmp_path / "src", "glm4moe")
+    gguf = write_gguf(src, tmp_path / "glm4.gguf", "Q8_0", "F32", tokenizer=src, tokenizer_pre="glm4")
+    theirs = llama_cpp.Llama(model_path=str(gguf), verbose=False, vocab_only=True)
+    ours = Tokenizer(gguf)
+    for text in SAMPLE:
+        assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=True, special=True), text

@@ -41,7 +41,10 @@ PRE_TOKENIZERS: Mapping[str, tuple[tuple[str, ...], bool]] = MappingProxyType({
     **{name: ((_LLAMA3,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
     **{name: ((_GPT4O,), False) for name in ("gpt-4o", "llama4")},
     "deepseek-v3": (_DEEPSEEK3, False),
+    **{name: ((_LLAMA3,), True) for name in ("glm4", "glm5")},  # llama.cpp's CHATGLM4 regex is Llama 3's
+    "chatglm-bpe": ((_LLAMA3,), False),
 })
+NO_BOS_PRE = frozenset({"glm4", "glm5", "chatglm-bpe"})  # llama.cpp clears their bos id: never added
 
 
 def gguf_tokenizer(path: Path) -> tuple[str, dict[str, Any]]:
@@ -92,6 +95,8 @@ def _post_processor(meta: Mapping[str, Any], tokens: list[str]) -> dict[str, Any
     specials = {}
     for key, first in (("bos", True), ("eos", False)):
         tok = _special(meta, tokens, key)
+        if key == "bos" and meta.get("tokenizer.ggml.pre") in NO_BOS_PRE:
+            continue
         if meta.get(f"tokenizer.ggml.add_{key}_token") and tok is not None:
             item = {"SpecialToken": {"id": tok[1], "type_id": 0}}
             single = [item, *single] if first else [*single, item]
