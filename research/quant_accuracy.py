@@ -1,7 +1,8 @@
 """Accuracy cost of on-load quantization (quantization="int8" / "int4") on the demo model: teacher-forced perplexity
 on held-out text, top-1 agreement with the bf16 engine and the logit differences, for bf16 / int8 experts only
-(kernels=torch, dense Linears bf16) / int8 experts + dense Linears (kernels=cpp) / int4 experts (kernels=cpp: the
-C++ 4-bit op; dense Linears bf16) / int4 experts through torch (kernels=torch: dequantized per call, bf16 GEMMs).
+(kernels=torch, dense Linears bf16) / int8 experts + dense Linears (kernels=cpp) / int4 experts + int8 dense Linears (kernels=cpp:
+the C++ 4-bit op and int8 GEMV) / int4 experts through torch (kernels=torch: dequantized per call, bf16 GEMMs, dense
+Linears bf16).
 
     python scripts/demo_corpus.py --dump /tmp/austen      # the six novels as text, once
     .venv/bin/python research/quant_accuracy.py --text /tmp/austen/persuasion.txt [--tokens 2048] [--window 256]
@@ -58,7 +59,7 @@ def main() -> None:
         "bf16": dict(kernels="cpp"),
         "int8 experts": dict(kernels="torch", quantization="int8", int8_cache_dir="off"),
         "int8 experts+dense": dict(kernels="cpp", quantization="int8", int8_cache_dir="off"),
-        "int4 experts": dict(kernels="cpp", quantization="int4", int8_cache_dir="off"),
+        "int4 experts+dense": dict(kernels="cpp", quantization="int4", int8_cache_dir="off"),
         "int4 experts (torch)": dict(kernels="torch", quantization="int4", int8_cache_dir="off"),
     }
     llms = {name: LLM(str(demo_model_path()), dtype="bfloat16", max_model_len=args.window + 1, **kw)

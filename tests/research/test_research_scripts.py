@@ -39,7 +39,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "bench_q4_experts": ("--rounds 1 --threads 1", "(min median max)"),
     "bench_routing_noaux": ("--rounds 1 --calls 1 --batches 1", "batch     1: torch"),
     "decode_breakdown": ("{shape} --rounds 1 --tokens 4", "decode step"),
-    "quant_accuracy": ("--text {text} --tokens 16 --window 8", "int4 experts         perplexity"),
+    "quant_accuracy": ("--text {text} --tokens 16 --window 8", "int4 experts+dense   perplexity"),
     "policy_bench_replay": ("--shape tiny --fraction 0.5 --route-trace {trace} --prompts 1 --tokens 4 --prompt-len 4 "
                             "--cache-dir {cache}", "policy: 8 slots, engine hit rate"),
     "policy_cost": ("{trace} --capacity 8 --rounds 1", "reuse (deferred)"),
