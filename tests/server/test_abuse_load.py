@@ -159,8 +159,23 @@ def test_idle_sockets_and_slow_bodies_beyond_the_cap_leave_health_answering(
 
 def test_sigterm_drains_with_the_socket_open(tiny_text_model: Path) -> None:
     """As documented: after SIGTERM new requests and /health get 503 shutting_down (not a refused connection)
-    while the stream in flight runs to its end; then the server exits."""
-    state = make_state(engine_factory(tiny_text_model, max_num_seqs=2))
+    while the stream in flight runs to its end; then the server exits. The engine's steps after the first wait for
+    the checks (`gate`), so the stream is still in flight while they run however fast the machine decodes."""
+    gate = threading.Event()
+
+    def gated_engine() -> Any:
+        engine = engine_factory(tiny_text_model, max_num_seqs=2)()
+        step, steps = engine.step, [0]
+
+        def gated_step() -> Any:
+            if steps[0]:
+                gate.wait(60)
+            steps[0] += 1
+            return step()
+        engine.step = gated_step
+        return engine
+
+    state = make_state(gated_engine)
     server = ServeThread(state)
     body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 64, "ignore_eos": True, "stream": True,
             "temperature": 0}
@@ -177,6 +192,7 @@ def test_sigterm_drains_with_the_socket_open(tiny_text_model: Path) -> None:
                                       json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 1})
                     seen["health"] = (health.status_code, health.json()["error"]["code"])
                     seen["late"] = (late.status_code, late.json()["error"]["code"])
+                    gate.set()
                 if line.startswith("data: {"):
                     reasons += [c["finish_reason"] for c in json.loads(line[6:])["choices"]]
         assert seen["health"] == (503, "shutting_down") and seen["late"] == (503, "shutting_down"), seen
@@ -184,6 +200,7 @@ def test_sigterm_drains_with_the_socket_open(tiny_text_model: Path) -> None:
         server.thread.join(30)
         assert not server.thread.is_alive()
     finally:
+        gate.set()
         server.stop()
 
 

@@ -30,7 +30,7 @@ def rss_mib(pid: int) -> float:
 
 @pytest.mark.slow
 def test_big_tokenize_calls_return_their_memory(tiny_text_model: Path) -> None:
-    proc, url = start_subprocess_server(tiny_text_model)
+    proc, url = start_subprocess_server(tiny_text_model, "--max-request-body-mb", "16")  # 10 MB bodies: over the 4 MB default
     try:
         wait_healthy(url, timeout=600)
         words = "the quick brown fox jumps over the lazy dog "
