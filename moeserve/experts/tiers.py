@@ -146,17 +146,11 @@ class Loader:
         if not self.staged:
             self._read(key, slot_bytes)
             return Tier.DISK
-        src, tier, in_host = self._take_source(key)
-        filled = tier is Tier.HOST
+        src, tier, in_host = self._filled_source(key)
         try:
-            if tier is Tier.DISK:
-                if self.copier is not None:
-                    self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
-                self._read(key, src)
-                filled = True
             self._copy_up(slot, slot_bytes, src)
         finally:
-            self._give_back(key, src, in_host, filled)
+            self._give_back(key, src, in_host, True)
         return tier
 
     @contextmanager
@@ -167,25 +161,33 @@ class Loader:
         host tier, or every slot busy) the unit passes through a staging buffer and the block gets a copy."""
         if self.verifier is not None:
             self.verifier.before_read(key)
-        src, tier, in_host = self._take_source(key)
-        filled = tier is Tier.HOST
+        src, _, in_host = self._filled_source(key)
         try:
-            if tier is Tier.DISK:
-                if self.copier is not None:
-                    self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
-                self._read(key, src)
-                filled = True
             unit = src if in_host else src.clone()  # a staging buffer goes back at once: the next load needs it
         except BaseException:
-            self._give_back(key, src, in_host, filled)
+            self._give_back(key, src, in_host, True)
             raise
         if not in_host:
-            self._give_back(key, src, in_host, filled)
+            self._give_back(key, src, in_host, True)
         try:
             yield unit
         finally:
             if in_host:
-                self._give_back(key, src, in_host, filled)
+                self._give_back(key, src, in_host, True)
+
+    def _filled_source(self, key: Key) -> tuple[torch.Tensor, Tier, bool]:
+        """`_take_source`, with the buffer read from the disk on a host miss: (buffer holding unit `key`, the tier
+        that served it, whether the buffer is a host slot). A failed read gives the buffer back and raises."""
+        src, tier, in_host = self._take_source(key)
+        if tier is Tier.DISK:
+            try:
+                if self.copier is not None:
+                    self.copier.wait_source_free(src)  # an async copy may still be reading this buffer
+                self._read(key, src)
+            except BaseException:
+                self._give_back(key, src, in_host, False)
+                raise
+        return src, tier, in_host
 
     def _read(self, key: Key, dst: torch.Tensor) -> None:
         self.source.read_unit(key[0], key[1], dst)
