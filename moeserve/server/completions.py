@@ -69,8 +69,6 @@ async def _prompt_token_ids(req: CompletionRequest, state: ServerState) -> list[
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
     state.accept(req.model, req)
-    if req.echo:
-        raise APIError(400, "echo is not supported", param="echo")
     prompts = await _prompt_token_ids(req, state)
     try:
         spec = grammar_spec(req)

@@ -100,6 +100,14 @@ class SamplingFields(RequestModel):
     # OpenAI fields that change nothing here (see request_fields.py), or refused when set to what we cannot do.
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's router writes these SGLang/vLLM fields into every request it forwards: accepted at their neutral value
+    # (request_fields.ROUTER_FIELDS), refused otherwise; regex and ebnf are honoured as guided_regex / guided_grammar.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    lora_path: Any = None
+    session_params: dict[str, Any] | None = None  # only session_id, the router's affinity key, is accepted
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -109,6 +117,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    json_schema: dict[str, Any] | str | None = None  # SGLang's form of guided_json (structured.py)
 
 
 class ContentPart(RequestModel):
@@ -208,6 +217,12 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's extensions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's router writes these too (request_fields.ROUTER_FIELDS): accepted at their neutral value
+    continue_final_message: bool = False
+    echo: bool = False
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     def checked_tools(self) -> list[Tool]:
         """The tools as models; raises RequestError naming the bad one."""

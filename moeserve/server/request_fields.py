@@ -7,18 +7,20 @@ Every field of OpenAI's chat and completions request schemas is known (protocol.
   parallel_tool_calls, reasoning_effort (harmony; a template that reads it), best_of equal to n, response_format
   (structured.py); and vLLM's top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
   skip_special_tokens, include_stop_str_in_output, add_generation_prompt, chat_template_kwargs, structured_outputs,
-  guided_json, guided_regex, guided_choice, guided_grammar;
+  guided_json, guided_regex, guided_choice, guided_grammar; SGLang's regex, ebnf, json_schema;
 - accepted and ignored, because they cannot change the output: IGNORED below;
-- refused when set to anything that would change the output, because moeserve cannot do it: REFUSALS below.
+- refused when set to anything that would change the output, because moeserve cannot do it: REFUSALS below;
+- written by vLLM's router into every request: accepted at their neutral value, refused otherwise (ROUTER_FIELDS).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 from moeserve.errors import RequestError
-from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, printable
 
 # Accepted, with no effect on the output (documentation; the test suite checks each is a known field).
 IGNORED = {
@@ -66,6 +68,37 @@ REFUSALS: list[tuple[str, Callable[[Any], Any], Callable[[Any], bool], str]] = [
 ]
 
 
+# vLLM's router (vllm-router) writes these vLLM/SGLang fields into every request it forwards, at the neutral value
+# given here (the one that asks for what moeserve does anyway); any other value is refused, naming it:
+# (field, neutral value, why another value is refused). The router's ignore_eos and skip_special_tokens are
+# honoured, as are its regex, ebnf and json_schema (structured.py); session_params: check_session_params.
+ROUTER_FIELDS: list[tuple[str, Any, str]] = [
+    ("no_stop_trim", False, "is not supported: a matched stop string is cut from the text "
+     "(include_stop_str_in_output: true keeps it) and a stop token is never in it"),
+    ("return_hidden_states", False, "is not supported: hidden states are not returned"),
+    ("lora_path", None, "is not supported: no LoRA adapters are served"),
+    ("echo", False, "is not supported: the prompt is not echoed back"),
+    ("continue_final_message", False, "is not supported: every message is rendered as a finished turn"),
+    ("separate_reasoning", True, "is not supported: reasoning always comes in its own field, apart from content"),
+    ("stream_reasoning", True, "is not supported: reasoning is streamed as it is generated"),
+    ("include_reasoning", True, "is not supported: reasoning is always returned, in its own field"),
+]
+SESSION_ROUTING_KEY = "session_id"  # vllm-router's session affinity key; it changes nothing in the output
+
+
+def _router_fields(req: SamplingFields) -> None:
+    for name, neutral, why in ROUTER_FIELDS:
+        value = getattr(req, name, neutral)
+        if value != neutral:
+            shown = printable(json.dumps(value, default=str))
+            raise RequestError(f"{name}={shown} {why}", param=name)
+    for key in req.session_params or {}:
+        if key != SESSION_ROUTING_KEY:
+            raise RequestError(f"session_params.{printable(str(key))} is not supported (SGLang's session control); "
+                               f"only session_params.{SESSION_ROUTING_KEY}, a routing key, is accepted",
+                               param="session_params")
+
+
 def check_ranges(req: SamplingFields, vocab_size: int | None) -> None:
     """Raise RequestError (400) naming the field, its value and the rule, for values that are each valid alone but
     not together (min_tokens above max_tokens would run silently to `length`) or not for this model (top_k beyond
@@ -94,3 +127,4 @@ def check_request_fields(req: SamplingFields) -> None:
                 field = "audio" if _set(m.audio) else "function_call"
                 raise RequestError(f"messages[{i}].{field} is not supported; use content and tool_calls",
                                    param="messages")
+    _router_fields(req)

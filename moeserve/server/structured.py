@@ -4,7 +4,8 @@ Forms (at most one per request):
 - `response_format`: `{"type": "json_object"}` (any JSON object) or `{"type": "json_schema", "json_schema":
   {"name", "description", "schema", "strict"}}` (the schema is always enforced, strict or not);
 - vLLM's `structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}` and the older
-  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. A grammar is Lark (llguidance's dialect) or
+  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; SGLang's `regex`, `ebnf` (a GBNF grammar) and
+  `json_schema` (completions), which vLLM's router forwards. A grammar is Lark (llguidance's dialect) or
   GBNF (llama.cpp's, converted to Lark).
 
 The grammar engine is llguidance (engine/grammar.py says why); the sampler masks each token (logits_processor.py).
@@ -24,6 +25,9 @@ from moeserve.server.protocol import SamplingFields, printable, unknown_field_me
 
 JSON_SCHEMA_KEYS = ["name", "description", "schema", "strict"]
 STRUCTURED_OUTPUTS_KEYS = ["json", "regex", "choice", "grammar", "json_object"]
+# request field -> its kind: vLLM's guided_* and SGLang's names (vLLM's router forwards the latter)
+GUIDED_FIELDS = [("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                 ("grammar", "guided_grammar"), ("regex", "regex"), ("grammar", "ebnf"), ("json", "json_schema")]
 # vLLM's other structured_outputs options: known, refused (their effect is not implemented here)
 STRUCTURED_OUTPUTS_REFUSED = {
     "structural_tag": "structural tags are not supported; use json, regex, choice or grammar",
@@ -124,10 +128,10 @@ def grammar_spec(req: SamplingFields) -> GrammarSpec | None:
             if value is None or (name == "json_object" and value is False):
                 continue
             found.append(_guided(name, value, f"structured_outputs.{name}"))
-    for kind in ("json", "regex", "choice", "grammar"):
-        value = getattr(req, f"guided_{kind}")
+    for kind, name in GUIDED_FIELDS:
+        value = getattr(req, name, None)
         if value is not None:
-            found.append(_guided(kind, value, f"guided_{kind}"))
+            found.append(_guided(kind, value, name))
     if len(found) > 1:
         raise RequestError(f"set one output constraint, not several ({', '.join(s.param for s in found)})",
                            param=found[1].param)
