@@ -58,6 +58,7 @@ def inspect_checkpoint(model: str | None) -> dict[str, Any]:
         "params_total": counts.total,
         "params_active": counts.active,
         "params_active_without_embedding": counts.active_without_embedding,
+        "params_ngram_table": counts.ngram_table,
         "bytes_expert": expert_bytes,
         "bytes_non_expert": other_bytes,
         "bytes_per_expert": report.expert_stored_bytes,
@@ -82,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"other parameters: {r['params_non_expert'] / 1e6:.2f} M (stored elements)")
     print(f"parameters:       {r['params_total'] / 1e9:.2f} B total, {r['params_active'] / 1e9:.2f} B active per token "
           f"({r['params_active_without_embedding'] / 1e9:.2f} B without the embedding table)")
+    if r["params_ngram_table"]:
+        print(f"n-gram tables:    {r['params_ngram_table'] / 1e9:.2f} B parameters of the total (the per-layer "
+              f"embedding: one row per head read per token); {(r['params_total'] - r['params_ngram_table']) / 1e9:.2f}"
+              " B without them")
     print(f"expert weights:   {r['bytes_expert'] / GiB:.3f} GiB stored ({r['bytes_per_expert'] / 2**20:.3f} MiB "
           "per expert)")
     print(f"other weights:    {r['bytes_non_expert'] / GiB:.3f} GiB stored (resident)")

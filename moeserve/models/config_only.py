@@ -29,7 +29,7 @@ from moeserve.errors import CheckpointError
 from moeserve.formats import QuantScheme, load_quant_scheme
 from moeserve.models.registry import Architecture, get_architecture
 from moeserve.models.spec import ModelSpec
-from moeserve.models.validate import Expected, expected_tensors
+from moeserve.models.validate import Expected, expected_tensors, ngram_hash_buffers, ngram_tables
 
 # Expert kind (ModelSpec.moe.expert_kind) -> the expert tensors its planner reads (models/experts/plans.py).
 ExpertTensors = Callable[[Architecture, ModelSpec, QuantScheme], Iterator[Expected]]
@@ -101,6 +101,8 @@ class ParameterCounts:
     total: int
     active: int  # per token: every non-expert tensor (the embedding table whole) + top_k of each MoE layer's experts
     embedding: int  # of which the embedding table (one row of it is read per token)
+    # the n-gram tables (ModelSpec.ngram), in `total`; `active` counts only the rows a token reads (one per head)
+    ngram_table: int = 0
 
     @property
     def active_without_embedding(self) -> int:
@@ -111,14 +113,19 @@ def parameter_counts(arch: Architecture, spec: ModelSpec) -> ParameterCounts:
     """Total and per-token parameters of `spec`. Publishers count "active" either way: with the embedding table
     (Qwen) or without it (DeepSeek, Kimi, gpt-oss); both are given."""
     empty = Checkpoint(path=Path("config.json"), config={}, generation_config={}, tensors={})
-    other = embedding = 0
+    ng, tables = spec.ngram, ngram_tables(arch, spec)
+    other = embedding = table = 0
     for name, shape, _linear in expected_tensors(empty, arch, spec):
         count = math.prod(shape)
+        if name in tables:
+            table += count
+            continue
         other += count
         embedding += count if name == arch.names.embed else 0
     experts = expert_parameters(arch, spec)
-    active = other + experts // spec.moe.num_experts * spec.moe.top_k
-    return ParameterCounts(total=other + experts, active=active, embedding=embedding)
+    rows_read = len(ng.layers) * ng.embed_dim if ng else 0  # one row of head_dim per head and PLE layer
+    active = other + rows_read + experts // spec.moe.num_experts * spec.moe.top_k
+    return ParameterCounts(total=other + table + experts, active=active, embedding=embedding, ngram_table=table)
 
 
 def config_only_checkpoint(path: Path) -> Checkpoint:
@@ -137,10 +144,10 @@ def config_only_checkpoint(path: Path) -> Checkpoint:
     empty = Checkpoint(path=path, config=config, generation_config={}, tensors={})
     tensors: dict[str, TensorRef] = {}
     expected = [*expected_tensors(empty, arch, spec), *EXPERT_TENSORS[spec.moe.expert_kind](arch, spec, scheme)]
-    fp32 = _stored_in_fp32(arch, spec)
+    fp32, int64 = _stored_in_fp32(arch, spec), _stored_as_int64(arch, spec)
     for name, shape, is_linear in expected:
         if not is_linear:
-            _add(tensors, path, name, "F32" if name in fp32 else dense_code, shape)
+            _add(tensors, path, name, "F32" if name in fp32 else "I64" if name in int64 else dense_code, shape)
             continue
         fmt = scheme.format_for(name)
         for role, (code, stored_shape) in fmt.stored_shapes(shape, dense_code).items():
@@ -157,6 +164,12 @@ def _stored_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
     names, m = arch.names, spec.moe
     out = {names.router_correction_bias.format(L=L) for L in spec.moe_layer_ids if m.correction_bias and m.router_fp32}
     return out | {names.router.format(L=L) + ".weight" for L in spec.moe_layer_ids if m.router_fp32}
+
+
+def _stored_as_int64(arch: Architecture, spec: ModelSpec) -> set[str]:
+    """The n-gram hash buffers beside each PLE table (ModelSpec.ngram), int64 as transformers stores them."""
+    layers = spec.ngram.layers if spec.ngram is not None else ()
+    return {name for L in layers for name, _shape in ngram_hash_buffers(arch, spec, L)}
 
 
 def _add(tensors: dict[str, TensorRef], path: Path, name: str, code: str, shape: tuple[int, ...]) -> None:

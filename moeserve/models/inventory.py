@@ -20,7 +20,7 @@ from moeserve.models.quantized import (
 )
 from moeserve.models.registry import Architecture, get_architecture
 from moeserve.models.spec import ModelSpec
-from moeserve.models.validate import is_skipped, kept_in_fp32
+from moeserve.models.validate import is_skipped, kept_in_fp32, ngram_tables
 
 
 def expert_tensor_names(plan: ExpertPlan) -> set[str]:
@@ -85,32 +85,36 @@ class FormatReport:
     bytes_per_token: int  # stored bytes a decoded token reads: non-expert weights + top_k experts per layer
 
 
-_INDEX = re.compile(r"\.(\d+)(?=\.|$)")
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|(?<=\.shard_)\d+(?=\.)")  # a layer, expert or row-block number
 
 
 def describe_formats(ckpt: Checkpoint) -> FormatReport:
     """The format of each tensor group of `ckpt` and the stored bytes a decoded token reads.
 
     Groups key on the tensor name with every numeric index replaced by '*' (so all layers and experts of one
-    projection form one group). A tensor's format is the scheme's format for the module it belongs to when it
+    projection, and all row blocks of an n-gram table, form one group). A tensor's format is the scheme's format for the module it belongs to when it
     is one of that format's stored tensors, otherwise its dtype code. Bytes per token count every non-expert
     tensor except the embedding table (one row per token, negligible) plus top_k experts per MoE layer, each at
-    its stored size: the decode-time memory traffic of the weights.
+    its stored size, and of an n-gram table (ModelSpec.ngram) the row each head reads: the decode-time memory traffic of the weights.
     """
     scheme = checkpoint_scheme(ckpt)
     arch, spec = _arch_spec(ckpt)
     groups: dict[tuple[str, str], list[int]] = {}
     for name, ref in ckpt.tensors.items():
-        key = (_INDEX.sub(".*", name), format_of(scheme, name, ref.dtype_code, ckpt.tensors))
+        key = (_INDEX.sub("*", name), format_of(scheme, name, ref.dtype_code, ckpt.tensors))
         entry = groups.setdefault(key, [0, 0])
         entry[0] += 1
         entry[1] += ref.nbytes
     plan = expert_plan(ckpt, arch, spec, torch.bfloat16)
     expert_names = expert_tensor_names(plan)
     one_expert = sum(r.nbytes for f in next(iter(plan.sources.values())) for r in f.refs)
-    nonexpert = sum(r.nbytes for n, r in ckpt.tensors.items()
-                    if n not in expert_names and n != arch.names.embed and not is_skipped(arch, spec, n))
+    tables = ngram_tables(arch, spec)
+    nonexpert = sum(r.nbytes for n, r in ckpt.tensors.items() if n not in expert_names and n not in tables
+                    and n != arch.names.embed and not is_skipped(arch, spec, n))
     per_token = nonexpert + len(spec.moe_layer_ids) * spec.moe.top_k * one_expert
+    if tables and spec.ngram is not None:  # an n-gram table: one row per head and PLE layer
+        row = ckpt.tensors[next(iter(tables))]
+        per_token += spec.ngram.heads * len(spec.ngram.layers) * row.nbytes // row.shape[0]
     if spec.tie_word_embeddings and not ckpt.has(arch.names.lm_head + ".weight"):
         per_token += ckpt.ref(arch.names.embed).nbytes  # the tied head reads the whole table every token
     rows = tuple(TensorGroup(g, f, n, b) for (g, f), (n, b) in sorted(groups.items()))

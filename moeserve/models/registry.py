@@ -80,6 +80,14 @@ class WeightNames:
     mamba_dt_bias: str = "backbone.layers.{L}.mixer.dt_bias"
     mamba_norm: str = "backbone.layers.{L}.mixer.norm.weight"
     mamba_out: str = "backbone.layers.{L}.mixer.out_proj"
+    # Hyper-connections (ModelSpec.hyper): the gated residuals before each layer's mixer and MLP and before the LM
+    # head (prefixes of hc_norm.weight, input_mix_weight_down, input_mix_weight_up, block_inject_weight)
+    hc_attn: str = "model.layers.{L}.attn_hyper_connection"
+    hc_mlp: str = "model.layers.{L}.mlp_hyper_connection"
+    hc_final: str = "model.hyper_connection_mixer"
+    # The n-gram per-layer embedding (ModelSpec.ngram) and the sparse-attention indexer (ModelSpec.qsa): prefixes
+    ple: str = "model.layers.{L}.ple"
+    indexer: str = "model.layers.{L}.self_attn.indexer"
 
 
 class Architecture(ABC):
@@ -90,6 +98,9 @@ class Architecture(ABC):
     # Checkpoint tensors not served, by name prefix, and why (a vision tower, multi-token-prediction layers): never
     # read, counted in no resident size, named in the start-up log (models/validate.py is_skipped)
     unserved: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # Non-empty: what building the model still needs. `plan` and `inspect` size it from its spec; the engine refuses
+    # it in one line saying so (engine/llm_engine.py), before anything is allocated
+    sized_only: ClassVar[str] = ""
 
     @abstractmethod
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
@@ -103,16 +114,12 @@ _REGISTRY: dict[str, Architecture] = {}
 _DSA = "DeepSeek Sparse Attention (a lightning indexer choosing the top-k cached keys of MLA's latent cache)"
 _GEMMA4 = ("a dense MLP beside the MoE in each layer, a normalised router with per-expert scales, GeGLU experts "
            "stored as one 3D tensor, K=V global layers and logit softcapping")
-_QWEN4_EXP = ("hyper-connections (several residual streams mixed per layer), the hashed n-gram per-layer embedding "
-              "and the sparse-attention indexer of its full-attention layers")
 NOT_YET_SERVED: dict[str, str] = {
     "DeepseekV4ForCausalLM": ("compressed attention (ratios 4 and 128, an indexer, sinks, a sliding window), "
                               "manifold-constrained hyper-connections, hash-routed first layers and sqrtsoftplus "
                               "scoring"),
     "DeepseekV32ForCausalLM": _DSA,
     "GlmMoeDsaForCausalLM": _DSA,
-    "Qwen4ExpForCausalLM": _QWEN4_EXP,
-    "Qwen4ExpForConditionalGeneration": _QWEN4_EXP,
     "Gemma4ForCausalLM": _GEMMA4,
     "Gemma4ForConditionalGeneration": _GEMMA4,
 }

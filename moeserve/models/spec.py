@@ -126,6 +126,61 @@ class MlaSpec:
 
 
 @dataclass(frozen=True)
+class HyperSpec:
+    """Hyper-connections (Qwen4-Exp): the residual is `streams` copies of the hidden state side by side
+    [N, streams * H]. Before each mixer and each MLP a gated residual (a grouped RMSNorm over each stream, a rank
+    `rank` mixer) reads one input from the streams and gives the weights that add the part's output back into each
+    stream; a last mixer (no output weights) reads the final hidden state for the LM head (no final norm)."""
+
+    streams: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class NgramSpec:
+    """The hashed n-gram per-layer embedding (Qwen4-Exp PLE) of linear-attention layers `layers`. Per token and
+    layer, each of `heads` hashes of the token's 2..ngram_size-grams picks one row of the layer's table (`rows`
+    rows of `head_dim` values: the heads' prime-sized vocabularies `head_vocab_sizes` end to end, padded), stored
+    in the checkpoint as `split_parts` equal row blocks. The concatenated rows gate a value into every residual
+    stream, followed by a causal depthwise conv of `conv_kernel` taps dilated by ngram_size."""
+
+    layers: tuple[int, ...]  # zero-based layer ids (config.json's ple_layer_ids are one-based)
+    embed_dim: int  # heads * head_dim
+    ngram_size: int
+    heads_per_ngram: int
+    conv_kernel: int
+    split_parts: int
+    seed: int
+    eos_token_id: int  # n-grams do not reach across it; positions before the first token read it
+    head_vocab_sizes: tuple[tuple[int, ...], ...]  # per PLE layer, per head: a prime
+    rows: tuple[int, ...]  # per PLE layer: the table's rows (the vocabularies' sum, padded)
+
+    @property
+    def heads(self) -> int:
+        return (self.ngram_size - 1) * self.heads_per_ngram
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.heads
+
+    def table_parameters(self) -> int:
+        return sum(self.rows) * self.head_dim
+
+
+@dataclass(frozen=True)
+class QsaSpec:
+    """Qwen sparse attention (Qwen4-Exp's indexed attention layers): an indexer of `num_heads` query heads and one
+    key head of `head_dim` scores blocks of `compress_ratio` consecutive cached keys (their mean, normed, rotated at
+    the block's first position); each query attends the tokens of its `budget // compress_ratio` best complete
+    blocks and of its last, incomplete block. Per token and layer it caches one raw index key [head_dim]."""
+
+    num_heads: int
+    head_dim: int
+    budget: int
+    compress_ratio: int
+
+
+@dataclass(frozen=True)
 class RopeSpec:
     theta: float
     rope_type: str  # "default" | "yarn" | "linear"
@@ -190,6 +245,9 @@ class ModelSpec:
     mixerless_layers: tuple[int, ...] = ()
     mlpless_layers: tuple[int, ...] = ()
     mlp_kind: Literal["swiglu", "relu2"] = "swiglu"  # dense and shared-expert MLPs (relu2: up -> relu^2 -> down)
+    hyper: HyperSpec | None = None  # hyper-connections in place of the residual and its norms (Qwen4-Exp)
+    ngram: NgramSpec | None = None  # the hashed n-gram per-layer embedding (Qwen4-Exp)
+    qsa: QsaSpec | None = None  # the sparse-attention indexer of every attention layer (Qwen4-Exp)
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
@@ -248,6 +306,20 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "ssm_state_size": (1, 2**14),
     "conv_kernel": (2, 64),
     "moe_shared_expert_intermediate_size": (0, 2**20),
+    "hc_count": (2, 64),
+    "hc_lowrank": (1, 2**16),
+    "ple_embed_dim": (1, 2**17),
+    "ple_conv_kernel_size": (1, 64),
+    "ngram_size": (2, 8),
+    "heads_per_ngram": (1, 1024),
+    "ngram_vocab_size_base": (2, 2**34),
+    "make_ngram_vocab_size_divisible_by": (1, 2**20),
+    "split_ngram_parts": (1, 2**16),
+    "indexer_n_heads": (1, 2**14),
+    "indexer_kv_heads": (1, 1),  # Qwen4-Exp's indexer has one key head
+    "indexer_head_dim": (2, 2**13),
+    "indexer_budget": (1, 2**24),
+    "indexer_compress_ratio": (1, 2**16),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.

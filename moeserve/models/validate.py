@@ -60,7 +60,10 @@ def expected_tensors(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> I
     """The non-expert tensors `build_model` reads, with the shapes it asks for."""
     names, h = arch.names, spec.hidden_size
     yield names.embed, (spec.vocab_size, h), False
-    yield names.final_norm, (h,), False
+    if spec.hyper is None:
+        yield names.final_norm, (h,), False
+    else:
+        yield from _hyper_tensors(names.hc_final, spec, inject=False)
     if not (spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight")):
         yield names.lm_head, (spec.vocab_size, h), True
     for L in range(spec.num_layers):
@@ -74,10 +77,16 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
     def n(template: str) -> str:
         return template.format(L=L)
 
-    if L not in spec.mixerless_layers:
-        yield n(names.input_norm), (h,), False
-    if L not in spec.mlpless_layers:
-        yield n(names.post_norm), (h,), False
+    if spec.hyper is not None:  # gated residuals in place of the two norms
+        yield from _hyper_tensors(n(names.hc_attn), spec, inject=True)
+        yield from _hyper_tensors(n(names.hc_mlp), spec, inject=True)
+    else:
+        if L not in spec.mixerless_layers:
+            yield n(names.input_norm), (h,), False
+        if L not in spec.mlpless_layers:
+            yield n(names.post_norm), (h,), False
+    if spec.ngram is not None and L in spec.ngram.layers:
+        yield from _ngram_tensors(arch, spec, L)
     if L in spec.mixerless_layers:
         yield from _mlp_tensors(arch, spec, L)
         return
@@ -102,8 +111,70 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
         yield from _linear(n(prefix), rows, cols, bias)
     if a.sinks:
         yield n(names.sinks), (a.num_heads,), False
+    if spec.qsa is not None:
+        yield from _linear(n(names.indexer) + ".index_qk_proj", (spec.qsa.num_heads + 1) * spec.qsa.head_dim, h, False)
+        yield n(names.indexer) + ".q_layernorm.weight", (spec.qsa.head_dim,), False
+        yield n(names.indexer) + ".k_layernorm.weight", (spec.qsa.head_dim,), False
     if L not in spec.mlpless_layers:
         yield from _mlp_tensors(arch, spec, L)
+
+
+def _hyper_tensors(prefix: str, spec: ModelSpec, inject: bool) -> Iterator[Expected]:
+    """A gated residual of the hyper-connections (ModelSpec.hyper): its grouped norm, low-rank input mixer and
+    (`inject`: every one but the last, before the head) the weights that add its part's output to each stream."""
+    hc = spec.hyper
+    assert hc is not None
+    width = hc.streams * spec.hidden_size
+    yield prefix + ".hc_norm.weight", (width,), False
+    yield from _linear(prefix + ".input_mix_weight_down", hc.rank, width, False)
+    yield from _linear(prefix + ".input_mix_weight_up", width, hc.rank, False)
+    if inject:
+        yield from _linear(prefix + ".block_inject_weight", hc.streams, width, False)
+
+
+def ngram_table_shards(arch: Architecture, spec: ModelSpec, L: int) -> list[tuple[str, int]]:
+    """PLE layer L's n-gram table as the checkpoint stores it: (tensor name, rows) per row block, split_parts blocks
+    as torch.chunk cuts the table (transformers' save_pretrained: equal blocks of ceil(rows / parts), the last
+    shorter, fewer blocks when that size covers the table sooner)."""
+    ng = spec.ngram
+    assert ng is not None and spec.hyper is not None
+    rows = ng.rows[ng.layers.index(L)]
+    size = -(-rows // ng.split_parts)
+    prefix = arch.names.ple.format(L=L) + ".ple_embedding.ngram_embedding"
+    return [(f"{prefix}.shard_{i}.weight", min(size, rows - i * size)) for i in range(-(-rows // size))]
+
+
+def ngram_tables(arch: Architecture, spec: ModelSpec) -> set[str]:
+    """The checkpoint names of every row block of every n-gram table (none without ModelSpec.ngram)."""
+    layers = spec.ngram.layers if spec.ngram is not None else ()
+    return {name for L in layers for name, _rows in ngram_table_shards(arch, spec, L)}
+
+
+def ngram_hash_buffers(arch: Architecture, spec: ModelSpec, L: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The int64 buffers transformers stores beside PLE layer L's table (hash multipliers, each head's vocabulary
+    size and first row): models/ngram_hash.py computes them from config.json."""
+    ng = spec.ngram
+    assert ng is not None
+    prefix = arch.names.ple.format(L=L) + ".ple_embedding."
+    return [(prefix + "layer_multipliers", (ng.ngram_size,)), (prefix + "ngram_heads_vocab_sizes", (ng.heads,)),
+            (prefix + "ngram_heads_offsets", (ng.heads,))]
+
+
+def _ngram_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    """Layer L's n-gram per-layer embedding: the table's row blocks, the key and value projections, three grouped
+    norms, the dilated depthwise conv, and the hash's int64 buffers (`ngram_hash_buffers`)."""
+    ng, h, prefix = spec.ngram, spec.hidden_size, arch.names.ple.format(L=L)
+    assert ng is not None and spec.hyper is not None
+    width = spec.hyper.streams * h
+    for name, rows in ngram_table_shards(arch, spec, L):
+        yield name, (rows, ng.head_dim), False
+    for name, shape in ngram_hash_buffers(arch, spec, L):
+        yield name, shape, False
+    yield from _linear(prefix + ".key_proj", width, ng.embed_dim, False)
+    yield from _linear(prefix + ".value_proj", h, ng.embed_dim, False)
+    for norm in ("norm_key", "norm_query", "norm_conv"):
+        yield f"{prefix}.{norm}.weight", (width,), False
+    yield prefix + ".conv1d.weight", (width, 1, ng.conv_kernel), False
 
 
 def _mamba_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:

@@ -25,6 +25,7 @@ from moeserve.models.registry import NOT_YET_SERVED, get_architecture
 from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
+from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_vl
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
 from tests.models.test_minimax_m2 import write_fp8 as write_minimax_fp8
@@ -110,6 +111,8 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "kimi_k25": lambda folder: write_tiny_kimi_k25(folder, torch.bfloat16),  # vision tower and projector beside
     "kimi_k25-remote-code": _kimi_remote_code,
     "nemotron_h": _nemotron,
+    "qwen4_exp": write_tiny_qwen4_exp,  # bf16; n-gram tables in row blocks, their int64 hash buffers beside
+    "qwen4_exp-vl": write_tiny_qwen4_exp_vl,  # its vision tower beside
     "gpt_oss-mxfp4": lambda folder: C.write_gpt_oss_mxfp4(C.write_gpt_oss(folder.with_name("gpt_oss-src")), folder),
     "qwen3_moe-nvfp4-ct": _quantized(C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG),
     "qwen3_moe-nvfp4-modelopt": _quantized(C.nvfp4_modelopt_quantize, None,
@@ -229,7 +232,7 @@ def test_inspect_from_config_equals_inspect_with_weights(folders, case: str, cap
     full, bare = folders(case)
     got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
     assert got[0] == "exit 0"
-    if case.startswith(("qwen3_5_moe", "kimi_k25")):  # the full checkpoint also holds a vision tower or mtp.*, apart
+    if case.startswith(("qwen3_5_moe", "kimi_k25", "qwen4_exp-vl")):  # the full checkpoint also holds a vision tower or mtp.*, apart
         unserved = [line for line in want if line.startswith("not served:")]
         assert len(unserved) == 1 and "tensors" in unserved[0]
         want.remove(unserved[0])

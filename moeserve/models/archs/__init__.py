@@ -10,5 +10,6 @@ from moeserve.models.archs import (  # noqa: F401
     nemotron_h,
     olmoe,
     qwen3_next,
+    qwen4_exp,
     qwen_moe,
 )

@@ -95,7 +95,7 @@ class Qwen3Next(Architecture):
         return hybrid_spec(self.name, c, "qkvz_ba", c.optional_str("dtype", "torch_dtype"))
 
 
-def _language_model_names() -> WeightNames:
+def language_model_names() -> WeightNames:
     """WeightNames with every `model.` name under `model.language_model.` (the LM head stays `lm_head`)."""
     fields = asdict(WeightNames())
     return WeightNames(**{k: v.replace("model.", "model.language_model.", 1) if v.startswith("model.") else v
@@ -105,7 +105,7 @@ def _language_model_names() -> WeightNames:
 @register
 class Qwen35Moe(Architecture):
     name = "Qwen3_5MoeForConditionalGeneration"
-    names = _language_model_names()
+    names = language_model_names()
     unserved = (("model.visual.", "the vision tower (model.visual.*): text input only"), ("mtp.", MTP_REASON))
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:

@@ -1,0 +1,115 @@
+"""Qwen3.8-Flash-Next (transformers' qwen4_exp) as far as it is served today: read and sized, not built.
+
+- the n-gram hash (models/ngram_hash.py) against transformers' own functions and the buffers its save_pretrained
+  writes: head vocabularies (primes), row offsets and hash multipliers;
+- the spec reads what transformers writes (every tensor's shape checked by read_model) and config.json errors are
+  one line;
+- parameter counts from the config alone equal transformers' model built on the meta device at the flagship sizes;
+- the engine refuses it in one line, before anything is allocated.
+tests/cli/test_config_only.py checks `plan` and `inspect` from its config against the checkpoint (CASES).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.checkpoint.folder import open_checkpoint
+from moeserve.errors import CheckpointError, UnsupportedModelError
+from moeserve.models.config_only import parameter_counts
+from moeserve.models.ngram_hash import head_vocab_sizes, layer_multipliers, padded_rows
+from moeserve.models.registry import get_architecture
+from moeserve.models.validate import read_model
+from tests.fixtures.qwen4_exp import TINY_QWEN4_EXP, write_tiny_qwen4_exp
+
+# The flagship's shapes: transformers' Qwen4ExpTextConfig defaults (hidden 2048, 40 layers, 512 experts top-10,
+# vocabulary 248320) plus the fields it leaves unset, chosen here (no published config.json was found offline): one
+# PLE layer of ple_embed_dim 2560 (16 heads of 160: a 51.2 B-parameter table), a 32-head indexer of dim 128, and
+# Qwen3.5's rotary (a quarter of each head) so the rotated dims fit the index head.
+FLAGSHIP_FIELDS = dict(eos_token_id=248046, ple_layer_ids=[1], ple_embed_dim=2560, indexer_n_heads=32,
+                       indexer_kv_heads=1, indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                        "partial_rotary_factor": 0.25})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp") / "ckpt", torch.float32)
+
+
+def test_ngram_hash_equals_transformers() -> None:
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref
+
+    for base, layers, heads in ((1000, 3, 4), (20_000_000, 2, 2)):  # transformers' search is quadratic: few heads
+        ours = head_vocab_sizes(base, layers, heads)
+        for j in range(layers):
+            assert ours[j] == tuple(ref._find_nth_prime_after(base - 1, j * heads + h + 1) for h in range(heads))
+    for index in range(3):
+        assert layer_multipliers(248320, 3, index, 1234) == ref._build_layer_multipliers(248320, 3, index,
+                                                                                         1234).tolist()
+
+
+def test_spec_equals_the_hash_buffers_transformers_wrote(tiny: Path) -> None:
+    from safetensors.torch import load_file
+
+    arch, spec = read_model(open_checkpoint(tiny))  # every served tensor's shape checked
+    state = load_file(tiny / "model.safetensors")
+    ng = spec.ngram
+    assert ng is not None and ng.layers == (0, 2) and spec.hyper is not None and spec.hyper.streams == 3
+    assert spec.qsa is not None and spec.qsa.budget == 8 and spec.linear_attention is not None
+    assert spec.linear_attention.layers == (0, 2)
+    for index, L in enumerate(ng.layers):
+        prefix = f"model.layers.{L}.ple.ple_embedding."
+        sizes = state[prefix + "ngram_heads_vocab_sizes"].tolist()
+        assert list(ng.head_vocab_sizes[index]) == sizes
+        assert state[prefix + "ngram_heads_offsets"].tolist() == [sum(sizes[:h]) for h in range(len(sizes))]
+        assert layer_multipliers(spec.vocab_size, ng.ngram_size, index, ng.seed) == \
+            state[prefix + "layer_multipliers"].tolist()
+        table = [t for name, t in state.items() if name.startswith(prefix + "ngram_embedding.shard_")]
+        assert sum(t.shape[0] for t in table) == ng.rows[index] == padded_rows(tuple(sizes), 16)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"ple_layer_ids": [2]}, "ple_layer_ids [2] are not linear-attention layers"),
+    ({"indexer_budget": 6}, "indexer_budget=6 is not a multiple of indexer_compress_ratio=4"),
+    ({"indexer_head_dim": None}, "need indexer_head_dim"),
+    ({"eos_token_id": None}, "'eos_token_id' must be set"),
+    ({"ple_embed_dim": 30}, "ple_embed_dim=30 is not a multiple of the 4 n-gram heads"),
+    ({"hc_count": 1}, "'hc_count' = 1 is out of range"),
+])
+def test_bad_config_fields_are_one_line(change: dict, message: str) -> None:
+    config = {**TINY_QWEN4_EXP, "architectures": ["Qwen4ExpForCausalLM"], **change}
+    with pytest.raises(CheckpointError, match=re.escape(message)) as err:
+        get_architecture(config, "config.json").spec(config, "config.json")
+    assert "\n" not in str(err.value)
+
+
+def test_flagship_counts_equal_transformers_on_the_meta_device() -> None:
+    """Every parameter and stored buffer of transformers' model at the flagship sizes, built on the meta device; the
+    n-gram table apart: 51.2 B of 118.6 B."""
+    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+    config = Qwen4ExpTextConfig(**FLAGSHIP_FIELDS)
+    with torch.device("meta"):
+        model = Qwen4ExpForCausalLM(config)
+    stored = model.state_dict()
+    data = {**config.to_dict(), "architectures": ["Qwen4ExpForCausalLM"]}
+    arch = get_architecture(data, "config.json")
+    counts = parameter_counts(arch, arch.spec(data, "config.json"))
+    assert counts.total == sum(t.numel() for t in stored.values())
+    assert counts.ngram_table == sum(t.numel() for name, t in stored.items() if "ngram_embedding" in name)
+
+
+def test_the_engine_refuses_it_in_one_line(tiny: Path) -> None:
+    from moeserve.config import EngineSettings
+    from moeserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(UnsupportedModelError, match="Qwen4ExpForCausalLM is not served yet: its layers are not "
+                                                    "built yet") as err:
+        LLMEngine(EngineSettings(model=str(tiny), skip_tokenizer_init=True))
+    assert "\n" not in str(err.value)
+    assert json.loads((tiny / "config.json").read_text())["architectures"] == ["Qwen4ExpForCausalLM"]
