@@ -113,3 +113,85 @@ def test_the_engine_refuses_it_in_one_line(tiny: Path) -> None:
         LLMEngine(EngineSettings(model=str(tiny), skip_tokenizer_init=True))
     assert "\n" not in str(err.value)
     assert json.loads((tiny / "config.json").read_text())["architectures"] == ["Qwen4ExpForCausalLM"]
+
+
+def _row_reader(ple_index: int, layer: int):  # noqa: ANN202
+    """transformers' n-gram embedding of the tiny config whose table row r holds r: it returns the rows it reads."""
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref
+
+    config = Qwen4ExpTextConfig(**TINY_QWEN4_EXP)
+    embedding = ref.Qwen4ExpTextNGramEmbedding(config, TINY_QWEN4_EXP["ple_embed_dim"], layer, ple_index)
+    table = embedding.ngram_embedding.weight
+    with torch.no_grad():
+        table.copy_(torch.arange(table.shape[0], dtype=torch.float32)[:, None].expand_as(table))
+    return config, embedding
+
+
+@pytest.mark.parametrize("ple_index", [0, 1])
+def test_ngram_rows_equal_transformers_whole_and_in_steps(ple_index: int) -> None:
+    """The rows each token reads (end-of-text ids inside the sequence included) equal the ones transformers' embedding
+    reads, for the sequence in one forward and in steps through its cache (prompt chunks, then single tokens)."""
+    from transformers import DynamicCache
+
+    from moeserve.models.archs.qwen4_exp import qwen4_exp_spec
+    from moeserve.models.ngram import NgramHash
+    from moeserve.models.spec import ConfigReader
+
+    spec = qwen4_exp_spec("Qwen4ExpForCausalLM", ConfigReader(dict(TINY_QWEN4_EXP), "config.json"), None)
+    assert spec.ngram is not None
+    layer = spec.ngram.layers[ple_index]
+    config, embedding = _row_reader(ple_index, layer)
+    ours = NgramHash.of(spec.ngram, spec.vocab_size, ple_index)
+    tokens = torch.randint(0, spec.vocab_size, (23,), generator=torch.Generator().manual_seed(ple_index))
+    tokens[[4, 5, 11, 20]] = spec.ngram.eos_token_id
+
+    def rows_of(out: torch.Tensor) -> torch.Tensor:
+        return out[0].view(out.shape[1], spec.ngram.heads, spec.ngram.head_dim)[..., 0].long()
+
+    whole = ours.rows(ours.start_context(), tokens)
+    assert torch.equal(whole, rows_of(embedding(tokens[None], None)))
+    cache, context, got = DynamicCache(config=config), ours.start_context(), []
+    for a, b in ((0, 1), (1, 7), (7, 8), (8, 21), (21, 22), (22, 23)):
+        want = rows_of(embedding(tokens[None, a:b], cache))
+        got.append(ours.rows(context, tokens[a:b]))
+        assert torch.equal(got[-1], want), (a, b)
+        context = ours.next_context(context, tokens[a:b])
+    assert torch.equal(torch.cat(got), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("last", [False, True])
+def test_gated_residual_equals_transformers(dtype: torch.dtype, last: bool) -> None:
+    """A hyper-connection's input and stream weights, and the residual update, bit for bit as transformers'
+    Qwen4ExpTextGatedResidual (random weights, the norm's included), in float32 and bfloat16."""
+    import torch.nn.functional as F
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref
+
+    from moeserve.models.layers.hyper import GatedResidual
+
+    torch.manual_seed(3)
+    module = ref.Qwen4ExpTextGatedResidual(Qwen4ExpTextConfig(**TINY_QWEN4_EXP), use_combine=not last)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    module = module.to(dtype)
+    h = torch.randn(7, 3 * 64).to(dtype)
+    with torch.no_grad():
+        want = module(h)
+        w = {n: p.detach() for n, p in module.named_parameters()}
+
+        def linear(name: str):  # noqa: ANN202
+            return lambda x: F.linear(x, w[name])
+
+        ours = GatedResidual(1.0 + w["hc_norm.weight"].float(), linear("input_mix_weight_down.weight"),
+                             linear("input_mix_weight_up.weight"),
+                             None if last else linear("block_inject_weight.weight"), 3, 1e-6)
+        x, weights = ours.read(h)
+        if last:
+            assert weights is None and torch.equal(x, want)
+            return
+        assert torch.equal(x, want[0]) and torch.equal(weights, want[2])
+        out = torch.randn(7, 64).to(dtype)
+        injected = want[1] + (out.unsqueeze(-2) * want[2].unsqueeze(-1)).flatten(-2)  # the decoder layer's update
+        assert torch.equal(GatedResidual.add(h, out, weights), injected)
