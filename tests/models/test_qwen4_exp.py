@@ -195,3 +195,63 @@ def test_gated_residual_equals_transformers(dtype: torch.dtype, last: bool) -> N
         out = torch.randn(7, 64).to(dtype)
         injected = want[1] + (out.unsqueeze(-2) * want[2].unsqueeze(-1)).flatten(-2)  # the decoder layer's update
         assert torch.equal(GatedResidual.add(h, out, weights), injected)
+
+
+def test_qsa_selection_equals_transformers_where_scores_do_not_tie() -> None:
+    """The positions each query attends equal the mask transformers' Qwen4ExpTextQSAIndexer gives (37 tokens,
+    blocks of 4, 2 chosen per query), on random weights whose block scores have no tie at any query's cut (checked:
+    transformers' topk picks among tied blocks by its kernel's order, moeserve by block position)."""
+    import torch.nn.functional as F
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref
+
+    from moeserve.models.archs.qwen4_exp import qwen4_exp_spec
+    from moeserve.models.layers.base import Rotary, rms_norm_fp32_scale
+    from moeserve.models.mixers.qsa_select import block_keys, select
+    from moeserve.models.spec import ConfigReader
+
+    fields = {**TINY_QWEN4_EXP, "indexer_n_heads": 8}
+    config = Qwen4ExpTextConfig(**fields)
+    spec = qwen4_exp_spec("Qwen4ExpForCausalLM", ConfigReader(fields, "config.json"), None)
+    qsa, T = spec.qsa, 37
+    assert qsa is not None
+    torch.manual_seed(5)
+    indexer = ref.Qwen4ExpTextQSAIndexer(config, 1)
+    for p in indexer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, T, 64)
+    positions = torch.arange(T)
+    with torch.no_grad():
+        cos_sin = ref.Qwen4ExpTextRotaryEmbedding(config)(x, positions.view(1, 1, T).expand(3, 1, T))
+        causal = torch.ones(T, T, dtype=torch.bool).tril().view(1, 1, T, T)
+        want = indexer(x, cos_sin, causal, None)[0, 0]
+        w = {n: t.detach() for n, t in indexer.named_parameters()}
+    rotary = Rotary(spec.rope, spec.attention.head_dim, 64, torch.float32, torch.device("cpu"))
+    qk = F.linear(x[0], w["index_qk_proj.weight"])
+    q = qk[:, : qsa.num_heads * qsa.head_dim].view(T, qsa.num_heads, qsa.head_dim)
+    q = rotary.apply(rms_norm_fp32_scale(q, 1.0 + w["q_layernorm.weight"], 1e-6), positions)
+    keys = block_keys(qk[:, qsa.num_heads * qsa.head_dim:], qsa.compress_ratio, 1.0 + w["k_layernorm.weight"], 1e-6,
+                      rotary)
+    got = select(q, positions, keys, qsa.compress_ratio, qsa.budget, T)
+    # no tie at any query's cut between its last chosen and first unchosen complete block
+    scores = torch.relu((q.unsqueeze(2) * keys.unsqueeze(0).unsqueeze(0)).sum(-1)).sum(1)
+    for p in range(T):
+        complete = (p + 1) // qsa.compress_ratio
+        ranked = scores[p, :complete].sort(descending=True).values
+        k = qsa.budget // qsa.compress_ratio
+        assert complete <= k or ranked[k - 1] != ranked[k], p
+    assert got.sum() > T and not torch.equal(got, causal[0, 0])  # a real selection, not every causal position
+    assert torch.equal(got, want)
+
+
+def test_qsa_ties_go_to_the_earlier_block() -> None:
+    """Every block scoring 0 (all relu'd away): each query takes its first budget // ratio complete blocks and its
+    incomplete tail, the same in one call and one query at a time."""
+    from moeserve.models.mixers.qsa_select import select
+
+    q, keys = -torch.ones(10, 2, 4), torch.ones(2, 4)  # blocks of 4: two complete at 10 tokens
+    whole = select(q, torch.arange(10), keys, 4, 4, 10)  # budget 4: one block
+    for p in range(10):
+        assert torch.equal(select(q[p:p + 1], torch.tensor([p]), keys, 4, 4, 10)[0], whole[p])
+    assert whole[9].tolist() == [True] * 4 + [False] * 4 + [True] * 2
+    assert whole[3].tolist() == [True] * 4 + [False] * 6
