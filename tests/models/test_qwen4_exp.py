@@ -255,3 +255,55 @@ def test_qsa_ties_go_to_the_earlier_block() -> None:
         assert torch.equal(select(q[p:p + 1], torch.tensor([p]), keys, 4, 4, 10)[0], whole[p])
     assert whole[9].tolist() == [True] * 4 + [False] * 4 + [True] * 2
     assert whole[3].tolist() == [True] * 4 + [False] * 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ple_injection_equals_transformers_whole_and_in_steps(dtype: torch.dtype) -> None:
+    """What a PLE layer adds to the streams, from the rows models/ngram.py picks and the conv state held here:
+    within fp32 rounding of transformers' Qwen4ExpTextPLELayer (float32; its conv1d sums the taps in its own order),
+    through its cache in steps as in one forward; and, batch-invariant, in both dtypes bit for bit the same split
+    into steps as whole."""
+    import torch.nn.functional as F
+    from transformers import DynamicCache, Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as ref
+
+    from moeserve.models.archs.qwen4_exp import qwen4_exp_spec
+    from moeserve.models.layers.ple import PleInjection
+    from moeserve.models.ngram import NgramHash
+    from moeserve.models.numerics import Numerics
+    from moeserve.models.spec import ConfigReader
+
+    config = Qwen4ExpTextConfig(**TINY_QWEN4_EXP)
+    spec = qwen4_exp_spec("Qwen4ExpForCausalLM", ConfigReader(dict(TINY_QWEN4_EXP), "config.json"), None)
+    assert spec.ngram is not None
+    torch.manual_seed(7)
+    layer = ref.Qwen4ExpTextPLELayer(config, 2, 1)
+    for name, p in layer.named_parameters():
+        torch.nn.init.normal_(p, std=0.5 if "conv" in name or "norm" in name else 0.2)
+    layer = layer.to(dtype)
+    w = {n: t.detach() for n, t in layer.named_parameters()}
+    hashing = NgramHash.of(spec.ngram, spec.vocab_size, 1)
+    ple = PleInjection(lambda e: F.linear(e, w["key_proj.weight"]), lambda e: F.linear(e, w["value_proj.weight"]),
+                       tuple(1.0 + w[f"{n}.weight"].float() for n in ("norm_key", "norm_query", "norm_conv")),
+                       w["conv1d.weight"][:, 0], 3, spec.ngram.ngram_size, 1e-6, Numerics(batch_invariant=True))
+    tokens = torch.randint(0, spec.vocab_size, (19,), generator=torch.Generator().manual_seed(1))
+    tokens[6] = spec.ngram.eos_token_id
+    h = torch.randn(19, 3 * 64).to(dtype)
+    table = w["ple_embedding.ngram_embedding.weight"]
+
+    def ours(a: int, b: int, context: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        return ple(h[a:b], table[hashing.rows(context, tokens[a:b])].flatten(-2), history)
+
+    with torch.no_grad():
+        whole = ours(0, 19, hashing.start_context(), torch.zeros(ple.history_len, 192, dtype=dtype))
+        cache, context, history, steps = DynamicCache(config=config), hashing.start_context(), \
+            torch.zeros(ple.history_len, 192, dtype=dtype), []
+        for a, b in ((0, 5), (5, 6), (6, 13), (13, 14), (14, 19)):
+            steps.append(ours(a, b, context, history))
+            context = hashing.next_context(context, tokens[a:b])
+            if dtype == torch.float32:
+                want = layer(h[None, a:b], tokens[None, a:b], cache)[0]
+                torch.testing.assert_close(steps[-1], want, rtol=1e-5, atol=1e-5)
+        if dtype == torch.float32:
+            torch.testing.assert_close(whole, layer(h[None], tokens[None], None)[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.cat(steps), whole)
