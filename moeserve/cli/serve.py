@@ -22,18 +22,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from moeserve.config import EngineSettings, ServerSettings, add_cli_arguments, settings_from_args
-from moeserve.engine.sampling_defaults import describe_defaults, server_sampling
+from moeserve.engine.sampling_defaults import server_sampling
 from moeserve.errors import MoeserveError
 from moeserve.preflight import check_engine_settings
 
 if TYPE_CHECKING:
     from moeserve.server.connections import ServeConfig
+    from moeserve.server.state import ServerState
 
 log = logging.getLogger("moeserve")
 
@@ -97,28 +97,11 @@ class _HoldUntilLoaded(logging.Filter):
         self.ready(self.url)
 
 
-def served_names(settings: ServerSettings, model: str | None) -> tuple[str, ...]:
-    """The names clients may put in `model`, the one answered first: --served-model-name's (as vLLM: any of them is
-    accepted, the first is answered); else MODEL as given (a Hugging Face id `org/model`, or the folder as typed)
-    and the folder's own name."""
-    if settings.served_model_name:
-        return tuple(dict.fromkeys(settings.served_model_name))
-    if not model:
-        return ("moeserve-demo",)
-    return tuple(dict.fromkeys((model, Path(model.rstrip("/")).name or model)))
-
-
-def describe_model(engine: Any) -> str:
-    spec = engine.spec
-    moe = spec.moe
-    return (f"{spec.architecture} (model_type {spec.model_type}): {spec.num_layers} layers, "
-            f"{len(spec.moe_layer_ids)} MoE layers x {moe.num_experts} experts, top-{moe.top_k}; "
-            f"weights stored as {engine.checkpoint.stored_dtype()}, computed in {engine.dtype_name}")
-
-
 def run(args: argparse.Namespace) -> int:
     """Settings checked (the key file, the engine's) and the socket bound before anything loads; then serve until
     stopped."""
+    from moeserve.server.startup import with_key_from_file, with_request_memory
+
     engine_settings: EngineSettings = settings_from_args(EngineSettings, args, model=args.model_path)
     server_settings = with_key_from_file(settings_from_args(ServerSettings, args))
     engine_settings = with_request_memory(engine_settings, server_settings)
@@ -129,52 +112,15 @@ def run(args: argparse.Namespace) -> int:
         return _serve(engine_settings, server_settings, sock)
 
 
-def with_key_from_file(settings: ServerSettings) -> ServerSettings:
-    """`api_key_file`'s first line as the API key (ConfigError, one line, when it cannot be read or is empty)."""
-    from moeserve.errors import ConfigError
-
-    if settings.api_key_file is None:
-        return settings
-    try:
-        lines = Path(settings.api_key_file).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ConfigError(f"api_key_file {settings.api_key_file}: cannot read it ({err})") from None
-    key = lines[0].strip() if lines else ""
-    if not key:
-        raise ConfigError(f"api_key_file {settings.api_key_file}: its first line is empty; write the key there")
-    return settings.model_copy(update={"api_key": key})
-
-
-def with_request_memory(engine: EngineSettings, server: ServerSettings) -> EngineSettings:
-    """request_memory_mb, when unset: what one of the largest bodies takes (server/request_memory.py's charge), so
-    that a body of max_request_body_mb can always be served."""
-    from moeserve.server.request_memory import RequestMemory
-
-    if engine.request_memory_mb is not None:
-        return engine
-    largest = RequestMemory.cost(int(server.max_request_body_mb * 1e6))
-    return engine.model_copy(update={"request_memory_mb": math.ceil(largest / 2**20)})
-
-
 def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, sock: socket.socket) -> int:
-    from moeserve.engine.async_engine import AsyncEngine
-    from moeserve.engine.llm_engine import LLMEngine
     from moeserve.server.app import build_app
-    from moeserve.server.metrics import ServerMetrics
-    from moeserve.server.request_memory import RequestMemory
-    from moeserve.server.state import ServerState
+    from moeserve.server.startup import log_loaded, make_state, served_names
 
     names = served_names(server_settings, engine_settings.model)
-    name = names[0]
-    log.info("serving %s as model '%s'; API key %s; at most %d requests in flight (max_num_seqs %d + "
-             "max_queued_requests %d)", engine_settings.model or "the bundled demo model", name,
-             "required" if server_settings.api_key else "not required",
-             engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
-             server_settings.max_queued_requests)
 
     def ready(url: str) -> None:  # printed at any log level: where to point a client, and with which name
         aliases = f" (also accepted: {', '.join(names[1:])})" if len(names) > 1 else ""
-        print(f"moeserve: serving model '{name}'{aliases} at {url}/v1", file=sys.stderr, flush=True)
+        print(f"moeserve: serving model '{names[0]}'{aliases} at {url}/v1", file=sys.stderr, flush=True)
 
     hold = _HoldUntilLoaded(ready)
     logging.getLogger("uvicorn.error").addFilter(hold)
@@ -184,11 +130,10 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, soc
     state: ServerState | None = None
 
     def on_loaded(err: BaseException | None) -> None:
-        sampling = ""
         if err is None:
             assert state is not None
-            try:  # the model's generation_config.json, read with the checkpoint: a bad value stops start-up
-                sampling = describe_defaults(state.sampling_defaults())
+            try:
+                log_loaded(state)
             except MoeserveError as bad:
                 err = bad
         if err is not None:
@@ -197,18 +142,9 @@ def _serve(engine_settings: EngineSettings, server_settings: ServerSettings, soc
             if server is not None:
                 server.should_exit = True
             return
-        assert state is not None
-        llm = state.engine.engine
-        log.info("model: %s", describe_model(llm))
-        log.info("chat format: %s", _chat_format_name(state))
-        log.info("sampling defaults: %s", sampling)
         hold.model_loaded()
 
-    async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
-                               engine_settings.max_num_seqs + server_settings.max_queued_requests, on_loaded)
-    memory = RequestMemory(int((engine_settings.request_memory_mb or 0) * 2**20))
-    state = ServerState(async_engine, server_settings, name, ServerMetrics(name), aliases=names,
-                        request_memory=memory)
+    state = make_state(engine_settings, server_settings, on_loaded)
     server = DrainingServer(serve_config(build_app(state), server_settings, sock), state, hold.listening)
     server.run(sockets=[sock])
     if outcome["exit_code"] == 0:
@@ -271,13 +207,6 @@ def _quiet_health_polls(record: logging.LogRecord) -> bool:
     args = record.args
     return not (isinstance(args, tuple) and len(args) >= 3 and args[1] == "GET"
                 and str(args[2]).split("?")[0] == "/health")
-
-
-def _chat_format_name(state: Any) -> str:
-    try:
-        return str(state.chat_format().name)
-    except Exception as err:  # a model without a usable chat format still serves completions
-        return f"none ({err}); /v1/chat/completions will answer 400"
 
 
 class DrainingServer(uvicorn.Server):

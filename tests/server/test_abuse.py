@@ -234,9 +234,9 @@ def test_two_servers_binding_one_port_at_once_one_wins() -> None:
 
 
 def test_the_key_comes_from_a_file_or_the_environment(tmp_path: Path) -> None:
-    from moeserve.cli.serve import with_key_from_file
     from moeserve.config import ServerSettings, build_settings
     from moeserve.errors import ConfigError
+    from moeserve.server.startup import with_key_from_file
 
     key_file = tmp_path / "key"
     key_file.write_text("s3cret\n")

@@ -13,12 +13,12 @@ from typing import Any
 import openai
 import pytest
 
-from moeserve.cli.serve import served_names
 from moeserve.config import ServerSettings, build_settings
 from moeserve.engine.async_engine import AsyncEngine
 from moeserve.engine.sampling_defaults import server_sampling
 from moeserve.errors import ConfigError
 from moeserve.server.metrics import ServerMetrics
+from moeserve.server.startup import served_names
 from moeserve.server.state import ServerState
 from tests.server.conftest import ThreadServer, engine_factory
 
