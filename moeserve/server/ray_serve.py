@@ -49,6 +49,8 @@ class RaySettings(BaseModel):
     num_replicas: int = Field(1, ge=1, description="replicas (the initial count when max_replicas is set)")
     max_replicas: int | None = Field(None, ge=1, description="autoscale up to this many on queue depth")
     min_replicas: int = Field(1, ge=0, description="autoscale down to this many (with max_replicas)")
+    upscale_delay_s: float = Field(30.0, ge=0, description="a higher demand must last this long to add replicas")
+    downscale_delay_s: float = Field(600.0, ge=0, description="a lower demand must last this long to remove one")
     affinity: Literal["session", "none"] = Field("session", description="session: a session's requests (the "
                                                  "x-session-id header) go to one replica; none: Ray's default")
     num_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each replica")
@@ -158,6 +160,7 @@ def deployment_options(ray: RaySettings, engine: EngineSettings, server: ServerS
     else:
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=ray.min_replicas, max_replicas=ray.max_replicas, initial_replicas=ray.num_replicas,
+            upscale_delay_s=ray.upscale_delay_s, downscale_delay_s=ray.downscale_delay_s,
             policy=AutoscalingPolicy(policy_function=queue_depth_policy))
         log.info("ray serve: %d to %d replicas, from %d, on queue depth (each engine's running + waiting requests "
                  "from its /metrics, over its max_num_seqs batch slots)", ray.min_replicas, ray.max_replicas,
