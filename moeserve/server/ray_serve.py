@@ -151,6 +151,13 @@ def deployment_options(ray: RaySettings, engine: EngineSettings, server: ServerS
         "health_check_timeout_s": ray.health_check_timeout_s,
         "graceful_shutdown_timeout_s": server.shutdown_timeout,
     }
+    if engine.memory_gb is not None:
+        options["ray_actor_options"]["memory"] = int(engine.memory_gb * 2**30)
+        log.info("ray serve: each replica reserves %g GiB of its node's memory in Ray (memory_gb: Ray places no "
+                 "more replicas on a node than its memory holds)", engine.memory_gb)
+    else:
+        log.info("ray serve: no memory reserved in Ray (memory_gb unset: each replica takes its node's free memory "
+                 "less headroom; run one replica per node, or set memory_gb)")
     log.info("ray serve: max_ongoing_requests %d per replica (max_num_seqs %d + max_queued_requests %d: what the "
              "engine holds; beyond, Ray queues or routes elsewhere)", in_flight, engine.max_num_seqs,
              server.max_queued_requests)
