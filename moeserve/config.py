@@ -148,6 +148,23 @@ class EngineSettings(BaseModel):
     cache_trace: str | None = Field(
         None, description="routing trace (from record_trace) whose most used experts cache_policy=static pins"
     )
+    ep_listen: str | None = Field(
+        None, description="expert parallelism, head: HOST:PORT where expert workers join (`moeserve ep-worker "
+        "--head` that address); binds that interface only (gloo has no authentication: docs/expert-parallel.md)"
+    )
+    ep_workers: int = Field(0, ge=0, le=63, description="expert parallelism, head: expert workers to wait for "
+                            "(0: none, this process computes every expert)")
+    ep_timeout: float = Field(
+        30.0, gt=0, description="expert parallelism: seconds a rank may take to answer a layer call; beyond, the "
+        "engine stops with an error (every open request gets one, /health answers 503)"
+    )
+    ep_ownership: Literal["contiguous", "round_robin"] = Field(
+        "contiguous", description="expert parallelism: which rank owns which experts of every MoE layer: "
+        "contiguous ranges sized by each rank's memory_gb, or round_robin (expert e on rank e % ranks)"
+    )
+    ep_any_interface: bool = Field(
+        False, description="expert parallelism: allow ep_listen on 0.0.0.0 / :: (every interface)"
+    )
 
     @field_validator("placement")
     @classmethod

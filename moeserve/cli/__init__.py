@@ -30,6 +30,7 @@ SUBCOMMANDS = [
     "simulate",
     "trace",
     "build_kernels",
+    "ep_worker",
 ]
 
 

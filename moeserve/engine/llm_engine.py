@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
@@ -21,6 +21,7 @@ import torch
 from moeserve.checkpoint.folder import Checkpoint, open_checkpoint
 from moeserve.config import EngineSettings
 from moeserve.engine.choices import kv_cache_line
+from moeserve.engine.ep import numerics_id, start_head
 from moeserve.engine.grammar import GrammarCompiler
 from moeserve.engine.outputs import RequestOutput
 from moeserve.engine.plan import EnginePlan, StartupProbe, make_engine_plan
@@ -39,6 +40,7 @@ from moeserve.errors import (
 from moeserve.experts.traces.jsonl import open_trace_writer
 from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
 from moeserve.memory.rss import fix_mmap_threshold
+from moeserve.models.experts.remote import EpShare
 from moeserve.models.layers.base import ForwardBatch
 from moeserve.models.model import MoeModel, build_model
 from moeserve.models.spec import ModelSpec
@@ -100,7 +102,15 @@ class LLMEngine:
             self.tokenizer = Tokenizer(Path(s.tokenizer) if s.tokenizer else ckpt.path, s.chat_template)
         self.eos_token_ids = eos_token_ids(ckpt, self.tokenizer)
         # after the tokenizer: the split charges the process's RSS (memory_gb), the tokenizer's included
-        self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe, self._chose)
+        # expert parallelism: the workers join and the experts are split before anything is sized (engine/ep.py)
+        self.ep = start_head(s, ckpt, self.spec.moe.num_experts) if s.ep_workers else None
+        if self.ep is not None:
+            for i, line in enumerate(self.ep.lines):
+                self._chose("expert parallelism" if i == 0 else f"expert parallelism, rank {i - 1}", line)
+        held = self.ep.held(self.spec) if self.ep is not None else None
+        self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe, self._chose, held)
+        if self.ep is not None:
+            self.ep.confirm(numerics_id(plan.numerics, plan.cpp_kernels, s.cpu_isa, plan.expert_plan, plan.dtype))
         self.kernel_seconds = probe.kernel_seconds  # a first build takes minutes: kept out of the load time
         torch.set_num_threads(plan.threads)
         self.device, self.dtype, self.dtype_name = plan.device, plan.dtype, plan.dtype_name
@@ -120,9 +130,12 @@ class LLMEngine:
         memory, as `plan` sizes them; each built part's choices logged."""
         s, spec = self.settings, self.spec
         with LoadProgress(plan.load_bytes) as advance:
+            options = plan.model_options
+            if self.ep is not None:
+                options = replace(options, ep=EpShare(self.ep.link, tuple(self.ep.owners)))
             self.model = build_model(self.checkpoint, self.arch, spec, plan.dtype, plan.device, plan.max_model_len,
                                      plan.expert_plan, plan.expert_capacity, s.cache_policy, advance,
-                                     plan.store_options, plan.model_options)
+                                     plan.store_options, options)
         for name, text in [("expert store", self.model.store.describe()), *self.model.choices]:
             self._chose(name, text)
         self.trace = open_trace(s.record_trace, s.record_trace_format, model_path, spec, self.model)

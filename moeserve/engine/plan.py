@@ -210,10 +210,12 @@ class _Lines:
 
 
 def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: EngineSettings,
-                     probe: StartupProbe, told: Callable[[str, str], None] = lambda name, line: None) -> EnginePlan:
+                     probe: StartupProbe, told: Callable[[str, str], None] = lambda name, line: None,
+                     experts_held: int | None = None) -> EnginePlan:
     """Every start-up choice for `ckpt` (a config-only checkpoint too) under settings `s`; `told(name, line)` hears
     each as it is made (the engine logs it: the lines before a refusal are logged too). Raises ConfigError, one
-    line, for a setting that cannot apply or a budget the parts cannot fit in; allocates nothing."""
+    line, for a setting that cannot apply or a budget the parts cannot fit in; allocates nothing. `experts_held`:
+    the expert units this process holds at most (expert parallelism: its share), default all of them."""
     lines = _Lines(told)
     device = lines.take("device", choose_device(s.device, probe.cuda_available()))
     dtype = lines.take("dtype", choose_dtype(s.dtype, spec.config_dtype, ckpt.stored_dtype()))
@@ -231,10 +233,11 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     dense, sized = _expert_plans(ckpt, arch, spec, dtype, s)
     nonexpert = resident_nbytes(ckpt, sized, dtype)  # quantized Linears at their dequantized size
     runtime, topology = probe.runtime_bytes(), probe.topology(device, s.unified_memory)
+    held_units = len(sized.sources) if experts_held is None else experts_held
 
     def needs_at(context: int, tokens: int) -> MemoryNeeds:
         return memory_needs(spec, s.model_copy(update={"max_model_len": context}), dtype, groups, block_bytes,
-                            nonexpert, sized.layout.nbytes, len(sized.sources), tokens, runtime)
+                            nonexpert, sized.layout.nbytes, held_units, tokens, runtime)
 
     # every tier sized by the function memory/sizing.py gives both the engine and `moeserve plan`, the runtime
     # for the context served (engine/sizing.py)

@@ -18,6 +18,7 @@ import torch
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import MoeserveError
 from moeserve.experts.placement import Costs, PlacementStats
+from moeserve.experts.owned import OwnedSource
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
 from moeserve.models.decode_stack import choose_decode_step
@@ -25,6 +26,7 @@ from moeserve.models.experts.hybrid import place_experts
 from moeserve.models.experts.kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.experts.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.experts.plans import ExpertPlan
+from moeserve.models.experts.remote import EpShare, ExpertParallel
 from moeserve.models.layers.base import (
     MLP,
     NORM_OFFSETS,
@@ -62,6 +64,7 @@ class ModelOptions:
     decode_step: str = "auto"  # auto, fused, per_op (decode_stack.choose_decode_step)
     placement: str = "auto"  # where missed experts are computed on a GPU machine (models/experts/hybrid.py)
     placement_costs: Costs | None = None  # what the hybrid placement weighs (measured at start-up), or None
+    ep: EpShare | None = None  # expert parallelism: this rank's store holds its experts, the rest are remote
 
 
 class MoeModel:
@@ -177,11 +180,18 @@ def build_model(
     choices: list[tuple[str, str]] = []
     load = WeightLoader(ckpt, dtype, device, progress, numerics, opts.dense_int8)
     names = arch.names
-    store = ExpertStore(plan.source(ckpt), spec.moe_layer_ids, spec.moe.num_experts,
-                        expert_capacity, device, cache_policy, progress,
+    source, num_experts = plan.source(ckpt), spec.moe.num_experts
+    if opts.ep is not None:  # this rank's experts only, under local ids
+        source, num_experts = OwnedSource(source, opts.ep.mine), len(opts.ep.mine)
+    store = ExpertStore(source, spec.moe_layer_ids, num_experts, expert_capacity, device, cache_policy, progress,
                         store_options or StoreOptions(policy=cache_policy))
-    kernel, placement = place_experts(choose_expert_kernel(plan.math, numerics, dtype, device, top_k=spec.moe.top_k),
-                                      plan.math, dtype, store, opts.placement, opts.placement_costs, spec)
+    kernel = choose_expert_kernel(plan.math, numerics, dtype, device, top_k=spec.moe.top_k)
+    if opts.ep is not None:
+        kernel, placement = (ExpertParallel(kernel, opts.ep.link, opts.ep.owners),
+                             f"expert parallelism: {len(opts.ep.mine)} of {spec.moe.num_experts} experts per layer "
+                             "here, the others on their ranks")
+    else:
+        kernel, placement = place_experts(kernel, plan.math, dtype, store, opts.placement, opts.placement_costs, spec)
     choices += [("expert kernel", kernel.describe()), ("placement", placement)]
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))

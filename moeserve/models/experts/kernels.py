@@ -55,6 +55,7 @@ class RoutedTokens:
     token_of: torch.Tensor  # [N*k] token index of each pair
     weight_of: torch.Tensor  # [N*k] routing weight of each pair (the router's dtype)
     spans: dict[int, tuple[int, int]]  # expert id -> its pairs' range in token_of / weight_of
+    batch_tokens: int = 0  # the whole batch's tokens when x holds a part of them (expert parallelism), else 0
 
     @staticmethod
     def from_counts(x: torch.Tensor, ids: torch.Tensor, token_of: torch.Tensor, weight_of: torch.Tensor,
@@ -73,7 +74,8 @@ class RoutedTokens:
 
     @property
     def num_tokens(self) -> int:
-        return self.x.shape[0]
+        """The batch's tokens (what a kernel that chooses by batch size looks at)."""
+        return self.batch_tokens or self.x.shape[0]
 
 
 class ExpertKernel(ABC):
@@ -98,6 +100,10 @@ class ExpertKernel(ABC):
     @property
     def stack_units(self) -> FusedUnits | None:
         """The unit fields the fused decode stack reads (the same C++ op as `run`); None: the stack cannot run them."""
+        return None
+
+    def why_not_stacked(self) -> str | None:
+        """Why the fused decode stack cannot run this kernel whatever its units (one line), or None."""
         return None
 
     def describe(self) -> str:

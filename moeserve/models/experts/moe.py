@@ -289,6 +289,9 @@ class MoEBlock(MLP):
     def why_not_stacked(self) -> str | None:
         """None when the decode stack can run this layer, else why not (one line)."""
         units = self.experts.stack_units
+        why_kernel = self.experts.why_not_stacked()
+        if why_kernel is not None:
+            return why_kernel
         why_routing = self.routing.why_not_stacked()
         if why_routing is not None:
             return why_routing
