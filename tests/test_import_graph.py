@@ -30,6 +30,7 @@ FORBIDDEN = {
     "memory": ("engine", "server", "cli", "bench", "experts", "models"),
     "engine": ("server", "cli", "bench"),
     "server": ("cli", "bench"),
+    "parallel": ("engine", "models", "server", "cli", "bench", "experts", "state", "memory"),
 }
 
 

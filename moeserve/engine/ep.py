@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from moeserve import __version__, kernels
+from moeserve import kernels
 from moeserve.checkpoint.base import Checkpoint
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.config import EngineSettings
@@ -46,9 +47,19 @@ HELLO, SPLIT, NUMERICS, VERDICT = 1, 2, 3, 4  # handshake tags
 
 
 def checkpoint_identity(ckpt: Checkpoint) -> dict[str, str]:
-    """The version, checkpoint and config fields of the handshake (parallel/identity.py)."""
+    """The version, checkpoint and config fields of the handshake (parallel/identity.py). The version is a hash
+    of moeserve's own Python sources: two builds of one version number that differ are told apart."""
     index = ((name, ref.dtype_code, ref.shape, ref.nbytes) for name, ref in ckpt.tensors.items())
-    return {"version": __version__, "checkpoint": tensor_index_digest(index), "config": digest(ckpt.config)}
+    return {"version": source_digest(), "checkpoint": tensor_index_digest(index), "config": digest(ckpt.config)}
+
+
+def source_digest() -> str:
+    """A hash of every .py file of the moeserve package (its path and bytes)."""
+    root = Path(kernels.__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return "sources " + h.hexdigest()[:16]
 
 
 def numerics_id(numerics: Numerics, cpp: bool, isa: str, experts: ExpertPlan, dtype: torch.dtype) -> str:

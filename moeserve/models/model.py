@@ -17,8 +17,8 @@ import torch
 
 from moeserve.checkpoint.folder import Checkpoint
 from moeserve.errors import MoeserveError
-from moeserve.experts.placement import Costs, PlacementStats
 from moeserve.experts.owned import OwnedSource
+from moeserve.experts.placement import Costs, PlacementStats
 from moeserve.experts.store import ExpertStore, StoreOptions
 from moeserve.formats import QuantScheme
 from moeserve.models.decode_stack import choose_decode_step

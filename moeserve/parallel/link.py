@@ -155,7 +155,7 @@ def _join(store: Any, rank: int, size: int, bind_host: str, timeout_s: float, jo
           what: str) -> Link:
     if rank == 0:
         store.set("moeserve/ep/size", str(size))
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
     options._timeout = datetime.timedelta(seconds=join_timeout_s)
     try:

@@ -4,8 +4,8 @@
     owned(owners, rank)                                                                 # that rank's expert ids
 
 Every MoE layer is split the same way (every layer has the same experts), so a rank holds the same share of every
-layer. `contiguous`: ranges in expert order, each sized in proportion to its rank's memory budget (largest
-remainders, ties to the lower rank); `round_robin`: expert e on rank e % ranks, whatever the budgets.
+layer. `contiguous`: ranges in expert order, each sized in proportion to its rank's memory budget (within one
+expert of its share, at least one each); `round_robin`: expert e on rank e % ranks, whatever the budgets.
 """
 
 from __future__ import annotations
@@ -32,15 +32,18 @@ def assign_experts(num_experts: int, budgets_gb: Sequence[float], mode: str = "c
 
 
 def proportional_counts(total: int, weights: Sequence[float]) -> list[int]:
-    """`total` split in proportion to `weights`, each part at least 1 (total >= len(weights)): floors, then the
-    remainder one each to the largest fractional parts (ties to the lower index)."""
-    n, whole = len(weights), sum(weights)
-    spare = total - n  # one each first, the rest in proportion
-    exact = [spare * w / whole for w in weights]
-    counts = [1 + int(x) for x in exact]
-    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
-    for i in order[: total - sum(counts)]:
+    """`total` split in proportion to `weights`, each part at least 1 (total >= len(weights)): each part's floor
+    (at least 1), then one at a time to the part furthest below its share (or from the one furthest above it, never
+    below 1); ties to the lower index."""
+    whole = sum(weights)
+    ideal = [total * w / whole for w in weights]
+    counts = [max(1, int(x)) for x in ideal]
+    while sum(counts) < total:
+        i = max(range(len(counts)), key=lambda j: (ideal[j] - counts[j], -j))
         counts[i] += 1
+    while sum(counts) > total:
+        i = min((j for j in range(len(counts)) if counts[j] > 1), key=lambda j: (ideal[j] - counts[j], j))
+        counts[i] -= 1
     return counts
 
 

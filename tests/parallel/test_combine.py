@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeserve.models.experts.kernels import TorchExperts
+from moeserve.models.experts.kernels import RoutedTokens, TorchExperts
 from moeserve.models.experts.remote import combine, compute_share, split_pairs
 from moeserve.models.experts.unit_math import SwiGLUMath
 from moeserve.models.numerics import Numerics
 from moeserve.parallel.ownership import assign_experts, owned
-from tests.models.test_batched_experts import H, INTER, E, routing, units
+from tests.models.test_batched_experts import E, routing, units
 
 
 def in_ranks(kernel, routed, w, owners: list[int], ranks: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -70,7 +70,6 @@ def test_leading_run_and_rest() -> None:
     """Token 0's experts 1, 2 (rank 0) then 5 (rank 1): rank 0 leads with {1, 2}; rank 1's 5 is a rest pair.
     Token 1's experts 4 (rank 1), 6 (rank 1), 7 (rank 1) all lead on rank 1."""
     owners = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    from moeserve.models.experts.kernels import RoutedTokens
     # pairs by expert: 1:[t0], 2:[t0], 4:[t1], 5:[t0], 6:[t1], 7:[t1]
     token_of = torch.tensor([0, 0, 1, 0, 1, 1])
     counts = [0, 1, 1, 0, 1, 1, 1, 1]
