@@ -33,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="print the memory plan and speed ceilings of a model (loads nothing)")
     add_model_argument(p)
     p.add_argument("--no-probe", action="store_true", help="skip the RAM/disk bandwidth probes")
+    p.add_argument("--ep-budgets", default=None, metavar="GB,GB,...",
+                   help="expert parallelism: each rank's memory_gb, the head's first (e.g. 20,60,60): print which "
+                   "experts each rank owns (--ep-ownership) and what it holds, instead of the one-process plan")
     add_engine_arguments(p)
     p.set_defaults(func=run)
 
@@ -47,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     ckpt = open_for_sizing(s.model or str(demo_model_path()))
     try:
         arch, spec = read_model(ckpt)
+        if args.ep_budgets is not None:
+            _print_ep_plan(ckpt, arch, spec, s, _budgets(args.ep_budgets))
+            return 0
         plan = make_engine_plan(ckpt, arch, spec, s, PlanningProbe())  # the engine's own plan, from shapes alone
         memory = MemoryPlan(_footprint(plan, spec), plan.sizes)
         _print_plan(plan, memory, ckpt, spec, s)
@@ -161,3 +167,48 @@ def _ceilings(plan: MemoryPlan, fast_bw: float | None, host_bw: float | None, di
 
 def _note(note: str) -> str:
     return f"; {note}" if note else ""
+
+
+def _budgets(text: str) -> list[float]:
+    from moeserve.errors import ConfigError
+
+    try:
+        budgets = [float(part) for part in text.split(",")]
+    except ValueError:
+        budgets = []
+    if len(budgets) < 2 or any(b <= 0 for b in budgets):
+        raise ConfigError(f"--ep-budgets {text!r}: expected two or more positive GiB figures, the head's first "
+                          "(e.g. 20,60,60)")
+    return budgets
+
+
+def _print_ep_plan(ckpt: Checkpoint, arch: object, spec: ModelSpec, s: EngineSettings, budgets: list[float]) -> None:
+    """Expert parallelism's placement from shapes alone: who owns which experts, each rank's bytes of experts and
+    how many of them its store holds (the head: the engine's plan for its share; a worker: engine/ep.py's sizing),
+    and the activations a token sends per MoE layer."""
+    from moeserve.engine.ep import worker_capacity
+    from moeserve.engine.plan import PlanningProbe, make_engine_plan
+    from moeserve.errors import ConfigError
+    from moeserve.parallel.ownership import assign_experts, describe_ownership, owned
+
+    layers, experts = len(spec.moe_layer_ids), spec.moe.num_experts
+    try:
+        owners = assign_experts(experts, budgets, s.ep_ownership)
+    except ValueError as err:
+        raise ConfigError(f"--ep-budgets: {err}") from None
+    held = layers * len(owned(owners, 0))
+    head = make_engine_plan(ckpt, arch, spec, s.model_copy(update={"memory_gb": budgets[0]}),  # type: ignore[arg-type]
+                            PlanningProbe(), experts_held=held)
+    unit = head.needs.unit_nbytes
+    print(f"model: {ckpt.path} ({spec.architecture}), dtype {head.dtype_name}: {layers} MoE layers x {experts} "
+          f"experts of {unit / MiB:.2f} MiB ({layers * experts * unit / 2**30:.2f} GiB), top-{spec.moe.top_k}")
+    for rank, line in enumerate(describe_ownership(owners, budgets, s.ep_ownership)):
+        total = layers * len(owned(owners, rank))
+        cap = head.expert_capacity if rank == 0 else worker_capacity(budgets[rank], RUNTIME_OVERHEAD_BYTES, unit,
+                                                                      total, spec, s, head.dtype)
+        where = "all resident" if cap >= total else f"{cap} in memory, the rest read from its disk on a miss"
+        print(f"{line}: {total * unit / 2**30:.2f} GiB of experts; {where}")
+    row = spec.hidden_size * head.dtype.itemsize
+    print(f"exchange per token per MoE layer: at most {(len(budgets) - 1) * row / 1024:.1f} KiB of activations out "
+          f"(one row to each other rank) and {spec.moe.top_k * row / 1024:.1f} KiB back (a row per remote expert, "
+          f"fewer where a rank leads a token's experts), vs {unit / MiB:.2f} MiB to move one expert")

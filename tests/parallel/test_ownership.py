@@ -3,6 +3,9 @@ the head accepts (parallel/link.py): pure functions, no processes."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from moeserve.errors import ConfigError
@@ -66,3 +69,19 @@ def test_addresses() -> None:
         check_listen_address("0.0.0.0", any_interface=False)
     check_listen_address("0.0.0.0", any_interface=True)
     check_listen_address("127.0.0.1", any_interface=False)
+
+
+def test_plan_prints_each_ranks_share_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    from moeserve.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "data" / "reference_configs" / "Qwen3-235B-A22B.json")
+    assert main(["plan", config, "--ep-budgets", "20,60,60"]) == 0
+    out = capsys.readouterr().out
+    ranks = re.findall(r"^rank (\d) \((head|worker), memory_gb=(\d+)\): (\d+) of (\d+) experts per layer .*: "
+                       r"([\d.]+) GiB of experts", out, re.M)
+    assert [r[:3] for r in ranks] == [("0", "head", "20"), ("1", "worker", "60"), ("2", "worker", "60")]
+    counts = [int(r[3]) for r in ranks]
+    assert sum(counts) == int(ranks[0][4]) and counts[1] == counts[2] > counts[0]
+    assert "exchange per token per MoE layer" in out
+    assert main(["plan", config, "--ep-budgets", "20"]) == 1
+    assert "--ep-budgets '20': expected two or more" in capsys.readouterr().err
