@@ -16,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch

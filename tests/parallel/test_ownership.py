@@ -11,7 +11,13 @@ import pytest
 from moeserve.errors import ConfigError
 from moeserve.parallel.identity import first_mismatch, tensor_index_digest
 from moeserve.parallel.link import check_listen_address, parse_address
-from moeserve.parallel.ownership import assign_experts, describe_ownership, format_ids, owned, proportional_counts
+from moeserve.parallel.ownership import (
+    assign_experts,
+    describe_ownership,
+    format_ids,
+    owned,
+    proportional_counts,
+)
 
 
 def test_contiguous_ranges_follow_the_budgets() -> None:
