@@ -13,12 +13,13 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from moeserve.errors import ConfigError
 from tests.cpu_emulation import child_pythonpath
 from tests.server.conftest import HANG_GUARD_S, MODEL_NAME, REPO, ThreadServer, free_socket
-from tests.server.replica_load import send, send_all
+from tests.server.replica_load import SESSION_HEADER, send, send_all
 
 pytest.importorskip("ray.serve", reason="needs the moeserve[ray] extra (ray[serve]); make test installs .[dev] only")
 pytestmark = pytest.mark.slow
@@ -85,6 +86,27 @@ def test_two_replicas_serve_a_mixed_load_with_the_single_server_s_answers(
     assert served == alone
 
 
+def _finished(url: str, session: str) -> float:
+    """Requests finished by the replica a session reaches (its own /metrics, routed by the session header)."""
+    lines = httpx.get(url + "/metrics", headers={SESSION_HEADER: session}, timeout=60).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("moeserve:request_success_total"))
+
+
+def test_a_session_s_requests_all_reach_one_replica(replicas: Replicas) -> None:
+    """Every turn of a conversation lands on the replica that holds its prefix (6 of 6; spread evenly over two
+    replicas, about 3 would)."""
+    for session in ("alice", "bob"):
+        before = _finished(replicas.url, session)
+        messages: list[dict[str, str]] = []
+        for turn in range(6):
+            messages.append({"role": "user", "content": f"Turn {turn}: tell me more."})
+            reply = httpx.post(replicas.url + "/v1/chat/completions", headers={SESSION_HEADER: session}, timeout=300,
+                               json={"model": MODEL_NAME, "messages": messages, "max_tokens": 3, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            messages.append({"role": "assistant", "content": reply.json()["choices"][0]["message"]["content"]})
+        assert _finished(replicas.url, session) - before == 6
+
+
 def test_a_killed_replica_is_routed_around_and_replaced(replicas: Replicas) -> None:
     before = replicas.pids()
     assert len(before) == 2
@@ -124,6 +146,43 @@ def test_a_killed_replica_is_routed_around_and_replaced(replicas: Replicas) -> N
     assert sum(1 for started, status, _ in outcomes if started > killed_at and status == 200) >= 8
     print(f"\nSIGKILLed replica replaced in {replaced_s:.1f} s; {len(outcomes)} requests, {len(failed)} failed "
           f"(in flight on it); load average {os.getloadavg()[0]:.1f}")
+
+
+def test_waiting_requests_add_a_replica(replicas: Replicas, tiny_text_model: Path) -> None:
+    """Two clients on one-slot replicas: the engine's queue (a request waits) asks for a second replica. Ray's own
+    policy would not: 2 requests in flight is its default target for one replica."""
+    app = app_builder({"model": str(tiny_text_model), "served_model_name": [MODEL_NAME], "dtype": "float32",
+                       "threads": 1, "max_num_seqs": 1, "num_replicas": 1, "min_replicas": 1, "max_replicas": 2,
+                       "upscale_delay_s": 1, "num_cpus": 0.5})
+    serve.run(app, name="scaling", route_prefix="/scaling", blocking=False)
+    url = replicas.url + "/scaling"
+    body = {"model": MODEL_NAME, "prompt": "It is", "max_tokens": 24, "ignore_eos": True}
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            assert httpx.post(url + "/v1/completions", json=body, timeout=300).status_code == 200
+
+    def running() -> int:
+        states = serve.status().applications["scaling"].deployments["moeserve"].replica_states
+        return int(states.get("RUNNING", 0))
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    try:
+        assert running() == 1
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        while running() < 2 and time.monotonic() < started + HANG_GUARD_S:
+            time.sleep(0.2)
+        assert running() == 2
+        print(f"\nscaled from 1 to 2 replicas {time.monotonic() - started:.1f} s after the load began; load "
+              f"average {os.getloadavg()[0]:.1f}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        serve.delete("scaling")
 
 
 def test_settings_are_checked_before_anything_is_deployed(tiny_text_model: Path) -> None:
