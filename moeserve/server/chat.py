@@ -55,10 +55,11 @@ def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 
 class _Choice:
-    """One choice's parser and the ids given to its tool calls (ids are the server's, as OpenAI's are)."""
+    """One choice's parser and the ids given to its tool calls (ids are the server's, as OpenAI's are). Without
+    `include_reasoning` (vLLM's field) the reasoning is parsed out and left out of the answer."""
 
-    def __init__(self, parser: OutputParser, parallel: bool) -> None:
-        self.parser, self.parallel = parser, parallel
+    def __init__(self, parser: OutputParser, parallel: bool, include_reasoning: bool = True) -> None:
+        self.parser, self.parallel, self.include_reasoning = parser, parallel, include_reasoning
         self.ids: dict[int, str] = {}
 
     def tool_call_deltas(self, calls: list[ToolCallDelta]) -> list[dict[str, Any]]:
@@ -82,8 +83,8 @@ class _Choice:
         """The whole output as a message: content null only when there is no answer but reasoning or calls."""
         calls = [ResponseToolCall(id=c["id"], function=c["function"]) for c in self.tool_call_deltas(d.tool_calls)]
         content = d.content if self.parser.has_content() or not (d.reasoning or calls) else None
-        return ResponseMessage(content=content, reasoning=d.reasoning or None, reasoning_content=d.reasoning or None,
-                               tool_calls=calls)
+        reasoning = (d.reasoning or None) if self.include_reasoning else None
+        return ResponseMessage(content=content, reasoning=reasoning, reasoning_content=reasoning, tool_calls=calls)
 
 
 @dataclass
@@ -122,7 +123,7 @@ async def start_chat(req: ChatCompletionRequest, state: ServerState, request_id:
         state.metrics.rejected.inc(1, type(err).__name__)
         raise from_exception(err) from None
     parallel = req.parallel_tool_calls is not False
-    choices = [_Choice(chat_format.new_parser(prompt), parallel) for _ in range(req.n)]
+    choices = [_Choice(chat_format.new_parser(prompt), parallel, req.include_reasoning) for _ in range(req.n)]
     return StartedChat(request_id, len(prompt.token_ids), stream, choices, timer)
 
 
@@ -211,7 +212,7 @@ class _Chat:
         if d.finish_reason is not None:
             parsed.extend(choice.parser.flush())
         delta: dict[str, Any] = {}
-        if parsed.reasoning:
+        if parsed.reasoning and choice.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = parsed.reasoning
         if parsed.content:
             delta["content"] = parsed.content

@@ -7,7 +7,7 @@ Every field of OpenAI's chat and completions request schemas is known (protocol.
   parallel_tool_calls, reasoning_effort (harmony; a template that reads it), best_of equal to n, response_format
   (structured.py); and vLLM's top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens,
   skip_special_tokens, include_stop_str_in_output, add_generation_prompt, chat_template_kwargs, structured_outputs,
-  guided_json, guided_regex, guided_choice, guided_grammar; SGLang's regex, ebnf, json_schema;
+  guided_json, guided_regex, guided_choice, guided_grammar, include_reasoning; SGLang's regex, ebnf, json_schema;
 - accepted and ignored, because they cannot change the output: IGNORED below;
 - refused when set to anything that would change the output, because moeserve cannot do it: REFUSALS below;
 - written by vLLM's router into every request: accepted at their neutral value, refused otherwise (ROUTER_FIELDS).
@@ -71,7 +71,7 @@ REFUSALS: list[tuple[str, Callable[[Any], Any], Callable[[Any], bool], str]] = [
 # vLLM's router (vllm-router) writes these vLLM/SGLang fields into every request it forwards, at the neutral value
 # given here (the one that asks for what moeserve does anyway); any other value is refused, naming it:
 # (field, neutral value, why another value is refused). The router's ignore_eos and skip_special_tokens are
-# honoured, as are its regex, ebnf and json_schema (structured.py); session_params: check_session_params.
+# honoured, as are include_reasoning (chat.py) and regex, ebnf, json_schema (structured.py); session_params: below.
 ROUTER_FIELDS: list[tuple[str, Any, str]] = [
     ("no_stop_trim", False, "is not supported: a matched stop string is cut from the text "
      "(include_stop_str_in_output: true keeps it) and a stop token is never in it"),
@@ -81,7 +81,6 @@ ROUTER_FIELDS: list[tuple[str, Any, str]] = [
     ("continue_final_message", False, "is not supported: every message is rendered as a finished turn"),
     ("separate_reasoning", True, "is not supported: reasoning always comes in its own field, apart from content"),
     ("stream_reasoning", True, "is not supported: reasoning is streamed as it is generated"),
-    ("include_reasoning", True, "is not supported: reasoning is always returned, in its own field"),
 ]
 SESSION_ROUTING_KEY = "session_id"  # vllm-router's session affinity key; it changes nothing in the output
 

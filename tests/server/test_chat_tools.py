@@ -153,6 +153,16 @@ def test_qwen3_reasoning_is_split(qwen3: tuple[ThreadServer, ScriptedTextEngine]
         assert out["finish_reason"] == "stop" and out["tool_calls"] == []
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(qwen3: tuple[ThreadServer, ScriptedTextEngine]) -> None:
+    """vLLM's include_reasoning (vllm-router writes it, true): false parses the reasoning out and drops it."""
+    server, engine = qwen3
+    engine.script = "<think>\nThe user asks about Paris.\n</think>\n\nIt is sunny."
+    for stream in (False, True):
+        out = ask(server, stream, extra_body={"include_reasoning": False})
+        assert out["content"] == "It is sunny." and not out["reasoning"]
+        assert ask(server, stream, extra_body={"include_reasoning": True})["reasoning"] == "The user asks about Paris."
+
+
 def test_qwen3_5_output_starts_inside_the_reasoning(qwen3_5: tuple[ThreadServer, ScriptedTextEngine]) -> None:
     server, engine = qwen3_5
     engine.script = "Paris, so weather.\n</think>\n\nIt is sunny."

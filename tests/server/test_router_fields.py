@@ -52,7 +52,7 @@ def test_the_router_s_fields_at_their_neutral_values_change_nothing(live_server:
     ("chat", "lora_path", "/adapters/a"), ("completion", "lora_path", "/adapters/a"),
     ("chat", "echo", True), ("completion", "echo", True),
     ("chat", "continue_final_message", True),
-    ("chat", "separate_reasoning", False), ("chat", "stream_reasoning", False), ("chat", "include_reasoning", False),
+    ("chat", "separate_reasoning", False), ("chat", "stream_reasoning", False),
 ])
 def test_a_value_that_asks_for_what_moeserve_does_not_do_is_named_in_a_400(
         live_server: ThreadServer, path: str, field: str, value: Any) -> None:
