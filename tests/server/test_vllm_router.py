@@ -42,6 +42,7 @@ def routed(tiny_text_model: Path) -> Iterator[tuple[str, list[str]]]:
         assert ROUTER is not None
         router = subprocess.Popen([ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
                                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                                   "--health-check-endpoint", "/health?strict=true",
                                    "--worker-urls", *[url for _, url in servers]],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_routing(f"http://127.0.0.1:{port}", router)
