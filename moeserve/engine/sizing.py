@@ -18,7 +18,7 @@ from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activa
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
-from moeserve.state.kinds import LatentKV, RecurrentState
+from moeserve.state.kinds import IndexedLatentKV, LatentKV, RecurrentState
 from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, kv_groups
 
 
@@ -53,7 +53,7 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
     recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state, and
     `snapshots` slots more for prefix snapshots)."""
     la, mamba = spec.linear_attention, spec.mamba
-    latent = LatentKV(spec.mla.latent_width) if spec.mla is not None else None  # MLA: one latent row per token
+    latent = _latent_kind(spec)
     windows, stateless = spec.attention.sliding_window, spec.mixerless_layers
     if mamba is not None:  # Mamba-2: the conv's last inputs and the [heads, head_dim, state] SSM state
         kind = RecurrentState(conv_shape=(mamba.conv_kernel - 1, mamba.conv_dim),
@@ -65,6 +65,16 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
     return kv_groups(windows, kind, la.layers, latent, stateless)
+
+
+def _latent_kind(spec) -> LatentKV | None:  # noqa: ANN001 - ModelSpec
+    """MLA: one latent row per token and layer, and with DeepSeek Sparse Attention the indexer's key beside it."""
+    m = spec.mla
+    if m is None:
+        return None
+    if m.indexer is not None:
+        return IndexedLatentKV(m.latent_width, m.indexer.head_dim)
+    return LatentKV(m.latent_width)
 
 
 # (context the runtime is sized for, max_num_batched_tokens) -> what the split needs

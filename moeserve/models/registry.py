@@ -70,6 +70,12 @@ class WeightNames:
     mla_kv_a: str = "model.layers.{L}.self_attn.kv_a_proj_with_mqa"
     mla_kv_a_norm: str = "model.layers.{L}.self_attn.kv_a_layernorm.weight"
     mla_kv_b: str = "model.layers.{L}.self_attn.kv_b_proj"
+    # DeepSeek Sparse Attention's lightning indexer (MlaSpec.indexer): its query and key projections (Linears), the
+    # key's LayerNorm (weight and bias) and the per-head weights (fp32) - prefixes
+    indexer_wq_b: str = "model.layers.{L}.self_attn.indexer.wq_b"
+    indexer_wk: str = "model.layers.{L}.self_attn.indexer.wk"
+    indexer_k_norm: str = "model.layers.{L}.self_attn.indexer.k_norm"
+    indexer_weights: str = "model.layers.{L}.self_attn.indexer.weights_proj"
     # Mamba-2 mixers (ModelSpec.mamba): in_proj (z, x/B/C, dt), the depthwise conv and its bias, A_log, D, dt_bias,
     # the gated RMSNorm, out_proj
     mamba_in: str = "backbone.layers.{L}.mixer.in_proj"
@@ -111,15 +117,12 @@ _REGISTRY: dict[str, Architecture] = {}
 
 # Architectures transformers implements that are not served yet, and what they need beyond the registered families:
 # refused in one line that says so (a config of one is sized by no spec either)
-_DSA = "DeepSeek Sparse Attention (a lightning indexer choosing the top-k cached keys of MLA's latent cache)"
 _GEMMA4 = ("a dense MLP beside the MoE in each layer, a normalised router with per-expert scales, GeGLU experts "
            "stored as one 3D tensor, K=V global layers and logit softcapping")
 NOT_YET_SERVED: dict[str, str] = {
     "DeepseekV4ForCausalLM": ("compressed attention (ratios 4 and 128, an indexer, sinks, a sliding window), "
                               "manifold-constrained hyper-connections, hash-routed first layers and sqrtsoftplus "
                               "scoring"),
-    "DeepseekV32ForCausalLM": _DSA,
-    "GlmMoeDsaForCausalLM": _DSA,
     "Gemma4ForCausalLM": _GEMMA4,
     "Gemma4ForConditionalGeneration": _GEMMA4,
 }

@@ -100,6 +100,19 @@ class MambaSpec:
 
 
 @dataclass(frozen=True)
+class IndexerSpec:
+    """DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2, GLM-5): per token one key of head_dim values
+    (wk, a LayerNorm, rotary on its first qk_rope_head_dim values), cached beside the latent; per query n_heads
+    queries (wq_b of the query's low-rank latent) and n_heads weights (weights_proj, fp32). A query's index score of
+    a key is sum_h w_h relu(q_h . k) (scaled); it attends only the `topk` visible keys of highest score."""
+
+    n_heads: int  # index_n_heads
+    head_dim: int  # index_head_dim
+    topk: int  # index_topk: keys each query attends (all of them while it sees no more)
+    interleaved_rope: bool  # GLM-5: DeepSeek's interleaved pairs; DeepSeek-V3.2: half-split
+
+
+@dataclass(frozen=True)
 class MlaSpec:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2). Per token the layer caches one latent row:
     kv_lora_rank values (kv_a_proj_with_mqa's first part, RMS-normed) and qk_rope_head_dim rotated key values
@@ -114,6 +127,7 @@ class MlaSpec:
     bias: bool  # attention_bias: biases on q_a_proj / q_proj, kv_a_proj_with_mqa and o_proj
     interleaved_rope: bool  # rope_interleave: rotary pairs are (x0, x1), (x2, x3)... (transformers' default)
     softmax_scale: float  # qk_head_dim**-0.5, times yarn's mscale(factor, mscale_all_dim)**2
+    indexer: IndexerSpec | None = None  # DeepSeek Sparse Attention: each query attends only the keys it selects
 
     @property
     def qk_head_dim(self) -> int:
@@ -300,6 +314,9 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "qk_nope_head_dim": (1, 2**13),
     "qk_rope_head_dim": (2, 2**13),
     "v_head_dim": (1, 2**13),
+    "index_topk": (1, 2**24),
+    "index_head_dim": (2, 2**13),
+    "index_n_heads": (1, 2**14),
     "mamba_num_heads": (1, 2**14),
     "mamba_head_dim": (1, 2**13),
     "n_groups": (1, 2**14),

@@ -8,6 +8,8 @@ manager (state/manager.py) does the rest the same way for every kind.
 - `LatentKV(width)`: full attention whose cache holds one row of `width` values per token and layer instead of
   keys and values per head (multi-head latent attention: the compressed latent and the shared rotated key); blocks,
   prefix hits and reuse as for full attention.
+- `IndexedLatentKV(width, index_width)`: `LatentKV` plus the key of DeepSeek Sparse Attention's lightning indexer,
+  `index_width` values per token and layer on the same blocks (paged, cached and recomputed with the latent).
 - `SlidingWindow(window)`: a token attends to the last `window` positions only; blocks that fall out of the
   window are freed as the sequence advances.
 - `RecurrentState`: a fixed-size state per sequence (linear attention, SSM): one block per sequence whatever its
@@ -102,6 +104,19 @@ class LatentKV(FullAttention):
 
     def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
         return num_layers * block_size * self.width * itemsize
+
+
+class IndexedLatentKV(LatentKV):
+    """LatentKV and, on the same blocks, one `index_width`-value indexer key per token and layer (DeepSeek Sparse
+    Attention: the lightning indexer scores a query against every cached key to choose the latent rows it reads)."""
+
+    def __init__(self, width: int, index_width: int) -> None:
+        super().__init__(width)
+        self.index_width = index_width
+        self.name = f"latent attention ({width} values per token) + indexer keys ({index_width} values per token)"
+
+    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+        return num_layers * block_size * (self.width + self.index_width) * itemsize
 
 
 class SlidingWindow(CacheKind):

@@ -13,7 +13,9 @@ state slot per running sequence, a conv tensor [slots, *conv_shape] in the compu
 
 A latent group (state/kinds.py LatentKV: multi-head latent attention) holds per layer one tensor
 [blocks, block_size, width] (`latent(layer)`): a token's row is its compressed latent and its rotated key, for
-every head at once; its blocks are numbered, shared and cached like full attention's.
+every head at once; its blocks are numbered, shared and cached like full attention's. With DeepSeek Sparse
+Attention (IndexedLatentKV) each layer also holds the indexer's keys [blocks, block_size, index_width]
+(`index_keys(layer)`) on the same block ids.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.state.kinds import CacheKind, FullAttention, LatentKV, RecurrentState, SlidingWindow, kind_key
+from moeserve.state.kinds import (
+    CacheKind,
+    FullAttention,
+    IndexedLatentKV,
+    LatentKV,
+    RecurrentState,
+    SlidingWindow,
+    kind_key,
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class PagedKVCache:
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._tensors: list[torch.Tensor] = []
         self._latent: dict[int, torch.Tensor] = {}
+        self._index_keys: dict[int, torch.Tensor] = {}
         self._by_block: dict[int, list[tuple[torch.Tensor, int]]] = {}  # group -> (tensor, its block dim)
         for g, (group, n) in enumerate(zip(self.groups, self.num_blocks)):
             if isinstance(group.kind, RecurrentState):  # the one kind whose memory is not rows of K and V
@@ -104,13 +115,25 @@ class PagedKVCache:
         latent = torch.zeros((len(group.layers), blocks, self.block_size, kind.width), dtype=dtype, device=device)
         self._tensors.append(latent)
         self._by_block[g] = [(latent, 1)]
+        keys = None
+        if isinstance(kind, IndexedLatentKV):
+            keys = torch.zeros((len(group.layers), blocks, self.block_size, kind.index_width), dtype=dtype,
+                               device=device)
+            self._tensors.append(keys)
+            self._by_block[g].append((keys, 1))
         for i, layer in enumerate(group.layers):
             self._group_of[layer] = g
             self._latent[layer] = latent[i]
+            if keys is not None:
+                self._index_keys[layer] = keys[i]
 
     def latent(self, layer: int) -> torch.Tensor:
         """The latent rows [blocks, block_size, width] of a multi-head-latent-attention `layer`."""
         return self._latent[layer]
+
+    def index_keys(self, layer: int) -> torch.Tensor:
+        """The lightning indexer's keys [blocks, block_size, index_width] of a DeepSeek-Sparse-Attention `layer`."""
+        return self._index_keys[layer]
 
     def recurrent(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv inputs [slots, *conv_shape], state [slots, *state_shape] fp32) of a recurrent `layer`."""

@@ -18,6 +18,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+from moeserve.errors import CheckpointError
 from moeserve.models.archs.family import read_spec
 from moeserve.models.archs.glm4_moe import SHARED_EXPERTS_NAMES, noaux_tc_moe, require
 from moeserve.models.registry import Architecture, register
@@ -83,22 +84,38 @@ class DeepseekV3(Architecture):
         return deepseek_v3_spec(self.name, config, where)
 
 
-def deepseek_v3_spec(name: str, config: dict[str, Any], where: str) -> ModelSpec:
-    """The spec of a DeepSeek-V3 text model's config.json fields (DeepseekV3ForCausalLM, Kimi-K2.5's text_config)."""
+def deepseek_v3_spec(name: str, config: dict[str, Any], where: str, *, model_type: str = "deepseek_v3",
+                     max_positions: int = 4096, rms_norm_eps: float = 1e-6,
+                     groups: tuple[int, int] = (8, 4)) -> ModelSpec:
+    """The spec of a DeepSeek-V3 text model's config.json fields (DeepseekV3ForCausalLM, Kimi-K2.5's text_config, and
+    the DeepSeek Sparse Attention models built on it: deepseek_v32.py); the keywords: the family's defaults for
+    fields config.json leaves out (transformers' config classes differ)."""
     c = ConfigReader(config, where)
     require(c, name, hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid")
     num_layers = c.int("num_hidden_layers")
-    first_dense = c.int("first_k_dense_replace", default=3)
     rope_dim = c.int("qk_rope_head_dim")
     rope = deepseek_rope(c)
     return read_spec(
-        name, c, num_layers, model_type="deepseek_v3", max_positions=4096,
+        name, c, num_layers, model_type=model_type, max_positions=max_positions, rms_norm_eps=rms_norm_eps,
         dense_intermediate_size=c.int("intermediate_size"),
-        moe_layers=tuple(i >= first_dense for i in range(num_layers)),
+        moe_layers=moe_layers(c, num_layers),
         # the rotary part of each head is what the shared Rotary tables are built for (head_dim = rope dims)
         attention=replace(base_attention(c, num_layers), head_dim=rope_dim),
         rope=rope,
-        moe=noaux_tc_moe(c, groups=(8, 4), routed_scaling_factor=2.5),  # transformers' defaults
+        moe=noaux_tc_moe(c, groups=groups, routed_scaling_factor=2.5),  # transformers' defaults
         skipped_layers=c.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
         mla=read_mla(c, rope),
     )
+
+
+def moe_layers(c: ConfigReader, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether it is a MoE layer: config.json's mlp_layer_types ("dense" / "sparse", as transformers writes
+    it for DeepSeek-V3.2 and GLM-5) when present, else all but the first first_k_dense_replace."""
+    types = c.get("mlp_layer_types", default=None)
+    if types is None:
+        first_dense = c.int("first_k_dense_replace", default=3)
+        return tuple(i >= first_dense for i in range(num_layers))
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
+        raise CheckpointError(f"{c.where}: 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
+                              f"{num_layers} layers")
+    return tuple(t == "sparse" for t in types)

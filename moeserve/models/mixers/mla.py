@@ -21,6 +21,7 @@ Shapes: N tokens, nh heads, r = rope dims, R = kv_lora_rank, W = R + r (a cached
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,11 +29,22 @@ import torch
 from moeserve.models.layers.base import ForwardBatch, Rotary, TokenMixer, not_in_gemv_layout, rms_norm
 from moeserve.models.layers.linear import Linear
 from moeserve.models.loader import WeightLoader
-from moeserve.models.mixers.query_blocks import QUERY_BLOCK, query_blocks
+from moeserve.models.mixers.indexer import LightningIndexer, rotate
+from moeserve.models.mixers.query_blocks import QUERY_BLOCK, QueryBlock, query_blocks
 from moeserve.models.numerics import Numerics
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import MlaSpec, ModelSpec
 from moeserve.state.kv_cache import PagedKVCache
+
+# (a query block, the end of the positions it sees) -> the cached rows each of its queries attends [size, end] bool
+KeysKept = Callable[[QueryBlock, int], "torch.Tensor | None"]
+
+
+def cached_rows(cache: torch.Tensor, table: list[int], end: int) -> torch.Tensor:
+    """The rows of positions [0, end) of a sequence with block `table` in a paged cache [blocks, bs, width]."""
+    bs = cache.shape[1]
+    blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=cache.device)
+    return cache[blocks].reshape(-1, cache.shape[-1])[:end]
 
 
 class MlaAttention(TokenMixer):
@@ -47,17 +59,35 @@ class MlaAttention(TokenMixer):
         self.q_a, self.q_a_norm, self.q, self.kv_a, self.kv_a_norm, self.o = q_a, q_a_norm, q, kv_a, kv_a_norm, o
         per_head = kv_b.view(num_heads, spec.qk_nope_head_dim + spec.v_head_dim, spec.kv_lora_rank)
         w_uk, w_uv = per_head[:, : spec.qk_nope_head_dim], per_head[:, spec.qk_nope_head_dim :]
-        if numerics.cpp:  # one copy of kv_b either way
+        self.cpp = numerics.cpp and self.cpp_op_applies
+        if self.cpp:  # one copy of kv_b either way
             self.w_uk, self.w_uv = w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()  # [nh, R, nope], [nh, v, R]
         else:
             self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()  # [nh, nope, R], [nh, R, v]
         self.rotary, self.eps, self.numerics = rotary, eps, numerics
 
+    cpp_op_applies = True  # the C++ mla_attention computes this layer (when the C++ ops are on)
+
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        q_nope, q_pe, _ = self._project(x, batch, kv)
+        cache, g = kv.latent(self.layer), kv.group_of(self.layer)
+        if self.cpp:
+            out = torch.ops.moeserve.mla_attention(q_nope, q_pe, cache, batch.block_tables[g], batch.rows,
+                                                   batch.positions, self.w_uk, self.w_uv, self.spec.softmax_scale)
+        else:
+            out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
+        return self.o(out.reshape(x.shape[0], self.num_heads * self.spec.v_head_dim))
+
+    def _project(self, x: torch.Tensor, batch: ForwardBatch,
+                 kv: PagedKVCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_nope [N, nh, nope], rotated q_pe [N, nh, rope], the query latent q_a_norm(q_a(x)) or None without
+        q_lora_rank) of the tokens x [N, H]; their latent rows written to the cache."""
         s, n = self.spec, x.shape[0]
+        q_resid = None
         if self.q_a is not None:
             assert self.q_a_norm is not None
-            q = self.q(self._norm(self.q_a(x), self.q_a_norm))
+            q_resid = self._norm(self.q_a(x), self.q_a_norm)
+            q = self.q(q_resid)
         else:
             q = self.q(x)
         q_nope, q_pe = q.view(n, self.num_heads, s.qk_head_dim).split([s.qk_nope_head_dim, s.qk_rope_head_dim], -1)
@@ -66,18 +96,12 @@ class MlaAttention(TokenMixer):
         q_pe = self._rope(q_pe, batch.positions)
         k_pe = self._rope(k_pe.unsqueeze(1), batch.positions).squeeze(1)
         cache = kv.latent(self.layer)  # [blocks, bs, W]
-        g = kv.group_of(self.layer)
-        cache.view(-1, s.latent_width)[batch.slot_mappings[g]] = torch.cat([c, k_pe], dim=-1)
-        if self.numerics.cpp:
-            out = torch.ops.moeserve.mla_attention(q_nope, q_pe, cache, batch.block_tables[g], batch.rows,
-                                                   batch.positions, self.w_uk, self.w_uv, s.softmax_scale)
-        else:
-            out = self._attend(q_nope, q_pe, cache, batch.tables[g], batch)  # [N, nh, v]
-        return self.o(out.reshape(n, self.num_heads * s.v_head_dim))
+        cache.view(-1, s.latent_width)[batch.slot_mappings[kv.group_of(self.layer)]] = torch.cat([c, k_pe], dim=-1)
+        return q_nope, q_pe, q_resid
 
     def describe(self) -> str:
         """The start-up log's line: how the latent cache is attended, and why."""
-        if self.numerics.cpp:
+        if self.cpp:
             return ("C++ mla_attention for every token, absorbed form over the latent cache: each query row alone in "
                     "one stated order (csrc/attention_core.h: the same bits on every ISA)")
         return (f"torch, absorbed form over the latent cache, queries in blocks of {QUERY_BLOCK} aligned positions "
@@ -88,38 +112,36 @@ class MlaAttention(TokenMixer):
         return self.numerics.rows(lambda t: rms_norm(t, weight, self.eps), x)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, r] rotated at `positions`: DeepSeek's interleaved pairs (x0, x1), (x2, x3)... give the
-        rotated evens then the rotated odds (transformers' apply_rotary_pos_emb_interleave), else half-split."""
-        if not self.spec.interleaved_rope:
-            return self.rotary.apply(x, positions)
-        half = x.shape[-1] // 2
-        cos = self.rotary.cos[positions, :half].unsqueeze(1)
-        sin = self.rotary.sin[positions, :half].unsqueeze(1)
-        even, odd = x[..., 0::2], x[..., 1::2]
-        return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+        """x [N, heads, r] rotated at `positions` (DeepSeek's interleaved pairs unless rope_interleave is false)."""
+        return rotate(x, positions, self.rotary, self.spec.interleaved_rope)
 
     def _attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, tables: list[list[int]],
-                batch: ForwardBatch) -> torch.Tensor:
-        """The torch path: every sequence's new tokens against its cached rows, in aligned query blocks: [N, nh, v]."""
+                batch: ForwardBatch, keep: KeysKept | None = None) -> torch.Tensor:
+        """The torch path: every sequence's new tokens against its cached rows, in aligned query blocks: [N, nh, v].
+        `keep(block, end)`: the rows of positions [0, end) each of the block's queries attends ([size, end] bool;
+        None: every visible one)."""
         bs = cache.shape[1]
         outs = []
         for blk in query_blocks(batch, bs):
             end = blk.first + blk.size
-            blocks = torch.tensor(tables[blk.seq][: -(-end // bs)], dtype=torch.long, device=cache.device)
-            latent = cache[blocks].reshape(-1, cache.shape[-1])[:end]  # positions [0, end)
-            outs.append(blk.own(self._block(blk.padded(q_nope), blk.padded(q_pe), latent, blk.first)))
+            latent = cached_rows(cache, tables[blk.seq], end)  # positions [0, end)
+            kept = None if keep is None else keep(blk, end)
+            outs.append(blk.own(self._block(blk.padded(q_nope), blk.padded(q_pe), latent, blk.first, kept)))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
-    def _block(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, first: int) -> torch.Tensor:
+    def _block(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, first: int,
+               kept: torch.Tensor | None = None) -> torch.Tensor:
         """Queries at positions [first, first + r) ([r, nh, nope], [r, nh, rope]) against the cached rows of
-        positions [0, first + r) (`latent` [first + r, W]; rows past a query's position masked): [r, nh, v]."""
+        positions [0, first + r) (`latent` [first + r, W]; rows past a query's position masked, and with `kept`
+        [r, first + r] the rows it does not keep): [r, nh, v]."""
         s, r = self.spec, q_nope.shape[0]
         c, k_pe = latent.split([s.kv_lora_rank, s.qk_rope_head_dim], -1)  # [L, R], [L, rope]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [nh, r, R] (w_uk: [nh, nope, R] on this path)
         scores = torch.matmul(q_lat, c.t()) + torch.matmul(q_pe.transpose(0, 1), k_pe.t())  # [nh, r, L]
-        q_pos = torch.arange(first, first + r, device=latent.device)[:, None]
-        visible = torch.arange(latent.shape[0], device=latent.device)[None, :] <= q_pos  # [r, L]
-        scores = (scores.float() * s.softmax_scale).masked_fill(~visible, float("-inf"))
+        if kept is None:
+            q_pos = torch.arange(first, first + r, device=latent.device)[:, None]
+            kept = torch.arange(latent.shape[0], device=latent.device)[None, :] <= q_pos  # [r, L]
+        scores = (scores.float() * s.softmax_scale).masked_fill(~kept, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(c.dtype)
         o_lat = torch.matmul(probs, c)  # [nh, r, R]
         return torch.bmm(o_lat, self.w_uv).transpose(0, 1)  # [r, nh, v] (w_uv: [nh, R, v] on this path)
@@ -144,9 +166,56 @@ class MlaAttention(TokenMixer):
                       s.softmax_scale)
 
 
+class DsaAttention(MlaAttention):
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA in which each query attends only the cached rows its
+    lightning indexer chooses (models/mixers/indexer.py); the indexer's keys are cached beside the latent rows
+    (PagedKVCache.index_keys). Runs the torch absorbed form in aligned query blocks, with the C++ ops on too: the
+    C++ mla_attention attends every row (no selection), so the fused decode step does not take this layer."""
+
+    cpp_op_applies = False
+
+    def __init__(self, *args: Any, indexer: LightningIndexer, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.indexer = indexer
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        q_nope, q_pe, q_resid = self._project(x, batch, kv)
+        assert q_resid is not None  # the indexer reads the query latent: q_lora_rank is required (archs)
+        g, ix = kv.group_of(self.layer), self.indexer
+        keys = kv.index_keys(self.layer)  # [blocks, bs, D]
+        keys.view(-1, keys.shape[-1])[batch.slot_mappings[g]] = ix.keys(x, batch.positions)
+        topk = ix.spec.topk
+        picks: list[torch.Tensor] = []  # the indexer's queries and weights, computed once a block sees > topk keys
+
+        def keep(blk: QueryBlock, end: int) -> torch.Tensor | None:
+            if end <= topk:  # no query of the block sees more than topk keys: it attends them all
+                return None
+            if not picks:
+                picks.extend(ix.queries(x, q_resid, batch.positions))
+            q, weights = picks
+            return ix.chosen(blk.padded(q), blk.padded(weights), cached_rows(keys, batch.tables[g][blk.seq], end),
+                             blk.first)
+
+        out = self._attend(q_nope, q_pe, kv.latent(self.layer), batch.tables[g], batch, keep)
+        return self.o(out.reshape(x.shape[0], self.num_heads * self.spec.v_head_dim))
+
+    def describe(self) -> str:
+        ix = self.indexer.spec
+        return (f"DeepSeek Sparse Attention: each query attends the {ix.topk} cached rows of highest index score "
+                f"({ix.n_heads} indexer heads of {ix.head_dim}; ties to the later position), torch absorbed form "
+                f"in query blocks of {QUERY_BLOCK} aligned positions (the C++ mla_attention attends every row)")
+
+    def linears(self) -> list[Linear]:
+        return super().linears() + self.indexer.linears()
+
+    def why_not_stacked(self) -> str | None:
+        return "DeepSeek Sparse Attention's key selection runs in torch (the fused step attends every cached row)"
+
+
 def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
               numerics: Numerics) -> MlaAttention:
-    """Layer L's latent attention from the checkpoint (the shapes models/validate.py checked)."""
+    """Layer L's latent attention from the checkpoint (the shapes models/validate.py checked); with an indexer
+    (spec.mla.indexer) its sparse form."""
     m, names, h, nh = spec.mla, arch.names, spec.hidden_size, spec.attention.num_heads
     assert m is not None
 
@@ -164,7 +233,29 @@ def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, r
     kv_a_norm = load.tensor(n(names.mla_kv_a_norm), (m.kv_lora_rank,))
     kv_b = load.linear_weight(n(names.mla_kv_b), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
     o = load.linear(n(names.o_proj), h, nh * m.v_head_dim, m.bias)
-    return MlaAttention(m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, numerics)
+    parts = (m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, numerics)
+    if m.indexer is None:
+        return MlaAttention(*parts)
+    return DsaAttention(*parts, indexer=build_indexer(load, arch, spec, L, rotary, numerics))
+
+
+def build_indexer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
+                  numerics: Numerics) -> LightningIndexer:
+    """Layer L's lightning indexer: wq_b, wk and the LayerNorm in the compute dtype, weights_proj in fp32."""
+    m, names, h = spec.mla, arch.names, spec.hidden_size
+    assert m is not None and m.indexer is not None and m.q_lora_rank is not None
+    ix = m.indexer
+
+    def n(template: str) -> str:
+        return template.format(L=L)
+
+    wq_b = load.linear(n(names.indexer_wq_b), ix.n_heads * ix.head_dim, m.q_lora_rank)
+    wk = load.linear(n(names.indexer_wk), ix.head_dim, h)
+    k_norm = load.tensor(n(names.indexer_k_norm) + ".weight", (ix.head_dim,))
+    k_norm_bias = load.tensor(n(names.indexer_k_norm) + ".bias", (ix.head_dim,))
+    weights = load.tensor(n(names.indexer_weights) + ".weight", (ix.n_heads, h), torch.float32)
+    return LightningIndexer(ix, m.qk_rope_head_dim, wq_b, wk, k_norm, k_norm_bias,
+                            load.make_linear(weights, None, quantize=False), rotary, numerics)
 
 
 def kv_per_token_line(spec: ModelSpec, itemsize: int) -> str | None:
@@ -174,8 +265,10 @@ def kv_per_token_line(spec: ModelSpec, itemsize: int) -> str | None:
     if m is None:
         return None
     layers, heads = spec.num_layers, spec.attention.num_heads
-    latent = layers * m.latent_width * itemsize
+    index = 0 if m.indexer is None else m.indexer.head_dim  # DeepSeek Sparse Attention: the indexer's key
+    latent = layers * (m.latent_width + index) * itemsize
     full = layers * heads * (m.qk_head_dim + m.v_head_dim) * itemsize
-    return (f"{latent} bytes/token in the latent cache ({layers} layers x {m.latent_width} values: kv_lora_rank "
-            f"{m.kv_lora_rank} + rope {m.qk_rope_head_dim}); {full} bytes/token with full per-head keys and values "
+    indexed = f" + indexer key {index}" if index else ""
+    return (f"{latent} bytes/token in the latent cache ({layers} layers x {m.latent_width + index} values: "
+            f"kv_lora_rank {m.kv_lora_rank} + rope {m.qk_rope_head_dim}{indexed}); {full} bytes/token with full per-head keys and values "
             f"({heads} heads x (key {m.qk_head_dim} + value {m.v_head_dim})): {full / latent:.1f}x less")
