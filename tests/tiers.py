@@ -44,6 +44,8 @@ SLOW: dict[str, str] = {
         "each quantized format's engine, resident and offloaded with a one-expert cache (35 s)",
     "models/test_quantized_int8.py::test_int8_experts_offloaded_equal_resident_and_cost_little_accuracy":
         "int8 experts offloaded and resident, and against bf16 (11 s)",
+    "models/test_deepseek_v32.py": "DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention) against transformers, "
+        "chunked, prefix-cached, batched and preempted, offloaded (44 s of CPU)",
     "models/test_glm4_moe.py::test_variants_match_transformers": "GLM-4 MoE variants against transformers (31 s)",
     "models/test_qwen3_next.py::test_tiny_qwen3_next_matches_transformers": "Qwen3-Next against transformers (17 s)",
     "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":
