@@ -12,8 +12,7 @@ test_config_only.py checks the tensor map against the headers of checkpoints tra
 Not in the map (what a real checkpoint may hold beside it): tensors the model does not serve (a vision tower,
 MTP layers) and activation scales (ModelOpt `input_scale`). Unquantized tensors take config.json's dtype (bfloat16
 if unset), except the routers transformers keeps in float32 and their routing correction biases (float32, as
-transformers and the published checkpoints store them) and DeepSeek Sparse Attention's indexer.weights_proj
-(float32, as transformers keeps it); a producer storing such a router in bf16 differs by
+transformers and the published checkpoints store them); a producer storing such a router in bf16 differs by
 experts x hidden x 2 bytes per MoE layer.
 """
 
@@ -164,8 +163,6 @@ def _stored_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
     writes it (a plain buffer)."""
     names, m = arch.names, spec.moe
     out = {names.router_correction_bias.format(L=L) for L in spec.moe_layer_ids if m.correction_bias and m.router_fp32}
-    if spec.mla is not None and spec.mla.indexer is not None:  # transformers keeps indexer.weights_proj in fp32
-        out |= {names.indexer_weights.format(L=L) + ".weight" for L in range(spec.num_layers)}
     return out | {names.router.format(L=L) + ".weight" for L in spec.moe_layer_ids if m.router_fp32}
 
 

@@ -28,6 +28,8 @@ from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_vl
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
+from tests.models.test_deepseek_v32 import write_fp8 as write_dsa_fp8
+from tests.models.test_deepseek_v32 import write_tiny as write_dsa
 from tests.models.test_minimax_m2 import write_fp8 as write_minimax_fp8
 from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35, write_tiny_qwen35_text
 
@@ -105,6 +107,8 @@ CASES: dict[str, Callable[[Path], Path]] = {
                                       "minimax_m2")},
     "gpt_oss": lambda folder: C.write_gpt_oss(folder),
     "deepseek_v3": lambda folder: write_deepseek(folder, torch.bfloat16),
+    "deepseek_v32": lambda folder: write_dsa(folder, "deepseek_v32", torch.bfloat16),  # + the indexer's tensors
+    "glm_moe_dsa": lambda folder: write_dsa(folder, "glm_moe_dsa", torch.bfloat16),
     "qwen3_5_moe": write_tiny_qwen35,  # float32, vision tower and mtp.* tensors beside the language model
     "qwen3_5_moe-bf16": _qwen35_bf16,
     "qwen3_5_moe_text": write_tiny_qwen35_text,  # float32, an mtp.* tensor beside
@@ -121,6 +125,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
                                       intermediate_size=72),
     "qwen3_moe-mxfp4-ct": _quantized(C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG),
     "deepseek_v3-fp8-block": _deepseek_fp8,
+    "deepseek_v32-fp8-block": lambda folder: write_dsa_fp8(folder)[0],  # indexer wq_b / wk FP8, weights_proj not
     "minimax_m2-fp8-block": lambda folder: write_minimax_fp8(folder)[0],  # attention and experts FP8, as shipped
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
 }
@@ -313,6 +318,14 @@ PUBLISHED_SIZES = {
     # MiniMax-M2 model card (huggingface.co/MiniMaxAI/MiniMax-M2): "230 billion total parameters with 10 billion
     # active parameters" (one significant digit: checked as rounding to it)
     "MiniMax-M2": (230.0, 10.0),
+    # the figures issue 33 gives (no model card was found offline): GLM-5 744B total, 40B active; DeepSeek-V3.2 the
+    # 671B / 37B of DeepSeek-V3, its indexer added. Configs: transformers 5.24's GlmMoeDsaConfig / DeepseekV32Config
+    # defaults (their docstrings: zai-org/GLM-5, deepseek-ai/DeepSeek-V3.2-Exp). Z.ai counts GLM's active parameters
+    # without the LM head too (GLM_ACTIVE_WITHOUT_HEAD)
+    "GLM-5": (744.0, 40.0),
+    # GLM-4.5 model card (huggingface.co/zai-org/GLM-4.5): GLM-4.5-Air, 106 billion total parameters, 12 billion active
+    "GLM-4.5-Air": (106.0, 12.0),
+    "DeepSeek-V3.2": (671.0, 37.0),
 }
 
 
@@ -322,30 +335,60 @@ def published_config(name: str) -> dict:
 
     if name == "MiniMax-M2":
         return PUBLISHED
+    if name in ("GLM-5", "DeepSeek-V3.2"):
+        from tests.models.test_deepseek_v32 import published_config as dsa_config
+
+        return dsa_config("glm_moe_dsa" if name == "GLM-5" else "deepseek_v32")
     config = {k: v for k, v in json.loads((REFERENCE_CONFIGS / f"{name.removesuffix('.5')}.json").read_text()).items()
               if not k.startswith("_")}
-    if name == "DeepSeek-V3":
+    if name in ("DeepSeek-V3", "GLM-4.5-Air"):
         return config
     return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "tie_word_embeddings": False,
             "text_config": {k: v for k, v in config.items() if k not in ("architectures", "quantization_config")},
             "quantization_config": {**KIMI_K2_THINKING, "ignore": KIMI_K25_IGNORE}}
 
 
+# Z.ai's "active" leaves out the LM head beside the embedding table: GLM-4.5-Air (published 106B / 12B; its
+# config.json in tests/data/reference_configs) has 12.18B active without both, 12.80B with the head (6.7% over)
+GLM_ACTIVE_WITHOUT_HEAD = ("GLM-5", "GLM-4.5-Air")
+
+
 @pytest.mark.parametrize("name", PUBLISHED_SIZES)
 def test_parameters_from_the_config_match_the_published_figures(name: str) -> None:
     """The counts `inspect` prints from a config alone (`parameter_counts`; its line is checked against the weights'
     above): total parameters within 2% of the published figure, active ones (without the embedding table, as
-    DeepSeek, Moonshot and MiniMax count them) within 2%, or rounding to a one-digit figure."""
+    DeepSeek, Moonshot and MiniMax count them; Z.ai without the LM head too) within 2%, or rounding to a one-digit
+    figure."""
     config = published_config(name)
     arch = get_architecture(config, "config.json")
     counts = parameter_counts(arch, arch.spec(config, "config.json"))
     total, active = counts.total / 1e9, counts.active_without_embedding / 1e9
+    if name in GLM_ACTIVE_WITHOUT_HEAD:
+        active -= config["vocab_size"] * config["hidden_size"] / 1e9  # an untied head: vocab x hidden
     want_total, want_active = PUBLISHED_SIZES[name]
     assert abs(total / want_total - 1) < 0.02, (name, total)
     if name == "MiniMax-M2":  # "10 billion": one significant digit
         assert round(active) == want_active, (name, active)
     else:
         assert abs(active / want_active - 1) < 0.02, (name, active)
+
+
+@pytest.mark.parametrize("name", ["GLM-5", "DeepSeek-V3.2"])
+def test_sparse_attention_models_plan_for_24_and_64_gb(name: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """From config.json alone, FP8 128x128 blocks as DeepSeek-V3 ships them: refused at 24 GB in one line (the dense
+    weights alone are over 33 GiB), placed at 64 GB with experts in RAM and the rest read from disk."""
+    path = tmp_path / "config.json"
+    quantization = json.loads((REFERENCE_CONFIGS / "DeepSeek-V3.json").read_text())["quantization_config"]
+    path.write_text(json.dumps({**published_config(name), "quantization_config": quantization}))
+    flags = ["--device", "cpu", "--no-probe"]
+    refused = _lines(capsys, ["plan", str(path), "--memory-gb", "24", *flags])
+    assert refused[0] == "exit 1" and refused[1].startswith("error: does not fit: resident weights") and \
+        len(refused) == 2, refused
+    placed = _lines(capsys, ["plan", str(path), "--memory-gb", "64", *flags])
+    placement = next(line for line in placed if line.startswith("placement:"))
+    assert placed[0] == "exit 0" and int(placement.split()[1]) > 300, placement  # of 19200 / 14848 experts
+    assert any(line.startswith("KV per token:") and "+ indexer key 128" in line for line in placed)
 
 
 @pytest.mark.parametrize("name", sorted(NOT_YET_SERVED))

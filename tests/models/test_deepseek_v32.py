@@ -236,3 +236,50 @@ def test_indexer_keys_per_token_are_logged(tiny) -> None:
     # 3 layers x (32 latent + 8 rope + 16 indexer key) fp32 values
     assert line.startswith("672 bytes/token in the latent cache (3 layers x 56 values: kv_lora_rank 32 + rope 8 + "
                            "indexer key 16)"), line
+
+
+def is_fp8_linear(name: str) -> bool:
+    """What DeepSeek-V3.2's FP8 checkpoint stores in FP8 (vLLM reads these Linears with the checkpoint's scheme):
+    every attention, indexer (wq_b, wk) and MLP projection; not indexer.weights_proj (unquantized, run in fp32), the
+    router, lm_head, norms or embeddings."""
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1] if name.endswith(".weight") else ""
+    return ("_proj" in module or module in ("wq_b", "wk")) and module != "weights_proj"  # kv_a_proj_with_mqa too
+
+
+def write_fp8(folder: Path, model_type: str = "deepseek_v32") -> tuple[Path, Path]:
+    """(the tiny model in bf16 with every `is_fp8_linear` weight FP8 in 32 x 32 blocks, its reference: the same model
+    with those weights replaced by a numpy decoder's dequantization, fp32). Widths 72 / 40 leave partial blocks."""
+    from safetensors.torch import load_file
+
+    from tests.fixtures import checkpoints as C
+
+    src = write_tiny(folder / "bf16", model_type, torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)
+    quantized, reference = {}, {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if not is_fp8_linear(name):
+            quantized[name] = reference[name] = tensor
+            continue
+        prefix = name.removesuffix(".weight")
+        stored = C.fp8_block_quantize(prefix, tensor)
+        quantized |= stored
+        reference[name] = C.fp8_block_reference(prefix, stored).float()
+    return C._write(src, folder / "fp8", quantized, C.FP8_CONFIG), C._write(src, folder / "ref", reference, None)
+
+
+def test_fp8_checkpoint_matches_transformers_and_its_experts_stay_fp8(tmp_path: Path) -> None:
+    """FP8 blocks as DeepSeek-V3.2 ships them: fp32 against transformers on an independent dequantization of the
+    same bytes (tokens equal, logprobs within 1e-4); bf16 with 3 expert slots == resident, the experts FP8 units."""
+    from moeserve.checkpoint.folder import open_checkpoint
+
+    quantized, reference = write_fp8(tmp_path)
+    names = open_checkpoint(quantized).tensors
+    for kind in ("self_attn.indexer.wq_b", "self_attn.indexer.wk", "self_attn.q_b_proj", "mlp.experts.3.down_proj"):
+        assert names[f"model.layers.1.{kind}.weight"].dtype_code == "F8_E4M3", kind
+    assert names["model.layers.1.self_attn.indexer.weights_proj.weight"].dtype_code == "BF16"  # read into fp32
+    ref = hf_model(reference, torch.float32)
+    with index_ties(ref) as ties:
+        choices = X.assert_matches_transformers(quantized, ref, PROMPTS)
+    assert ties[0] > 0 and ties[1] == 0, ties
+    assert "fp8" in choices["experts"].lower()
+    X.assert_offloaded_equals_resident(quantized, PROMPTS, max_model_len=256)
+
