@@ -194,7 +194,7 @@ def test_one_head_ties_are_everywhere_in_transformers(tiny) -> None:
     ref = hf_model(tiny("glm_moe_dsa", torch.bfloat16, heads=1), torch.bfloat16)
     with index_ties(ref) as ties, torch.no_grad():
         ref(torch.tensor([long_prompt()]))
-    assert ties[1] > ties[0] // 10, ties
+    assert ties[1] > ties[0] // 4, ties  # 177 of 390 (3 layers x the 130 positions past index_topk 20)
 
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
