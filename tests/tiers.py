@@ -46,6 +46,8 @@ SLOW: dict[str, str] = {
         "int8 experts offloaded and resident, and against bf16 (11 s)",
     "models/test_deepseek_v32.py": "DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention) against transformers, "
         "chunked, prefix-cached, batched and preempted, offloaded (44 s of CPU)",
+    "cli/test_config_only.py::test_sparse_attention_models_plan_for_24_and_64_gb":
+        "GLM-5 and DeepSeek-V3.2 planned from their configs at two budgets (12 s at a load of 15)",
     "models/test_glm4_moe.py::test_variants_match_transformers": "GLM-4 MoE variants against transformers (31 s)",
     "models/test_qwen3_next.py::test_tiny_qwen3_next_matches_transformers": "Qwen3-Next against transformers (17 s)",
     "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":

@@ -1,6 +1,6 @@
 """DeepSeek Sparse Attention: DeepSeek-V3.2 (DeepseekV32ForCausalLM) and GLM-5 (GlmMoeDsaForCausalLM).
 
-- The tie rule of the key choice (models/mixers/indexer.py top_keys): higher score first, then the later position.
+- The tie rule of the key choice (models/mixers/indexer.py top_keys): higher score first, then the earlier position.
 - The specs of transformers 5.24's config defaults (the published sizes; no published config.json was found
   offline): indexer heads and dims, top-k, rotary layouts; GLM-5's "shared" indexer layers refused in one line.
 - Tiny checkpoints transformers writes (index_topk 20, so prompts of 23 and 40 tokens choose keys and a query block
@@ -98,15 +98,15 @@ def index_ties(model: Any) -> Iterator[list[int]]:
             hook.remove()
 
 
-def test_ties_go_to_the_later_position() -> None:
-    scores = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0],
-                           [1.0, 0.0, 2.0, 1.0, 0.0],
+def test_ties_go_to_the_earlier_position() -> None:
+    scores = torch.tensor([[0.0, 0.0, 0.0, 9.0, 9.0],
+                           [0.0, 1.0, 2.0, 1.0, 0.0],
                            [0.5, 0.5, 0.5, 0.5, 0.5]])
-    # queries at positions 3, 4, 5 (the last row sees all 5 keys; keys past a query's position are never kept)
-    kept = top_keys(scores, first=3, k=2)
-    assert kept.tolist() == [[False, False, True, True, False],
-                             [False, False, True, True, False],
-                             [False, False, False, True, True]]
+    # queries at positions 2, 3, 4 (the last row sees all 5 keys; keys past a query's position are never kept)
+    kept = top_keys(scores, first=2, k=2)
+    assert kept.tolist() == [[True, True, False, False, False],
+                             [False, True, True, False, False],
+                             [True, True, False, False, False]]
     assert top_keys(scores, first=0, k=2)[:2].tolist() == [[True, False, False, False, False],
                                                             [True, True, False, False, False]]  # sees <= k: all
 

@@ -13,7 +13,8 @@ while it sees no more than topk).
 
 **Ties.** Scores tie exactly (all heads' dot products negative: 0 after the ReLU), and torch.topk breaks ties by
 no stated rule: transformers' reference picks different keys for one query in one 12-token pass and in an 8-token
-prefill + decode. Here the order is fixed: higher score first, then the later position (`top_keys`). Scores are
+prefill + decode. Here the order is fixed: higher score first, then the earlier position (`top_keys`; Qwen sparse
+attention's choice, qsa_select.py, has the same rule). Scores are
 computed per aligned query block (models/mixers/query_blocks.py) against the keys up to the block's end, so a
 query's scores, and with them its keys, depend only on its position and the sequence's tokens: chunked == one
 pass, batched == alone, prefix hit == miss, bit for bit.
@@ -47,16 +48,15 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, interleaved
 
 def top_keys(scores: torch.Tensor, first: int, k: int) -> torch.Tensor:
     """Of queries at positions [first, first + r) with index scores [r, L] over keys at positions [0, L): [r, L] bool,
-    True at the `k` visible keys (position <= the query's) of highest score; equal scores: the later position first.
+    True at the `k` visible keys (position <= the query's) of highest score; equal scores: the earlier position first.
     A query that sees k keys or fewer keeps them all."""
     r, length = scores.shape
     q_pos = torch.arange(first, first + r, device=scores.device)[:, None]
     visible = torch.arange(length, device=scores.device)[None, :] <= q_pos
-    ranked = scores.masked_fill(~visible, float("-inf")).flip(-1)  # latest key first
-    # a stable sort keeps equal scores in that order: the later position wins a tie
+    ranked = scores.masked_fill(~visible, float("-inf"))
+    # a stable sort keeps equal scores in position order: the earlier position wins a tie (as qsa_select.select)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[:, :k]
-    chosen = torch.zeros_like(visible).scatter_(-1, length - 1 - order, True)
-    return chosen & visible
+    return torch.zeros_like(visible).scatter_(-1, order, True) & visible
 
 
 class LightningIndexer:

@@ -202,7 +202,7 @@ class DsaAttention(MlaAttention):
     def describe(self) -> str:
         ix = self.indexer.spec
         return (f"DeepSeek Sparse Attention: each query attends the {ix.topk} cached rows of highest index score "
-                f"({ix.n_heads} indexer heads of {ix.head_dim}; ties to the later position), torch absorbed form "
+                f"({ix.n_heads} indexer heads of {ix.head_dim}; ties to the earlier position), torch absorbed form "
                 f"in query blocks of {QUERY_BLOCK} aligned positions (the C++ mla_attention attends every row)")
 
     def linears(self) -> list[Linear]:
