@@ -17,9 +17,10 @@ e1..ej (its experts before another rank's first) from 0, in order: exactly the s
 kernels': models/experts/hybrid.py relies on it too).
 
 Wire format of one layer call, head -> worker: an int64 header [1, layer, rows, pairs, lead tokens, batch tokens,
-weight dtype, row dtype]; x rows [rows, H] (the tokens its pairs need, ascending); int64 [3, pairs] (the worker's local
-expert index, the row, lead or not), in the routed pair order; weights [pairs]. Back: an int64 status [1] (0, or 1
-and a JSON error), then [lead tokens + rest pairs, H]. Header [0, ...]: the worker stops.
+weight dtype, row dtype], then one payload (`pack`, each part padded to 8 bytes): int64 [3, pairs] (the worker's
+local expert index, the row, lead or not), in the routed pair order; weights [pairs]; x rows [rows, H] (the tokens
+its pairs need, ascending). Back, one message: an int64 status (0, or 1 and then a JSON error) and
+[lead tokens + rest pairs, H]. Header [0, ...]: the worker stops.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from moeserve.experts.store import ExpertStore
 from moeserve.models.experts.kernels import Chunk, ExpertKernel, RoutedTokens, add_in_expert_order
 from moeserve.parallel.link import Link, PeerLost
 
-HEADER, X, PAIRS, WEIGHTS, STATUS, REPLY = range(10, 16)  # gloo tags, one per message of a call
+HEADER, PAYLOAD, REPLY, ERROR = range(10, 14)  # gloo tags, one per message of a call
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the rows and the weights, by code
 STOP = torch.zeros(8, dtype=torch.int64)
 
@@ -191,29 +192,27 @@ class ExpertParallel(ExpertKernel):
         n_rest = int((~share.lead).sum())
         header = torch.tensor([1, layer, len(x_rows), len(share.pairs), n_lead, routed.num_tokens,
                                DTYPES.index(weights.dtype), DTYPES.index(x_rows.dtype)], dtype=torch.int64)
-        link = self.link
-        sends = [link.isend(t.contiguous(), rank, tag) for t, tag in
-                 ((header, HEADER), (x_rows, X), (ints, PAIRS), (weights, WEIGHTS))]
-        status = torch.zeros(1, dtype=torch.int64)
-        reply = x_rows.new_empty(n_lead + n_rest, x_rows.shape[1])
-        self.stats["bytes_sent"] += sum(t.numel() * t.element_size() for t in (header, x_rows, ints, weights))
-        return sends, status, link.irecv(status, rank, STATUS), reply, layer
+        link, payload = self.link, pack([ints, weights, x_rows])
+        sends = [link.isend(header, rank, HEADER), link.isend(payload, rank, PAYLOAD)]
+        reply = torch.empty(8 + (n_lead + n_rest) * x_rows.shape[1] * x_rows.element_size(), dtype=torch.uint8)
+        self.stats["bytes_sent"] += header.numel() * 8 + payload.numel()
+        shape = (n_lead + n_rest, x_rows.shape[1])
+        return sends, reply, link.irecv(reply, rank, REPLY), shape, x_rows.dtype, layer
 
     def _receive(self, rank: int, pending: tuple[Any, ...] | None) -> torch.Tensor | str | None:
         """`rank`'s answer: its rows, its error (a read error of one of its experts), or None when it had no
         pairs."""
         if pending is None:
             return None
-        sends, status, status_work, reply, layer = pending
+        sends, reply, reply_work, shape, dtype, layer = pending
         link = self.link
         for work in sends:
             link.wait(work, f"sending layer {layer}'s tokens to rank {rank}")
-        link.wait(status_work, f"layer {layer}'s experts from rank {rank}")
-        if int(status) != 0:
-            return f"rank {rank}: {link.recv_json(rank, REPLY, f'layer {layer} error from rank {rank}')}"
-        link.recv(reply, rank, REPLY, f"layer {layer}'s experts from rank {rank}")
-        self.stats["bytes_received"] += reply.numel() * reply.element_size()
-        return reply
+        link.wait(reply_work, f"layer {layer}'s experts from rank {rank}")
+        self.stats["bytes_received"] += reply.numel()
+        if int(reply[:8].view(torch.int64)) != 0:  # the status word
+            return f"rank {rank}: {link.recv_json(rank, ERROR, f'layer {layer} error from rank {rank}')}"
+        return reply[8:].view(dtype).view(shape)
 
     def why_not_stacked(self) -> str | None:
         return ("expert parallelism: the fused decode step runs every layer in one C++ call, and this kernel sends "
@@ -262,6 +261,41 @@ def combine(out: torch.Tensor, routed: RoutedTokens, shares: Sequence[Share],
     add_in_expert_order(out, token_of[pairs[order]], torch.cat(rest_rows)[order])
 
 
+def packed_nbytes(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes of `pack` of tensors of these (shape, dtype): each padded to 8 bytes."""
+    total = 0
+    for shape, dtype in shapes:
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        total += -(-n // 8) * 8
+    return total
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One uint8 message of `tensors`' bytes, each padded to 8 bytes (so every part stays aligned for its view)."""
+    parts = []
+    for t in tensors:
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        parts.append(raw)
+        if raw.numel() % 8:
+            parts.append(raw.new_zeros(8 - raw.numel() % 8))
+    return torch.cat(parts)
+
+
+def unpack(blob: torch.Tensor, shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """The tensors `pack` put in `blob` (views, no copies), given their (shape, dtype)."""
+    out, at = [], 0
+    for shape, dtype in shapes:
+        n = packed_nbytes([(shape, dtype)])
+        count = 1
+        for d in shape:
+            count *= d
+        out.append(blob[at : at + count * dtype.itemsize].view(dtype).view(shape))
+        at += n
+    return out
+
+
 def serve_layer_calls(link: Link, kernel: ExpertKernel, store: ExpertStore, hidden: int) -> None:
     """A worker's loop: each layer call of the head computed on this rank's store (local expert ids) and answered,
     until the head sends STOP. A read error of an expert is answered as one (the head fails the requests that
@@ -272,19 +306,18 @@ def serve_layer_calls(link: Link, kernel: ExpertKernel, store: ExpertStore, hidd
         op, layer, rows, pairs, _, batch_tokens, weight_code, x_code = header.tolist()
         if op == 0:
             return
-        x_rows = torch.empty(rows, hidden, dtype=DTYPES[x_code])
-        ints = torch.empty(3, pairs, dtype=torch.int64)
-        weights = torch.empty(pairs, dtype=DTYPES[weight_code])
-        what = f"layer {layer}'s tokens from the head"
-        for tensor, tag in ((x_rows, X), (ints, PAIRS), (weights, WEIGHTS)):
-            link.recv(tensor, 0, tag, what)
+        shapes = [((3, pairs), torch.int64), ((pairs,), DTYPES[weight_code]), ((rows, hidden), DTYPES[x_code])]
+        payload = torch.empty(packed_nbytes(shapes), dtype=torch.uint8)
+        link.recv(payload, 0, PAYLOAD, f"layer {layer}'s tokens from the head")
+        ints, weights, x_rows = unpack(payload, shapes)
+        status = torch.zeros(1, dtype=torch.int64)
         try:
             wanted = torch.unique(ints[0]).tolist()
             y = compute_share(kernel, store.experts(layer, wanted), x_rows, ints[0], ints[1], ints[2].bool(), weights,
                               batch_tokens)
-        except MoeserveError as err:
-            link.send(torch.ones(1, dtype=torch.int64), 0, STATUS, f"layer {layer}'s error")
-            link.send_json(str(err), 0, REPLY, f"layer {layer}'s error")
+        except MoeserveError as err:  # the same bytes as an answer, with status 1, then the error
+            n_reply = int(header[4]) + int((ints[2] == 0).sum())
+            link.send(pack([status + 1, x_rows.new_zeros(n_reply, hidden)]), 0, REPLY, f"layer {layer}'s error")
+            link.send_json(str(err), 0, ERROR, f"layer {layer}'s error")
             continue
-        link.send(torch.zeros(1, dtype=torch.int64), 0, STATUS, f"layer {layer}'s answer")
-        link.send(y.contiguous(), 0, REPLY, f"layer {layer}'s answer")
+        link.send(pack([status, y]), 0, REPLY, f"layer {layer}'s answer")
