@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,14 +97,24 @@ class Head:
         """Compare every worker's numerics id with the head's; refuse (ConfigError, every worker told) or go."""
         mine = {**self.identity, "numerics": numerics}
         problem = None
-        for rank in range(1, self.link.size):
-            theirs = self.link.recv_json(rank, NUMERICS, f"rank {rank}'s numerics")
-            problem = problem or first_mismatch(mine, {**self.identity, **theirs}, rank, ("numerics",))
-        for rank in range(1, self.link.size):
-            self.link.send_json({"error": problem} if problem else {"ok": True}, rank, VERDICT, "the verdict")
+        with start_up_errors():
+            for rank in range(1, self.link.size):
+                theirs = self.link.recv_json(rank, NUMERICS, f"rank {rank}'s numerics")
+                problem = problem or first_mismatch(mine, {**self.identity, **theirs}, rank, ("numerics",))
+            for rank in range(1, self.link.size):
+                self.link.send_json({"error": problem} if problem else {"ok": True}, rank, VERDICT, "the verdict")
         if problem:
             self.link.close()
             raise ConfigError(problem)
+
+
+@contextmanager
+def start_up_errors() -> Iterator[None]:
+    """A rank lost during start-up is a one-line error (a ConfigError), not a traceback."""
+    try:
+        yield
+    except PeerLost as err:
+        raise ConfigError(str(err)) from None
 
 
 def start_head(s: EngineSettings, ckpt: Checkpoint, num_experts: int) -> Head:
@@ -110,9 +122,14 @@ def start_head(s: EngineSettings, ckpt: Checkpoint, num_experts: int) -> Head:
     budget = _need_budget(s, "the head")
     if not s.ep_listen:
         raise ConfigError("expert parallelism: --ep-workers needs --ep-listen HOST:PORT (where the workers join)")
-    t0 = time.monotonic()
     log.info("expert parallelism: waiting for %d worker(s) on %s", s.ep_workers, s.ep_listen)
-    link = connect_head(s.ep_listen, s.ep_workers, s.ep_timeout, s.ep_any_interface)
+    with start_up_errors():
+        return _handshake(s, ckpt, num_experts, budget)
+
+
+def _handshake(s: EngineSettings, ckpt: Checkpoint, num_experts: int, budget: float) -> Head:
+    t0 = time.monotonic()
+    link = connect_head(s.ep_listen or "", s.ep_workers, s.ep_timeout, s.ep_any_interface)
     identity = checkpoint_identity(ckpt)
     budgets, problem = [budget], None
     for rank in range(1, link.size):
@@ -143,6 +160,23 @@ def run_worker(s: EngineSettings, head: str) -> int:
         raise ConfigError("moeserve ep-worker needs MODEL: its own local copy of the head's model")
     arch, spec = read_model(ckpt)
     probe = StartupProbe(fix_mmap_threshold())
+    with start_up_errors():
+        link, store, kernel, mine = _join(s, ckpt, arch, spec, probe, head, budget)
+    log.info("expert parallelism: rank %d serves experts %s of each of %d MoE layers (%s; %s)", link.rank,
+             format_ids(mine), len(spec.moe_layer_ids), store.describe(), kernel.describe())
+    try:
+        serve_layer_calls(link, kernel, store, spec.hidden_size)
+    except PeerLost as err:
+        raise ConfigError(f"{err}: the head is gone") from None
+    finally:
+        store.close()
+    log.info("expert parallelism: rank %d stopped by the head", link.rank)
+    return 0
+
+
+def _join(s: EngineSettings, ckpt: Checkpoint, arch: Any, spec: ModelSpec, probe: StartupProbe, head: str,
+          budget: float) -> tuple[Link, ExpertStore, Any, list[int]]:
+    """A worker's start-up: join, hello, the split, its store and kernel, the numerics verdict."""
     link = connect_worker(head, s.ep_timeout)
     log.info("expert parallelism: joined %s as rank %d of %d", head, link.rank, link.size)
     link.send_json({**checkpoint_identity(ckpt), "memory_gb": budget}, 0, HELLO, "the hello")
@@ -154,17 +188,9 @@ def run_worker(s: EngineSettings, head: str) -> int:
     link.send_json({"numerics": numerics}, 0, NUMERICS, "the numerics")
     verdict = link.recv_json(0, VERDICT, "the verdict")
     if "error" in verdict:
-        raise ConfigError(str(verdict["error"]))
-    log.info("expert parallelism: rank %d serves experts %s of each of %d MoE layers (%s; %s)", link.rank,
-             format_ids(mine), len(spec.moe_layer_ids), store.describe(), kernel.describe())
-    try:
-        serve_layer_calls(link, kernel, store, spec.hidden_size)
-    except PeerLost as err:
-        raise ConfigError(f"{err}: the head is gone") from None
-    finally:
         store.close()
-    log.info("expert parallelism: rank %d stopped by the head", link.rank)
-    return 0
+        raise ConfigError(str(verdict["error"]))
+    return link, store, kernel, mine
 
 
 def _worker_store(ckpt: Checkpoint, arch: Any, spec: ModelSpec, s: EngineSettings, probe: StartupProbe,
