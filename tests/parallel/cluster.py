@@ -34,9 +34,11 @@ def worker_flags(settings: dict[str, Any]) -> list[str]:
     return flags
 
 
-def start_worker(model: Path, head: str, memory_gb: float, *flags: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "moeserve", "ep-worker", str(model), "--head", head, "--memory-gb", str(memory_gb),
-           *flags]
+def start_worker(model: Path, head: str, memory_gb: float, *flags: str,
+                 prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    """`moeserve ep-worker` in a child process (`prefix`: e.g. `ip netns exec NS`, which execs it in place)."""
+    cmd = [*prefix, sys.executable, "-m", "moeserve", "ep-worker", str(model), "--head", head, "--memory-gb",
+           str(memory_gb), *flags]
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
 

@@ -1,5 +1,6 @@
 """Expert parallelism's faults, with `moeserve serve` as the head and one `moeserve ep-worker`, both real processes
-on 127.0.0.1 with --ep-timeout 2: a worker killed (SIGKILL) or frozen (SIGSTOP) mid-stream becomes an error event on
+with --ep-timeout 2: a worker killed (SIGKILL) or frozen (SIGSTOP) mid-stream, on 127.0.0.1, or cut off (its own
+network namespace behind a veth pair the test makes, whose host end goes down; needs root), becomes an error event on
 the open stream within the timeout + 1 s, and /health?strict=true answers 503 afterwards: never a hang, never a
 wrong number. Before the fault, each rank's peak RSS is within its own memory_gb."""
 
@@ -7,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -47,23 +50,73 @@ def stream_until_error(url: str, fault: Callable[[], None]) -> tuple[int, float]
     raise AssertionError("the stream ended without an error event")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
-def test_a_lost_worker_is_an_error_within_the_timeout(sig: signal.Signals) -> None:
-    address = free_address()
+class CutLink:
+    """A network namespace with a veth pair, made by the test: the head listens on the host end, the worker runs
+    in the namespace behind the other end; `cut()` takes the host end down (a link cut, both processes alive)."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100000
+        self.ns, self.host_if, self.ns_if = f"ep-ns{tag}", f"ep-h{tag}", f"ep-w{tag}"
+        net = f"10.{213 + tag % 40}.{tag % 250}"
+        self.host_ip, self.ns_ip = f"{net}.1", f"{net}.2"
+        for cmd in (["ip", "netns", "add", self.ns],
+                    ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
+                    ["ip", "link", "set", self.ns_if, "netns", self.ns],
+                    ["ip", "addr", "add", f"{self.host_ip}/30", "dev", self.host_if],
+                    ["ip", "link", "set", self.host_if, "up"],
+                    ["ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ns_ip}/30", "dev", self.ns_if],
+                    ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up"],
+                    ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"]):
+            subprocess.run(cmd, check=True, capture_output=True)
+
+    def cut(self) -> None:
+        subprocess.run(["ip", "link", "set", self.host_if, "down"], check=True)
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", self.ns], capture_output=True)
+
+
+def can_make_namespaces() -> bool:
+    name = f"ep-probe{os.getpid()}"
+    made = shutil.which("ip") is not None and subprocess.run(["ip", "netns", "add", name],
+                                                              capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return made
+
+
+FAULTS = ["SIGKILL", "SIGSTOP", "cut-link"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
+    link = None
+    if fault == "cut-link":
+        if not can_make_namespaces():
+            pytest.skip("network namespaces need root (ip netns add)")
+        link = CutLink()
+        address, prefix = f"{link.host_ip}:{free_address().rsplit(':', 1)[1]}", ("ip", "netns", "exec", link.ns)
+    else:
+        address, prefix = free_address(), ()
     model = demo_model_path()
     head, url = start_subprocess_server(model, "--memory-gb", str(HEAD_GB), "--ep-listen", address,
                                         "--ep-workers", "1", "--ep-timeout", str(TIMEOUT_S), "--max-num-seqs", "2")
     worker = start_worker(model, address, WORKER_GB, "--dtype", "float32", "--threads", "1", "--ep-timeout",
-                          str(TIMEOUT_S))
+                          str(TIMEOUT_S), prefix=prefix)
+    act = {"SIGKILL": lambda: os.kill(worker.pid, signal.SIGKILL), "SIGSTOP": lambda: os.kill(worker.pid, signal.SIGSTOP),
+           "cut-link": lambda: link.cut() if link is not None else None}[fault]
     try:
         wait_healthy(url, proc=head)
         assert peak_rss_bytes(head.pid) <= HEAD_GB * 2**30
         assert peak_rss_bytes(worker.pid) <= WORKER_GB * 2**30
-        chunks, seconds = stream_until_error(url, lambda: os.kill(worker.pid, sig))
-        assert chunks == 3 and seconds <= TIMEOUT_S + 1, f"the error came {seconds:.1f} s after {sig.name}"
+        chunks, seconds = stream_until_error(url, act)
+        assert chunks == 3 and seconds <= TIMEOUT_S + 1, f"the error came {seconds:.1f} s after {fault}"
         health = httpx.get(url + "/health", params={"strict": "true"}, timeout=10)
         assert health.status_code == 503 and "expert parallelism" in health.text, health.text
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         reap(worker)
         stop_subprocess_server(head)
+        if link is not None:
+            link.close()
