@@ -218,11 +218,14 @@ def worker_capacity(budget_gb: float, runtime_bytes: int, unit_nbytes: int, tota
                     s: EngineSettings, dtype: torch.dtype) -> int:
     """Units a worker's store holds: what its budget leaves after the process (`runtime_bytes`, measured), the read
     buffers (4 units) and one layer call's activations (a batch's tokens x top_k pairs: rows, outputs and the
-    kernel's intermediates); all its experts when they fit. ConfigError when not even one unit fits."""
+    kernel's intermediates), and at most `expert_cache_gb` when set; all its experts when they fit. ConfigError when
+    not even one unit fits."""
     pairs = (s.max_num_batched_tokens or 2048) * spec.moe.top_k
     inter = spec.moe.intermediate_size or spec.hidden_size
     activations = pairs * (4 * spec.hidden_size + 3 * inter) * dtype.itemsize
     free = int(budget_gb * 2**30) - runtime_bytes - 4 * unit_nbytes - activations
+    if s.expert_cache_gb is not None:  # set: the expert cache at most that, as on the head
+        free = min(free, max(unit_nbytes, int(s.expert_cache_gb * 2**30)))
     capacity = min(total, free // unit_nbytes)
     if capacity < 1:
         raise ConfigError(f"expert parallelism: memory_gb={budget_gb:g} holds no expert unit ({unit_nbytes / 2**20:.1f}"

@@ -5,7 +5,8 @@ models of three architectures at top-4 and top-8 (Qwen3-MoE; Qwen2-MoE with a sh
 linear attention), contiguous and round-robin ownership, the C++ and the torch kernels, prompts of mixed lengths
 batched together with chunked prefill, then decode. Each worker's peak RSS stays within its memory_gb and its store
 holds only its experts; a worker whose settings change the numerics is refused at start-up in one line naming the
-field."""
+field; a worker's expert read error (its own copy of the model truncated) fails the call in one line, and the next
+call, once the file is whole, gives the right output."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.engine.llm_engine import demo_model_path
-from moeserve.errors import ConfigError
+from moeserve.errors import ConfigError, ExpertLoadError
 from moeserve.models.experts.remote import ExpertParallel
 from tests.logits_capture import generate_capturing_logits
 from tests.parallel.cluster import free_address, reap, start_worker, worker_flags
@@ -126,3 +127,36 @@ def test_mismatched_numerics_are_refused_at_start_up(model_of) -> None:
     status, _, output = reap(worker)
     assert status == 1 and "error: expert parallelism: rank 1 refused: numerics differs" in output, output[-2000:]
     assert "serves experts" not in output  # refused before serving
+
+
+def test_a_workers_read_error_fails_the_call_and_the_next_call_works(tiny_checkpoint, copy_checkpoint) -> None:
+    """The worker reads its experts from its own copy of the model (offloaded: a 1-unit cache); that copy's shard is
+    truncated mid-run: the call fails with the worker's one-line read error, and once the file is whole again the
+    next call gives the right output (the head and the worker stay in step after an error)."""
+    original = tiny_checkpoint("qwen3_moe")
+    mine = copy_checkpoint(original)
+    shard = mine / "model.safetensors"
+    address = free_address()
+    worker = start_worker(mine, address, WORKER_GB, "--dtype", "float32", "--threads", "1", "--expert-cache-gb",
+                          "4e-6")
+    prompt, params = {"prompt_token_ids": [3, 17, 42, 9]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    try:
+        llm = LLM(str(original), skip_tokenizer_init=True, dtype="float32", threads=1, memory_gb=1.5,
+                  ep_listen=address, ep_workers=1)
+        try:
+            expected = llm.generate(prompt, params)[0].outputs[0].token_ids
+            whole = shard.read_bytes()
+            with open(shard, "r+b") as f:
+                f.truncate(len(whole) // 8)  # every expert's bytes are gone from the worker's copy
+            with pytest.raises(ExpertLoadError, match=r"^rank 1: .*model\.safetensors") as err:
+                llm.generate(prompt, params)
+            assert "\n" not in str(err.value)
+            shard.write_bytes(whole)
+            assert llm.generate(prompt, params)[0].outputs[0].token_ids == expected
+        finally:
+            llm.engine.close()
+    finally:
+        status, _, output = reap(worker)
+    assert status == 0, output[-2000:]
+    offloaded = re.search(r"serves experts .* \(fast tier \(cpu\) 1 of (\d+) experts", output)
+    assert offloaded and int(offloaded[1]) > 1, output[-2000:]  # its store held 1 of its experts: misses read
