@@ -48,13 +48,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tiny(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any) -> Path:
-    """A random DeepseekV3ForCausalLM saved by transformers' save_pretrained (correction biases randomized)."""
+def write_tiny(folder: Path, dtype: torch.dtype = torch.float32, seed: int = 0, model_type: str = "deepseek_v3",
+               **overrides: Any) -> Path:
+    """A random DeepseekV3ForCausalLM (or another `model_type` of its family) saved by transformers' save_pretrained
+    (correction biases randomized)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from moeserve.bench.checkpoints import randomize_zero_inits
 
-    config = AutoConfig.for_model("deepseek_v3", **{**TINY, **overrides})
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     randomize_zero_inits(model)

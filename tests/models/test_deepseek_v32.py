@@ -14,6 +14,8 @@
   batched and preempted == alone, offloaded == resident, bit for bit. The same on DeepSeek-V3.2 (half-split indexer
   rotary): chunked == one pass and offloaded == resident.
 - The indexer's keys are a sequence-memory kind on the latent's blocks (IndexedLatentKV), logged and planned.
+- FP8 blocks as DeepSeek-V3.2 ships them (the indexer's wq_b and wk too) against transformers on their dequantization.
+- GLM-5's real dimensions truncated to one MoE layer against transformers in fp32 (slow).
 The comparisons run through the shared driver tests/models/exactness.py.
 """
 
@@ -34,6 +36,7 @@ from moeserve.models.registry import get_architecture
 from tests.engine.test_parity_transformers import hf_model
 from tests.models import exactness as X
 from tests.models.test_deepseek_v3 import TINY as DEEPSEEK_TINY
+from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 
 ARCHS = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 TINY = {**DEEPSEEK_TINY, "index_topk": 20, "index_head_dim": 16, "index_n_heads": 8}
@@ -43,16 +46,7 @@ PROMPTS = X.random_prompts(0, (40, 5, 23))
 
 def write_tiny(folder: Path, model_type: str, dtype: torch.dtype, seed: int = 0, **overrides: Any) -> Path:
     """A random DSA model of TINY saved by transformers' save_pretrained (correction biases randomized)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from moeserve.bench.checkpoints import randomize_zero_inits
-
-    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    randomize_zero_inits(model)
-    model.save_pretrained(folder)
-    return folder
+    return write_deepseek(folder, dtype, seed, model_type=model_type, **{**TINY, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -199,11 +193,13 @@ def test_one_head_ties_are_everywhere_in_transformers(tiny) -> None:
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
 def test_chunked_prefill_and_offloaded_equal_one_pass_resident(tiny, model_type: str) -> None:
+    """DeepSeek-V3.2's offloaded experts: the FP8 test below."""
     folder = tiny(model_type, torch.bfloat16, heads=1)
     whole = X.run_together(folder, [long_prompt()], max_model_len=256)
     X.assert_chunked_equals_one_pass(folder, long_prompt(), (37, 64), whole, max_model_len=256)
     assert "DeepSeek Sparse Attention" in whole.choices["decode step"]  # the fused step declines the layer
-    X.assert_offloaded_equals_resident(folder, X.random_prompts(3, (40, 5, 23)), max_model_len=256)
+    if model_type == "glm_moe_dsa":
+        X.assert_offloaded_equals_resident(folder, X.random_prompts(3, (40, 5, 23)), max_model_len=256)
 
 
 def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
@@ -249,21 +245,10 @@ def is_fp8_linear(name: str) -> bool:
 def write_fp8(folder: Path, model_type: str = "deepseek_v32") -> tuple[Path, Path]:
     """(the tiny model in bf16 with every `is_fp8_linear` weight FP8 in 32 x 32 blocks, its reference: the same model
     with those weights replaced by a numpy decoder's dequantization, fp32). Widths 72 / 40 leave partial blocks."""
-    from safetensors.torch import load_file
-
     from tests.fixtures import checkpoints as C
 
     src = write_tiny(folder / "bf16", model_type, torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)
-    quantized, reference = {}, {}
-    for name, tensor in load_file(src / "model.safetensors").items():
-        if not is_fp8_linear(name):
-            quantized[name] = reference[name] = tensor
-            continue
-        prefix = name.removesuffix(".weight")
-        stored = C.fp8_block_quantize(prefix, tensor)
-        quantized |= stored
-        reference[name] = C.fp8_block_reference(prefix, stored).float()
-    return C._write(src, folder / "fp8", quantized, C.FP8_CONFIG), C._write(src, folder / "ref", reference, None)
+    return C.fp8_block_pair(src, folder, is_fp8_linear, C.FP8_CONFIG)
 
 
 def test_fp8_checkpoint_matches_transformers_and_its_experts_stay_fp8(tmp_path: Path) -> None:
@@ -282,4 +267,19 @@ def test_fp8_checkpoint_matches_transformers_and_its_experts_stay_fp8(tmp_path: 
     assert ties[0] > 0 and ties[1] == 0, ties
     assert "fp8" in choices["experts"].lower()
     X.assert_offloaded_equals_resident(quantized, PROMPTS, max_model_len=256)
+
+
+@pytest.mark.slow  # ~40 s of CPU: a 1.3 GB checkpoint written, transformers' fp32 forward at GLM-5's dimensions
+def test_glm5_real_dimensions_match_transformers(tmp_path: Path) -> None:
+    """GLM-5's dimensions (tests/fixtures/real_dims.py GLM_5: one MoE layer, 32 indexer heads of 128, index_topk cut
+    to 16), fp32: transformers' greedy tokens and logprobs within 1e-4, no index-score tie at transformers' cut."""
+    from tests.fixtures.real_dims import write_glm5
+
+    folder = write_glm5(tmp_path / "glm5")
+    ten = [3, 17, 42, 9, 250, 1000, 77, 5, 4000, 12]
+    ref = hf_model(folder, torch.float32)
+    with index_ties(ref) as ties:
+        choices = X.assert_matches_transformers(folder, ref, [ten * 2 + ten[:4], [11, 5, 77]], 4, max_model_len=64)
+    assert ties[0] > 0 and ties[1] == 0, ties
+    assert "32 indexer heads of 128" in choices["latent attention"]
 

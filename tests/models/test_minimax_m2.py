@@ -72,19 +72,10 @@ def write_fp8(folder: Path, **overrides: Any) -> tuple[Path, Path]:
     from tests.fixtures import checkpoints as C
 
     src = write_tiny_checkpoint(folder / "bf16", "minimax_m2", "bfloat16", intermediate_size=40, **overrides)
-    state, quantized, reference = load_file(src / "model.safetensors"), {}, {}
-    for name, tensor in state.items():
-        if not is_fp8_linear(name):
-            quantized[name] = reference[name] = tensor
-            continue
-        prefix = name.removesuffix(".weight")
-        stored = C.fp8_block_quantize(prefix, tensor)
-        quantized |= stored
-        reference[name] = C.fp8_block_reference(prefix, stored).float()
     # the published MiniMax-M2 quantization_config's spelling (fmt float8_e4m3fn) with this test's block size
     config = {**C.FP8_CONFIG, "fmt": "float8_e4m3fn",
               "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
-    return C._write(src, folder / "fp8", quantized, config), C._write(src, folder / "ref", reference, None)
+    return C.fp8_block_pair(src, folder, is_fp8_linear, config)
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,8 @@ def cached_rows(cache: torch.Tensor, table: list[int], end: int) -> torch.Tensor
 
 
 class MlaAttention(TokenMixer):
+    cpp_op_applies = True  # the C++ mla_attention computes this layer (when the C++ ops are on)
+
     def __init__(self, spec: MlaSpec, num_heads: int, layer: int, q_a: Linear | None, q_a_norm: torch.Tensor | None,
                  q: Linear, kv_a: Linear, kv_a_norm: torch.Tensor, kv_b: torch.Tensor, o: Linear, rotary: Rotary,
                  eps: float, numerics: Numerics = Numerics()) -> None:
@@ -65,8 +67,6 @@ class MlaAttention(TokenMixer):
         else:
             self.w_uk, self.w_uv = w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()  # [nh, nope, R], [nh, R, v]
         self.rotary, self.eps, self.numerics = rotary, eps, numerics
-
-    cpp_op_applies = True  # the C++ mla_attention computes this layer (when the C++ ops are on)
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         q_nope, q_pe, _ = self._project(x, batch, kv)
