@@ -29,6 +29,7 @@ from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
 from tests.models.test_deepseek_v3 import write_tiny_kimi_k25
 from tests.models.test_deepseek_v32 import write_fp8 as write_dsa_fp8
+from tests.models.test_deepseek_v32 import write_nvfp4 as write_dsa_nvfp4
 from tests.models.test_deepseek_v32 import write_tiny as write_dsa
 from tests.models.test_minimax_m2 import write_fp8 as write_minimax_fp8
 from tests.models.test_qwen3_next import TINY_QWEN35_TEXT, write_tiny_qwen35, write_tiny_qwen35_text
@@ -126,6 +127,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "qwen3_moe-mxfp4-ct": _quantized(C.mxfp4_ct_quantize, C.MXFP4_CT_CONFIG),
     "deepseek_v3-fp8-block": _deepseek_fp8,
     "deepseek_v32-fp8-block": lambda folder: write_dsa_fp8(folder)[0],  # indexer wq_b / wk FP8, weights_proj not
+    "glm_moe_dsa-nvfp4-modelopt": lambda folder: write_dsa_nvfp4(folder)[0],  # likewise in NVFP4
     "minimax_m2-fp8-block": lambda folder: write_minimax_fp8(folder)[0],  # attention and experts FP8, as shipped
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
 }

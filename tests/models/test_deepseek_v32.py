@@ -21,6 +21,7 @@ The comparisons run through the shared driver tests/models/exactness.py.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -248,7 +249,7 @@ def write_fp8(folder: Path, model_type: str = "deepseek_v32") -> tuple[Path, Pat
     from tests.fixtures import checkpoints as C
 
     src = write_tiny(folder / "bf16", model_type, torch.bfloat16, intermediate_size=72, moe_intermediate_size=40)
-    return C.fp8_block_pair(src, folder, is_fp8_linear, C.FP8_CONFIG)
+    return C.quantized_pair(src, folder, is_fp8_linear, C.FP8_CONFIG)
 
 
 def test_fp8_checkpoint_matches_transformers_and_its_experts_stay_fp8(tmp_path: Path) -> None:
@@ -267,6 +268,35 @@ def test_fp8_checkpoint_matches_transformers_and_its_experts_stay_fp8(tmp_path: 
     assert ties[0] > 0 and ties[1] == 0, ties
     assert "fp8" in choices["experts"].lower()
     X.assert_offloaded_equals_resident(quantized, PROMPTS, max_model_len=256)
+
+
+def write_nvfp4(folder: Path) -> tuple[Path, Path]:
+    """(a tiny GLM-5 as ModelOpt exports NVFP4, hf_quant_config.json: the Linears of `is_fp8_linear` in NVFP4 (group
+    16; q_lora_rank 32 so every input width is a multiple of it), the router, lm_head and indexer.weights_proj as
+    stored; its reference: those weights dequantized by torchao's NVFP4Tensor in fp32)."""
+    from tests.fixtures import checkpoints as C
+
+    src = write_tiny(folder / "bf16", "glm_moe_dsa", torch.bfloat16, q_lora_rank=32)
+    hf_quant = {**C.MODELOPT_HF_QUANT_CONFIG, "quantization": {
+        **C.MODELOPT_HF_QUANT_CONFIG["quantization"], "exclude_modules": ["lm_head", "*.mlp.gate", "*weights_proj"]}}
+    reference = functools.partial(C.nvfp4_modelopt_reference, dtype=torch.float32)
+    return C.quantized_pair(src, folder, is_fp8_linear, None, C.nvfp4_modelopt_quantize, reference,
+                            {"hf_quant_config.json": hf_quant})
+
+
+def test_nvfp4_checkpoint_matches_transformers_on_its_dequantization(tmp_path: Path) -> None:
+    """GLM-5 as NVFP4 ships it (ModelOpt): fp32 against transformers on an independent dequantization of the same
+    bytes; the experts stay NVFP4."""
+    from moeserve.checkpoint.folder import open_checkpoint
+
+    quantized, reference = write_nvfp4(tmp_path)
+    names = open_checkpoint(quantized).tensors
+    assert "model.layers.1.self_attn.indexer.wq_b.weight_scale_2" in names
+    ref = hf_model(reference, torch.float32)
+    with index_ties(ref) as ties:
+        choices = X.assert_matches_transformers(quantized, ref, PROMPTS)
+    assert ties[0] > 0 and ties[1] == 0, ties
+    assert "nvfp4" in choices["experts"].lower()
 
 
 @pytest.mark.slow  # ~40 s of CPU: a 1.3 GB checkpoint written, transformers' fp32 forward at GLM-5's dimensions

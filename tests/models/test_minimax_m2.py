@@ -75,7 +75,7 @@ def write_fp8(folder: Path, **overrides: Any) -> tuple[Path, Path]:
     # the published MiniMax-M2 quantization_config's spelling (fmt float8_e4m3fn) with this test's block size
     config = {**C.FP8_CONFIG, "fmt": "float8_e4m3fn",
               "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
-    return C.fp8_block_pair(src, folder, is_fp8_linear, config)
+    return C.quantized_pair(src, folder, is_fp8_linear, config)
 
 
 @pytest.fixture(scope="module")
