@@ -93,10 +93,14 @@ class Head:
         """Units the head's own store holds at most: its experts of every MoE layer."""
         return len(spec.moe_layer_ids) * len(owned(self.owners, 0))
 
-    def confirm(self, numerics: str) -> None:
-        """Compare every worker's numerics id with the head's; refuse (ConfigError, every worker told) or go."""
+    def confirm(self, numerics: str, device: torch.device) -> None:
+        """Compare every worker's numerics id with the head's; refuse (ConfigError, every worker told) or go. The
+        head computes on the CPU (its rows go to the workers through gloo's CPU tensors)."""
         mine = {**self.identity, "numerics": numerics}
         problem = None
+        if device.type != "cpu":
+            problem = (f"expert parallelism runs on CPU ranks only (the head's device is {device.type}): set "
+                       "--device cpu on the head")
         with start_up_errors():
             for rank in range(1, self.link.size):
                 theirs = self.link.recv_json(rank, NUMERICS, f"rank {rank}'s numerics")

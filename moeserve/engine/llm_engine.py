@@ -110,7 +110,8 @@ class LLMEngine:
         held = self.ep.held(self.spec) if self.ep is not None else None
         self.plan = plan = make_engine_plan(ckpt, self.arch, self.spec, s, probe, self._chose, held)
         if self.ep is not None:
-            self.ep.confirm(numerics_id(plan.numerics, plan.cpp_kernels, s.cpu_isa, plan.expert_plan, plan.dtype))
+            self.ep.confirm(numerics_id(plan.numerics, plan.cpp_kernels, s.cpu_isa, plan.expert_plan, plan.dtype),
+                            plan.device)
         self.kernel_seconds = probe.kernel_seconds  # a first build takes minutes: kept out of the load time
         torch.set_num_threads(plan.threads)
         self.device, self.dtype, self.dtype_name = plan.device, plan.dtype, plan.dtype_name
