@@ -25,6 +25,7 @@ def decode(llm, tokens: int) -> tuple[list[int], float]:  # type: ignore[no-unty
     from moeserve import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": list(range(5, 37))}], SamplingParams(temperature=0, max_tokens=8))  # warm-up
     out = llm.generate([{"prompt_token_ids": list(range(5, 37))}], params)[0]
     m = out.metrics
     return out.outputs[0].token_ids, (tokens - 1) / (m["last_token_time"] - m["first_token_time"])
@@ -41,12 +42,6 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     common = {"memory_gb": args.memory_gb, "threads": args.threads, "skip_tokenizer_init": True}
-    one = LLM(model=args.model, **common)
-    ids_one, tps_one = decode(one, args.tokens)
-    one.engine.close()
-    per_op = LLM(model=args.model, decode_step="per_op", **common)  # what expert parallelism steps aside to
-    _, tps_per_op = decode(per_op, args.tokens)
-    per_op.engine.close()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{s.getsockname()[1]}"
@@ -59,6 +54,12 @@ def main() -> int:
     stats = dict(kernel.stats)
     two.engine.close()
     worker.wait(timeout=60)
+    one = LLM(model=args.model, **common)
+    ids_one, tps_one = decode(one, args.tokens)
+    one.engine.close()
+    per_op = LLM(model=args.model, decode_step="per_op", **common)  # what expert parallelism steps aside to
+    _, tps_per_op = decode(per_op, args.tokens)
+    per_op.engine.close()
     calls = stats["calls"]
     load = os.getloadavg()[0]
     print(f"LOOPBACK (127.0.0.1, one machine: {os.cpu_count()} CPUs, load average {load:.1f}); "
