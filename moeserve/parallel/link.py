@@ -111,7 +111,8 @@ class Link:
 
 
 def _short(reason: str) -> str:
-    return reason.rsplit("] ", 1)[-1][:200]
+    """gloo's message without its source location and its advice: 'Connection closed by peer [10.0.0.2]:41234'."""
+    return reason.rsplit("] ", 1)[-1].split(". ", 1)[0].rstrip(".")[:200] if "] " in reason else reason[:200]
 
 
 def connect_head(address: str, workers: int, timeout_s: float, any_interface: bool = False,

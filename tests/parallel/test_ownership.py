@@ -10,7 +10,7 @@ import pytest
 
 from moeserve.errors import ConfigError
 from moeserve.parallel.identity import first_mismatch, tensor_index_digest
-from moeserve.parallel.link import check_listen_address, parse_address
+from moeserve.parallel.link import _short, check_listen_address, parse_address
 from moeserve.parallel.ownership import (
     assign_experts,
     describe_ownership,
@@ -75,6 +75,13 @@ def test_addresses() -> None:
         check_listen_address("0.0.0.0", any_interface=False)
     check_listen_address("0.0.0.0", any_interface=True)
     check_listen_address("127.0.0.1", any_interface=False)
+
+
+def test_gloo_errors_are_cut_to_their_first_sentence() -> None:
+    raw = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:41234. "
+           "This is typically caused by a remote worker crashing. Check the logs of the remote worker")
+    assert _short(raw) == "Connection closed by peer [10.0.0.2]:41234"
+    assert _short("Application timeout caused pair closure") == "Application timeout caused pair closure"
 
 
 def test_plan_prints_each_ranks_share_from_config_json_alone(capsys: pytest.CaptureFixture[str]) -> None:
