@@ -2,7 +2,8 @@
 with --ep-timeout 2: a worker killed (SIGKILL) or frozen (SIGSTOP) mid-stream, on 127.0.0.1, or cut off (its own
 network namespace behind a veth pair the test makes, whose host end goes down; needs root), becomes an error event on
 the open stream within the timeout + 1 s, and /health?strict=true answers 503 afterwards: never a hang, never a
-wrong number. Before the fault, each rank's peak RSS is within its own memory_gb."""
+wrong number. Before the fault, each rank's peak RSS is within its own memory_gb (the head's where it is a process:
+the SIGKILL case; the others run the head's server on a thread of the test process, which is cheaper)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ import pytest
 
 from moeserve.engine.llm_engine import demo_model_path
 from tests.parallel.cluster import free_address, peak_rss_bytes, reap, start_worker
-from tests.server.conftest import MODEL_NAME, start_subprocess_server, stop_subprocess_server, wait_healthy
+from tests.server.conftest import (
+    MODEL_NAME,
+    ThreadServer,
+    engine_factory,
+    make_state,
+    start_subprocess_server,
+    stop_subprocess_server,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,6 +98,38 @@ def can_make_namespaces() -> bool:
 FAULTS = ["SIGKILL", "SIGSTOP", "cut-link"]
 
 
+class Head:
+    """The head: `moeserve serve` as a process (SIGKILL's case, where its peak RSS is checked too), or, cheaper, a
+    server on a thread of this process (the other faults)."""
+
+    def __init__(self, address: str, in_process: bool) -> None:
+        model = demo_model_path()
+        self.proc: subprocess.Popen[str] | None = None
+        self.thread: ThreadServer | None = None
+        if in_process:
+            settings = {"memory_gb": HEAD_GB, "ep_listen": address, "ep_workers": 1, "ep_timeout": TIMEOUT_S,
+                        "max_num_seqs": 2}
+            self.thread = ThreadServer(make_state(engine_factory(model, **settings)), wait_ready=False)
+            self.url = self.thread.url
+        else:
+            self.proc, self.url = start_subprocess_server(
+                model, "--memory-gb", str(HEAD_GB), "--ep-listen", address, "--ep-workers", "1", "--ep-timeout",
+                str(TIMEOUT_S), "--max-num-seqs", "2")
+
+    def wait_healthy(self) -> None:
+        if self.thread is not None:
+            wait_healthy(self.url, alive=self.thread.thread.is_alive)
+        else:
+            wait_healthy(self.url, proc=self.proc)
+            assert self.proc is not None and peak_rss_bytes(self.proc.pid) <= HEAD_GB * 2**30
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
+        if self.proc is not None:
+            stop_subprocess_server(self.proc)
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
     link = None
@@ -99,24 +140,22 @@ def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
         address, prefix = f"{link.host_ip}:{free_address().rsplit(':', 1)[1]}", ("ip", "netns", "exec", link.ns)
     else:
         address, prefix = free_address(), ()
-    model = demo_model_path()
-    head, url = start_subprocess_server(model, "--memory-gb", str(HEAD_GB), "--ep-listen", address,
-                                        "--ep-workers", "1", "--ep-timeout", str(TIMEOUT_S), "--max-num-seqs", "2")
-    worker = start_worker(model, address, WORKER_GB, "--dtype", "float32", "--threads", "1", "--ep-timeout",
-                          str(TIMEOUT_S), prefix=prefix)
-    act = {"SIGKILL": lambda: os.kill(worker.pid, signal.SIGKILL), "SIGSTOP": lambda: os.kill(worker.pid, signal.SIGSTOP),
+    worker = start_worker(demo_model_path(), address, WORKER_GB, "--dtype", "float32", "--threads", "1",
+                          "--ep-timeout", str(TIMEOUT_S), prefix=prefix)
+    head = Head(address, in_process=fault != "SIGKILL")
+    act = {"SIGKILL": lambda: os.kill(worker.pid, signal.SIGKILL),
+           "SIGSTOP": lambda: os.kill(worker.pid, signal.SIGSTOP),
            "cut-link": lambda: link.cut() if link is not None else None}[fault]
     try:
-        wait_healthy(url, proc=head)
-        assert peak_rss_bytes(head.pid) <= HEAD_GB * 2**30
+        head.wait_healthy()
         assert peak_rss_bytes(worker.pid) <= WORKER_GB * 2**30
-        chunks, seconds = stream_until_error(url, act)
+        chunks, seconds = stream_until_error(head.url, act)
         assert chunks == 3 and seconds <= TIMEOUT_S + 1, f"the error came {seconds:.1f} s after {fault}"
-        health = httpx.get(url + "/health", params={"strict": "true"}, timeout=10)
+        health = httpx.get(head.url + "/health", params={"strict": "true"}, timeout=10)
         assert health.status_code == 503 and "expert parallelism" in health.text, health.text
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         reap(worker)
-        stop_subprocess_server(head)
+        head.stop()
         if link is not None:
             link.close()
