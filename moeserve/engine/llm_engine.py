@@ -30,13 +30,7 @@ from moeserve.engine.sampling_params import SamplingParams
 from moeserve.engine.scheduler import Scheduler
 from moeserve.engine.sequence import Sequence, Status
 from moeserve.engine.startup_log import CHOICES_LOG, LoadProgress, startup_summary
-from moeserve.errors import (
-    CheckpointError,
-    ExpertLoadError,
-    MoeserveError,
-    RequestError,
-    UnsupportedModelError,
-)
+from moeserve.errors import CheckpointError, ExpertLoadError, MoeserveError, RequestError
 from moeserve.experts.traces.jsonl import open_trace_writer
 from moeserve.experts.traces.moetrace import FailSafeWriter, TraceHeader
 from moeserve.memory.rss import fix_mmap_threshold
@@ -93,9 +87,6 @@ class LLMEngine:
             log.info("model: none given, using the bundled demo model %s", model_path)
         self.checkpoint = ckpt = open_checkpoint(model_path)
         self.arch, self.spec = read_model(ckpt)  # config bounds and tensor shapes checked: nothing sized yet
-        if self.arch.sized_only:  # plan / inspect size it; the engine cannot build it yet
-            raise UnsupportedModelError(f"{ckpt.path / 'config.json'}: architecture {self.arch.name} is not served "
-                                        f"yet: {self.arch.sized_only}")
         probe = StartupProbe(fix_mmap_threshold())  # before the tokenizer and the weights allocate
         self.tokenizer = None
         if not s.skip_tokenizer_init:

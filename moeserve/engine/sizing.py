@@ -18,7 +18,7 @@ from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activa
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
-from moeserve.state.kinds import IndexedLatentKV, LatentKV, RecurrentState
+from moeserve.state.kinds import IndexedLatentKV, LatentKV, NgramState, RecurrentState
 from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, kv_groups
 
 
@@ -64,14 +64,22 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
         return kv_groups(windows, latent=latent, stateless_layers=stateless)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
-    return kv_groups(windows, kind, la.layers, latent, stateless)
+    groups = kv_groups(windows, kind, la.layers, latent, stateless)
+    ng = spec.ngram
+    if ng is not None and spec.hyper is not None:  # PLE: its own group, layer ids past the model's (ngram_state_layer)
+        ple = NgramState(conv_shape=((ng.conv_kernel - 1) * ng.ngram_size, spec.hyper.streams * spec.hidden_size),
+                         state_shape=(ng.ngram_size - 1,), prefill_chunk=CHUNK, snapshots=snapshots)
+        groups.append(KVGroup(ple, tuple(spec.num_layers + i for i in range(len(ng.layers)))))
+    return groups
 
 
 def _latent_kind(spec) -> LatentKV | None:  # noqa: ANN001 - ModelSpec
-    """MLA: one latent row per token and layer, and with DeepSeek Sparse Attention the indexer's key beside it."""
+    """MLA: one latent row per token and layer, and with DeepSeek Sparse Attention the indexer's key beside it; Qwen
+    sparse attention (no MLA): one row of keys, values and the raw index key."""
     m = spec.mla
-    if m is None:
-        return None
+    if m is None:  # Qwen sparse attention: a token's keys, values and raw index key in one row
+        qsa = spec.qsa
+        return None if qsa is None else LatentKV(2 * spec.attention.num_kv_heads * spec.attention.head_dim + qsa.head_dim)
     if m.indexer is not None:
         return IndexedLatentKV(m.latent_width, m.indexer.head_dim)
     return LatentKV(m.latent_width)

@@ -27,9 +27,11 @@ from moeserve.models.experts.kernels import ExpertKernel, choose_expert_kernel
 from moeserve.models.experts.moe import ForcedRouting, MoEBlock, choose_routing
 from moeserve.models.experts.plans import ExpertPlan
 from moeserve.models.experts.remote import EpShare, ExpertParallel
+from moeserve.models.hyper_build import gated_residual, hyper_layer
+from moeserve.models.layer_weights import norm_weight as _norm
+from moeserve.models.layer_weights import qkv_linear as _qkv_linear
 from moeserve.models.layers.base import (
     MLP,
-    NORM_OFFSETS,
     RMS_NORMS,
     DecoderLayer,
     DenseMLP,
@@ -39,17 +41,20 @@ from moeserve.models.layers.base import (
     scales_in_fp32,
 )
 from moeserve.models.layers.block_parts import NoMixer, NoMLP, NoRotary, Relu2MLP
+from moeserve.models.layers.hyper import GatedResidual
+from moeserve.models.layers.hyper_layer import HyperLayers
 from moeserve.models.layers.linear import Linear
 from moeserve.models.loader import WeightLoader
 from moeserve.models.mixers.attention import Attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mixers.mla import MlaAttention, build_mla
+from moeserve.models.mixers.qsa_attention import QsaAttention, build_qsa_attention
 from moeserve.models.numerics import Numerics
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
 from moeserve.models.registry import Architecture, WeightNames
-from moeserve.models.spec import AttentionSpec, ModelSpec
+from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import is_skipped
 from moeserve.state.kv_cache import PagedKVCache
 
@@ -69,8 +74,10 @@ class ModelOptions:
 
 class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
-                 head: Linear | None, store: ExpertStore, resident_bytes: int, options: ModelOptions) -> None:
-        """`head`: the LM head, or None when tied to the embedding (lookups need the table as it is)."""
+                 head: Linear | None, store: ExpertStore, resident_bytes: int, options: ModelOptions,
+                 final_mixer: GatedResidual | None = None) -> None:
+        """`head`: the LM head, or None when tied to the embedding (lookups need the table as it is);
+        `final_mixer`: with hyper-connections (ModelSpec.hyper), the gated residual before the head (no final norm)."""
         self.spec, self.embed, self.layers = spec, embed, layers
         self.final_norm, self.store, self.options = final_norm, store, options
         self._head = head
@@ -79,7 +86,8 @@ class MoeModel:
         self.moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
         self.norm = RMS_NORMS[spec.norm_style][0]
         eps = spec.rms_norm_eps
-        self.layer_pass: LayerPass = (CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
+        self.layer_pass: LayerPass = (HyperLayers(layers, final_mixer) if final_mixer is not None else
+                                      CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
                                       if options.numerics.cpp else TorchLayers(layers, final_norm, self.norm, eps))
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
@@ -198,9 +206,10 @@ def build_model(
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
     choices += _layer_choices(ckpt, arch, spec, layers, load)
-    final_norm = _norm(load, names.final_norm, spec)
+    final_norm = _norm(load, names.final_norm, spec) if spec.hyper is None else torch.empty(0)
+    final_mixer = gated_residual(load, spec, names.hc_final, False, opts) if spec.hyper is not None else None
     head = _lm_head(load, ckpt, names, spec, embed, opts.dense_int8)
-    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts)
+    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts, final_mixer)
     if store.prefetcher is not None:
         link_prefetch(model.moe_blocks)
     model.dequantized_linears = load.dequantized_linears
@@ -224,11 +233,10 @@ def _layer_choices(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, layers
                         f"num_mtp_modules): the multi-token-prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch) + _activation_scales(ckpt, load.scheme)
-    for kind in (Attention, MlaAttention):
+    for kind, what in ((Attention, "attention"), (MlaAttention, "latent attention"), (QsaAttention, "sparse attention")):
         found = [layer.attn for layer in layers if isinstance(layer.attn, kind)]
         if found:
-            choices.append(("attention" if kind is Attention else "latent attention",
-                            f"{len(found)} layers; {found[0].describe()}"))
+            choices.append((what, f"{len(found)} layers; {found[0].describe()}"))  # type: ignore[attr-defined]
     linear = [layer.attn for layer in layers if isinstance(layer.attn, GatedDeltaNet)]
     if linear:
         choices.append(("linear attention", f"{len(linear)} layers; {linear[0].describe()}"))
@@ -268,13 +276,6 @@ def _activation_scales(ckpt: Checkpoint, scheme: QuantScheme) -> list[tuple[str,
     roles = ", ".join(sorted({name.rpartition(".")[2] for name in names}))
     return [("not loaded: activation scales", f"{len(names)} tensors ({roles}) for quantizing the activations to "
              f"{scheme.weight_format.name}: activations are computed in the compute dtype, the weights dequantized")]
-
-
-def _norm(load: WeightLoader, name: str, spec: ModelSpec, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """A norm weight in the dtype its style keeps it in, with its style's offset (zero-centred: 1 + w) added once."""
-    weight = load.tensor(name, shape or (spec.hidden_size,), RMS_NORMS[spec.norm_style][1])
-    offset = NORM_OFFSETS.get(spec.norm_style)
-    return weight.add_(offset) if offset else weight
 
 
 def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dtype: torch.dtype) -> str:
@@ -324,6 +325,8 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
     else:
         mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
                          spec.dense_intermediate_size, opts)
+    if spec.hyper is not None:
+        return hyper_layer(load, arch, spec, L, attn, mlp, opts)
     norm = RMS_NORMS[spec.norm_style][0]
     # a part the layer does not have (one-part blocks: Nemotron-H) adds zeros whatever its norm: ones, unread
     input_norm = _norm(load, n(names.input_norm), spec) if L not in spec.mixerless_layers else None
@@ -356,6 +359,8 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         return build_gated_delta(load, arch, spec, L, opts.numerics)
     if spec.mla is not None:
         return build_mla(load, arch, spec, L, rotary, opts.numerics)
+    if spec.qsa is not None:
+        return build_qsa_attention(load, arch, spec, L, rotary, opts.numerics)
     return _build_attention(load, arch, spec, L, rotary, opts)
 
 
@@ -382,21 +387,3 @@ def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L:
         rotary=rotary, eps=spec.rms_norm_eps, numerics=opts.numerics,
         qk_norm=RMS_NORMS[spec.norm_style][0] if a.qk_norm == "per_head" else RMS_NORMS["cast_then_scale"][0],
     )
-
-
-def _qkv_linear(load: WeightLoader, names: WeightNames, a: AttentionSpec, L: int, h: int) -> Linear:
-    """q, k, v stacked into one Linear; with an output gate, q_proj's rows [heads, (query, gate), d] are split and
-    the gates stacked last: [q, k, v, gate]."""
-    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    parts = [(names.q_proj.format(L=L), q), (names.k_proj.format(L=L), kv), (names.v_proj.format(L=L), kv)]
-    if not a.output_gate:
-        return load.stacked_linear(parts, h, a.qkv_bias)
-    query_gate = load.linear_weight(parts[0][0], 2 * q, h).view(a.num_heads, 2, a.head_dim, h)
-    weight = torch.cat([query_gate[:, 0].reshape(q, h)] + [load.linear_weight(p, r, h) for p, r in parts[1:]]
-                       + [query_gate[:, 1].reshape(q, h)])
-    bias = None
-    if a.qkv_bias:
-        qb = load.tensor(parts[0][0] + ".bias", (2 * q,)).view(a.num_heads, 2, a.head_dim)
-        bias = torch.cat([qb[:, 0].reshape(q)] + [load.tensor(p + ".bias", (r,)) for p, r in parts[1:]]
-                         + [qb[:, 1].reshape(q)])
-    return load.make_linear(weight, bias)

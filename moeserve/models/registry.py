@@ -104,9 +104,6 @@ class Architecture(ABC):
     # Checkpoint tensors not served, by name prefix, and why (a vision tower, multi-token-prediction layers): never
     # read, counted in no resident size, named in the start-up log (models/validate.py is_skipped)
     unserved: ClassVar[tuple[tuple[str, str], ...]] = ()
-    # Non-empty: what building the model still needs. `plan` and `inspect` size it from its spec; the engine refuses
-    # it in one line saying so (engine/llm_engine.py), before anything is allocated
-    sized_only: ClassVar[str] = ""
 
     @abstractmethod
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:

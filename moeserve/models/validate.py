@@ -17,6 +17,7 @@ a shape that matches here is a byte range that can be read.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -307,6 +308,10 @@ def kept_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
         if spec.attention.qk_norm == "per_head":
             out |= {t.format(L=L) for L in range(spec.num_layers) if spec.attention_layers[L]
                     for t in (names.q_norm, names.k_norm)}
+        if spec.hyper is not None:  # the gated residuals', PLE's and the indexer's norms are of the same style
+            empty = Checkpoint(path=Path("config.json"), config={}, generation_config={}, tensors={})
+            out |= {name for name, shape, _ in expected_tensors(empty, arch, spec)
+                    if name.endswith("norm.weight") and len(shape) == 1}
     return out
 
 

@@ -195,6 +195,16 @@ class RecurrentState(CacheKind):
         return max(start, end - end % self.prefill_chunk)
 
 
+class NgramState(RecurrentState):
+    """The n-gram per-layer embedding's memory (Qwen4-Exp PLE): per sequence and PLE layer, the last inputs of its
+    dilated conv (`conv_shape`, compute dtype) and the last ngram_size - 1 token ids (`state_shape`, held in fp32:
+    exact below 2**24). A group of its own (a PLE layer's linear attention keeps its own state), snapshotted for
+    prefix caching like the linear layers' state, on the same grid."""
+
+    name = "n-gram state"
+    decode_differs = False  # one formula for every token
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

@@ -1,17 +1,17 @@
-"""Qwen3.8-Flash-Next (transformers' qwen4_exp) as far as it is served today: read and sized, not built.
+"""Qwen3.8-Flash-Next (transformers' qwen4_exp).
 
 - the n-gram hash (models/ngram_hash.py) against transformers' own functions and the buffers its save_pretrained
   writes: head vocabularies (primes), row offsets and hash multipliers;
 - the spec reads what transformers writes (every tensor's shape checked by read_model) and config.json errors are
   one line;
 - parameter counts from the config alone equal transformers' model built on the meta device at the flagship sizes;
-- the engine refuses it in one line, before anything is allocated.
+- the parts against transformers' modules, then the whole model: fp32 tokens and log-probabilities, and in bf16
+  chunked == unchunked, batched/preempted == alone, offloaded == resident, prefix hit == miss (tests/models/exactness.py).
 tests/cli/test_config_only.py checks `plan` and `inspect` from its config against the checkpoint (CASES).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.errors import CheckpointError, UnsupportedModelError
+from moeserve.errors import CheckpointError
 from moeserve.models.config_only import parameter_counts
 from moeserve.models.ngram_hash import head_vocab_sizes, layer_multipliers, padded_rows
 from moeserve.models.registry import get_architecture
 from moeserve.models.validate import read_model
 from tests.fixtures.qwen4_exp import TINY_QWEN4_EXP, write_tiny_qwen4_exp
+from tests.models import exactness as X
 
 # The flagship's shapes: transformers' Qwen4ExpTextConfig defaults (hidden 2048, 40 layers, 512 experts top-10,
 # vocabulary 248320) plus the fields it leaves unset, chosen here (no published config.json was found offline): one
@@ -102,17 +103,6 @@ def test_flagship_counts_equal_transformers_on_the_meta_device() -> None:
     counts = parameter_counts(arch, arch.spec(data, "config.json"))
     assert counts.total == sum(t.numel() for t in stored.values())
     assert counts.ngram_table == sum(t.numel() for name, t in stored.items() if "ngram_embedding" in name)
-
-
-def test_the_engine_refuses_it_in_one_line(tiny: Path) -> None:
-    from moeserve.config import EngineSettings
-    from moeserve.engine.llm_engine import LLMEngine
-
-    with pytest.raises(UnsupportedModelError, match="Qwen4ExpForCausalLM is not served yet: its layers are not "
-                                                    "built yet") as err:
-        LLMEngine(EngineSettings(model=str(tiny), skip_tokenizer_init=True))
-    assert "\n" not in str(err.value)
-    assert json.loads((tiny / "config.json").read_text())["architectures"] == ["Qwen4ExpForCausalLM"]
 
 
 def _row_reader(ple_index: int, layer: int):  # noqa: ANN202
@@ -307,3 +297,57 @@ def test_ple_injection_equals_transformers_whole_and_in_steps(dtype: torch.dtype
         if dtype == torch.float32:
             torch.testing.assert_close(whole, layer(h[None], tokens[None], None)[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(torch.cat(steps), whole)
+
+
+# ------------------------------------------------------------------------------------------- the whole model
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen4_exp(tmp_path_factory.mktemp("qwen4_exp_bf16") / "ckpt", torch.bfloat16)
+
+
+def _prompts(count: int = 3) -> list[list[int]]:
+    """Up to 40 tokens (10 complete index blocks: the indexer chooses 2), end-of-text ids (5) inside two of them."""
+    prompts = X.random_prompts(1, (5, 23, 40)[:count], vocab=320)
+    for p in prompts[1:3]:
+        p[len(p) // 2] = 5
+    return prompts
+
+
+def test_tiny_matches_transformers(tiny: Path) -> None:
+    from tests.engine.test_parity_transformers import hf_model
+
+    choices = X.assert_matches_transformers(tiny, hf_model(tiny, torch.float32), _prompts())
+    assert "2 layers; Qwen sparse attention" in choices["sparse attention"]
+
+
+def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny_bf16: Path) -> None:
+    """A 100-token prompt in one step and in chunks (64 + 36: the linear layers' grid): the same bits."""
+    prompt = X.random_prompts(2, (100,), vocab=320)[0]
+    X.assert_chunked_equals_one_pass(tiny_bf16, prompt, (80,), X.run_together(tiny_bf16, [prompt]))
+
+
+def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny_bf16: Path) -> None:
+    """Four sequences in an attention pool of 8 blocks: preempted and recomputed; each keeps its solo numbers."""
+    prompts = X.random_prompts(7, (30,) * 4, vocab=320)
+    solo = X.run_alone(tiny_bf16, prompts, 10, max_model_len=64)
+    X.assert_batched_and_preempted_equal_solo(tiny_bf16, [(0, p) for p in prompts], 8, 10, 64, solo)
+
+
+def test_offloaded_equals_resident_in_bf16(tiny_bf16: Path) -> None:
+    prompts = _prompts()
+    resident = X.run_together(tiny_bf16, prompts)
+    assert "hyper-connections" in resident.choices["decode step"] or "C++" not in resident.choices["kernels"]
+    X.assert_offloaded_equals_resident(tiny_bf16, prompts, resident)
+
+
+def test_prefix_hits_are_exact(tiny_bf16: Path) -> None:
+    """Prompts sharing a 64-token prefix (the snapshot grid): the n-gram state and the linear layers' state resumed
+    from snapshots, the sparse attention's rows from cached blocks; every step's logits equal those without prefix
+    caching."""
+    from tests.models.test_prefix_cache_recurrent import assert_equal_to_uncached, hits, run_each
+
+    shared, a, b, c = X.random_prompts(3, (64, 10, 12, 8), vocab=320)
+    order = [("A", shared + a), ("B", shared + b), ("C", shared + c)]
+    cached = run_each(tiny_bf16, order)
+    assert hits(cached) == [0, 0, 64]  # B leaves the shared prefix's snapshot, C resumes from it
+    assert_equal_to_uncached(cached, run_each(tiny_bf16, order, enable_prefix_caching=False))

@@ -9,8 +9,7 @@ attention layer, softmax top-k MoE with a gated shared expert, zero-centred norm
 - Qwen sparse attention (`QsaSpec`): an indexer in each attention layer picks the key blocks each query attends.
 
 config.json names the attention layers "indexed_attention" (the published checkpoint: "full_attention", read alike).
-The layers are not built yet (`Architecture.sized_only`): `plan` and `inspect` size the model from its config, the
-engine refuses it in one line.
+The layers: models/layers/hyper_layer.py (built by models/hyper_build.py), models/mixers/qsa_attention.py.
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ from moeserve.models.spec import (
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 _ATTENTION_NAMES = (INDEXED, "full_attention")
-NOT_BUILT = ("its layers are not built yet (hyper-connections, the n-gram per-layer embedding as units of the "
-             "expert store, the sparse-attention indexer); `moeserve plan` and `inspect` size it from its config")
 
 
 def _layer_types(c: ConfigReader, num_layers: int) -> list[str]:
@@ -135,7 +132,6 @@ def qwen4_exp_spec(name: str, c: ConfigReader, dtype: str | None) -> ModelSpec:
 @register
 class Qwen4ExpText(Architecture):
     name = "Qwen4ExpForCausalLM"
-    sized_only = NOT_BUILT
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
         c = ConfigReader(config, where)
@@ -147,7 +143,6 @@ class Qwen4Exp(Architecture):
     name = "Qwen4ExpForConditionalGeneration"
     names = language_model_names()
     unserved = (("model.visual.", "the vision tower (model.visual.*): text input only"), ("mtp.", MTP_REASON))
-    sized_only = NOT_BUILT
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
         text = config.get("text_config")
