@@ -20,17 +20,21 @@ from moeserve.errors import CheckpointError
 
 @dataclass(frozen=True)
 class FusedCodes:
-    """How the C++ 4-bit expert op (csrc/moe_experts_q4.cpp, q4_codes.h) reads a weight of a format as stored: its
-    format word in the op's spec, the elements per group scale, and the roles of the packed codes (two per byte, the
-    low nibble first), the group scales and the float32 tensor scale (None: the format has none). `scale_dtype`: the
-    group scales' dtype the op reads (None: any the format stores, 1 byte)."""
+    """How the C++ expert op (csrc/moe_experts_q4.cpp: q4_codes.cpp, gguf_codes.cpp) reads a weight of a format as
+    stored: its format word in the op's spec, the elements per group scale, and the roles of the packed codes (two
+    per byte, the low nibble first), the group scales (None: in the codes' blocks) and the float32 tensor scale
+    (None: the format has none). `scale_dtype`: the group scales' dtype the op reads (None: any the format stores, 1
+    byte). GGUF blocks: `ggml` the ggml type names the weight may hold (several: its layers differ) and `type_role`
+    the role of the unit's int32 index into them (None: one type)."""
 
     word: str
     group: int
     codes: str
-    scales: str
+    scales: str | None
     tensor_scale: str | None = None
     scale_dtype: torch.dtype | None = None
+    ggml: tuple[str, ...] = ()
+    type_role: str | None = None
 
 
 class Format(ABC):
@@ -87,6 +91,6 @@ class Format(ABC):
         """
 
     def fused_codes(self) -> FusedCodes | None:
-        """Where the C++ 4-bit expert op finds this format's codes and scales (it decodes them to exactly what
+        """Where the C++ expert op finds this format's codes and scales (it decodes them to exactly what
         `dequantize` writes into bf16); None: the op does not read this format."""
         return None

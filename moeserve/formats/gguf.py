@@ -1,9 +1,10 @@
 """GGUF's quantized types as weight formats: one `Format` per ggml type moeserve reads (``gguf-q4_k``, ...).
 
 A GGUF weight is one tensor, role ``weight``: uint8 ``[..., out, row_bytes]``, each row ``in / block_elems`` blocks
-of the type (checkpoint/gguf/quants.py gives the layouts). Experts of a GGUF keep these bytes in every tier; the
-expert kernel dequantizes them at use through `dequantize`, exactly as the `gguf` package's reference does, then
-rounds once into the compute dtype.
+of the type (checkpoint/gguf/quants.py gives the layouts). Experts of a GGUF keep these bytes in every tier. The C++
+expert op reads them as stored (`fused_codes`: csrc/gguf_codes.cpp decodes each block in registers to the bf16 cast
+of what `dequantize` writes); the torch path dequantizes them at use through `dequantize`, exactly as the `gguf`
+package's reference does, then rounds once into the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from moeserve.checkpoint.gguf.quants import DEQUANTIZERS, TYPES_BY_NAME, GGMLType, dequantize
 from moeserve.errors import CheckpointError
-from moeserve.formats.base import Format
+from moeserve.formats.base import Format, FusedCodes
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,15 @@ class GGUFFormat(Format):
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
         out.copy_(dequantize(tensors["weight"], self.ggml).view(out.shape))
+
+    def fused_codes(self) -> FusedCodes | None:
+        if self.ggml.name not in FUSED_TYPES:
+            return None
+        return FusedCodes("gguf", 32, "weight", None, ggml=(self.ggml.name.lower(),))
+
+
+# The ggml types the C++ expert op decodes (csrc/gguf_codes.cpp)
+FUSED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 
 
 def _format_class(type_name: str) -> type[GGUFFormat]:
@@ -85,3 +95,11 @@ class LayerMixedGGUFFormat(Format):
         row = fmt.ggml.row_bytes(out.shape[-1])
         prefix = w.reshape(-1)[: w.numel() // w.shape[-1] * row].view(*w.shape[:-1], row)
         fmt.dequantize({"weight": prefix}, out)
+
+    def fused_codes(self) -> FusedCodes | None:
+        """The op reads the unit's type index and decodes the prefix of that type (a formats' order)."""
+        codes = [f.fused_codes() for f in self.formats]
+        if any(c is None for c in codes):
+            return None
+        return FusedCodes("gguf", 32, "weight", None, ggml=tuple(c.ggml[0] for c in codes if c is not None),
+                          type_role="type")

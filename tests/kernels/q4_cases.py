@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.bench.q4_units import ProjectionShape, assemble, dequantized
+from moeserve.checkpoint.gguf.quants import TYPES_BY_NAME
 from moeserve.experts.unit import UnitLayout
 from moeserve.formats import create_format
 from moeserve.models.experts.fused_spec import Activation, bf16_interleaved_units
@@ -48,8 +49,36 @@ def _bf16_scales(shape: tuple[int, ...], gen: torch.Generator, edge: Edge) -> to
     return s.bfloat16()
 
 
+# byte offsets of the f16 scales in a block of each GGUF type; MXFP4's E8M0 exponent is byte 0
+GGUF_F16 = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def _f16_scales(shape: tuple[int, ...], gen: torch.Generator, edge: Edge) -> torch.Tensor:
+    """f16 scales as a quantizer writes them (a few hundredths), or (edge) with f16 subnormals and zeros among them."""
+    s = torch.randn(shape, generator=gen) * 0.01
+    if edge:
+        pick = torch.rand(shape, generator=gen)
+        s = torch.where(pick < 0.2, torch.randint(-1023, 1024, shape, generator=gen) * 2.0**-24, s)
+        s = torch.where(pick > 0.95, torch.zeros(shape), s)
+    return s.half()
+
+
+def gguf_blocks(type_name: str, rows: int, cols: int, gen: torch.Generator, edge: Edge) -> torch.Tensor:
+    """uint8 [rows, row bytes]: random blocks of a GGUF type, its scales from `_f16_scales` (MXFP4: exponents near
+    2^0, or from the smallest up)."""
+    t = TYPES_BY_NAME[type_name]
+    blocks = torch.randint(0, 256, (rows, cols // t.block_elems, t.block_bytes), generator=gen, dtype=torch.uint8)
+    for at in GGUF_F16.get(type_name, ()):
+        blocks[..., at : at + 2] = _f16_scales((rows, cols // t.block_elems, 1), gen, edge).view(torch.uint8)
+    if type_name == "MXFP4":
+        blocks[..., 0] = _scale_bytes((rows, cols // t.block_elems), gen, (118, 130), edge)
+    return blocks.reshape(rows, -1)
+
+
 def stored(fmt_name: str, rows: int, cols: int, gen: torch.Generator, edge: Edge, group: int) -> dict:
     """Random stored tensors of one weight [rows, cols] in `fmt_name`, by role."""
+    if fmt_name.startswith("gguf-"):
+        return {"weight": gguf_blocks(fmt_name.removeprefix("gguf-").upper(), rows, cols, gen, edge)}
     codes = torch.randint(0, 256, (rows, cols // 2), generator=gen, dtype=torch.uint8)
     if fmt_name == "mxfp4-gpt-oss":
         return {"blocks": codes.view(rows, cols // 32, 16), "scales": _scale_bytes((rows, cols // 32), gen, (118, 128), edge)}

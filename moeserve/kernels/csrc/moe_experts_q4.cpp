@@ -1,5 +1,5 @@
-// Expert op on units the plain SwiGLU ops cannot read: 4-bit experts as stored (MXFP4, NVFP4, INT4: q4_codes.cpp) and
-// gpt-oss's experts (clamped SwiGLU with biases) in bf16, one call per MoE layer and chunk of experts:
+// Expert op on units the plain SwiGLU ops cannot read: 4-bit experts as stored (MXFP4, NVFP4, INT4: q4_codes.cpp), GGUF
+// experts as stored (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks: gguf_codes.cpp) and gpt-oss's experts (clamped SwiGLU with biases) in bf16, one call per MoE layer and chunk of experts:
 //
 //   for each expert e of the chunk, in the order given (ascending ids), and each token t routed to it:
 //     gu    = gate_up_e x_t (+ bias)           [R1]: SwiGLU gate rows then up rows; gpt-oss gate/up interleaved;
@@ -8,7 +8,8 @@
 //     out_t += w_t * (down_e a (+ bias))
 //
 // Numerics. Every (token, row) dot product is canonical_dot.h's order on bf16 weights: a 4-bit weight is the bf16
-// value its format's reference decoder writes (q4_codes.cpp), a bf16 weight itself. So a result depends only on its
+// value its format's reference decoder writes (q4_codes.cpp), a GGUF weight the bf16 cast of the gguf package's fp32
+// dequantized value (gguf_codes.cpp), a bf16 weight itself. So a result depends only on its
 // own token row and the weights: not on the other tokens, the thread count, where the unit lives or the ISA
 // (AVX512-BF16, AVX2 + FMA and scalar give the same bits: tests/kernels/test_q4_experts.py). Around the dots, the
 // roundings of the torch ops the per-expert loop runs (unit_math.py), in bf16:
@@ -57,16 +58,28 @@ struct Matrix {
     const uint8_t* scales;
     const uint16_t* tab;  // MXFP4 / NVFP4: [256][16] by scale byte; INT4: null (made per row)
     int64_t row0, rows;
+    GType gtype;          // fmt=gguf: this unit's ggml type of the shard
   };
   std::vector<Shard> shards;
   const uint16_t* bias = nullptr;
   int64_t k = 0;
 
-  // Row r's codes and tables (INT4 tables into slot `slot` of s.tables: one per row of a block of 4).
-  QRow row(int64_t r, int64_t group, RowScratch& s, int slot) const {
+  const Shard& shard_of(int64_t r) const {
     const Shard* sh = &shards[0];
     for (const Shard& c : shards)
       if (r >= c.row0 && r < c.row0 + c.rows) sh = &c;
+    return *sh;
+  }
+
+  // Row r's blocks (fmt=gguf).
+  GRow grow(int64_t r) const {
+    const Shard& sh = shard_of(r);
+    return GRow{sh.codes + (r - sh.row0) * gguf_row_bytes(sh.gtype, k), sh.gtype};
+  }
+
+  // Row r's codes and tables (INT4 tables into slot `slot` of s.tables: one per row of a block of 4).
+  QRow row(int64_t r, int64_t group, RowScratch& s, int slot) const {
+    const Shard* sh = &shard_of(r);
     const int64_t i = r - sh->row0, groups = k / group;
     const uint8_t* codes = sh->codes + i * (k / 2);
     if (sh->tab != nullptr) return QRow{codes, sh->tab, sh->scales + i * groups, group};
@@ -82,15 +95,21 @@ struct Expert {
   int64_t lo, hi, pair0;  // its pairs token_of[lo:hi], and the first one's row in the scratch
 };
 
-// fn(t, r, dot) for the tokens xs[0 .. nt) against rows 4b .. 4b + 3 of m: the 4-bit kind.
+// fn(t, r, dot) for the tokens xs[0 .. nt) against rows 4b .. 4b + 3 of m: the 4-bit and GGUF kinds.
 template <class Fn>
 void q4_block(const Spec& spec, const Matrix& m, int64_t b, const uint16_t* const* xs, int64_t nt, RowScratch& s,
               Fn&& fn) {
+  const bool gguf = spec.fmt == Fmt::kGguf;
   if (nt <= 4) {  // decode: the 4 rows decoded in registers, once for all the tokens
-    const QRow rows[4] = {m.row(4 * b, spec.group, s, 0), m.row(4 * b + 1, spec.group, s, 1),
-                          m.row(4 * b + 2, spec.group, s, 2), m.row(4 * b + 3, spec.group, s, 3)};
     float res[4][4];
-    rows4_dots(rows, m.k, xs, static_cast<int>(nt), res, true);
+    if (gguf) {
+      const GRow rows[4] = {m.grow(4 * b), m.grow(4 * b + 1), m.grow(4 * b + 2), m.grow(4 * b + 3)};
+      gguf_rows4_dots(rows, m.k, xs, static_cast<int>(nt), res, true);
+    } else {
+      const QRow rows[4] = {m.row(4 * b, spec.group, s, 0), m.row(4 * b + 1, spec.group, s, 1),
+                            m.row(4 * b + 2, spec.group, s, 2), m.row(4 * b + 3, spec.group, s, 3)};
+      rows4_dots(rows, m.k, xs, static_cast<int>(nt), res, true);
+    }
     for (int64_t t = 0; t < nt; ++t)
       for (int r = 0; r < 4; ++r) fn(t, r, res[t][r]);
     return;
@@ -98,7 +117,8 @@ void q4_block(const Spec& spec, const Matrix& m, int64_t b, const uint16_t* cons
   float res[4];  // prefill: each row decoded once into a row buffer the tokens read from L1
   if (static_cast<int64_t>(s.row.size()) < m.k) s.row.resize(m.k);
   for (int r = 0; r < 4; ++r) {
-    decode_row(m.row(4 * b + r, spec.group, s, 0), m.k, s.row.data());
+    if (gguf) gguf_decode_row(m.grow(4 * b + r), m.k, s.row.data());
+    else decode_row(m.row(4 * b + r, spec.group, s, 0), m.k, s.row.data());
     for (int64_t t0 = 0; t0 < nt; t0 += 4) {
       const uint16_t* const* x = xs + t0;
       switch (std::min<int64_t>(4, nt - t0)) {
@@ -232,7 +252,16 @@ Matrix matrix(const Spec& spec, const ProjSpec& p, const at::Tensor& base, std::
       nvfp4_tables(ts, spec.fmt == Fmt::kNvfp4Div, tables.back().data());
       tab = tables.back().data();
     }
-    m.shards.push_back({at + sh.codes, spec.bf16 ? nullptr : at + sh.scales, tab, row0, sh.rows});
+    const bool gguf = !spec.bf16 && spec.fmt == Fmt::kGguf;
+    GType gtype = GType::kQ8_0;
+    if (gguf) {
+      int32_t index = 0;
+      if (sh.type_at >= 0) std::memcpy(&index, at + sh.type_at, 4);
+      TORCH_CHECK(index >= 0 && index < static_cast<int32_t>(sh.types.size()), "moe_q4_experts_: a ", what,
+                  " unit's ggml type index is ", index, "; its spec lists ", sh.types.size(), " types");
+      gtype = sh.types[index];
+    }
+    m.shards.push_back({at + sh.codes, spec.bf16 || gguf ? nullptr : at + sh.scales, tab, row0, sh.rows, gtype});
     row0 += sh.rows;
   }
   return m;
@@ -291,8 +320,11 @@ at::Tensor q4_decode(const at::Tensor& base, const std::string& spec_text, bool 
   const Matrix m = matrix(spec, p, base, tables, "q4_decode");
   at::Tensor w = at::empty({p.rows, p.k}, base.options().dtype(at::kBFloat16));
   RowScratch s;
-  for (int64_t r = 0; r < p.rows; ++r)
-    decode_row(m.row(r, spec.group, s, 0), p.k, reinterpret_cast<uint16_t*>(w.data_ptr()) + r * p.k);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr()) + r * p.k;
+    if (spec.fmt == Fmt::kGguf) gguf_decode_row(m.grow(r), p.k, dst);
+    else decode_row(m.row(r, spec.group, s, 0), p.k, dst);
+  }
   return w;
 }
 

@@ -2,14 +2,17 @@
 // how to read its units. Python writes the spec (moeserve/models/experts/fused_spec.py `ExpertOpSpec.encode`), one
 // string per model, space-separated key=value words:
 //
-//   fmt=bf16|mxfp4|nvfp4-ct|nvfp4-mo|int4   the weights: bf16 row-interleaved (canonical_dot.h's block layout) or a
-//                                            4-bit format (q4_codes.cpp)
+//   fmt=bf16|mxfp4|nvfp4-ct|nvfp4-mo|int4   the weights: bf16 row-interleaved (canonical_dot.h's block layout), a
+//      |gguf                                 4-bit format (q4_codes.cpp) or GGUF blocks (gguf_codes.cpp)
 //   group=G                                   elements per scale (4-bit formats)
 //   act=swiglu|gptoss|relu2  alpha=A limit=L  the activation (gptoss: clamped SwiGLU on interleaved gate/up rows)
 //   gu=ROWSxK  dn=ROWSxK                      the two projections [out, in]: gate_up (or up) and down
 //   gu.bias=OFF  dn.bias=OFF                  byte offset of a bf16 bias [ROWS] (-1: none)
 //   gu.shard=ROWS:CODES:SCALES:TSCALE         one per stored weight, in row order (Qwen's gate then up): byte
 //                                            offsets of its codes, group scales and fp32 tensor scale (-1: none)
+//   gu.ggml=TYPE[|TYPE...][@OFF]              fmt=gguf, after each shard: its ggml type (q8_0, q4_0, q4_k, q5_k,
+//                                            q6_k, mxfp4), or the types its layers store and the byte offset of
+//                                            the unit's int32 index into them (a Q4_K_M file's ffn_down_exps)
 //
 // Offsets are from the data of the projection's first tensor in the unit (the tensor the op is given per expert):
 // a unit is one byte buffer (experts/unit.py), so one tensor per projection reaches all of its fields.
@@ -24,7 +27,7 @@
 namespace moeserve_q4 {
 
 // ------------------------------------------------------------------------------ 4-bit codes (q4_codes.cpp)
-enum class Fmt { kMxfp4, kNvfp4Div, kNvfp4Mul, kInt4 };
+enum class Fmt { kMxfp4, kNvfp4Div, kNvfp4Mul, kInt4, kGguf };
 
 // One weight row: its codes and the table of each group (16 bf16 values: what each nibble decodes to).
 struct QRow {
@@ -47,12 +50,31 @@ void int4_tables(const uint16_t* scales, int64_t groups, uint16_t* out);     // 
 void rows4_dots(const QRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch);
 void decode_row(const QRow& row, int64_t k, uint16_t* w);                    // w[k] = the decoded row (bf16)
 
+// ------------------------------------------------------------------------ GGUF blocks (gguf_codes.cpp)
+enum class GType { kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K, kMxfp4 };
+
+// One weight row of a GGUF type: its blocks as stored.
+struct GRow {
+  const uint8_t* bytes;
+  GType type;
+};
+
+int64_t gguf_row_bytes(GType t, int64_t k);  // bytes of a row of k values
+int64_t gguf_block_elems(GType t);           // values per block: 32 or 256
+// The same as rows4_dots / decode_row for 4 rows of one GGUF type (consecutive rows of one tensor).
+void gguf_rows4_dots(const GRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch);
+void gguf_decode_row(const GRow& row, int64_t k, uint16_t* w);
+
 // ------------------------------------------------------------------------- the op (moe_experts_q4*.cpp)
 
 enum class Act { kSwiglu, kGptOss, kRelu2 };
 
 struct ShardSpec {
   int64_t rows = 0, codes = 0, scales = -1, tscale = -1;
+  // fmt=gguf: the shard's ggml type, or the types its layers store and the byte offset of the unit's int32 index
+  // into them (type_at; -1: one type)
+  std::vector<GType> types;
+  int64_t type_at = -1;
 };
 
 struct ProjSpec {

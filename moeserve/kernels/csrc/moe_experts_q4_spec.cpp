@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <sstream>
 
@@ -47,13 +48,38 @@ ShardSpec read_shard(const std::string& key, const std::string& v) {
   return ShardSpec{f[0], f[1], f[2], f[3]};
 }
 
+// "TYPE[|TYPE...][@OFF]" of the projection's last shard (fmt=gguf)
+void read_ggml(const std::string& key, const std::string& v, ProjSpec& p) {
+  TORCH_CHECK(!p.shards.empty(), "expert op spec: ", key, " before any shard");
+  ShardSpec& sh = p.shards.back();
+  TORCH_CHECK(sh.types.empty(), "expert op spec: two ", key, " words for one shard");
+  const size_t at = v.find('@');
+  if (at != std::string::npos) sh.type_at = to_int(key, v.substr(at + 1));
+  const std::string names = v.substr(0, at);
+  for (size_t i = 0; i <= names.size();) {
+    const size_t end = std::min(names.find('|', i), names.size());
+    const std::string t = names.substr(i, end - i);
+    if (t == "q8_0") sh.types.push_back(GType::kQ8_0);
+    else if (t == "q4_0") sh.types.push_back(GType::kQ4_0);
+    else if (t == "q4_k") sh.types.push_back(GType::kQ4_K);
+    else if (t == "q5_k") sh.types.push_back(GType::kQ5_K);
+    else if (t == "q6_k") sh.types.push_back(GType::kQ6_K);
+    else if (t == "mxfp4") sh.types.push_back(GType::kMxfp4);
+    else TORCH_CHECK(false, "expert op spec: unknown ggml type '", t, "' (q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4)");
+    i = end + 1;
+  }
+  TORCH_CHECK((sh.types.size() > 1) == (sh.type_at >= 0), "expert op spec: ", key, "=", v,
+              ": several types need the offset of the unit's type index, one type none");
+}
+
 void read_format(const std::string& v, Spec& s) {
   if (v == "bf16") s.bf16 = true;
+  else if (v == "gguf") s.fmt = Fmt::kGguf;
   else if (v == "mxfp4") s.fmt = Fmt::kMxfp4;
   else if (v == "nvfp4-ct") s.fmt = Fmt::kNvfp4Div;
   else if (v == "nvfp4-mo") s.fmt = Fmt::kNvfp4Mul;
   else if (v == "int4") s.fmt = Fmt::kInt4;
-  else TORCH_CHECK(false, "expert op spec: unknown fmt '", v, "' (bf16, mxfp4, nvfp4-ct, nvfp4-mo, int4)");
+  else TORCH_CHECK(false, "expert op spec: unknown fmt '", v, "' (bf16, mxfp4, nvfp4-ct, nvfp4-mo, int4, gguf)");
 }
 
 void read_act(const std::string& v, Spec& s) {
@@ -68,16 +94,22 @@ void check_proj(const Spec& s, const ProjSpec& p, const char* name) {
               "x", p.k, "; rows must be a multiple of 4 and columns of 32");
   TORCH_CHECK(!p.shards.empty(), "expert op spec: ", name, " has no shard");
   int64_t rows = 0;
+  const bool gguf = !s.bf16 && s.fmt == Fmt::kGguf;
   for (const ShardSpec& sh : p.shards) {
     TORCH_CHECK(sh.rows > 0 && sh.codes >= 0, "expert op spec: a shard of ", name, " is empty or has no codes");
-    if (!s.bf16) TORCH_CHECK(sh.scales >= 0, "expert op spec: a shard of ", name, " has no scales");
+    if (!s.bf16 && !gguf) TORCH_CHECK(sh.scales >= 0, "expert op spec: a shard of ", name, " has no scales");
+    TORCH_CHECK(gguf != sh.types.empty(), "expert op spec: a shard of ", name,
+                gguf ? " has no ggml type (fmt=gguf)" : " has a ggml type (not fmt=gguf)");
+    for (const GType t : sh.types)
+      TORCH_CHECK(p.k % gguf_block_elems(t) == 0, "expert op spec: ", name, " rows of ", p.k,
+                  " values do not hold whole ", gguf_block_elems(t), "-value blocks");
     rows += sh.rows;
   }
   TORCH_CHECK(rows == p.rows, "expert op spec: the shards of ", name, " hold ", rows, " rows, not ", p.rows);
   if (s.bf16) TORCH_CHECK(p.shards.size() == 1, "expert op spec: bf16 ", name, " is one interleaved matrix");
   if (!s.bf16 && (s.fmt == Fmt::kNvfp4Div || s.fmt == Fmt::kNvfp4Mul))
     for (const ShardSpec& sh : p.shards) TORCH_CHECK(sh.tscale >= 0, "expert op spec: NVFP4 needs a tensor scale");
-  if (!s.bf16) TORCH_CHECK(p.k % s.group == 0, "expert op spec: ", name, " columns ", p.k, " % group ", s.group);
+  if (!s.bf16 && !gguf) TORCH_CHECK(p.k % s.group == 0, "expert op spec: ", name, " columns ", p.k, " % group ", s.group);
 }
 
 }  // namespace
@@ -86,6 +118,11 @@ int64_t ProjSpec::nbytes(bool bf16, Fmt fmt, int64_t group) const {
   int64_t end = bias >= 0 ? bias + 2 * rows : 0;
   const int64_t scale_bytes = fmt == Fmt::kInt4 ? 2 : 1;
   for (const ShardSpec& sh : shards) {
+    if (!bf16 && fmt == Fmt::kGguf) {
+      for (const GType t : sh.types) end = std::max(end, sh.codes + sh.rows * gguf_row_bytes(t, k));
+      if (sh.type_at >= 0) end = std::max(end, sh.type_at + 4);
+      continue;
+    }
     end = std::max(end, sh.codes + (bf16 ? 2 * sh.rows * k : sh.rows * k / 2));
     if (!bf16) end = std::max(end, sh.scales + sh.rows * (k / group) * scale_bytes);
     if (sh.tscale >= 0) end = std::max(end, sh.tscale + 4);
@@ -112,6 +149,8 @@ Spec parse_spec(const std::string& text) {
     else if (key == "dn.bias") s.dn.bias = to_int(key, v);
     else if (key == "gu.shard") s.gu.shards.push_back(read_shard(key, v));
     else if (key == "dn.shard") s.dn.shards.push_back(read_shard(key, v));
+    else if (key == "gu.ggml") read_ggml(key, v, s.gu);
+    else if (key == "dn.ggml") read_ggml(key, v, s.dn);
     else TORCH_CHECK(false, "expert op spec: unknown key '", key, "'");
   }
   TORCH_CHECK(s.bf16 || s.group == 16 || (s.group >= 32 && (s.group & (s.group - 1)) == 0),

@@ -1,5 +1,5 @@
 """The spec of the C++ expert op for units the SwiGLU ops cannot read (csrc/moe_experts_q4.h): 4-bit experts as
-stored (MXFP4, NVFP4, INT4) and gpt-oss's bf16 experts, row-interleaved.
+stored (MXFP4, NVFP4, INT4), GGUF experts as stored (their blocks) and gpt-oss's bf16 experts, row-interleaved.
 
 A unit is one byte buffer (experts/unit.py), so the op is given ONE tensor per projection and expert (the
 projection's first field) and reads the others at the byte offsets the spec names: the same spec for every expert
@@ -51,9 +51,12 @@ def _projection_words(name: str, proj: Projection, layout: UnitLayout) -> tuple[
         if codes is None:
             return f"{shard.fmt.name} weights"
         role = dict(shard.role_fields)
-        scales = layout.fields[role[codes.scales]]
-        if (scales.dtype != codes.scale_dtype) if codes.scale_dtype is not None else scales.dtype.itemsize != 1:
-            return f"{shard.fmt.name} scales in {scales.dtype}"
+        scales_at = -1
+        if codes.scales is not None:
+            scales = layout.fields[role[codes.scales]]
+            if (scales.dtype != codes.scale_dtype) if codes.scale_dtype is not None else scales.dtype.itemsize != 1:
+                return f"{shard.fmt.name} scales in {scales.dtype}"
+            scales_at = scales.offset - at
         tscale = -1
         if codes.tensor_scale is not None:
             field = layout.fields[role[codes.tensor_scale]]
@@ -61,8 +64,10 @@ def _projection_words(name: str, proj: Projection, layout: UnitLayout) -> tuple[
                 return f"a {shard.fmt.name} tensor scale of {field.dtype} {field.shape}"
             tscale = field.offset - at
         rows = shard.rows[1] - shard.rows[0]
-        words.append(f"{name}.shard={rows}:{layout.fields[role[codes.codes]].offset - at}:{scales.offset - at}:"
-                     f"{tscale}")
+        words.append(f"{name}.shard={rows}:{layout.fields[role[codes.codes]].offset - at}:{scales_at}:{tscale}")
+        if codes.ggml:
+            index = "" if codes.type_role is None else f"@{layout.fields[role[codes.type_role]].offset - at}"
+            words.append(f"{name}.ggml={'|'.join(codes.ggml)}{index}")
     return base, " ".join(words)
 
 

@@ -12,7 +12,7 @@ with one rounding per add, so where the experts live never changes a bit of the 
 | torch             | any (the plan's UnitMath)              | per-expert torch loop (CUDA, kernels=torch, formats without a fused op) |
 | cpp-swiglu        | SwiGLU [out, in], bf16/fp32 or int8    | moe_swiglu_ / moe_swiglu_int8_ (decode-sized batches; the torch loop above 64 tokens unless batch-invariant) |
 | cpp-interleaved   | SwiGLU 4-row interleaved, bf16 or int8 | moe_swiglu_interleaved_ / moe_swiglu_int8_interleaved_ (any batch) |
-| cpp-q4            | MXFP4 / NVFP4 / INT4 as stored, gpt-oss bf16 interleaved | moe_q4_experts_ (any batch; SwiGLU, gpt-oss's clamped SwiGLU with biases, relu2) |
+| cpp-q4            | MXFP4 / NVFP4 / INT4 / GGUF blocks as stored, gpt-oss bf16 interleaved | moe_q4_experts_ (any batch; SwiGLU, gpt-oss's clamped SwiGLU with biases, relu2) |
 | batched           | any (UnitMath.bind_stacked)            | GPU: groups of min(top_k, GROUP) experts x ENTRY_ROWS tokens per batched matmul |
 
 `choose_expert_kernel` is the only place that asks what the units are (UnitMath.fused_units). The MoE layer and the
@@ -310,8 +310,9 @@ class CppQ4Experts(_FusedSwiGLU):
         self.name = f"cpp-q4-{self.fmt}"
 
     def describe(self) -> str:
-        how = ("bf16 rows interleaved in blocks of 4" if self.fmt == "bf16" else
-               f"{self.fmt} codes read as stored and decoded in registers to the reference decoder's bf16 values")
+        what = {"bf16": None, "gguf": "GGUF blocks"}.get(self.fmt, f"{self.fmt} codes")
+        how = ("bf16 rows interleaved in blocks of 4" if what is None else
+               f"{what} read as stored and decoded in registers to the reference decoder's bf16 values")
         return (f"{self.name} (moe_q4_experts_: {how}, canonical bf16 dots, {self.act} activation; every batch, "
                 "batch-invariant)")
 

@@ -187,7 +187,7 @@ def stored_format_plan(
     description = (
         f"{what} stored as {'/'.join(sorted(fields.formats))} in every tier ({stored / 2**10:.1f} KiB per "
         f"expert as stored, unit {layout.nbytes / 2**10:.1f} KiB); "
-        + (at_use if isinstance(fused, str) else f"read as stored by the C++ 4-bit op (or, on torch's path, {at_use})")
+        + (at_use if isinstance(fused, str) else f"read as stored by the C++ expert op (or, on torch's path, {at_use})")
     )
     if not fields.tags:
         return ExpertPlan(layout, kernel, sources, description, quantized=True)
