@@ -4,19 +4,15 @@ blocks decoded in registers, SwiGLU units of Qwen's layout (gate and up two stor
 - the decoded weights are the bf16 cast of the gguf-* formats' dequantized values (themselves the `gguf` package's
   bits: tests/formats/test_gguf_quants.py), f16 subnormal and zero scales included;
 - the op equals the plain torch reference of q4_cases.py (those weights, canonical dots, the op's roundings), bit for
-  bit, for decode-sized batches (rows decoded in registers) and prefill-sized ones (through the row buffer), and is
-  close to the fp32 computation on the dequantized weights;
+  bit, for decode-sized batches (rows decoded in registers) and prefill-sized ones (through the row buffer): `all_cases`
+  are among tests/kernels/test_q4_experts.py's cases, checked there on every ISA level; and it is close to the fp32
+  computation on the dequantized weights;
 - a token's result does not depend on the others;
 - units whose ggml type changes across layers (a Q4_K_M file's ffn_down_exps) are read by their type index; an index
   outside the spec's list is refused;
-- native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits (slow: subprocesses).
 """
 
 from __future__ import annotations
-
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +22,9 @@ from moeserve.bench.q4_units import ProjectionShape, assemble, dequantized
 from moeserve.checkpoint.gguf.quants import dequantize
 from moeserve.formats import create_format
 from moeserve.formats.gguf import GGUF_FORMATS, LayerMixedGGUFFormat
-from tests.kernels.ops import isa_subprocess_main, lazy_ops
+from tests.kernels.ops import lazy_ops
 from tests.kernels.q4_cases import ACTS, _routing, gguf_blocks, make_case, reference, run_op, unit_views
-from tests.kernels.test_canonical_isa import assert_same_bits, one_thread
+from tests.kernels.test_canonical_isa import assert_same_bits
 
 ops = lazy_ops()
 
@@ -44,17 +40,6 @@ def all_cases() -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def cases() -> dict:
-    with one_thread():
-        built = all_cases()
-        return {"cases": built, "refs": [reference(c) for c in built]}
-
-
-def _run_all(built: list[dict]) -> dict:
-    return {"experts": [run_op(c, ops) for c in built], "isa": [str(ops.canonical_dot_isa())]}
-
-
 @pytest.mark.parametrize("type_name", TYPES)
 def test_decoded_weights_are_the_bf16_of_the_reference_values(type_name):
     for edge in (False, "small"):
@@ -63,12 +48,6 @@ def test_decoded_weights_are_the_bf16_of_the_reference_values(type_name):
         w1, _, w2, _ = case["dense"][0]
         for base, want, down in ((views[case["gate_up"]], w1, False), (views[case["down"]], w2, True)):
             assert_same_bits(ops.q4_decode(base, case["spec"], down), want, f"{type_name} edge={edge} down={down}")
-
-
-def test_op_equals_the_reference(cases):
-    got = _run_all(cases["cases"])
-    for i, (out, want) in enumerate(zip(got["experts"], cases["refs"])):
-        assert_same_bits(out, want, f"case {i} ({cases['cases'][i]['spec'].split()[0]})")
 
 
 @pytest.mark.parametrize("type_name", ("q8_0", "q4_k", "q6_k"))
@@ -140,39 +119,3 @@ def test_units_whose_type_changes_across_layers_are_read_by_their_type_index():
     unit_views(case, 1)[type_field][0] = 2  # not an index into the two types
     with pytest.raises(RuntimeError, match="type index is 2"):
         run_op(case, ops)
-
-
-# the sources of the compared ops: the expert op, its spec, the 4-bit and GGUF codes, and canonical_dot_isa
-SOURCES = ("moe_experts_q4.cpp", "moe_experts_q4_spec.cpp", "q4_codes.cpp", "gguf_codes.cpp", "dense_gemv.cpp")
-
-
-@pytest.mark.slow
-def test_every_isa_gives_the_same_bits(cases, tmp_path):
-    """This process's library (native here) and the avx2 and generic builds of the op's sources on the same inputs:
-    the same bits, and those of the reference."""
-    inputs = tmp_path / "inputs.pt"
-    torch.save(cases["cases"], inputs)
-    results = {"native": _run_all(cases["cases"])}
-    for isa in ("avx2", "generic"):
-        proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_gguf_experts", isa, str(inputs),
-                               str(tmp_path / f"{isa}.pt")], capture_output=True, text=True, timeout=3600,
-                              cwd=Path(__file__).parents[2])
-        if proc.returncode == 3:
-            pytest.skip(proc.stdout.strip())
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results[isa] = torch.load(tmp_path / f"{isa}.pt")
-    assert results["avx2"]["isa"] == ["avx2"] and results["generic"]["isa"] == ["scalar"]
-    for isa, got in results.items():
-        for i, (out, want) in enumerate(zip(got["experts"], cases["refs"])):
-            assert_same_bits(out, want, f"isa={isa}, case {i}")
-
-
-def _main(argv: list[str]) -> int:
-    """Subprocess entry (tests/kernels/ops.py isa_subprocess_main): the expert cases and the dot's ISA."""
-    return isa_subprocess_main(argv, SOURCES, lambda cases: {
-        "experts": [run_op(c, torch.ops.moeserve) for c in cases],
-        "isa": [str(torch.ops.moeserve.canonical_dot_isa())]})
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -6,7 +6,8 @@ and gpt-oss's bf16 units, with SwiGLU, gpt-oss's clamped SwiGLU with biases and 
   subnormal and fp32-denormal products, overflow, every E8M0 byte);
 - the op equals the plain torch reference of q4_cases.py (the reference decode, canonical dots, the op's roundings);
 - a token's result does not depend on the others (alone, 4 at a time in registers, many through the row buffer);
-- native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits (the other levels in subprocesses,
+- native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits, on these cases and
+  tests/kernels/test_gguf_experts.py's GGUF ones (the other levels in subprocesses,
   each loading a library of the op's sources only: `python -m tests.kernels.test_q4_experts <isa> <inputs> <outputs>`).
 """
 
@@ -22,6 +23,7 @@ import torch
 from tests.kernels.ops import isa_subprocess_main, lazy_ops
 from tests.kernels.q4_cases import make_bf16_case, make_case, reference, run_op, unit_views
 from tests.kernels.test_canonical_isa import assert_same_bits, one_thread
+from tests.kernels.test_gguf_experts import all_cases as gguf_cases
 
 ops = lazy_ops()
 
@@ -39,7 +41,7 @@ def all_cases() -> list[dict]:
     cases.append(make_bf16_case(128, 32, 3, 6, seed=7))
     cases.append(make_bf16_case(1024, 64, 2, 3, seed=8, edge="small"))
     cases.append(make_case("mxfp4-gpt-oss", "gptoss", 2880, 64, 2, 2, 1, seed=9))  # gpt-oss's hidden size
-    return cases
+    return cases + gguf_cases()  # GGUF blocks (tests/kernels/test_gguf_experts.py)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,9 @@ def test_units_too_small_for_the_spec_are_refused():
                             case["weight_of"], [b for lo_hi in case["bounds"] for b in lo_hi], case["spec"])
 
 
-# the sources of the compared ops: the 4-bit op, its spec and codes, and canonical_dot_isa (dense_gemv.cpp)
-SOURCES = ("moe_experts_q4.cpp", "moe_experts_q4_spec.cpp", "q4_codes.cpp", "dense_gemv.cpp")
+# the sources of the compared ops: the 4-bit op, its spec, its 4-bit and GGUF codes, and canonical_dot_isa
+# (dense_gemv.cpp)
+SOURCES = ("moe_experts_q4.cpp", "moe_experts_q4_spec.cpp", "q4_codes.cpp", "gguf_codes.cpp", "dense_gemv.cpp")
 
 
 @pytest.mark.slow
