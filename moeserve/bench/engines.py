@@ -59,6 +59,10 @@ class MoeserveEngine(BenchEngine):
 
         s = build_settings(EngineSettings, {"model": model, "skip_tokenizer_init": True, **settings})
         self.engine = LLMEngine(s)
+        if model.endswith(".gguf"):  # experts as the file stores them; the other weights dequantized at load (bf16)
+            from moeserve.bench.gguf_file import bytes_per_param
+
+            self.bytes_per_param = (2.0, bytes_per_param(model)[1])
         if route_trace is not None:
             from moeserve.bench.route_trace import install
 

@@ -65,6 +65,8 @@ class BenchConfig:
     route_trace: Path | None = None
     device: str = "cpu"  # where moeserve computes ("cuda": GPU slots <- RAM <- disk); peers run on the CPU
     cpu_isa: str = "auto"  # the ISA moeserve's C++ kernels are built for (its cpu_isa setting) and its variants'
+    # a GGUF of the shape's weights: moeserve (and its variants) and the llama.cpp peer run on this very file
+    gguf: Path | None = None
 
 
 @dataclass
@@ -102,7 +104,7 @@ def start_engines(cfg: BenchConfig, cache_dir: Path) -> tuple[dict[str, Worker],
     """Start moeserve and each available peer in its own process. Unavailable peers are skipped with a reason."""
     workers: dict[str, Worker] = {}
     skipped: list[Skipped] = []
-    model = str(cfg.checkpoint)
+    model = str(cfg.gguf or cfg.checkpoint)
     cache_gb = cfg.expert_cache_gb
     ours: dict[str, Any] = dict(model=model, dtype="bfloat16", expert_cache_gb=cache_gb,
                                 quantization=cfg.quantization, threads=cfg.threads, max_num_seqs=8,
@@ -132,13 +134,13 @@ def drop_inputs(paths: list[Path], engine: str) -> pagecache.DropReport:
 
 def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], skipped: list[Skipped],
                ours: dict[str, Any]) -> None:
-    drop_inputs([cfg.checkpoint], "moeserve")
+    drop_inputs(model_files(cfg), "moeserve")
     workers["moeserve"] = Worker("moeserve", cgroup=_cgroup(cfg, "moeserve"), **ours,
                                  **({} if cfg.prefetch is None else {"prefetch": cfg.prefetch}))
     for peer in cfg.peers:
         if peer in SELF_PEERS:  # moeserve against itself with one setting changed: that setting's gain, paired
             keep_prefetch = {} if cfg.prefetch is None or "prefetch" in SELF_PEERS[peer] else {"prefetch": cfg.prefetch}
-            drop_inputs([cfg.checkpoint], peer)
+            drop_inputs(model_files(cfg), peer)
             try:  # a setting this build does not have (e.g. prefetch=auto) skips the variant, with the reason
                 workers[peer] = Worker("moeserve", cgroup=_cgroup(cfg, peer), **ours, **SELF_PEERS[peer],
                                        **keep_prefetch)
@@ -155,12 +157,17 @@ def _start_all(cfg: BenchConfig, cache_dir: Path, workers: dict[str, Worker], sk
             log.warning("peer %s skipped: it runs on the CPU, moeserve on %s", peer, cfg.device)
             continue
         try:
-            drop_inputs([cfg.checkpoint], peer)  # the GGUF too: _start_peer drops it after writing it
+            drop_inputs(model_files(cfg), peer)  # the GGUF too: _start_peer drops it after writing it
             workers[peer] = _start_peer(peer, cfg, cache_dir)
         except (ImportError, MoeserveError, OSError) as err:  # a GGUF of an architecture it cannot write: ConfigError
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             skipped.append(Skipped(peer, reason))
             log.warning("peer %s skipped: %s", peer, reason)
+
+
+def model_files(cfg: BenchConfig) -> list[Path]:
+    """What the engines read: the shape's checkpoint, and the GGUF of --gguf."""
+    return [cfg.checkpoint] + ([cfg.gguf] if cfg.gguf is not None else [])
 
 
 def _cgroup(cfg: BenchConfig, engine: str) -> memlimit.MemoryCgroup | None:
@@ -194,7 +201,7 @@ def _start_peer(peer: str, cfg: BenchConfig, cache_dir: Path) -> Worker:
                               "which compiles llama.cpp, ~7 minutes)")
         from moeserve.bench.gguf_export import ensure_gguf
 
-        path = ensure_gguf(cfg.checkpoint, cfg.shape, LLAMA_PEERS[peer])
+        path = cfg.gguf or ensure_gguf(cfg.checkpoint, cfg.shape, LLAMA_PEERS[peer])
         drop_inputs([path], peer)  # read by an earlier run: its pages may be charged to this process, not the peer
         return Worker("llama.cpp", cgroup=_cgroup(cfg, peer), gguf_path=str(path), threads=cfg.threads,
                       n_ctx=max(cfg.prefill_len, cfg.prompt_len + cfg.new_tokens) + 8)

@@ -26,8 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     shapes = ", ".join(f"{s.name} ({s.purpose})" for s in SHAPES.values())
     p.add_argument("--shape", default="small", choices=list(SHAPES), help=f"model shape: {shapes}")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
-    p.add_argument("--peers", default="transformers,llama.cpp",
-                   help=f"comma-separated, of: {', '.join(PEERS)}; or 'none'")
+    p.add_argument("--peers", default=None,
+                   help=f"comma-separated, of: {', '.join(PEERS)}; or 'none' (default: transformers,llama.cpp; "
+                        "llama.cpp with --gguf)")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed per run")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens before decode")
     p.add_argument("--prefill-len", type=int, default=256, help="prompt tokens of the prefill case")
@@ -40,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="BENCHMARK ONLY: moeserve's experts follow this routing trace (moetrace, JSON lines or a FLAME "
                         "folder; see docs/trace-format.md) instead of the synthetic routers, so the cache sees a real "
                         "model's locality; peers other than moeserve's variants are skipped")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="a GGUF of the shape's weights (e.g. quantized by llama-quantize): moeserve and the llama.cpp "
+                        "peer both run on this very file (default peers: llama.cpp)")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="moeserve's on-load quantization")
     p.add_argument("--cpu-isa", default="auto", choices=["auto", "avx2", "generic"],
@@ -127,6 +131,27 @@ def _check_trace(path: Path) -> None:
     trace_tokens(trace.header, trace.steps)
 
 
+def _check_gguf(path: Path, shape: Shape, peers: tuple[str, ...], quantization: str) -> None:
+    """--gguf FILE: a GGUF of the shape (its token embedding [vocab, hidden] says so), no setting that would make
+    moeserve or llama.cpp read other weights. One line each, before anything starts."""
+    from moeserve.bench.runner import LLAMA_PEERS
+    from moeserve.checkpoint.gguf.header import read_header
+
+    if not path.is_file():
+        raise ConfigError(f"--gguf {path}: no such file")
+    if quantization != "none":
+        raise ConfigError(f"--gguf runs moeserve on the file's own types: --quantization {quantization} does not apply")
+    others = [p for p in peers if p in LLAMA_PEERS and p != "llama.cpp"]
+    if others:
+        raise ConfigError(f"--gguf: llama.cpp runs on {path.name}; the peer {others[0]} makes its own GGUF (use "
+                          "the peer llama.cpp)")
+    embd = read_header(path).tensors.get("token_embd.weight")
+    want = (shape.vocab_size, shape.hidden_size)
+    if embd is None or tuple(embd.shape) != want:
+        raise ConfigError(f"--gguf {path.name}: token_embd.weight is {None if embd is None else tuple(embd.shape)}, "
+                          f"not the {shape.name} shape's {want} (--shape names the shape the file holds)")
+
+
 def run(args: argparse.Namespace) -> int:
     from moeserve.bench import report, runner
     from moeserve.bench.shapes import DEFAULT_EXPERT_CACHE_GB, get_shape
@@ -134,7 +159,9 @@ def run(args: argparse.Namespace) -> int:
 
     shape = get_shape(args.shape)
     cases = _csv(args.cases, runner.CASES, "case")
-    peers = _csv(args.peers, runner.PEERS, "peer")
+    peers = _csv(args.peers or ("llama.cpp" if args.gguf else "transformers,llama.cpp"), runner.PEERS, "peer")
+    if args.gguf is not None:
+        _check_gguf(args.gguf, shape, peers, args.quantization)
     if args.tokens < 1 or args.repeats < 1:
         raise ConfigError("--tokens and --repeats must be at least 1")
     _check_device(args.device)
@@ -150,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = runner.BenchConfig(shape, checkpoint, cases, peers, args.tokens, args.prompt_len, args.prefill_len,
                              args.repeats, cache_gb, args.quantization, args.threads, prefetch=args.prefetch,
                              memory_limit_bytes=_limit_bytes(args.memory_limit_gb), route_trace=args.route_trace,
-                             device=args.device, cpu_isa=args.cpu_isa)
+                             device=args.device, cpu_isa=args.cpu_isa, gguf=args.gguf)
     before = runner.measure_bandwidths(checkpoint)
     workers, skipped = runner.start_engines(cfg, cache_dir)
     try:

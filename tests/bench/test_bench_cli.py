@@ -68,3 +68,19 @@ def test_probes_measure_something(tmp_path):
     assert probes.disk_read_bandwidth([f], repeats=1) > 1e6
     with pytest.raises(ValueError):
         probes.disk_read_bandwidth([tmp_path / "missing.bin"])
+
+
+def test_bench_gguf_refusals_are_one_line(tmp_path, capsys):
+    """--gguf: a missing file, a llama.cpp peer that would make its own GGUF, moeserve's on-load quantization and a
+    file of another shape are each refused in one line, before anything is built."""
+    junk = tmp_path / "x.gguf"
+    junk.write_bytes(b"GGUF")
+    base = ["bench", "--shape", "tiny", "--cache-dir", str(tmp_path / "cache")]
+    for extra, said in ((["--gguf", str(tmp_path / "none.gguf")], "no such file"),
+                        (["--gguf", str(junk), "--peers", "llama.cpp-q8"], "makes its own GGUF"),
+                        (["--gguf", str(junk), "--quantization", "int8"], "does not apply"),
+                        (["--gguf", str(junk)], "x.gguf")):
+        assert main([*base, *extra]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert said in err[-1], err
+    assert not (tmp_path / "cache").exists()
