@@ -216,6 +216,24 @@ def assert_batched_and_preempted_equal_solo(folder: Path, arrivals: list[tuple[i
                                               f"{arrivals[i][0]})"
 
 
+def assert_prefix_hit_equals_cold(folder: Path, first: list[int], second: list[int], shared: int,
+                                  **settings: Any) -> dict[str, str]:
+    """`second` (its first `shared` tokens those of `first`) run after `first` takes at least `shared` tokens from
+    the prefix cache and gets the tokens and logprobs of a run without prefix caching. Returns the engine's choices."""
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
+    llm = open_llm(folder, **settings)
+    llm.generate([{"prompt_token_ids": first}], params)
+    hit = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    choices, hit_tokens = dict(llm.engine.choices), llm.engine.memory.stats.hit_tokens
+    llm.engine.close()
+    assert hit_tokens >= shared, hit_tokens
+    cold_llm = open_llm(folder, enable_prefix_caching=False, **settings)
+    cold = cold_llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
+    cold_llm.engine.close()
+    assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
+    return choices
+
+
 def assert_offloaded_equals_resident(folder: Path, prompts: list[list[int]], resident: Run | None = None,
                                      units: int = 3, steps: int = STEPS, one_by_one: bool = False,
                                      **settings: Any) -> Run:

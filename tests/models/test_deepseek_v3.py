@@ -129,20 +129,10 @@ def test_chunked_prefill_equals_one_pass_bit_for_bit(tiny) -> None:
 def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
     """A second request sharing 64 prompt tokens (4 latent blocks) takes them from the cache: its numbers are those
     of a run without prefix caching."""
-    folder = tiny(dtype=torch.bfloat16)
     first, second = prompts(2, (70, 30))
-    second = first[:64] + second
-    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
-    assert "latent attention (40 values per token)" in llm.engine.choices["KV cache"]
-    llm.generate([{"prompt_token_ids": first}], params)
-    hit = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
-    assert llm.engine.memory.stats.hit_tokens >= 64
-    llm.engine.close()
-    cold_llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, enable_prefix_caching=False)
-    cold = cold_llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
-    cold_llm.engine.close()
-    assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
+    choices = X.assert_prefix_hit_equals_cold(tiny(dtype=torch.bfloat16), first, first[:64] + second, 64,
+                                              max_model_len=256)
+    assert "latent attention (40 values per token)" in choices["KV cache"]
 
 
 @pytest.mark.slow  # ~80 s on 2 busy cores: 4 solo runs and a preempting batch of 30 tokens each

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from moeserve import LLM, SamplingParams
+from moeserve import LLM
 from moeserve.errors import UnsupportedModelError
 from moeserve.models.mixers.indexer import top_keys
 from moeserve.models.registry import get_architecture
@@ -206,19 +206,10 @@ def test_chunked_prefill_and_offloaded_equal_one_pass_resident(tiny, model_type:
 def test_prefix_cache_hit_equals_a_cold_run(tiny) -> None:
     """A second request sharing 64 prompt tokens (4 blocks of latent rows and indexer keys) takes them from the
     cache: its numbers are those of a run without prefix caching."""
-    folder = tiny("glm_moe_dsa", torch.bfloat16, heads=1)
     first, second = X.random_prompts(2, (70, 30))
-    second = first[:64] + second
-    params = SamplingParams(temperature=0, max_tokens=X.STEPS, ignore_eos=True, logprobs=2)
-    llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256)
-    llm.generate([{"prompt_token_ids": first}], params)
-    hit = llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
-    assert llm.engine.memory.stats.hit_tokens >= 64
-    llm.engine.close()
-    cold_llm = LLM(str(folder), skip_tokenizer_init=True, max_model_len=256, enable_prefix_caching=False)
-    cold = cold_llm.generate([{"prompt_token_ids": second}], params)[0].outputs[0]
-    cold_llm.engine.close()
-    assert hit.token_ids == cold.token_ids and hit.logprobs == cold.logprobs
+    choices = X.assert_prefix_hit_equals_cold(tiny("glm_moe_dsa", torch.bfloat16, heads=1), first,
+                                              first[:64] + second, 64, max_model_len=256)
+    assert "indexer keys (16 values per token)" in choices["KV cache"]
 
 
 def test_batched_and_preempted_sequences_keep_their_solo_numbers(tiny) -> None:
