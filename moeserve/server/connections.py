@@ -68,10 +68,13 @@ def open_file_limit() -> int:
 
 
 class ServeConfig(uvicorn.Config):
-    """uvicorn.Config with moeserve's connection limits, served by GuardedH11Protocol."""
+    """uvicorn.Config with moeserve's connection limits, served by GuardedH11Protocol on asyncio's own event loop:
+    uvicorn's default picks uvloop where it is installed (uvicorn[standard], Ray Serve's dependencies), and uvloop
+    reports a failed accept() without asyncio's exception-handler call that AcceptErrorLog hangs on, so under EMFILE
+    no idle connection was closed and /health never got in again."""
 
     def __init__(self, app: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
-        super().__init__(app, http=GuardedH11Protocol, **kwargs)
+        super().__init__(app, http=GuardedH11Protocol, loop="asyncio", **kwargs)
         self.connection_limits = limits
 
 

@@ -271,3 +271,18 @@ def test_the_tokenizer_queue_is_bounded(tiny_text_model: Path) -> None:
         release.set()
         state.close()
     assert MODEL_NAME
+
+
+def test_the_server_runs_on_asyncios_loop_even_where_uvloop_is_installed() -> None:
+    """The EMFILE handling (AcceptErrorLog) hangs on asyncio's exception-handler call for a failed accept(), which
+    uvloop does not make: with uvicorn's default loop ("auto": uvloop where installed, as Ray Serve's dependencies
+    install it), /health never got in again under EMFILE (tests/server/test_abuse_load.py)."""
+    from moeserve.server.connections import ConnectionLimits, ServeConfig
+
+    config = ServeConfig(lambda *a: None, ConnectionLimits(8, 1.0), host="127.0.0.1", port=0)
+    factory = config.get_loop_factory()
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    try:
+        assert type(loop).__module__.startswith("asyncio"), type(loop)
+    finally:
+        loop.close()
