@@ -180,21 +180,26 @@ inline __m512 rounded(__m512 v) {
 constexpr bool is_k(GType t) { return t == GType::kQ4_K || t == GType::kQ5_K || t == GType::kQ6_K; }
 constexpr int64_t k_block_bytes(GType t) { return t == GType::kQ4_K ? 144 : t == GType::kQ5_K ? 176 : 210; }
 
-// A 256-value block's scale products, made once for its 8 chunks (the scalar reference's products): Q4_K / Q5_K
-// pre[j] = d * sc[j], pre[8 + j] = dmin * m[j]; Q6_K pre[i] = d * sc[i] (16 sub-blocks of 16).
+// A 256-value block's scale products, made once for its 8 chunks (the scalar reference's products, 16 lanes at once):
+// Q4_K / Q5_K pre[j] = d * sc[j], pre[8 + j] = dmin * m[j]; Q6_K pre[i] = d * sc[i] (16 sub-blocks of 16).
 template <GType T>
 inline void prepare(const uint8_t* b, float* pre) {
   if constexpr (T == GType::kQ6_K) {
-    const float d = f16(b + 208);
-    for (int i = 0; i < 16; ++i) pre[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+    _mm512_storeu_ps(pre, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
   } else {
-    const float d = f16(b), dmin = f16(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, b + 4, sc, m);
-      pre[j] = d * static_cast<float>(sc);
-      pre[8 + j] = dmin * static_cast<float>(m);
-    }
+    // the 8 scales then the 8 mins as bytes (ggml's get_scale_min_k4 on 32-bit words, as its dot products do)
+    uint32_t u[4];
+    std::memcpy(u, b + 4, 12);
+    u[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t mins_lo = u[1] & 0x3F3F3F3Fu;
+    u[1] = (u[2] & 0x0F0F0F0Fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = mins_lo;
+    u[0] &= 0x3F3F3F3Fu;
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u))));
+    const __m512 scale = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(f16(b))),
+                                                             _mm256_castps_pd(_mm256_set1_ps(f16(b + 2))), 1));
+    _mm512_storeu_ps(pre, _mm512_mul_ps(scale, values));  // d * sc[j], then dmin * m[j]
   }
 }
 
