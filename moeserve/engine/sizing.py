@@ -61,7 +61,8 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
                               prefill_chunk=MAMBA_CHUNK, snapshots=snapshots)
         return kv_groups(windows, kind, mamba.layers, latent, stateless)
     if la is None:
-        return kv_groups(windows, latent=latent, stateless_layers=stateless)
+        unindexed = spec.mla.indexer.shared if spec.mla is not None and spec.mla.indexer is not None else ()
+        return kv_groups(windows, latent=latent, stateless_layers=stateless, unindexed_layers=unindexed)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
     groups = kv_groups(windows, kind, la.layers, latent, stateless)

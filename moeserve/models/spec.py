@@ -110,6 +110,9 @@ class IndexerSpec:
     head_dim: int  # index_head_dim
     topk: int  # index_topk: keys each query attends (all of them while it sees no more)
     interleaved_rope: bool  # GLM-5: DeepSeek's interleaved pairs; DeepSeek-V3.2: half-split
+    # GLM-5's "shared" layers (indexer_types): no indexer of their own; they attend the keys the last layer before
+    # them with one chose in the same forward
+    shared: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -229,7 +229,7 @@ def _mla_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
     yield names.mla_kv_a_norm.format(L=L), (m.kv_lora_rank,), False
     yield from _linear(names.mla_kv_b.format(L=L), nh * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False)
     yield from _linear(names.o_proj.format(L=L), h, nh * m.v_head_dim, m.bias)
-    if m.indexer is not None and m.q_lora_rank is not None:  # DeepSeek Sparse Attention (mla.build_indexer)
+    if m.indexer is not None and m.q_lora_rank is not None and L not in m.indexer.shared:  # mla.build_indexer
         ix = m.indexer
         yield from _linear(names.indexer_wq_b.format(L=L), ix.n_heads * ix.head_dim, m.q_lora_rank, False)
         yield from _linear(names.indexer_wk.format(L=L), ix.head_dim, h, False)

@@ -45,17 +45,21 @@ class KVGroup:
 
 def kv_groups(windows: Sequence[int | None], recurrent: RecurrentState | None = None,
               recurrent_layers: Sequence[int] = (), latent: LatentKV | None = None,
-              stateless_layers: Sequence[int] = ()) -> list[KVGroup]:
+              stateless_layers: Sequence[int] = (), unindexed_layers: Sequence[int] = ()) -> list[KVGroup]:
     """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention, or the `latent`
-    kind when given), except the `recurrent_layers`, which keep the `recurrent` kind of state, and the
-    `stateless_layers` (no token mixer: Nemotron-H's MLP and MoE blocks), which keep nothing and are in no group."""
+    kind when given; the plain latent kind for `unindexed_layers`, GLM-5's layers without an indexer of their own),
+    except the `recurrent_layers`, which keep the `recurrent` kind of state, and the `stateless_layers` (no token
+    mixer: Nemotron-H's MLP and MoE blocks), which keep nothing and are in no group."""
     kinds: dict[tuple[str, int], CacheKind] = {}
     members: dict[tuple[str, int], list[int]] = {}
     linear, stateless = set(recurrent_layers), set(stateless_layers)
+    plain = LatentKV(latent.width) if latent is not None else None
     for layer, window in enumerate(windows):
         if layer in stateless:
             continue
         kind: CacheKind = (latent or FullAttention()) if window is None else SlidingWindow(window)
+        if layer in unindexed_layers and plain is not None:
+            kind = plain
         if layer in linear:
             assert recurrent is not None, "recurrent layers need their state kind"
             kind = recurrent

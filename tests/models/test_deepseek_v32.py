@@ -2,7 +2,8 @@
 
 - The tie rule of the key choice (models/mixers/indexer.py top_keys): higher score first, then the earlier position.
 - The specs of transformers 5.24's config defaults (the published sizes; no published config.json was found
-  offline): indexer heads and dims, top-k, rotary layouts; GLM-5's "shared" indexer layers refused in one line.
+  offline): indexer heads and dims, top-k, rotary layouts; GLM-5's "shared" indexer layers (reusing the choice of
+  the layer before) read as transformers derives them, against transformers and chunked == one pass.
 - Tiny checkpoints transformers writes (index_topk 20, so prompts of 23 and 40 tokens choose keys and a query block
   ending at 16 does not), fp32: transformers' greedy tokens and log-probabilities within 1e-4, C++ kernels and torch.
   transformers breaks index-score ties by no stated rule, so these comparisons use inputs without them: 8 indexer
@@ -144,13 +145,51 @@ def test_spec_of_transformers_defaults(model_type: str) -> None:
     assert spec.moe_layers == (False,) * 3 + (True,) * (want["layers"] - 3)
 
 
-@pytest.mark.parametrize("fields", [dict(indexer_types=["full", "shared", "full"]), dict(index_topk_freq=2),
-                                    dict(index_topk_pattern="FSF")])
-def test_shared_indexer_layers_are_refused_in_one_line(fields: dict[str, Any]) -> None:
-    config = {**published_config("glm_moe_dsa"), "num_hidden_layers": 3, "indexer_types": None, **fields}
-    with pytest.raises(UnsupportedModelError, match="reuse an earlier layer's indexer choice") as err:
+@pytest.mark.parametrize(("fields", "shared"), [
+    (dict(indexer_types=["full", "shared", "full", "full"]), (1,)),
+    (dict(index_topk_pattern="FSFS"), (1, 3)),
+    (dict(index_topk_freq=2), (2,)),  # full where max(i - 2 + 1, 0) % 2 == 0 (index_skip_topk_offset 2): 0, 1, 3
+])
+def test_shared_indexer_layers_are_read_as_transformers_derives_them(fields: dict[str, Any],
+                                                                     shared: tuple[int, ...]) -> None:
+    from transformers import GlmMoeDsaConfig
+
+    config = {**published_config("glm_moe_dsa"), "num_hidden_layers": 4, "mlp_layer_types": None,
+              "indexer_types": None, **fields}
+    spec = get_architecture(config, "config.json").spec(config, "config.json")
+    assert spec.mla is not None and spec.mla.indexer is not None and spec.mla.indexer.shared == shared
+    types = GlmMoeDsaConfig(num_hidden_layers=4, **fields).indexer_types  # transformers' own derivation
+    assert tuple(i for i, kind in enumerate(types) if kind == "shared") == shared
+
+
+def test_a_shared_first_layer_is_refused_in_one_line() -> None:
+    config = {**published_config("glm_moe_dsa"), "num_hidden_layers": 2, "mlp_layer_types": None,
+              "indexer_types": ["shared", "full"]}
+    with pytest.raises(UnsupportedModelError, match="the first layer has no earlier layer's key choice") as err:
         get_architecture(config, "config.json").spec(config, "config.json")
     assert "\n" not in str(err.value)
+
+
+def test_shared_layers_match_transformers_and_chunked_equals_one_pass(tmp_path: Path) -> None:
+    """GLM-5 with layer 1 reusing layer 0's choice (no indexer tensors of its own): fp32 against transformers (no tie
+    at its cut); bf16 on one indexer head: chunked prefill == one pass."""
+    from moeserve.checkpoint.folder import open_checkpoint
+
+    folder = write_tiny(tmp_path / "fp32", "glm_moe_dsa", torch.float32, indexer_types=["full", "shared", "full"])
+    assert not any(".layers.1.self_attn.indexer." in n for n in open_checkpoint(folder).tensors)
+    ref = hf_model(folder, torch.float32)
+    with index_ties(ref) as ties:
+        choices = X.assert_matches_transformers(folder, ref, PROMPTS)
+    assert ties[0] > 0 and ties[1] == 0, ties
+    assert "1 layers reuse the choice of the layer before them" in choices["latent attention"]
+    # two latent groups: the shared layer keeps no indexer keys
+    assert "2 latent attention (40 values per token) + indexer keys" in choices["KV cache"]
+    assert "for 1 latent attention (40 values per token) layers" in choices["KV cache"]
+    assert "(3 layers x 56 values: kv_lora_rank 32 + rope 8 + indexer key 16 in 2 of them)" in choices["KV per token"]
+    bf16 = write_tiny(tmp_path / "bf16", "glm_moe_dsa", torch.bfloat16, index_n_heads=1,
+                      indexer_types=["full", "shared", "full"])
+    whole = X.run_together(bf16, [long_prompt()], max_model_len=256)
+    X.assert_chunked_equals_one_pass(bf16, long_prompt(), (37,), whole, max_model_len=256)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])

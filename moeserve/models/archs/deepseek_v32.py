@@ -6,8 +6,9 @@ query attends (models/mixers/indexer.py; its keys cached beside the latent: stat
 - MLA's rotary is always DeepSeek's interleaved pairs (transformers' classes have no rope_interleave); the indexer's is
   half-split in DeepSeek-V3.2 and interleaved in GLM-5.
 - The indexer reads MLA's query latent, so q_lora_rank is required.
-- GLM-5's "shared" indexer layers (indexer_types, index_topk_pattern, index_topk_freq: a layer reusing the previous
-  full layer's choice) are not served yet: refused in one line. transformers' default is every layer "full".
+- GLM-5's "shared" indexer layers (indexer_types, index_topk_pattern, index_topk_freq): no indexer of their own,
+  they attend the keys the last "full" layer before them chose (IndexerSpec.shared). transformers' default is every
+  layer "full".
 - Defaults for fields config.json leaves out: transformers 5.24's config classes (DeepSeek-V3.2: 8 groups of which
   4 kept, 64 indexer heads; GLM-5: one group, 32 indexer heads, rms_norm_eps 1e-5).
 """
@@ -57,13 +58,16 @@ class GlmMoeDsa(Architecture):
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
         c = ConfigReader(config, where)
-        shared = [i for i, kind in enumerate(indexer_types(c)) if kind != "full"]
-        if shared:
-            raise UnsupportedModelError(f"{where}: layers {shared} reuse an earlier layer's indexer choice "
-                                        "(indexer_types 'shared'), which is not served; every layer 'full' is")
+        types = indexer_types(c)
+        if types and types[0] != "full":
+            raise UnsupportedModelError(f"{where}: indexer_types[0] is {types[0]!r}: the first layer has no earlier "
+                                        "layer's key choice to reuse")
         spec = deepseek_v3_spec(self.name, config, where, model_type="glm_moe_dsa", max_positions=202752,
                                 rms_norm_eps=1e-5, groups=(1, 1))
-        return dsa_spec(spec, c, index_heads=32, interleaved=True)
+        spec = dsa_spec(spec, c, index_heads=32, interleaved=True)
+        assert spec.mla is not None and spec.mla.indexer is not None
+        shared = tuple(i for i, kind in enumerate(types) if kind == "shared")
+        return replace(spec, mla=replace(spec.mla, indexer=replace(spec.mla.indexer, shared=shared)))
 
 
 def indexer_types(c: ConfigReader) -> list[str]:

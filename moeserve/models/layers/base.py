@@ -44,6 +44,9 @@ class ForwardBatch:
     # per sequence, its prompt's length (recurrent layers compute prompt tokens in chunks, later ones one by one);
     # empty: a sequence's new tokens are its prompt unless it adds one token to a cached prefix
     prompt_lens: list[int] = field(default_factory=list)
+    # DeepSeek Sparse Attention: the rows each aligned query block (sequence, first position) attends, as the last
+    # layer with an indexer chose them in this forward (None: every visible row); GLM-5's shared layers read them
+    key_choices: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
 
     @cached_property
     def decode_only(self) -> bool:

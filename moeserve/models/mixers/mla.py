@@ -169,44 +169,61 @@ class MlaAttention(TokenMixer):
 class DsaAttention(MlaAttention):
     """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): MLA in which each query attends only the cached rows its
     lightning indexer chooses (models/mixers/indexer.py); the indexer's keys are cached beside the latent rows
-    (PagedKVCache.index_keys). Runs the torch absorbed form in aligned query blocks, with the C++ ops on too: the
-    C++ mla_attention attends every row (no selection), so the fused decode step does not take this layer."""
+    (PagedKVCache.index_keys). A layer without an indexer (GLM-5's shared layers) attends the rows the last layer
+    with one chose in this forward (ForwardBatch.key_choices). Runs the torch absorbed form in aligned query blocks,
+    with the C++ ops on too: the C++ mla_attention attends every row (no selection), so the fused decode step does
+    not take this layer."""
 
     cpp_op_applies = False
 
-    def __init__(self, *args: Any, indexer: LightningIndexer, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, indexer: LightningIndexer | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.indexer = indexer
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         q_nope, q_pe, q_resid = self._project(x, batch, kv)
-        assert q_resid is not None  # the indexer reads the query latent: q_lora_rank is required (archs)
-        g, ix = kv.group_of(self.layer), self.indexer
-        keys = kv.index_keys(self.layer)  # [blocks, bs, D]
-        keys.view(-1, keys.shape[-1])[batch.slot_mappings[g]] = ix.keys(x, batch.positions)
-        topk = ix.spec.topk
-        picks: list[torch.Tensor] = []  # the indexer's queries and weights, computed once a block sees > topk keys
-
-        def keep(blk: QueryBlock, end: int) -> torch.Tensor | None:
-            if end <= topk:  # no query of the block sees more than topk keys: it attends them all
-                return None
-            if not picks:
-                picks.extend(ix.queries(x, q_resid, batch.positions))
-            q, weights = picks
-            return ix.chosen(blk.padded(q), blk.padded(weights), cached_rows(keys, batch.tables[g][blk.seq], end),
-                             blk.first)
-
+        g, choices = kv.group_of(self.layer), batch.key_choices
+        keep: KeysKept = lambda blk, end: choices[(blk.seq, blk.first)]  # noqa: E731 - a shared layer reads them
+        if self.indexer is not None:
+            assert q_resid is not None  # the indexer reads the query latent: q_lora_rank is required (archs)
+            keep = self._choose(x, q_resid, batch, kv, choices)
         out = self._attend(q_nope, q_pe, kv.latent(self.layer), batch.tables[g], batch, keep)
         return self.o(out.reshape(x.shape[0], self.num_heads * self.spec.v_head_dim))
 
+    def _choose(self, x: torch.Tensor, q_resid: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache,
+                choices: dict[tuple[int, int], torch.Tensor | None]) -> KeysKept:
+        """Cache the tokens' indexer keys; the rows each query block attends, computed (and kept in `choices`) as
+        `_attend` asks for them."""
+        ix, g = self.indexer, kv.group_of(self.layer)
+        assert ix is not None
+        keys = kv.index_keys(self.layer)  # [blocks, bs, D]
+        keys.view(-1, keys.shape[-1])[batch.slot_mappings[g]] = ix.keys(x, batch.positions)
+        picks: list[torch.Tensor] = []  # the indexer's queries and weights, computed once a block sees > topk keys
+
+        def keep(blk: QueryBlock, end: int) -> torch.Tensor | None:
+            kept = None  # no query of the block sees more than topk keys: it attends them all
+            if end > ix.spec.topk:
+                if not picks:
+                    picks.extend(ix.queries(x, q_resid, batch.positions))
+                q, weights = picks
+                kept = ix.chosen(blk.padded(q), blk.padded(weights),
+                                 cached_rows(keys, batch.tables[g][blk.seq], end), blk.first)
+            choices[(blk.seq, blk.first)] = kept
+            return kept
+
+        return keep
+
     def describe(self) -> str:
-        ix = self.indexer.spec
+        ix = self.spec.indexer
+        assert ix is not None
+        shared = f"; {len(ix.shared)} layers reuse the choice of the layer before them" if ix.shared else ""
         return (f"DeepSeek Sparse Attention: each query attends the {ix.topk} cached rows of highest index score "
-                f"({ix.n_heads} indexer heads of {ix.head_dim}; ties to the earlier position), torch absorbed form "
-                f"in query blocks of {QUERY_BLOCK} aligned positions (the C++ mla_attention attends every row)")
+                f"({ix.n_heads} indexer heads of {ix.head_dim}; ties to the earlier position{shared}), torch "
+                f"absorbed form in query blocks of {QUERY_BLOCK} aligned positions (the C++ mla_attention attends "
+                "every row)")
 
     def linears(self) -> list[Linear]:
-        return super().linears() + self.indexer.linears()
+        return super().linears() + ([] if self.indexer is None else self.indexer.linears())
 
     def why_not_stacked(self) -> str | None:
         return "DeepSeek Sparse Attention's key selection runs in torch (the fused step attends every cached row)"
@@ -236,7 +253,8 @@ def build_mla(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, r
     parts = (m, nh, L, q_a, q_a_norm, q, kv_a, kv_a_norm, kv_b, o, rotary, spec.rms_norm_eps, numerics)
     if m.indexer is None:
         return MlaAttention(*parts)
-    return DsaAttention(*parts, indexer=build_indexer(load, arch, spec, L, rotary, numerics))
+    shared = L in m.indexer.shared  # GLM-5: no indexer, the choice of the layer before
+    return DsaAttention(*parts, indexer=None if shared else build_indexer(load, arch, spec, L, rotary, numerics))
 
 
 def build_indexer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
@@ -266,9 +284,12 @@ def kv_per_token_line(spec: ModelSpec, itemsize: int) -> str | None:
         return None
     layers, heads = spec.num_layers, spec.attention.num_heads
     index = 0 if m.indexer is None else m.indexer.head_dim  # DeepSeek Sparse Attention: the indexer's key
-    latent = layers * (m.latent_width + index) * itemsize
+    shared = 0 if m.indexer is None else len(m.indexer.shared)  # GLM-5's layers without an indexer: no key
+    latent = (layers * (m.latent_width + index) - shared * index) * itemsize
     full = layers * heads * (m.qk_head_dim + m.v_head_dim) * itemsize
     indexed = f" + indexer key {index}" if index else ""
+    indexed += f" in {layers - shared} of them" if shared else ""
     return (f"{latent} bytes/token in the latent cache ({layers} layers x {m.latent_width + index} values: "
-            f"kv_lora_rank {m.kv_lora_rank} + rope {m.qk_rope_head_dim}{indexed}); {full} bytes/token with full per-head keys and values "
-            f"({heads} heads x (key {m.qk_head_dim} + value {m.v_head_dim})): {full / latent:.1f}x less")
+            f"kv_lora_rank {m.kv_lora_rank} + rope {m.qk_rope_head_dim}{indexed}); {full} bytes/token with full "
+            f"per-head keys and values ({heads} heads x (key {m.qk_head_dim} + value {m.v_head_dim})): "
+            f"{full / latent:.1f}x less")
