@@ -47,7 +47,8 @@ SLOW: dict[str, str] = {
     "models/test_quantized_int8.py::test_int8_experts_offloaded_equal_resident_and_cost_little_accuracy":
         "int8 experts offloaded and resident, and against bf16 (11 s)",
     "models/test_deepseek_v32.py": "DeepSeek-V3.2 and GLM-5 (DeepSeek Sparse Attention) against transformers, "
-        "chunked, prefix-cached, batched and preempted, offloaded (44 s of CPU)",
+        "chunked, prefix-cached, batched and preempted, offloaded, FP8, NVFP4, real dimensions (91 s of CPU before "
+        "NVFP4 and shared layers were added, 40 of them the real dimensions)",
     "cli/test_config_only.py::test_sparse_attention_models_plan_for_24_and_64_gb":
         "GLM-5 and DeepSeek-V3.2 planned from their configs at two budgets (12 s at a load of 15)",
     "models/test_glm4_moe.py::test_variants_match_transformers": "GLM-4 MoE variants against transformers (31 s)",
