@@ -3,6 +3,7 @@ subtracted). Any architecture: attention, Gated DeltaNet, MLA and Mamba-2 layers
 
     .venv/bin/python research/decode_breakdown.py --shape hybrid [--rounds 3] [--tokens 32] [--threads N]
     .venv/bin/python research/decode_breakdown.py ~/.cache/moeserve/bench/small-bf16 [--decode-step auto|fused|per_op]
+    .venv/bin/python research/decode_breakdown.py --shape small --quantization int4 --threads 1
 
 `--shape NAME`: a bench shape's synthetic checkpoint (`moeserve bench` builds the same one, cached).
 
@@ -42,12 +43,14 @@ def main() -> None:
     ap.add_argument("--expert-cache-gb", type=float, default=None)
     ap.add_argument("--decode-step", default="auto", choices=("auto", "fused", "per_op"))
     ap.add_argument("--threads", type=int, default=None, help="default: every usable core (1 on a busy machine)")
+    ap.add_argument("--quantization", default=None, help="e.g. int8, int4 (default: the checkpoint's weights)")
     args = ap.parse_args()
     if (args.model is None) == (args.shape is None):
         ap.error("give a model folder or --shape, not both")
     folder = args.model or str(shape_checkpoint(args.shape))
     llm = LLM(folder, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
-              expert_cache_gb=args.expert_cache_gb, decode_step=args.decode_step, threads=args.threads)
+              expert_cache_gb=args.expert_cache_gb, decode_step=args.decode_step, threads=args.threads,
+              quantization=args.quantization)
     model = llm.engine.model
     print(f"{folder}: {layer_kinds(model)}; decode step: {llm.engine.choices['decode step']}")
     if model.decode_step is not None:

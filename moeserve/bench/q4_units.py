@@ -50,9 +50,10 @@ class Units:
 
 
 def assemble(fmt: Format, shapes: Sequence[ProjectionShape], stored: Sequence[Sequence[Stored]],
-             biases: Sequence[Sequence[torch.Tensor | None]], act: Activation) -> Units:
+             biases: Sequence[Sequence[torch.Tensor | None]], act: Activation, int8_activations: bool = False) -> Units:
     """Units of len(stored) experts: stored[e] holds expert e's weights (every shard of every projection, in
-    order), biases[e] one bf16 bias or None per projection. Raises ValueError where the op cannot read them."""
+    order), biases[e] one bf16 bias or None per projection. Raises ValueError where the op cannot read them.
+    `int8_activations`: INT4 units for the int4-q8 op (fused_spec.q4_units)."""
     specs: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     projections = []
     first = stored[0]
@@ -73,7 +74,7 @@ def assemble(fmt: Format, shapes: Sequence[ProjectionShape], stored: Sequence[Se
             specs.append((f"p{p}.bias", torch.bfloat16, (shape.rows,)))
         projections.append(Projection((shape.rows, shape.cols), tuple(built), bias))
     layout = UnitLayout.build(specs)
-    fused = q4_units(projections, layout, act, torch.bfloat16)
+    fused = q4_units(projections, layout, act, torch.bfloat16, int8_activations)
     if isinstance(fused, str):
         raise ValueError(f"the C++ 4-bit op cannot read these units: {fused}")
     unit_bytes = []

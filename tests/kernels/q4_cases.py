@@ -13,6 +13,7 @@ from moeserve.checkpoint.gguf.quants import TYPES_BY_NAME
 from moeserve.experts.unit import UnitLayout
 from moeserve.formats import create_format
 from moeserve.models.experts.fused_spec import Activation, bf16_interleaved_units
+from tests.kernels.q8_reference import q8_dots
 from tests.kernels.test_canonical_isa import _expf, bf16_from_float, canonical_dots, edge_values, interleave
 
 GPT_OSS = Activation("gptoss", 1.702, 7.0)
@@ -91,7 +92,7 @@ def stored(fmt_name: str, rows: int, cols: int, gen: torch.Generator, edge: Edge
         roles = ("weight_packed", "weight_scale", "weight_global_scale") if fmt_name == "nvfp4-ct" else \
             ("weight", "weight_scale", "weight_scale_2")
         return dict(zip(roles, (codes, _fp8_scales((rows, cols // 16), gen, edge), tensor)))
-    if fmt_name == "int4-ct":
+    if fmt_name in ("int4-ct", "int4-q8"):
         return {"weight_packed": codes.view(torch.int32), "weight_scale": _bf16_scales((rows, cols // group), gen, edge),
                 "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
     raise ValueError(fmt_name)
@@ -101,21 +102,26 @@ def make_case(fmt_name: str, act: str, h: int, isz: int, n_exp: int, tokens: int
               edge: Edge = False, group: int = 32) -> dict:
     """Units of `n_exp` experts, tokens routed to them, and each expert's dense (reference-decoded) weights."""
     gen = torch.Generator().manual_seed(seed)
-    fmt = create_format(fmt_name, **({"group_size": group} if fmt_name == "int4-ct" else {}))
+    q8 = fmt_name == "int4-q8"  # INT4 units computed against int8 activations (q8_reference.py)
+    fmt = create_format("int4-ct" if q8 else fmt_name, **({"group_size": group} if fmt_name.startswith("int4") else {}))
     r1 = isz if act == "relu2" else 2 * isz
     shapes = (ProjectionShape(r1, h, shards, act == "gptoss"), ProjectionShape(h, isz, 1, act == "gptoss"))
     stored_w = [[stored(fmt_name, p.rows // p.shards, p.cols, gen, edge, group) for p in shapes for _ in range(p.shards)]
                 for _ in range(n_exp)]
     biases = [[(torch.randn(p.rows, generator=gen) * 0.1).bfloat16() if p.bias else None for p in shapes]
               for _ in range(n_exp)]
-    units = assemble(fmt, shapes, stored_w, biases, ACTS[act])
-    dense = []
+    units = assemble(fmt, shapes, stored_w, biases, ACTS[act], int8_activations=q8)
+    dense, int4 = [], []
     for w, b in zip(stored_w, biases):
         w1, w2 = dequantized(fmt, shapes, w)
         dense.append((w1, b[0], w2, b[1]))
+        if q8:  # each projection's codes [rows, cols / 2] and scales, its shards' rows stacked
+            gu, dn = w[:shapes[0].shards], w[shapes[0].shards:]
+            int4.append([(torch.cat([t["weight_packed"].view(torch.uint8) for t in part]),
+                          torch.cat([t["weight_scale"] for t in part])) for part in (gu, dn)])
     return {**_routing(h, tokens, n_exp, gen, edge), "units": units.unit_bytes, "nbytes": units.layout.nbytes,
             "fields": [(f.dtype, f.shape, f.offset) for f in units.layout.fields], "gate_up": units.fused.gate_up,
-            "down": units.fused.down, "spec": units.fused.spec, "dense": dense, "act": act}
+            "down": units.fused.down, "spec": units.fused.spec, "dense": dense, "act": act, "int4": int4}
 
 
 def make_bf16_case(h: int, isz: int, n_exp: int, tokens: int, seed: int, edge: Edge = False) -> dict:
@@ -191,18 +197,25 @@ def _activation(act: str, gu: torch.Tensor) -> torch.Tensor:
     return _rnd(_rnd(u + 1.0) * _rnd(g * sig))
 
 
+def _dots(case: dict, e: int, proj: int, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Projection `proj` of expert e against x: canonical bf16 dots of the decoded weights, or (int4-q8) q8 dots."""
+    if case.get("int4"):
+        return q8_dots(*case["int4"][e][proj], x)
+    return canonical_dots(w, x)
+
+
 def reference(case: dict) -> torch.Tensor:
-    """The op written plainly (see the module docstring)."""
+    """The op written plainly (see the module docstring); int4-q8 cases with q8_reference's dots."""
     x, out = case["x"], case["out"].clone()
-    for (lo, hi), (w1, b1, w2, b2) in zip(case["bounds"], case["dense"]):
+    for e, ((lo, hi), (w1, b1, w2, b2)) in enumerate(zip(case["bounds"], case["dense"])):
         if hi == lo:
             continue
         toks = case["token_of"][lo:hi]
-        gu = _rnd(canonical_dots(w1, x[toks]))
+        gu = _rnd(_dots(case, e, 0, w1, x[toks]))
         if b1 is not None:
             gu = _rnd(gu + b1.float())
         a = bf16_from_float(_activation(case["act"], gu))
-        d = _rnd(canonical_dots(w2, a))
+        d = _rnd(_dots(case, e, 1, w2, a))
         if b2 is not None:
             d = _rnd(d + b2.float())
         y = _rnd(d * case["weight_of"][lo:hi, None])

@@ -4,7 +4,8 @@ and gpt-oss's bf16 units, with SwiGLU, gpt-oss's clamped SwiGLU with biases and 
 
 - the decoded weights are the bits each format's reference decoder writes into bf16 (edge scales included: bf16
   subnormal and fp32-denormal products, overflow, every E8M0 byte);
-- the op equals the plain torch reference of q4_cases.py (the reference decode, canonical dots, the op's roundings);
+- the op equals the plain torch reference of q4_cases.py (the reference decode, canonical dots, the op's roundings;
+  int4-q8, quantization="int4"'s units: INT4 codes times int8-quantized activations, q8_reference.py's dots);
 - a token's result does not depend on the others (alone, 4 at a time in registers, many through the row buffer);
 - native (AVX512-BF16 here), avx2 and generic (scalar) builds give the same bits, on these cases and
   tests/kernels/test_gguf_experts.py's GGUF ones (the other levels in subprocesses,
@@ -29,7 +30,8 @@ ops = lazy_ops()
 
 # (format, activation, shards of gate_up, group)
 KINDS = [("mxfp4-gpt-oss", "gptoss", 1, 32), ("mxfp4-ct", "swiglu", 2, 32), ("nvfp4-ct", "swiglu", 2, 16),
-         ("nvfp4-modelopt", "relu2", 1, 16), ("int4-ct", "swiglu", 2, 32), ("int4-ct", "relu2", 1, 128)]
+         ("nvfp4-modelopt", "relu2", 1, 16), ("int4-ct", "swiglu", 2, 32), ("int4-ct", "relu2", 1, 128),
+         ("int4-q8", "swiglu", 2, 32), ("int4-q8", "gptoss", 1, 32)]  # int4-q8: quantization="int4"'s contract
 
 
 def all_cases() -> list[dict]:
@@ -41,6 +43,7 @@ def all_cases() -> list[dict]:
     cases.append(make_bf16_case(128, 32, 3, 6, seed=7))
     cases.append(make_bf16_case(1024, 64, 2, 3, seed=8, edge="small"))
     cases.append(make_case("mxfp4-gpt-oss", "gptoss", 2880, 64, 2, 2, 1, seed=9))  # gpt-oss's hidden size
+    cases.append(make_case("int4-q8", "swiglu", 160, 96, 2, 5, 2, seed=10))  # K % 64 == 32: a padded block
     return cases + gguf_cases()  # GGUF blocks (tests/kernels/test_gguf_experts.py)
 
 
@@ -73,7 +76,7 @@ def test_op_equals_the_reference(cases):
         assert_same_bits(out, want, f"case {i} ({cases['cases'][i]['spec'].split()[0]})")
 
 
-@pytest.mark.parametrize("kind", [0, 2, 4, "bf16"])
+@pytest.mark.parametrize("kind", [0, 2, 4, 6, "bf16"])
 def test_a_tokens_result_does_not_depend_on_the_others(kind):
     """11 tokens through every expert (the row-buffer path), against each token alone and in groups of 3 (the
     in-register path)."""

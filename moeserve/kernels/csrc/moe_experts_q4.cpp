@@ -11,7 +11,9 @@
 // value its format's reference decoder writes (q4_codes.cpp), a GGUF weight the bf16 cast of the gguf package's fp32
 // dequantized value (gguf_codes.cpp), a bf16 weight itself. So a result depends only on its
 // own token row and the weights: not on the other tokens, the thread count, where the unit lives or the ISA
-// (AVX512-BF16, AVX2 + FMA and scalar give the same bits: tests/kernels/test_q4_experts.py). Around the dots, the
+// (AVX512-BF16, AVX2 + FMA and scalar give the same bits: tests/kernels/test_q4_experts.py). fmt=int4-q8
+// (quantization="int4"'s units) instead quantizes each token row and each activation row to int8 per 32 elements and
+// takes q4_q8.h's integer dots (the same bits on AVX-512 VNNI, AVX2 and scalar builds). Around the dots, the
 // roundings of the torch ops the per-expert loop runs (unit_math.py), in bf16:
 //   gu     = bf16(dot)                       and, with a bias, bf16(gu + bias)          (x @ W, then + b)
 //   swiglu a = bf16(bf16(silu(g)) * u)
@@ -23,7 +25,8 @@
 // Work split: threads take the gate_up rows of all the chunk's experts in blocks of 4, then (after a barrier and the
 // activation) blocks of down's output rows, each thread the same rows of every expert in order. A 4-bit row is
 // decoded chunk by chunk in registers while up to 4 tokens use it; with more tokens (prefill) it is decoded once
-// into a row buffer the tokens then read from L1.
+// into a row buffer the tokens then read from L1. int4-q8: the token rows quantized first (threads split them), the
+// activation rows after the activation (threads split the pairs), each a phase behind a barrier.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -38,6 +41,7 @@
 #include "canonical_dot.h"
 #include "moe_experts_q4.h"
 #include "norm_common.h"
+#include "q4_q8.h"
 
 namespace moeserve_q4 {
 
@@ -87,6 +91,16 @@ struct Matrix {
     uint16_t* tab = s.tables.data() + slot * 16 * groups;
     int4_tables(reinterpret_cast<const uint16_t*>(sh->scales) + i * groups, groups, tab);
     return QRow{codes, tab, nullptr, group};
+  }
+
+  // Row r's codes and bf16 group scales as stored (int4-q8: group 32).
+  void raw(int64_t r, const uint8_t*& codes, const uint16_t*& scales) const {
+    const Shard* sh = &shards[0];
+    for (const Shard& c : shards)
+      if (r >= c.row0 && r < c.row0 + c.rows) sh = &c;
+    const int64_t i = r - sh->row0;
+    codes = sh->codes + i * (k / 2);
+    scales = reinterpret_cast<const uint16_t*>(sh->scales) + i * (k / 32);
   }
 };
 
@@ -150,11 +164,33 @@ void bf16_block(const Matrix& m, int64_t b, const uint16_t* const* xs, int64_t n
   }
 }
 
+// The same for int4-q8: the tokens' quantized rows (q4_q8.h), up to 4 per pass over the 4 rows (the first pass
+// reads memory, the others find the rows in L1).
 template <class Fn>
-void block(const Spec& spec, const Matrix& m, int64_t b, const uint16_t* const* xs, int64_t nt, RowScratch& s,
-           Fn&& fn) {
-  if (spec.bf16) bf16_block(m, b, xs, nt, fn);
-  else q4_block(spec, m, b, xs, nt, s, fn);
+void q8_block(const Matrix& m, int64_t b, const uint8_t* const* qs, int64_t nt, Fn&& fn) {
+  const uint8_t* codes[4];
+  const uint16_t* scales[4];
+  for (int r = 0; r < 4; ++r) m.raw(4 * b + r, codes[r], scales[r]);
+  float res[4][4];
+  for (int64_t t0 = 0; t0 < nt; t0 += 4) {
+    const int g = static_cast<int>(std::min<int64_t>(4, nt - t0));
+    moeserve_q8::rows4_dots(codes, scales, m.k, qs + t0, g, res, t0 == 0);
+    for (int t = 0; t < g; ++t)
+      for (int r = 0; r < 4; ++r) fn(t0 + t, r, res[t][r]);
+  }
+}
+
+// A pair list's inputs: bf16 rows, and (int4-q8) their quantized forms.
+struct Inputs {
+  const uint16_t* const* x;
+  const uint8_t* const* q;
+};
+
+template <class Fn>
+void block(const Spec& spec, const Matrix& m, int64_t b, Inputs in, int64_t nt, RowScratch& s, Fn&& fn) {
+  if (spec.bf16) bf16_block(m, b, in.x, nt, fn);
+  else if (spec.fmt == Fmt::kInt4Q8) q8_block(m, b, in.q, nt, fn);
+  else q4_block(spec, m, b, in.x, nt, s, fn);
 }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
@@ -180,20 +216,33 @@ inline float activation(const Spec& spec, const float* gu, int64_t j, int64_t is
 struct Scratch {
   std::vector<float> gu;
   std::vector<uint16_t> act;
+  std::vector<uint8_t> xq, aq;  // int4-q8: the quantized token rows and activation rows
 };
 
-void run(const Spec& spec, uint16_t* out, const uint16_t* x, const std::vector<Expert>& experts,
+void run(const Spec& spec, uint16_t* out, const uint16_t* x, int64_t n, const std::vector<Expert>& experts,
          const int64_t* token_of, const float* weight_of, int64_t pairs) {
   static thread_local Scratch sc;
   const int64_t hsz = spec.gu.k, r1 = spec.gu.rows, isz = spec.inter();
+  const bool q8 = !spec.bf16 && spec.fmt == Fmt::kInt4Q8;
+  const int64_t xqb = moeserve_q8::row_bytes(hsz), aqb = moeserve_q8::row_bytes(isz);
   if (static_cast<int64_t>(sc.gu.size()) < pairs * r1) sc.gu.resize(pairs * r1);
   if (static_cast<int64_t>(sc.act.size()) < pairs * isz) sc.act.resize(pairs * isz);
+  if (q8 && static_cast<int64_t>(sc.xq.size()) < n * xqb) sc.xq.resize(n * xqb);
+  if (q8 && static_cast<int64_t>(sc.aq.size()) < pairs * aqb) sc.aq.resize(pairs * aqb);
   float* gu = sc.gu.data();
   uint16_t* act = sc.act.data();
+  uint8_t *xq = sc.xq.data(), *aq = sc.aq.data();  // (the calling thread's scratch: the team's threads use these)
   std::vector<const uint16_t*> xrows(pairs), arows(pairs);
+  std::vector<const uint8_t*> xqrows(q8 ? pairs : 0), aqrows(q8 ? pairs : 0);
   for (const Expert& e : experts)
-    for (int64_t p = e.lo; p < e.hi; ++p) xrows[e.pair0 + p - e.lo] = x + token_of[p] * hsz;
-  for (int64_t p = 0; p < pairs; ++p) arows[p] = act + p * isz;
+    for (int64_t p = e.lo; p < e.hi; ++p) {
+      xrows[e.pair0 + p - e.lo] = x + token_of[p] * hsz;
+      if (q8) xqrows[e.pair0 + p - e.lo] = xq + token_of[p] * xqb;
+    }
+  for (int64_t p = 0; p < pairs; ++p) {
+    arows[p] = act + p * isz;
+    if (q8) aqrows[p] = aq + p * aqb;
+  }
   const int64_t blocks_gu = r1 / 4, blocks1 = static_cast<int64_t>(experts.size()) * blocks_gu, blocks_h = hsz / 4;
   const int nthreads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
 
@@ -201,10 +250,16 @@ void run(const Spec& spec, uint16_t* out, const uint16_t* x, const std::vector<E
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
     static thread_local RowScratch rs;
+    if (q8) {  // every token row quantized once (rows no pair reads too: at most the batch)
+      for (int64_t t = n * tid / nt, t1 = n * (tid + 1) / nt; t < t1; ++t)
+        moeserve_q8::quantize_row(x + t * hsz, hsz, xq + t * xqb);
+#pragma omp barrier
+    }
     for (int64_t u = blocks1 * tid / nt, u1 = blocks1 * (tid + 1) / nt; u < u1; ++u) {
       const Expert& e = experts[u / blocks_gu];
       const int64_t b = u % blocks_gu;
-      block(spec, e.gu, b, xrows.data() + e.pair0, e.hi - e.lo, rs, [&](int64_t t, int r, float dot) {
+      const Inputs in{xrows.data() + e.pair0, q8 ? xqrows.data() + e.pair0 : nullptr};
+      block(spec, e.gu, b, in, e.hi - e.lo, rs, [&](int64_t t, int r, float dot) {
         const int64_t row = 4 * b + r;
         const float v = rnd(dot);
         gu[(e.pair0 + t) * r1 + row] = e.gu.bias != nullptr ? rnd(v + bf(e.gu.bias[row])) : v;
@@ -214,9 +269,15 @@ void run(const Spec& spec, uint16_t* out, const uint16_t* x, const std::vector<E
     for (int64_t i = pairs * isz * tid / nt, i1 = pairs * isz * (tid + 1) / nt; i < i1; ++i)
       act[i] = moeserve_csrc::bf16_bits(activation(spec, gu + (i / isz) * r1, i % isz, isz));
 #pragma omp barrier
+    if (q8) {
+      for (int64_t p = pairs * tid / nt, p1 = pairs * (tid + 1) / nt; p < p1; ++p)
+        moeserve_q8::quantize_row(act + p * isz, isz, aq + p * aqb);
+#pragma omp barrier
+    }
     for (const Expert& e : experts)
       for (int64_t b = blocks_h * tid / nt, b1 = blocks_h * (tid + 1) / nt; b < b1; ++b)
-        block(spec, e.dn, b, arows.data() + e.pair0, e.hi - e.lo, rs, [&](int64_t t, int r, float dot) {
+        block(spec, e.dn, b, Inputs{arows.data() + e.pair0, q8 ? aqrows.data() + e.pair0 : nullptr}, e.hi - e.lo,
+              rs, [&](int64_t t, int r, float dot) {
           const int64_t p = e.lo + t, h = 4 * b + r;
           float d = rnd(dot);
           if (e.dn.bias != nullptr) d = rnd(d + bf(e.dn.bias[h]));
@@ -299,8 +360,8 @@ void run_experts(const Spec& spec, at::Tensor& out, const at::Tensor& x, at::Ten
     pairs += hi - lo;
   }
   if (experts.empty()) return;
-  run(spec, reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), experts,
-      tp, weight_of.data_ptr<float>(), pairs);
+  run(spec, reinterpret_cast<uint16_t*>(out.data_ptr()), reinterpret_cast<const uint16_t*>(x.data_ptr()), n,
+      experts, tp, weight_of.data_ptr<float>(), pairs);
 }
 
 at::Tensor moe_q4_experts_(at::Tensor out, const at::Tensor& x, at::TensorList gate_up, at::TensorList down,

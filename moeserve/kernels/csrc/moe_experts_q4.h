@@ -3,7 +3,9 @@
 // string per model, space-separated key=value words:
 //
 //   fmt=bf16|mxfp4|nvfp4-ct|nvfp4-mo|int4   the weights: bf16 row-interleaved (canonical_dot.h's block layout), a
-//      |gguf                                 4-bit format (q4_codes.cpp) or GGUF blocks (gguf_codes.cpp)
+//      |gguf|int4-q8                        4-bit format (q4_codes.cpp) or GGUF blocks (gguf_codes.cpp); int4-q8:
+//                                            INT4 codes times int8-quantized activations, integer dots (q4_q8.h;
+//                                            group 32)
 //   group=G                                   elements per scale (4-bit formats)
 //   act=swiglu|gptoss|relu2  alpha=A limit=L  the activation (gptoss: clamped SwiGLU on interleaved gate/up rows)
 //   gu=ROWSxK  dn=ROWSxK                      the two projections [out, in]: gate_up (or up) and down
@@ -27,7 +29,7 @@
 namespace moeserve_q4 {
 
 // ------------------------------------------------------------------------------ 4-bit codes (q4_codes.cpp)
-enum class Fmt { kMxfp4, kNvfp4Div, kNvfp4Mul, kInt4, kGguf };
+enum class Fmt { kMxfp4, kNvfp4Div, kNvfp4Mul, kInt4, kGguf, kInt4Q8 };  // kInt4Q8: int8 activations (q4_q8.h)
 
 // One weight row: its codes and the table of each group (16 bf16 values: what each nibble decodes to).
 struct QRow {

@@ -79,7 +79,8 @@ void read_format(const std::string& v, Spec& s) {
   else if (v == "nvfp4-ct") s.fmt = Fmt::kNvfp4Div;
   else if (v == "nvfp4-mo") s.fmt = Fmt::kNvfp4Mul;
   else if (v == "int4") s.fmt = Fmt::kInt4;
-  else TORCH_CHECK(false, "expert op spec: unknown fmt '", v, "' (bf16, mxfp4, nvfp4-ct, nvfp4-mo, int4, gguf)");
+  else if (v == "int4-q8") s.fmt = Fmt::kInt4Q8;
+  else TORCH_CHECK(false, "expert op spec: unknown fmt '", v, "' (bf16, mxfp4, nvfp4-ct, nvfp4-mo, int4, gguf, int4-q8)");
 }
 
 void read_act(const std::string& v, Spec& s) {
@@ -116,7 +117,7 @@ void check_proj(const Spec& s, const ProjSpec& p, const char* name) {
 
 int64_t ProjSpec::nbytes(bool bf16, Fmt fmt, int64_t group) const {
   int64_t end = bias >= 0 ? bias + 2 * rows : 0;
-  const int64_t scale_bytes = fmt == Fmt::kInt4 ? 2 : 1;
+  const int64_t scale_bytes = fmt == Fmt::kInt4 || fmt == Fmt::kInt4Q8 ? 2 : 1;
   for (const ShardSpec& sh : shards) {
     if (!bf16 && fmt == Fmt::kGguf) {
       for (const GType t : sh.types) end = std::max(end, sh.codes + sh.rows * gguf_row_bytes(t, k));
@@ -156,6 +157,7 @@ Spec parse_spec(const std::string& text) {
   TORCH_CHECK(s.bf16 || s.group == 16 || (s.group >= 32 && (s.group & (s.group - 1)) == 0),
               "expert op spec: group ", s.group, " (16, or 32 times a power of two)");
   TORCH_CHECK(s.bf16 || s.fmt != Fmt::kMxfp4 || s.group == 32, "expert op spec: MXFP4 groups are 32");
+  TORCH_CHECK(s.bf16 || s.fmt != Fmt::kInt4Q8 || s.group == 32, "expert op spec: int4-q8 groups are 32");
   TORCH_CHECK(s.bf16 || (s.fmt != Fmt::kNvfp4Div && s.fmt != Fmt::kNvfp4Mul) || s.group == 16,
               "expert op spec: NVFP4 groups are 16");
   check_proj(s, s.gu, "gu");

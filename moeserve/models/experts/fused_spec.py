@@ -72,9 +72,11 @@ def _projection_words(name: str, proj: Projection, layout: UnitLayout) -> tuple[
 
 
 def q4_units(projections: Sequence[Projection], layout: UnitLayout, act: Activation | None,
-             dtype: torch.dtype) -> FusedUnits | str:
+             dtype: torch.dtype, int8_activations: bool = False) -> FusedUnits | str:
     """Where moe_q4_experts_ finds the fields of units holding `projections` (gate_up or up, then down) in stored
-    formats, or why it cannot run them."""
+    formats, or why it cannot run them. `int8_activations`: INT4 units (group 32) computed against int8-quantized
+    activations with integer dots (`fmt=int4-q8`, csrc/q4_q8.h: quantization="int4"'s own numeric contract),
+    instead of the reference decoder's bf16 weights against bf16 activations."""
     if act is None:
         return "no activation the op has"
     if dtype != torch.bfloat16:
@@ -96,6 +98,10 @@ def q4_units(projections: Sequence[Projection], layout: UnitLayout, act: Activat
     word, group = fmts.pop() if fmts else ("?", 0)
     if group != 16 and (group < 32 or group & (group - 1)):
         return f"groups of {group} elements (the op takes 16, or 32 times a power of two)"
+    if int8_activations:
+        if (word, group) != ("int4", 32):
+            return f"int8 activations need INT4 groups of 32, not {word} groups of {group}"
+        word = "int4-q8"
     spec = f"fmt={word} group={group} {act.words()} {gu_words} {dn_words}"
     return FusedUnits(interleaved=False, gate_up=gu, down=dn, stack_op=f"q4 {spec}", spec=spec)
 

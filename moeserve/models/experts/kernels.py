@@ -310,6 +310,10 @@ class CppQ4Experts(_FusedSwiGLU):
         self.name = f"cpp-q4-{self.fmt}"
 
     def describe(self) -> str:
+        if self.fmt == "int4-q8":
+            return (f"{self.name} (moe_q4_experts_: int4 codes read as stored times int8-quantized activations "
+                    f"(a scale per 32), integer dots in one stated order (csrc/q4_q8.h), {self.act} activation; "
+                    "every batch, batch-invariant)")
         what = {"bf16": None, "gguf": "GGUF blocks"}.get(self.fmt, f"{self.fmt} codes")
         how = ("bf16 rows interleaved in blocks of 4" if what is None else
                f"{what} read as stored and decoded in registers to the reference decoder's bf16 values")

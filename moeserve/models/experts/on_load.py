@@ -140,7 +140,7 @@ def int4_expert_plan(dense: ExpertPlan, dtype: torch.dtype, spill_root: Path | N
         role_fields = tuple((role, first + i) for i, (role, _, _) in enumerate(roles))
         built.append(Projection((out, cols), (Shard(fmt, (0, out), role_fields),), bias))
     layout = UnitLayout.build(specs)
-    kernel = DequantizingKernel(built, dtype, math, q4_units(built, layout, act, dtype))
+    kernel = DequantizingKernel(built, dtype, math, q4_units(built, layout, act, dtype, int8_activations=True))
     description = (
         f"experts quantized on load to int4 (symmetric, a bf16 scale per {group} inputs, compressed-tensors' "
         f"pack-quantized layout), in every cache tier (unit {layout.nbytes / 2**10:.1f} KiB instead of "
