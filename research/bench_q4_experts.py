@@ -9,7 +9,8 @@ once, in this order, so a busy machine slows them alike (report the ranges over 
 - stream: torch.sum over a 1 GiB fp32 buffer (a streaming read: the practical ceiling);
 - bf16: `moe_swiglu_interleaved_` (the canonical bf16 op, row-interleaved units);
 - mxfp4 / nvfp4 / int4-g32 / int4-g128: `moe_q4_experts_` on units as the plans hold them (compressed-tensors
-  layouts; codes + group scales, read as stored).
+  layouts; codes + group scales, read as stored);
+- int4-q8: the int4-g32 units as quantization="int4" computes them (int8-quantized activations, csrc/q4_q8.h).
 Prints, per case, GB/s of the bytes each call reads (codes and scales), ms per token (64 experts = 16 calls)
 and bytes per token of one layer's 4 experts; then min-median-max over rounds.
 """
@@ -53,11 +54,11 @@ def stored_weight(fmt: str, rows: int, cols: int, group: int) -> dict[str, torch
             "weight_shape": torch.tensor([rows, cols], dtype=torch.int64)}
 
 
-def q4_units(fmt: str, group: int) -> Units:
+def q4_units(fmt: str, group: int, int8_activations: bool = False) -> Units:
     f = create_format(fmt, **({"group_size": group} if fmt == "int4-ct" else {}))
     stored = [[stored_weight(fmt, p.rows // p.shards, p.cols, group) for p in SHAPES for _ in range(p.shards)]
               for _ in range(EXPERTS)]
-    return assemble(f, SHAPES, stored, [[None, None]] * EXPERTS, Activation("swiglu"))
+    return assemble(f, SHAPES, stored, [[None, None]] * EXPERTS, Activation("swiglu"), int8_activations)
 
 
 def cases() -> dict[str, tuple[Callable[[], object], int]]:
@@ -86,8 +87,8 @@ def cases() -> dict[str, tuple[Callable[[], object], int]]:
 
     found = {"bf16": (bf16, EXPERTS * 3 * INTER * K * 2)}
     for name, fmt, group in (("mxfp4", "mxfp4-ct", 32), ("nvfp4", "nvfp4-ct", 16), ("int4-g32", "int4-ct", 32),
-                             ("int4-g128", "int4-ct", 128)):
-        units = q4_units(fmt, group)
+                             ("int4-g128", "int4-ct", 128), ("int4-q8", "int4-ct", 32)):
+        units = q4_units(fmt, group, int8_activations=name == "int4-q8")
         found[name] = (q4(units), EXPERTS * units.layout.nbytes)
     return found
 
