@@ -71,7 +71,7 @@ def check_expert_unit(source: ExpertSource, layer: int, expert: int, unit_bytes:
     bad = [(ref, source.checkpoint.reader.read(ref)) for ref in refs]
     named = [f"'{ref.name}' in {ref.path} holds {count_nonfinite(t)}" for ref, t in bad if not is_finite(t)]
     what = "; ".join(named) if named else f"its tensors {_names(refs)} once converted"
-    raise CheckpointError(f"expert {expert} of layer {layer} holds NaN or infinite weights: {what}; the checkpoint "
+    raise CheckpointError(f"{source.unit_name(layer, expert)} holds NaN or infinite weights: {what}; the checkpoint "
                           "is corrupt (download it again) or was saved from a diverged model")
 
 

@@ -125,7 +125,8 @@ class Loader:
         self.verifier: UnitVerifier | None = UnitVerifier(
             choose_checksum(), lambda key: source.unit_files(*key),
             lambda key, unit: check_expert_unit(source, key[0], key[1], unit),
-            lambda key: source.corrupt_advice(*key), padding=source.layout.padding()) if verify else None
+            lambda key: source.corrupt_advice(*key), padding=source.layout.padding(),
+            name=lambda key: source.unit_name(*key)) if verify else None
         # Guards the host tier's map, the busy host slots and the free staging buffers; held only to take or give
         # back a buffer, never across I/O. Direct reads into RAM slots need none: pread has no shared file position.
         self._lock = threading.Lock()

@@ -175,6 +175,10 @@ class ExpertSource:
         files = sorted({str(ref.path) for fs in self.sources[(layer, expert)] for ref in fs.refs})
         return ", ".join(files) if files else "the checkpoint"
 
+    def unit_name(self, layer: int, expert: int) -> str:
+        """What unit (layer, expert) is, in an error."""
+        return f"expert {expert} of layer {layer}"
+
     def corrupt_advice(self, layer: int, expert: int) -> str:
         """What to do when the bytes of (layer, expert) read from `unit_files` differ from their first read."""
         return "restore it and restart the server"

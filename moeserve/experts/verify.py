@@ -80,8 +80,10 @@ class UnitVerifier:
     def __init__(self, checksum: Checksum, where: Callable[[Key], str],
                  first_read_check: Callable[[Key, torch.Tensor], None] | None = None,
                  advice: Callable[[Key], str] = lambda key: "restore it and restart the server",
-                 padding: Sequence[tuple[int, int]] = ()) -> None:
+                 padding: Sequence[tuple[int, int]] = (),
+                 name: Callable[[Key], str] = lambda key: f"expert {key[1]} of layer {key[0]}") -> None:
         self.checksum, self.where, self.first_read_check, self.advice = checksum, where, first_read_check, advice
+        self.name = name  # what the unit is, in an error
         # The unit's alignment gaps between fields ([start, end) byte ranges): a read never writes them, so they
         # hold whatever the slot held before; they are zeroed before hashing (nothing reads them), so equal fields
         # give equal checksums.
@@ -137,7 +139,7 @@ class UnitVerifier:
                     self._mark_bad(key, str(err))
             return
         if value != want:
-            self._mark_bad(key, f"expert {key[1]} of layer {key[0]}: the bytes read from {self.where(key)} differ "
+            self._mark_bad(key, f"{self.name(key)}: the bytes read from {self.where(key)} differ "
                                 f"from those read before ({self.checksum.name} {value:08x}, expected {want:08x}): "
                                 f"the file changed or is corrupt; {self.advice(key)}")
 

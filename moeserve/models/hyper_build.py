@@ -1,9 +1,10 @@
 """Building a Qwen4-Exp model's parts from its checkpoint (ModelSpec.hyper / ngram): the gated residuals of each
-layer and before the LM head, and the PLE layers with their n-gram tables (resident: the tables' row blocks
-concatenated). The decoder layer and the layer pass are models/layers/hyper_layer.py."""
+layer and before the LM head, and the PLE layers, reading their n-gram tables' rows through the table store
+(models/ngram_table.py). The decoder layer and the layer pass are models/layers/hyper_layer.py."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,12 +15,13 @@ from moeserve.models.layers.hyper import GatedResidual
 from moeserve.models.layers.hyper_layer import HyperDecoderLayer, PleLayer
 from moeserve.models.layers.ple import PleInjection
 from moeserve.models.ngram import NgramHash
-from moeserve.models.validate import ngram_hash_buffers, ngram_table_shards
+from moeserve.models.validate import ngram_hash_buffers
 
 if TYPE_CHECKING:
     from moeserve.models.layers.base import MLP, TokenMixer
     from moeserve.models.loader import WeightLoader
     from moeserve.models.model import ModelOptions
+    from moeserve.models.ngram_table import NgramTable
     from moeserve.models.registry import Architecture
     from moeserve.models.spec import ModelSpec
 
@@ -37,14 +39,16 @@ def gated_residual(load: WeightLoader, spec: ModelSpec, prefix: str, inject: boo
 
 
 def hyper_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, attn: TokenMixer, mlp: MLP,
-                opts: ModelOptions) -> HyperDecoderLayer:
+                opts: ModelOptions, table: NgramTable | None = None) -> HyperDecoderLayer:
     names = arch.names
-    ple = _ple(load, arch, spec, L, opts) if spec.ngram is not None and L in spec.ngram.layers else None
+    ple = (_ple(load, arch, spec, L, opts, table) if table is not None and spec.ngram is not None
+           and L in spec.ngram.layers else None)
     return HyperDecoderLayer(attn, mlp, gated_residual(load, spec, names.hc_attn.format(L=L), True, opts),
                              gated_residual(load, spec, names.hc_mlp.format(L=L), True, opts), ple)
 
 
-def _ple(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, opts: ModelOptions) -> PleLayer:
+def _ple(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, opts: ModelOptions,
+         table: NgramTable) -> PleLayer:
     ng, hc = spec.ngram, spec.hyper
     assert ng is not None and hc is not None
     index, width, prefix = ng.layers.index(L), hc.streams * spec.hidden_size, arch.names.ple.format(L=L)
@@ -55,14 +59,13 @@ def _ple(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, opts: 
             raise CheckpointError(f"{load.ckpt.path / 'config.json'}: {name} differs from the n-gram hash config.json "
                                   "gives (seed, ngram_vocab_size_base, ple_layer_ids); the config does not belong to "
                                   "these weights")
-    table = torch.cat([load.tensor(name, (rows, ng.head_dim)) for name, rows in ngram_table_shards(arch, spec, L)])
     norms = tuple(norm_weight(load, f"{prefix}.{n}.weight", spec, (width,)) for n in ("norm_key", "norm_query", "norm_conv"))
     injection = PleInjection(load.linear(prefix + ".key_proj", width, ng.embed_dim),
                              load.linear(prefix + ".value_proj", spec.hidden_size, ng.embed_dim),
                              (norms[0], norms[1], norms[2]),
                              load.tensor(prefix + ".conv1d.weight", (width, 1, ng.conv_kernel)).view(width, -1),
                              hc.streams, ng.ngram_size, spec.rms_norm_eps, opts.numerics)
-    return PleLayer(hashing, table, injection, ngram_state_layer(spec, L))
+    return PleLayer(hashing, functools.partial(table.lookup, L), injection, ngram_state_layer(spec, L))
 
 
 def ngram_state_layer(spec: ModelSpec, L: int) -> int:

@@ -50,6 +50,7 @@ from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mixers.mla import MlaAttention, build_mla
 from moeserve.models.mixers.qsa_attention import QsaAttention, build_qsa_attention
+from moeserve.models.ngram_table import NgramTable
 from moeserve.models.numerics import Numerics
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
@@ -70,6 +71,7 @@ class ModelOptions:
     placement: str = "auto"  # where missed experts are computed on a GPU machine (models/experts/hybrid.py)
     placement_costs: Costs | None = None  # what the hybrid placement weighs (measured at start-up), or None
     ep: EpShare | None = None  # expert parallelism: this rank's store holds its experts, the rest are remote
+    ngram_capacity: int | None = None  # n-gram table row blocks held in memory (models/ngram_table.py); None: all
 
 
 class MoeModel:
@@ -93,6 +95,7 @@ class MoeModel:
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
         self._forced = False  # routing forced (force_routing, benchmark only): the layer pass runs
         self.closed = False  # close(): the weights are gone
+        self.ngram_table: NgramTable | None = None  # the PLE layers' n-gram tables (ModelSpec.ngram), set by build_model
         # (name, one-line reason) of every choice made here, for the start-up log and the engine's record
         self.choices: list[tuple[str, str]] = [("decode step", decode_reason)]
 
@@ -104,6 +107,8 @@ class MoeModel:
             return
         self.closed = True
         self.store.close()
+        if self.ngram_table is not None:
+            self.ngram_table.close()
         if self.moe_blocks:
             self.moe_blocks[0].experts.close()  # one kernel object serves every MoE layer
         self.layers, self.moe_blocks = [], []
@@ -204,12 +209,17 @@ def build_model(
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
-    layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts) for L in range(spec.num_layers)]
+    table = (NgramTable.build(ckpt, arch, spec, dtype, device, opts.ngram_capacity,
+                              replace(store_options or StoreOptions(policy=cache_policy), prefetch=False,
+                                      host_capacity=0, cache_mode="shared"))
+             if spec.ngram is not None else None)
+    layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts, table) for L in range(spec.num_layers)]
     choices += _layer_choices(ckpt, arch, spec, layers, load)
     final_norm = _norm(load, names.final_norm, spec) if spec.hyper is None else torch.empty(0)
     final_mixer = gated_residual(load, spec, names.hc_final, False, opts) if spec.hyper is not None else None
     head = _lm_head(load, ckpt, names, spec, embed, opts.dense_int8)
     model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts, final_mixer)
+    model.ngram_table = table
     if store.prefetcher is not None:
         link_prefetch(model.moe_blocks)
     model.dequantized_linears = load.dequantized_linears
@@ -294,7 +304,8 @@ def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dt
 
 
 def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,  # noqa: PLR0913
-                 store: ExpertStore, kernel: ExpertKernel, opts: ModelOptions) -> DecoderLayer:
+                 store: ExpertStore, kernel: ExpertKernel, opts: ModelOptions,
+                 table: NgramTable | None = None) -> DecoderLayer:
     """Read layer L's resident weights (attention or linear attention, norms, router, dense or shared MLP)."""
     names, h = arch.names, spec.hidden_size
 
@@ -326,7 +337,7 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
                          spec.dense_intermediate_size, opts)
     if spec.hyper is not None:
-        return hyper_layer(load, arch, spec, L, attn, mlp, opts)
+        return hyper_layer(load, arch, spec, L, attn, mlp, opts, table)
     norm = RMS_NORMS[spec.norm_style][0]
     # a part the layer does not have (one-part blocks: Nemotron-H) adds zeros whatever its norm: ones, unread
     input_norm = _norm(load, n(names.input_norm), spec) if L not in spec.mixerless_layers else None

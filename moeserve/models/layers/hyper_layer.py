@@ -14,6 +14,7 @@ an `NgramState` group (layer id `state_layer`, past the model's layers: state/ki
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,10 +28,12 @@ from moeserve.state.kv_cache import PagedKVCache
 
 
 class PleLayer:
-    """One layer's PLE: which rows (`hashing`), the table [rows, head_dim], the injection, its state's layer id."""
+    """One layer's PLE: which rows (`hashing`), the table's rows [n, heads] -> [n, heads, head_dim] (`lookup`: through
+    the table store, models/ngram_table.py), the injection, its state's layer id."""
 
-    def __init__(self, hashing: NgramHash, table: torch.Tensor, injection: PleInjection, state_layer: int) -> None:
-        self.hashing, self.table, self.injection, self.state_layer = hashing, table, injection, state_layer
+    def __init__(self, hashing: NgramHash, lookup: Callable[[torch.Tensor], torch.Tensor], injection: PleInjection,
+                 state_layer: int) -> None:
+        self.hashing, self.lookup, self.injection, self.state_layer = hashing, lookup, injection, state_layer
 
     def __call__(self, h: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         conv, context = kv.recurrent(self.state_layer)
@@ -43,7 +46,7 @@ class PleLayer:
             tokens = batch.token_ids[off: off + n]
             before = context[slot].long()
             rows = self.hashing.rows(before, tokens)
-            embedded = self.table[rows].flatten(-2)
+            embedded = self.lookup(rows).flatten(-2)
             outs.append(self.injection(h[off: off + n], embedded, conv[slot]))
             context[slot].copy_(self.hashing.next_context(before, tokens))
             off += n
