@@ -75,6 +75,11 @@ class EngineSettings(BaseModel):
         None, ge=0, description="fast-tier budget for experts inside the memory budget, GiB (2**30 bytes) "
         "(default: what the memory split leaves beside the KV pool, logged)"
     )
+    ngram_cache_gb: float | None = Field(
+        None, ge=0, description="memory for the n-gram tables' units (Qwen3.8-Flash-Next's PLE), GiB (2**30 bytes), "
+        "inside the memory budget; the rest read from disk on a miss (default: all of them when they take at most "
+        "a quarter of the budget, else a sixteenth of the budget, logged)"
+    )
     host_cache_gb: float | None = Field(
         None, ge=0, description="host RAM tier for experts on CUDA machines, GiB (2**30 bytes), pinned in chunks; "
         "refused at start-up above what RAM can lock safely (default: free RAM less headroom, logged)"

@@ -58,6 +58,27 @@ def choose_threads(want: int | None, usable_cores: int) -> tuple[int, str]:
     return n, f"{n} ({'set' if want else f'auto: all {usable_cores} usable cores'})"
 
 
+NGRAM_RESIDENT_SHARE = 4  # the n-gram tables stay whole when they take at most 1/4 of the memory budget ...
+NGRAM_CACHE_SHARE = 16  # ... else their cache takes 1/16 of it (a token reads a few rows: the hit rate barely pays)
+
+
+def choose_ngram_cache(want_gb: float | None, units: int, unit_nbytes: int, budget_bytes: int) -> tuple[int, str]:
+    """Units of the n-gram tables (models/ngram_table.py) held in memory: `want_gb` when set (at least one, at most
+    all); else all when they take at most 1/NGRAM_RESIDENT_SHARE of the budget, else 1/NGRAM_CACHE_SHARE of it."""
+    total = units * unit_nbytes
+    if want_gb is not None:
+        n = max(1, min(units, int(want_gb * 2**30) // unit_nbytes))
+        how = f"ngram_cache_gb={want_gb:g}, set"
+    elif total * NGRAM_RESIDENT_SHARE <= budget_bytes:
+        n, how = units, f"auto: all, at most 1/{NGRAM_RESIDENT_SHARE} of the {budget_bytes / 2**30:.2f} GiB budget"
+    else:
+        n = max(1, min(units, budget_bytes // NGRAM_CACHE_SHARE // unit_nbytes))
+        how = (f"auto: 1/{NGRAM_CACHE_SHARE} of the {budget_bytes / 2**30:.2f} GiB budget, as the tables exceed "
+               f"1/{NGRAM_RESIDENT_SHARE} of it; the rest read from disk on a miss")
+    return n, (f"{n} of {units} units ({n * unit_nbytes / 2**30:.2f} of {total / 2**30:.2f} GiB, "
+               f"{unit_nbytes} bytes each) in memory ({how})")
+
+
 def kernels_line(want: str, use_cpp: bool, reason: str) -> str:
     """The log line of `kernels.choose(want, ...) -> (use_cpp, reason)` (the choice itself loads the library)."""
     return f"{'cpp' if use_cpp else 'torch'} ({want}: {reason})"

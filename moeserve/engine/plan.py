@@ -33,6 +33,7 @@ from moeserve.engine.choices import (
     choose_device,
     choose_dtype,
     choose_expert_layout,
+    choose_ngram_cache,
     choose_threads,
     dtype_name,
     kernels_line,
@@ -59,6 +60,7 @@ from moeserve.models.experts.plans import ExpertPlan, expert_plan, interleaved_e
 from moeserve.models.inventory import resident_nbytes
 from moeserve.models.mixers.mla import kv_per_token_line
 from moeserve.models.model import ModelOptions
+from moeserve.models.ngram_table import table_units
 from moeserve.models.numerics import Numerics, choose_numerics
 from moeserve.models.registry import Architecture
 from moeserve.models.spec import ModelSpec
@@ -161,6 +163,7 @@ class EnginePlan:
     kv_choices: tuple[tuple[str, str], ...]  # lines logged after the built KV cache's own ("KV cache")
     placement: str = "auto"  # EngineSettings.placement; the model resolves it against its units (models/experts/hybrid.py)
     placement_costs: Costs | None = None  # measured when a CUDA engine is asked for placement=hybrid or cpu
+    ngram_capacity: int | None = None  # n-gram table units held in memory (models/ngram_table.py); None: all
 
     @property
     def dtype_name(self) -> str:
@@ -189,7 +192,7 @@ class EnginePlan:
     @property
     def model_options(self) -> ModelOptions:
         return ModelOptions(self.numerics, self.numerics_reason, self.dense_int8, self.decode_step, self.placement,
-                            self.placement_costs)
+                            self.placement_costs, ngram_capacity=self.ngram_capacity)
 
 
 class _Lines:
@@ -234,6 +237,8 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     nonexpert = resident_nbytes(ckpt, sized, dtype)  # quantized Linears at their dequantized size
     runtime, topology = probe.runtime_bytes(), probe.topology(device, s.unified_memory)
     held_units = len(sized.sources) if experts_held is None else experts_held
+    ngram_capacity, ngram_saved = _ngram_plan(spec, dtype, s, topology.fast_free_bytes, lines)
+    nonexpert -= ngram_saved  # the tables' units not held
 
     def needs_at(context: int, tokens: int) -> MemoryNeeds:
         return memory_needs(spec, s.model_copy(update={"max_model_len": context}), dtype, groups, block_bytes,
@@ -261,7 +266,18 @@ def make_engine_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, s: E
     return EnginePlan(device, dtype, threads, cpp, numerics, numerics_reason, s.quantization in ("int8", "int4"),
                       s.decode_step, batched, tuple(groups), tuple(block_bytes), tuple(kv_blocks), snapshots, needs,
                       sizes, held, options, tuple(lines.items), _kv_choices(spec, dtype, groups, block_bytes, s),
-                      s.placement, costs)
+                      s.placement, costs, ngram_capacity)
+
+
+def _ngram_plan(spec: ModelSpec, dtype: torch.dtype, s: EngineSettings, free_bytes: int,
+                lines: _Lines) -> tuple[int | None, int]:
+    """(n-gram table units held, None for all; the bytes of the tables left on disk): logged as "n-gram tables"."""
+    if spec.ngram is None:
+        return None, 0
+    units, unit_nbytes, table_bytes = table_units(spec, dtype)
+    budget = int(s.memory_gb * 2**30) if s.memory_gb is not None else free_bytes
+    held = lines.take("n-gram tables", choose_ngram_cache(s.ngram_cache_gb, units, unit_nbytes, budget))
+    return (None, 0) if held == units else (held, table_bytes - held * unit_nbytes)
 
 
 def _spill_root(s: EngineSettings) -> Path | None:
