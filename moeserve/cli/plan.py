@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from moeserve.cli.common import add_engine_arguments, add_model_argument, engine_settings
 from moeserve.config import EngineSettings
 from moeserve.memory.plan import RUNTIME_OVERHEAD_BYTES, MemoryPlan, ModelFootprint, decode_ceiling
+from moeserve.models.ngram_table import table_units
 
 if TYPE_CHECKING:
     from moeserve.checkpoint.folder import Checkpoint
@@ -75,6 +76,9 @@ def _print_plan(plan: EnginePlan, memory: MemoryPlan, ckpt: Checkpoint, spec: Mo
         print("weights: none here; sized from config.json and the architecture spec (moeserve/models/config_only.py)")
     for name, line in plan.sizes.lines:  # the very lines the engine logs at start-up (memory/sizing.py)
         print(f"{name}: {line}")
+    tables = dict(plan.choices).get("n-gram tables")  # Qwen3.8-Flash-Next's PLE tables: the units held
+    if tables is not None:
+        print(f"n-gram tables: {tables}")
     kv_line = dict(plan.kv_choices).get("KV per token")  # latent attention: what its cache saves
     if kv_line is not None:
         print(f"KV per token: {kv_line}")
@@ -121,6 +125,14 @@ def _bandwidths(plan: EnginePlan, ckpt: Checkpoint) -> tuple[float | None, float
     return fast_bw, host_bw, disk_bw
 
 
+def _ngram_held_bytes(plan: EnginePlan, spec: ModelSpec) -> int:
+    """Bytes of the n-gram tables' units held in memory (0 without them)."""
+    if spec.ngram is None:
+        return 0
+    units, unit_nbytes, table_bytes = table_units(spec, plan.dtype)
+    return table_bytes if plan.ngram_capacity is None else plan.ngram_capacity * unit_nbytes
+
+
 def _footprint(plan: EnginePlan, spec: ModelSpec) -> ModelFootprint:
     """The model's sizes in the plan's compute dtype, as the engine holds it (experts int8 under
     quantization=int8; stacked expert tensors and quantized dense Linears counted as the engine counts them)."""
@@ -128,7 +140,8 @@ def _footprint(plan: EnginePlan, spec: ModelSpec) -> ModelFootprint:
     first = next(iter(plan.expert_plan.sources.values()))
     return ModelFootprint(
         resident_bytes=plan.needs.resident_bytes,
-        embed_bytes=spec.vocab_size * spec.hidden_size * itemsize,
+        # the embedding and the n-gram tables held: a token reads a few rows of them, not all
+        embed_bytes=spec.vocab_size * spec.hidden_size * itemsize + _ngram_held_bytes(plan, spec),
         hidden_bytes=spec.hidden_size * itemsize,
         unit_nbytes=plan.needs.unit_nbytes,
         stored_unit_nbytes=sum(r.nbytes for f in first for r in f.refs),

@@ -18,6 +18,7 @@ from moeserve.errors import ConfigError
 from moeserve.experts.calls import static_policy_options
 from moeserve.experts.policies import ONLINE_POLICY_NAMES
 from moeserve.experts.store import StoreOptions
+from moeserve.memory.budget import fmt_bytes
 from moeserve.models.experts.plans import ExpertPlan, can_interleave_experts
 from moeserve.state.kv_cache import KVGroup
 
@@ -70,13 +71,13 @@ def choose_ngram_cache(want_gb: float | None, units: int, unit_nbytes: int, budg
         n = max(1, min(units, int(want_gb * 2**30) // unit_nbytes))
         how = f"ngram_cache_gb={want_gb:g}, set"
     elif total * NGRAM_RESIDENT_SHARE <= budget_bytes:
-        n, how = units, f"auto: all, at most 1/{NGRAM_RESIDENT_SHARE} of the {budget_bytes / 2**30:.2f} GiB budget"
+        n, how = units, f"auto: all, at most 1/{NGRAM_RESIDENT_SHARE} of the {fmt_bytes(budget_bytes)} budget"
     else:
         n = max(1, min(units, budget_bytes // NGRAM_CACHE_SHARE // unit_nbytes))
-        how = (f"auto: 1/{NGRAM_CACHE_SHARE} of the {budget_bytes / 2**30:.2f} GiB budget, as the tables exceed "
+        how = (f"auto: 1/{NGRAM_CACHE_SHARE} of the {fmt_bytes(budget_bytes)} budget, as the tables exceed "
                f"1/{NGRAM_RESIDENT_SHARE} of it; the rest read from disk on a miss")
-    return n, (f"{n} of {units} units ({n * unit_nbytes / 2**30:.2f} of {total / 2**30:.2f} GiB, "
-               f"{unit_nbytes} bytes each) in memory ({how})")
+    return n, (f"{n} of {units} units ({fmt_bytes(n * unit_nbytes)} of {fmt_bytes(total)}, {unit_nbytes} bytes "
+               f"each) in memory ({how})")
 
 
 def kernels_line(want: str, use_cpp: bool, reason: str) -> str:

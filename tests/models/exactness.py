@@ -55,6 +55,7 @@ class Run:
     batch_steps: list[int] = field(default_factory=list)  # engine steps of each batch run one after the other
     misses: int = 0  # expert-store misses (0: every expert resident or cached)
     fused: list[bool] = field(default_factory=list)  # per engine step: run by the fused decode step (decode_stack.py)
+    ngram_misses: int = 0  # n-gram table store misses (models/ngram_table.py; 0: none, or every unit held)
 
     def requests(self, *indices: int) -> Run:
         """Of a `run_alone`: the run of the prompts at `indices`, in that order (their steps' logits, their outputs),
@@ -106,8 +107,9 @@ def _run(folder: Path, batches: list[list[list[int]]], steps: int, settings: dic
         engine.close()
     pools = (engine.kv_groups, engine.plan.block_bytes, engine.settings.max_num_seqs, engine.max_num_batched_tokens)
     store = engine.model.store
+    table = engine.model.ngram_table
     return Run(logits, outs, store.unit_nbytes, dict(engine.choices), pools, batch_steps, store.stats.misses,
-               [i in fused for i in range(len(logits))])
+               [i in fused for i in range(len(logits))], table.store.stats.misses if table is not None else 0)
 
 
 @contextmanager

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from moeserve.checkpoint.folder import open_checkpoint
-from moeserve.errors import CheckpointError
+from moeserve.errors import CheckpointError, MoeserveError
 from moeserve.models.config_only import parameter_counts
 from moeserve.models.ngram_hash import head_vocab_sizes, layer_multipliers, padded_rows
 from moeserve.models.registry import get_architecture
-from moeserve.models.validate import read_model
+from moeserve.models.validate import ngram_table_shards, read_model
 from tests.fixtures.qwen4_exp import TINY_QWEN4_EXP, write_tiny_qwen4_exp
 from tests.models import exactness as X
 
@@ -351,3 +351,58 @@ def test_prefix_hits_are_exact(tiny_bf16: Path) -> None:
     cached = run_each(tiny_bf16, order)
     assert hits(cached) == [0, 0, 64]  # B leaves the shared prefix's snapshot, C resumes from it
     assert_equal_to_uncached(cached, run_each(tiny_bf16, order, enable_prefix_caching=False))
+
+
+# ------------------------------------------------------------------- the n-gram tables as units of a store
+def _table_units(folder: Path, units: int, dtype: torch.dtype) -> tuple[float, int]:
+    """(ngram_cache_gb holding `units` units of the n-gram tables of `folder` in `dtype`, the units of all)."""
+    from moeserve.models.ngram_table import table_units
+
+    _arch, spec = read_model(open_checkpoint(folder))
+    every, unit_nbytes, _table = table_units(spec, dtype)
+    return units * unit_nbytes / 2**30 * 1.001, every
+
+
+def test_ngram_table_on_disk_equals_resident(tiny: Path, tiny_bf16: Path) -> None:
+    """Three units of the n-gram tables in memory (of 34 in bf16, 68 in fp32), the rest read from the checkpoint on a miss: every step's
+    logits and outputs those of the tables resident, bit for bit, in bf16 and in fp32 (the fp32 resident run is
+    transformers' within 1e-4: test_tiny_matches_transformers)."""
+    prompts = _prompts()[1:]
+    for folder, dtype in ((tiny_bf16, torch.bfloat16), (tiny, torch.float32)):
+        name = str(dtype).removeprefix("torch.")
+        gb, every = _table_units(folder, 3, dtype)
+        resident = X.run_together(folder, prompts, 4, dtype=name)
+        got = X.run_together(folder, prompts, 4, dtype=name, ngram_cache_gb=gb)
+        assert resident.ngram_misses == 0 and got.ngram_misses > 10, (resident.ngram_misses, got.ngram_misses)
+        assert got.choices["n-gram tables"].startswith(f"3 of {every} units"), got.choices["n-gram tables"]
+        assert "all" in resident.choices["n-gram tables"]
+        X.assert_same_run(got, resident, f"the n-gram tables on disk ({name})")
+
+
+def test_a_changed_table_byte_is_an_error_naming_its_unit(tiny_bf16: Path, tmp_path: Path) -> None:
+    """One unit in memory: a prompt's second run reads its units again; a table block changed on disk since is
+    refused with an error naming the unit and the file, not a wrong answer."""
+    import shutil
+
+    from moeserve import LLM
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny_bf16, folder)
+    prompt = _prompts()[2]
+    llm = LLM(str(folder), skip_tokenizer_init=True, ngram_cache_gb=_table_units(tiny_bf16, 1, torch.bfloat16)[0])
+    try:
+        first = llm.generate([{"prompt_token_ids": prompt}], X.greedy(2))
+        assert len(first[0].outputs[0].token_ids) == 2
+        arch, spec = read_model(open_checkpoint(folder))
+        assert spec.ngram is not None
+        name = ngram_table_shards(arch, spec, spec.ngram.layers[1])[0][0]  # the first rows of layer 2's table
+        path = folder / "model.safetensors"
+        ref = llm.engine.checkpoint.tensors[name]
+        data = bytearray(path.read_bytes())
+        data[ref.offset: ref.offset + ref.nbytes] = bytes(b ^ 0x40 for b in data[ref.offset: ref.offset + ref.nbytes])
+        path.write_bytes(bytes(data))
+        with pytest.raises(MoeserveError, match=r"n-gram table unit 0 \(rows 0-255\) of layer 2: the bytes read from "
+                                            r".*model\.safetensors differ from those read before"):
+            llm.generate([{"prompt_token_ids": prompt}], X.greedy(2))
+    finally:
+        llm.engine.close()
