@@ -7,19 +7,8 @@
 # Plugin autoload is off: pytest rewrites the asserts of every module of every installed package that declares a
 # pytest plugin (langsmith, hypothesis, schemathesis, anyio: hundreds of modules), and where bytecode is not written
 # (PYTHONDONTWRITEBYTECODE) it does so again on every run. The suite needs only hypothesis's plugin, loaded by name.
-# The tests run in one pytest-xdist worker per core (at most 4, and at most one per 6 GiB of available memory: a
-# real-dims test holds a model of a few GiB), each worker pinned to its own cores and taking whole modules, the
-# heaviest first (tests/workers.py). TEST_WORKERS=N sets the number; 1 runs everything in this one process.
 set -u
 PY=${1:-.venv/bin/python}
-WORKERS=${TEST_WORKERS:-$("$PY" -c 'import os
-mem = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("MemAvailable")) // (6 << 20)
-print(max(1, min(len(os.sched_getaffinity(0)), 4, mem)))')}
-if [ "$WORKERS" -gt 1 ]; then
-  PARALLEL=(-p xdist.plugin -n "$WORKERS" --dist loadfile --no-loadscope-reorder)
-else
-  PARALLEL=()
-fi
 TIER=${2:-all}
 case "$TIER" in
   all) SELECT=() ;;
@@ -27,7 +16,7 @@ case "$TIER" in
   *) echo "run_tests: unknown tier '$TIER' (all or fast)" >&2; exit 2 ;;
 esac
 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 "$PY" -m pytest -q -p no:cacheprovider -p _hypothesis_pytestplugin --durations=30 \
-  ${PARALLEL[@]+"${PARALLEL[@]}"} ${SELECT[@]+"${SELECT[@]}"} tests
+  ${SELECT[@]+"${SELECT[@]}"} tests
 rc=$?
 if [ "$rc" -eq 5 ]; then
   echo "run_tests: pytest collected no tests; the suite is broken" >&2

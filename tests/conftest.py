@@ -28,13 +28,12 @@ from moeserve.bench.checkpoints import (
     write_tiny_checkpoint,
     write_tiny_text_model,
 )
-from tests import cpu_emulation, tiers, workers
+from tests import cpu_emulation, tiers
 
 # TESTS_EMULATE_CPU=avx2 (`make test-as-avx2`): the run as on an AVX2-only CPU, on a wider one: our kernels built for
 # avx2 (MOESERVE_CPU_ISA), ATen's avx2 kernels, oneDNN off, here and in subprocesses (tests/cpu_emulation). Applied
 # at import, before any torch op: ATen picks its CPU kernels at the first one.
 EMULATION = cpu_emulation.apply()
-PINNED = workers.pin_this_worker()  # under pytest-xdist: this worker's own cores (tests/workers.py)
 
 
 @pytest.fixture(scope="session")
@@ -54,12 +53,12 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture(scope="session")
 def checkpoint_once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], Path]], Path]:
     """`get(key, build)`: the folder `build(empty_folder)` returned the first time `key` was asked for in this
-    run; later calls (from any module, in any worker) get the same folder. Tests must not write into it (copy_checkpoint)."""
+    session; later calls (from any module) get the same folder. Tests must not write into it (copy_checkpoint)."""
     cache: dict[str, Path] = {}
 
     def get(key: str, build: Callable[[Path], Path]) -> Path:
-        if key not in cache:  # under pytest-xdist, built by the first worker that asks (tests/workers.py)
-            cache[key] = workers.shared_folder(tmp_path_factory.getbasetemp(), key, build)
+        if key not in cache:
+            cache[key] = build(tmp_path_factory.mktemp(key.replace(".", "_").replace("/", "_")))
         return cache[key]
 
     return get
@@ -112,7 +111,7 @@ def has_cuda() -> bool:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    return "; ".join(filter(None, [EMULATION, PINNED])) or None
+    return EMULATION
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:  # -q hides the header: say it at the end too
@@ -127,8 +126,6 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker: the tier markers must be on by then
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     tiers.mark_slow(items)  # the test tiers (make test, make test-fast): tests/tiers.py
-    if workers.WORKER:
-        workers.heavy_modules_first(items)
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not has_cuda():

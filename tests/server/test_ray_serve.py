@@ -1,7 +1,7 @@
 """moeserve replicas on Ray Serve (server/ray_serve.py) on loopback: two replicas of the tiny model serve a mixed load
 with no error and the single server's greedy answers; a replica killed with SIGKILL is routed around and replaced.
-The settings are checked before anything starts. Needs ray[serve] (the `moeserve[ray]` extra; `make test`
-installs it with .[dev]): skipped where it is not installed."""
+The settings are checked before anything starts. Needs the `moeserve[ray]` extra (`make test` installs only .[dev]:
+then these are skipped)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.cpu_emulation import child_pythonpath
 from tests.server.conftest import HANG_GUARD_S, MODEL_NAME, REPO, ThreadServer, free_socket
 from tests.server.replica_load import SESSION_HEADER, send, send_all
 
-pytest.importorskip("ray.serve", reason="needs the moeserve[ray] extra (ray[serve]; in .[dev])")
+pytest.importorskip("ray.serve", reason="needs the moeserve[ray] extra (ray[serve]); make test installs .[dev] only")
 pytestmark = pytest.mark.slow
 
 import ray  # noqa: E402

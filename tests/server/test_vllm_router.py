@@ -27,7 +27,7 @@ from tests.server.replica_load import send, send_all
 
 ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=str(Path(sys.executable).parent))
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(ROUTER is None, reason="needs vllm-router (pip install "
-                                                   "vllm-router; in .[dev])")]
+                                                   "vllm-router); make test installs .[dev] only")]
 
 
 @pytest.fixture(scope="module")
