@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--expert-cache-gb", type=float, default=None)
     ap.add_argument("--decode-step", default="auto", choices=("auto", "fused", "per_op"))
     ap.add_argument("--threads", type=int, default=None, help="default: every usable core (1 on a busy machine)")
-    ap.add_argument("--quantization", default=None, help="e.g. int8, int4 (default: the checkpoint's weights)")
+    ap.add_argument("--quantization", default="none", help="none (the default: the checkpoint's weights), int8 or int4")
     args = ap.parse_args()
     if (args.model is None) == (args.shape is None):
         ap.error("give a model folder or --shape, not both")

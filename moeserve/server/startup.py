@@ -9,15 +9,15 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moeserve.config import EngineSettings, ServerSettings
-from moeserve.engine.async_engine import AsyncEngine
 from moeserve.engine.sampling_defaults import describe_defaults
 from moeserve.errors import ConfigError
-from moeserve.server.metrics import ServerMetrics
 from moeserve.server.request_memory import RequestMemory
-from moeserve.server.state import ServerState
+
+if TYPE_CHECKING:  # torch comes with these: `moeserve serve` refuses a bad setting before importing it
+    from moeserve.server.state import ServerState
 
 log = logging.getLogger("moeserve")
 
@@ -92,6 +92,10 @@ def make_state(engine_settings: EngineSettings, server_settings: ServerSettings,
              "required" if server_settings.api_key else "not required",
              engine_settings.max_num_seqs + server_settings.max_queued_requests, engine_settings.max_num_seqs,
              server_settings.max_queued_requests)
+    from moeserve.engine.async_engine import AsyncEngine
+    from moeserve.server.metrics import ServerMetrics
+    from moeserve.server.state import ServerState
+
     async_engine = AsyncEngine(lambda: LLMEngine(engine_settings),
                                engine_settings.max_num_seqs + server_settings.max_queued_requests, on_loaded)
     memory = RequestMemory(int((engine_settings.request_memory_mb or 0) * 2**20))

@@ -40,21 +40,51 @@ def start_worker(model: Path, head: str, memory_gb: float, *flags: str,
     cmd = [*prefix, sys.executable, "-m", "moeserve", "ep-worker", str(model), "--head", head, "--memory-gb",
            str(memory_gb), *flags]
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO)}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    SAMPLERS[proc.pid] = PeakSampler(proc.pid)
+    return proc
+
+
+class PeakSampler:
+    """A child's peak RSS: its VmHWM (its own address space's high-water mark), read every 20 ms from its spawn
+    until it is reaped. Not os.wait4's ru_maxrss: Linux carries the spawning process's high-water mark into the
+    child's at exec, so under a pytest process that earlier tests left at gigabytes every child read as that."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.done = pid, 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.peak = max(self.peak, peak_rss_bytes(self.pid))
+            except OSError:  # reaped
+                return
+            self.done.wait(0.02)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
+SAMPLERS: dict[int, PeakSampler] = {}  # pid -> its sampler, from start_worker to reap
 
 
 def reap(proc: subprocess.Popen[str], timeout_s: float = 120) -> tuple[int, int, str]:
-    """(exit status, peak RSS in bytes, output) of a child that is exiting, reaped with os.wait4 for its own
-    rusage (ru_maxrss, KiB on Linux); killed if it has not exited within `timeout_s` (a hang guard)."""
+    """(exit status, peak RSS in bytes (PeakSampler), output) of a child that is exiting; killed if it has not
+    exited within `timeout_s` (a hang guard)."""
     guard = threading.Timer(timeout_s, proc.kill)
     guard.start()
     try:
         output = proc.stdout.read() if proc.stdout is not None else ""
-        _, status, usage = os.wait4(proc.pid, 0)
+        _, status, _usage = os.wait4(proc.pid, 0)
     finally:
         guard.cancel()
+    peak = SAMPLERS.pop(proc.pid).stop()
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024, output
+    return proc.returncode, peak, output
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -106,7 +106,7 @@ def test_expert_parallel_steps_equal_one_process(model_of, name: str, worker_gbs
     logits, outs, reaped, kernel, store = run_parallel(model, worker_gbs, **settings)
     for (status, peak, output), budget in zip(reaped, worker_gbs, strict=True):  # (ranks go by joining order)
         assert status == 0, output[-2000:]
-        assert peak <= budget * 2**30, f"a worker's peak RSS {peak / 2**20:.0f} MiB > memory_gb={budget}"
+        assert 100 * 2**20 < peak <= budget * 2**30, f"a worker's peak RSS {peak / 2**20:.0f} MiB > memory_gb={budget}"
         assert re.search(r"rank \d stopped by the head", output), output[-2000:]
     assert isinstance(kernel, ExpertParallel) and kernel.stats["bytes_received"] > 0
     check_shares(store, [output for _, _, output in reaped], len(kernel.owners))
