@@ -163,6 +163,10 @@ class EngineSettings(BaseModel):
         30.0, gt=0, description="expert parallelism: seconds a rank may take to answer a layer call; beyond, the "
         "engine stops with an error (every open request gets one, /health answers 503)"
     )
+    ep_join_timeout: float = Field(
+        300.0, gt=0, description="expert parallelism: seconds the head waits for every worker to join (and a worker "
+        "for its head) at start-up; beyond, start-up fails naming the address"
+    )
     ep_ownership: Literal["contiguous", "round_robin"] = Field(
         "contiguous", description="expert parallelism: which rank owns which experts of every MoE layer: "
         "contiguous ranges sized by each rank's memory_gb, or round_robin (expert e on rank e % ranks)"

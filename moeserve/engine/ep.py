@@ -133,7 +133,7 @@ def start_head(s: EngineSettings, ckpt: Checkpoint, num_experts: int) -> Head:
 
 def _handshake(s: EngineSettings, ckpt: Checkpoint, num_experts: int, budget: float) -> Head:
     t0 = time.monotonic()
-    link = connect_head(s.ep_listen or "", s.ep_workers, s.ep_timeout, s.ep_any_interface)
+    link = connect_head(s.ep_listen or "", s.ep_workers, s.ep_timeout, s.ep_any_interface, s.ep_join_timeout)
     identity = checkpoint_identity(ckpt)
     budgets, problem = [budget], None
     for rank in range(1, link.size):
@@ -181,7 +181,7 @@ def run_worker(s: EngineSettings, head: str) -> int:
 def _join(s: EngineSettings, ckpt: Checkpoint, arch: Any, spec: ModelSpec, probe: StartupProbe, head: str,
           budget: float) -> tuple[Link, ExpertStore, Any, list[int]]:
     """A worker's start-up: join, hello, the split, its store and kernel, the numerics verdict."""
-    link = connect_worker(head, s.ep_timeout)
+    link = connect_worker(head, s.ep_timeout, s.ep_join_timeout)
     log.info("expert parallelism: joined %s as rank %d of %d", head, link.rank, link.size)
     link.send_json({**checkpoint_identity(ckpt), "memory_gb": budget}, 0, HELLO, "the hello")
     split = link.recv_json(0, SPLIT, "the expert split")

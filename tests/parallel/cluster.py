@@ -16,6 +16,9 @@ from tests.cpu_emulation import child_pythonpath
 REPO = Path(__file__).resolve().parents[2]
 
 
+JOIN_TIMEOUT_S = 60.0  # a rank that cannot join fails its test within this, not the default 300 s
+
+
 def free_address() -> str:
     """127.0.0.1:PORT of a port free just now (a tiny race with other processes; acceptable on a test machine)."""
     with socket.socket() as s:
@@ -27,7 +30,7 @@ def worker_flags(settings: dict[str, Any]) -> list[str]:
     """The engine flags of `settings` (the numerics ones a worker must share with its head)."""
     flags = []
     for name, value in settings.items():
-        if name in ("dtype", "kernels", "batch_invariant", "quantization", "expert_layout", "threads", "ep_timeout",
+        if name in ("dtype", "kernels", "batch_invariant", "quantization", "expert_layout", "threads", "ep_timeout", "ep_join_timeout",
                     "max_num_batched_tokens", "cache_policy"):
             flag = "--" + name.replace("_", "-")
             flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from moeserve.engine.llm_engine import demo_model_path
-from tests.parallel.cluster import free_address, peak_rss_bytes, reap, start_worker
+from tests.parallel.cluster import JOIN_TIMEOUT_S, free_address, peak_rss_bytes, reap, start_worker
 from tests.server.conftest import (
     MODEL_NAME,
     ThreadServer,
@@ -108,13 +108,14 @@ class Head:
         self.thread: ThreadServer | None = None
         if in_process:
             settings = {"memory_gb": HEAD_GB, "ep_listen": address, "ep_workers": 1, "ep_timeout": TIMEOUT_S,
+                        "ep_join_timeout": JOIN_TIMEOUT_S,
                         "max_num_seqs": 2}
             self.thread = ThreadServer(make_state(engine_factory(model, **settings)), wait_ready=False)
             self.url = self.thread.url
         else:
             self.proc, self.url = start_subprocess_server(
                 model, "--memory-gb", str(HEAD_GB), "--ep-listen", address, "--ep-workers", "1", "--ep-timeout",
-                str(TIMEOUT_S), "--max-num-seqs", "2")
+                str(TIMEOUT_S), "--ep-join-timeout", str(JOIN_TIMEOUT_S), "--max-num-seqs", "2")
 
     def wait_healthy(self) -> None:
         if self.thread is not None:
@@ -141,7 +142,7 @@ def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
     else:
         address, prefix = free_address(), ()
     worker = start_worker(demo_model_path(), address, WORKER_GB, "--dtype", "float32", "--threads", "1",
-                          "--ep-timeout", str(TIMEOUT_S), prefix=prefix)
+                          "--ep-timeout", str(TIMEOUT_S), "--ep-join-timeout", str(JOIN_TIMEOUT_S), prefix=prefix)
     head = Head(address, in_process=fault != "SIGKILL")
     act = {"SIGKILL": lambda: os.kill(worker.pid, signal.SIGKILL),
            "SIGSTOP": lambda: os.kill(worker.pid, signal.SIGSTOP),

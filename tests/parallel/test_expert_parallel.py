@@ -24,7 +24,7 @@ from moeserve.engine.llm_engine import demo_model_path
 from moeserve.errors import ConfigError, ExpertLoadError
 from moeserve.models.experts.remote import ExpertParallel
 from tests.logits_capture import generate_capturing_logits
-from tests.parallel.cluster import free_address, reap, start_worker, worker_flags
+from tests.parallel.cluster import JOIN_TIMEOUT_S, free_address, reap, start_worker, worker_flags
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ PROMPTS = [{"prompt_token_ids": [(7 * i + 3) % 290 + 5 for i in range(37)]},
            {"prompt_token_ids": [11, 5, 77]},
            {"prompt_token_ids": [3, 17, 42, 9, 250, 8, 61, 100, 2]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
-SETTINGS = {"max_num_batched_tokens": 16, "threads": 1, "skip_tokenizer_init": True}
+SETTINGS = {"max_num_batched_tokens": 16, "threads": 1, "skip_tokenizer_init": True, "ep_join_timeout": JOIN_TIMEOUT_S}
 WORKER_GB = 0.9  # the process (torch, the C++ ops) and a tiny model's experts
 
 
@@ -138,11 +138,11 @@ def test_a_workers_read_error_fails_the_call_and_the_next_call_works(tiny_checkp
     shard = mine / "model.safetensors"
     address = free_address()
     worker = start_worker(mine, address, WORKER_GB, "--dtype", "float32", "--threads", "1", "--expert-cache-gb",
-                          "4e-6")
+                          "4e-6", "--ep-join-timeout", str(JOIN_TIMEOUT_S))
     prompt, params = {"prompt_token_ids": [3, 17, 42, 9]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     try:
         llm = LLM(str(original), skip_tokenizer_init=True, dtype="float32", threads=1, memory_gb=1.5,
-                  ep_listen=address, ep_workers=1)
+                  ep_listen=address, ep_workers=1, ep_join_timeout=JOIN_TIMEOUT_S)
         try:
             expected = llm.generate(prompt, params)[0].outputs[0].token_ids
             whole = shard.read_bytes()
