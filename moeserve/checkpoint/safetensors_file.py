@@ -40,6 +40,7 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "BOOL": (torch.bool, 1),
     "F8_E4M3": (torch.float8_e4m3fn, 1),
     "F8_E5M2": (torch.float8_e5m2, 1),
+    "F8_E8M0": (torch.float8_e8m0fnu, 1),  # power-of-two scales (DeepSeek-V4's FP8 and MXFP4 weights)
 }
 
 # The reference implementation allows 100 MB, but parsing a header crafted of tiny JSON values takes ~20x its size

@@ -18,7 +18,15 @@ from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activa
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
-from moeserve.state.kinds import IndexedLatentKV, LatentKV, NgramState, RecurrentState
+from moeserve.state.kinds import (
+    CompressedKV,
+    CompressorWindow,
+    IndexedLatentKV,
+    LatentKV,
+    NgramState,
+    RecurrentState,
+    SharedKVWindow,
+)
 from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, kv_groups
 
 
@@ -36,10 +44,14 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[K
     # torch's attention (kernels=torch, CUDA) gathers one sequence's K and V of one layer at a time (with attention
     # sinks, repeated per query head); the C++ ops read the blocks in place
     kv_width = (a.num_heads if a.sinks else a.num_kv_heads) * a.head_dim
+    rotary_dims = a.head_dim
+    if spec.compressed is not None:  # DeepSeek-V4: one K=V row read once per entry; entries: context / ratio
+        kv_width = -(-a.head_dim // (2 * min((r for r in spec.compressed.ratios if r), default=1)))
+        rotary_dims = 2 * spec.rope.rotary_dim(a.head_dim)  # the main and the compressed layers' tables
     acts = activation_bytes(batched_tokens, spec.hidden_size, m.intermediate_size or 0, m.top_k,
                             (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
                             dtype.itemsize, context=model_max, kv_width=kv_width)
-    rotary = 16 * model_max * a.head_dim  # cos/sin tables and their fp32 build
+    rotary = 16 * model_max * rotary_dims  # cos/sin tables and their fp32 build
     # the store's read buffers, + admission=policy's bypass buffers
     staging = (4 + (BYPASS_BUFFERS if s.expert_admission == "policy" else 0)) * unit
     workspace = batched_workspace_bytes(spec.hidden_size, m.intermediate_size or 0, dtype.itemsize, unit)
@@ -53,6 +65,8 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
     recurrent group (a state slot per sequence: the conv's last inputs and the [v heads, k dim, v dim] state, and
     `snapshots` slots more for prefix snapshots)."""
     la, mamba = spec.linear_attention, spec.mamba
+    if spec.compressed is not None:
+        return compressed_kv_groups(spec)
     latent = _latent_kind(spec)
     windows, stateless = spec.attention.sliding_window, spec.mixerless_layers
     if mamba is not None:  # Mamba-2: the conv's last inputs and the [heads, head_dim, state] SSM state
@@ -71,6 +85,26 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
         ple = NgramState(conv_shape=((ng.conv_kernel - 1) * ng.ngram_size, spec.hyper.streams * spec.hidden_size),
                          state_shape=(ng.ngram_size - 1,), prefill_chunk=CHUNK, snapshots=snapshots)
         groups.append(KVGroup(ple, tuple(spec.num_layers + i for i in range(len(ng.layers)))))
+    return groups
+
+
+def compressed_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
+    """DeepSeek-V4 (ModelSpec.compressed): every layer's window of shared key=value rows; per compression ratio, the
+    pooled entries (with the indexer's keys where it has one) and the compressors' open windows (the projections of
+    up to `ratio` tokens: kv and gate, two series each where windows overlap, the indexer's too, and the previous
+    window's first series). The entry and window groups have layer ids past the model's (num_layers + layer,
+    2 x num_layers + layer), as the n-gram state's."""
+    ca, a, n = spec.compressed, spec.attention, spec.num_layers
+    groups = [KVGroup(SharedKVWindow(ca.window, a.head_dim), tuple(range(n)))]
+    for ratio in sorted({r for r in ca.ratios if r}):
+        for indexed in (True, False):
+            layers = tuple(L for L in range(n) if ca.ratios[L] == ratio and ca.indexed[L] == indexed)
+            if not layers:
+                continue
+            index_width = ca.index_head_dim if indexed else 0
+            values = 6 * (a.head_dim + index_width) if indexed else 2 * a.head_dim
+            groups.append(KVGroup(CompressedKV(ratio, a.head_dim, index_width), tuple(n + L for L in layers)))
+            groups.append(KVGroup(CompressorWindow(conv_shape=(ratio, values)), tuple(2 * n + L for L in layers)))
     return groups
 
 

@@ -233,6 +233,48 @@ class Fp8BlockFormat(Format):
         dequantize_fp8_block(tensors["weight"], tensors["weight_scale_inv"], out, self.block_size)
 
 
+def e8m0_as_uint8(scale: Tensor) -> Tensor:
+    """E8M0 scale bytes as uint8 (stored as float8_e8m0fnu or uint8): the byte is the biased exponent."""
+    return scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+
+
+@dataclass(frozen=True)
+class Fp8BlockE8m0Format(Fp8BlockFormat):
+    """DeepSeek-V4's FP8: FP8-E4M3 ``weight`` with a power-of-two ``scale`` (E8M0) multiplier per block."""
+
+    name = "fp8-block-e8m0"
+    roles = ("weight", "scale")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return super().dequantized_shape({"weight": tensors["weight"], "weight_scale_inv": tensors["scale"]})
+
+    def stored_shapes(self, shape: tuple[int, ...], dense_code: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {"weight": ("F8_E4M3", shape), "scale": ("F8_E8M0", fp8_block_scale_shape(shape, self.block_size))}
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        scale = torch.ldexp(torch.ones((), dtype=torch.float32), e8m0_as_uint8(tensors["scale"]).to(torch.int32) - 127)
+        dequantize_fp8_block(tensors["weight"], scale, out, self.block_size)
+
+
+@dataclass(frozen=True)
+class DeepseekMxfp4Format(Format):
+    """DeepSeek-V4's experts: MXFP4 ``weight`` (int8 ``[out, in/2]``, two E2M1 codes per byte, the low nibble
+    first) and ``scale`` (E8M0 ``[out, in/32]``): the compressed-tensors MXFP4 layout under other names and dtypes."""
+
+    name = "mxfp4-deepseek"
+    roles = ("weight", "scale")
+
+    def dequantized_shape(self, tensors: Mapping[str, Tensor]) -> tuple[int, ...]:
+        return mxfp4_output_shape(tensors["weight"].view(torch.uint8), e8m0_as_uint8(tensors["scale"]))
+
+    def stored_shapes(self, shape: tuple[int, ...], dense_code: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        *rows, cols = shape
+        return {"weight": ("I8", (*rows, cols // 2)), "scale": ("F8_E8M0", (*rows, cols // MXFP4_GROUP_SIZE))}
+
+    def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
+        dequantize_mxfp4(tensors["weight"].view(torch.uint8), e8m0_as_uint8(tensors["scale"]), out)
+
+
 @dataclass(frozen=True)
 class Int8PerChannelFormat(Format):
     """Our on-load int8: ``weight`` int8 ``[out, in]`` + ``weight_scale`` float32 ``[out]`` (multiplier)."""
@@ -261,6 +303,8 @@ _CLASSES: tuple[type[Format], ...] = (
     CompressedTensorsInt4Format,
     ModelOptNvfp4Format,
     Fp8BlockFormat,
+    Fp8BlockE8m0Format,
+    DeepseekMxfp4Format,
     Int8PerChannelFormat,
     *GGUF_FORMATS.values(),
 )

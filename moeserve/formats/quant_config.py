@@ -6,7 +6,9 @@ else the model is unquantized. Supported schemes (anything else raises `Unsuppor
 - ``compressed-tensors`` with format ``nvfp4-pack-quantized`` or ``mxfp4-pack-quantized``; ``ignore`` list;
 - ``compressed-tensors`` ``pack-quantized`` int4, symmetric, group strategy (Kimi-K2-Thinking's W4A16); ``ignore``;
 - ``modelopt`` with ``quant_algo`` ``NVFP4``; ``exclude_modules`` wildcards;
-- ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense;
+- ``fp8`` with ``weight_block_size``; ``modules_to_not_convert`` stay dense; with ``expert_dtype`` (DeepSeek-V4,
+  config.json's top level or the quantization config, as transformers folds it in) the DeepSeek-V4 layout: E8M0
+  ``scale`` tensors, and with ``fp4`` the routed experts in MXFP4 (``DeepseekMxfp4Format``);
 - ``gguf`` (a GGUF file's checkpoint, checkpoint/gguf/open.py): ``tensor_types`` gives each quantized expert
   projection's ggml type (experts written ``*``); every other tensor is read dense (dequantized as it is read).
 """
@@ -29,7 +31,9 @@ from moeserve.formats.catalog import (
     CompressedTensorsInt4Format,
     CompressedTensorsMxfp4Format,
     CompressedTensorsNvfp4Format,
+    DeepseekMxfp4Format,
     DenseFormat,
+    Fp8BlockE8m0Format,
     Fp8BlockFormat,
     GptOssMxfp4Format,
     ModelOptNvfp4Format,
@@ -121,6 +125,22 @@ class GGUFScheme(QuantScheme):
 _GGUF_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
+@dataclass(frozen=True)
+class ExpertSplitScheme(QuantScheme):
+    """One format for the routed experts' projections (``.experts.<id>.`` modules), `weight_format` for the other
+    quantized modules (DeepSeek-V4: MXFP4 experts beside FP8 attention and shared experts)."""
+
+    expert_format: Format = field(default_factory=DenseFormat)
+
+    def format_for(self, module_name: str) -> Format:
+        if not self.is_quantized(module_name):
+            return _DENSE
+        return self.expert_format if _ROUTED_EXPERT.search(module_name) else self.weight_format
+
+
+_ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
 def _parse_gguf(quant_config: Mapping[str, Any]) -> QuantScheme:
     types = quant_config.get("tensor_types") or {}
     unknown = sorted(t for t in types.values() if t not in GGUF_FORMATS)
@@ -138,6 +158,8 @@ def load_quant_scheme(model_dir: str | Path) -> QuantScheme:
         where, model_dir = model_dir, model_dir.parent
     config = _read_json(where)
     quant_config = config.get("quantization_config")
+    if isinstance(quant_config, dict) and config.get("expert_dtype") is not None:  # DeepSeek-V4 (as transformers)
+        quant_config = {"expert_dtype": config["expert_dtype"], **quant_config}
     modelopt_file = model_dir / "hf_quant_config.json"
     if quant_config is None and modelopt_file.is_file():
         where = modelopt_file
@@ -249,11 +271,15 @@ def _parse_fp8(quant_config: Mapping[str, Any]) -> QuantScheme:
             f"fp8 with fmt '{fmt}' and weight_block_size {block_size} (per-tensor fp8 is not read)"
         )
     excluded = _string_list(quant_config, "modules_to_not_convert")
-    return QuantScheme(
-        "fp8",
-        Fp8BlockFormat(block_size=(block_size[0], block_size[1])),
-        excluded=ModuleMatcher("transformers", excluded),
-    )
+    block = (block_size[0], block_size[1])
+    expert_dtype = quant_config.get("expert_dtype")
+    if expert_dtype is not None:  # DeepSeek-V4's layout
+        if expert_dtype not in ("fp4", "fp8"):
+            raise _unsupported(f"fp8 with expert_dtype '{expert_dtype}' (fp4 or fp8 are read)")
+        experts = DeepseekMxfp4Format() if expert_dtype == "fp4" else Fp8BlockE8m0Format(block_size=block)
+        return ExpertSplitScheme("fp8", Fp8BlockE8m0Format(block_size=block),
+                                 excluded=ModuleMatcher("transformers", excluded), expert_format=experts)
+    return QuantScheme("fp8", Fp8BlockFormat(block_size=block), excluded=ModuleMatcher("transformers", excluded))
 
 
 _PARSERS: Mapping[str, Callable[[Mapping[str, Any]], QuantScheme]] = {

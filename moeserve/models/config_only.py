@@ -144,7 +144,8 @@ def config_only_checkpoint(path: Path) -> Checkpoint:
     empty = Checkpoint(path=path, config=config, generation_config={}, tensors={})
     tensors: dict[str, TensorRef] = {}
     expected = [*expected_tensors(empty, arch, spec), *EXPERT_TENSORS[spec.moe.expert_kind](arch, spec, scheme)]
-    fp32, int64 = _stored_in_fp32(arch, spec), _stored_as_int64(arch, spec)
+    int64 = _stored_as_int64(arch, spec)
+    fp32 = _stored_in_fp32(arch, spec) | _kept_fp32_tensors(arch, spec, expected, int64)
     for name, shape, is_linear in expected:
         if not is_linear:
             _add(tensors, path, name, "F32" if name in fp32 else "I64" if name in int64 else dense_code, shape)
@@ -166,10 +167,25 @@ def _stored_in_fp32(arch: Architecture, spec: ModelSpec) -> set[str]:
     return out | {names.router.format(L=L) + ".weight" for L in spec.moe_layer_ids if m.router_fp32}
 
 
+# DeepSeek-V4's projections stored as plain tensors in the compute dtype (the compressors' and the indexer's)
+_COMPUTE_DTYPE_PROJECTIONS = (".wkv.weight", ".wgate.weight", ".weights_proj.weight")
+
+
+def _kept_fp32_tensors(arch: Architecture, spec: ModelSpec, expected: list[Expected], int64: set[str]) -> set[str]:
+    """DeepSeek-V4 (ModelSpec.compressed): transformers keeps every tensor that is not a Linear or the embedding in
+    float32 (norms, sinks, the compressors' gate biases, the hyper-connections, the correction biases)."""
+    if spec.compressed is None:
+        return set()
+    return {name for name, _shape, linear in expected if not linear and name != arch.names.embed and name not in int64
+            and not name.endswith(_COMPUTE_DTYPE_PROJECTIONS)}
+
+
 def _stored_as_int64(arch: Architecture, spec: ModelSpec) -> set[str]:
-    """The n-gram hash buffers beside each PLE table (ModelSpec.ngram), int64 as transformers stores them."""
+    """The n-gram hash buffers beside each PLE table (ModelSpec.ngram) and the hash-routed layers' token -> experts
+    tables (MoeSpec.hash_layers), int64 as transformers stores them."""
     layers = spec.ngram.layers if spec.ngram is not None else ()
-    return {name for L in layers for name, _shape in ngram_hash_buffers(arch, spec, L)}
+    hashed = {arch.names.router_hash.format(L=L) for L in spec.moe.hash_layers}
+    return hashed | {name for L in layers for name, _shape in ngram_hash_buffers(arch, spec, L)}
 
 
 def _add(tensors: dict[str, TensorRef], path: Path, name: str, code: str, shape: tuple[int, ...]) -> None:

@@ -94,6 +94,14 @@ class WeightNames:
     # The n-gram per-layer embedding (ModelSpec.ngram) and the sparse-attention indexer (ModelSpec.qsa): prefixes
     ple: str = "model.layers.{L}.ple"
     indexer: str = "model.layers.{L}.self_attn.indexer"
+    # DeepSeek-V4 (ModelSpec.compressed, .mhc, MoeSpec.hash_layers): the attention block (prefix of wq_a, wkv, wo_a,
+    # attn_sink, compressor.*, indexer.* ...), the hyper-connections before each mixer, each MLP and the head
+    # (prefixes of <prefix>_fn, _base, _scale), the hash layers' token -> experts table
+    compressed_attn: str = "model.layers.{L}.attn"
+    mhc_attn: str = "model.layers.{L}.hc_attn"
+    mhc_mlp: str = "model.layers.{L}.hc_ffn"
+    mhc_head: str = "model.hc_head.hc"
+    router_hash: str = "model.layers.{L}.ffn.gate.tid2eid"
 
 
 class Architecture(ABC):
@@ -104,6 +112,9 @@ class Architecture(ABC):
     # Checkpoint tensors not served, by name prefix, and why (a vision tower, multi-token-prediction layers): never
     # read, counted in no resident size, named in the start-up log (models/validate.py is_skipped)
     unserved: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # An architecture `plan` and `inspect` size from config.json but the engine does not serve yet: what serving it
+    # needs (the engine refuses it in one line saying so: `require_served`); empty when served
+    not_served: ClassVar[str] = ""
 
     @abstractmethod
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
@@ -117,9 +128,6 @@ _REGISTRY: dict[str, Architecture] = {}
 _GEMMA4 = ("a dense MLP beside the MoE in each layer, a normalised router with per-expert scales, GeGLU experts "
            "stored as one 3D tensor, K=V global layers and logit softcapping")
 NOT_YET_SERVED: dict[str, str] = {
-    "DeepseekV4ForCausalLM": ("compressed attention (ratios 4 and 128, an indexer, sinks, a sliding window), "
-                              "manifold-constrained hyper-connections, hash-routed first layers and sqrtsoftplus "
-                              "scoring"),
     "Gemma4ForCausalLM": _GEMMA4,
     "Gemma4ForConditionalGeneration": _GEMMA4,
 }
@@ -129,6 +137,13 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     """Class decorator adding an architecture to the registry under its config.json name."""
     _REGISTRY[cls.name] = cls()
     return cls
+
+
+def require_served(arch: Architecture, where: str) -> None:
+    """UnsupportedModelError (one line) for an architecture sized but not served yet (Architecture.not_served)."""
+    if arch.not_served:
+        raise UnsupportedModelError(f"{where}: architecture {arch.name} is not served yet: it needs "
+                                    f"{arch.not_served}")
 
 
 def supported_architectures() -> list[str]:

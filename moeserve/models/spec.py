@@ -20,7 +20,10 @@ QKNorm = Literal["none", "per_head", "full"]
 #   sigmoid_groups: DeepSeek-V3's "noaux_tc": sigmoid scores in fp32; the choice adds a correction bias and keeps the
 #                   best topk_group of n_group expert groups (a group's score: the sum of its top 2); the weights are
 #                   the unbiased scores of the chosen, optionally renormalised, times routed_scaling_factor - GLM-4.5
-Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups"]
+#   sqrtsoftplus:   DeepSeek-V4: scores sqrt(softplus(logits)) in fp32; the choice adds a correction bias and takes the top
+#                   k (no groups), or, in MoeSpec.hash_layers, is read from a token-id table; the weights are the scores
+#                   of the chosen, renormalised, times routed_scaling_factor
+Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups", "sqrtsoftplus"]
 ExpertKind = Literal["swiglu", "gpt_oss", "relu2"]  # relu2: up -> relu(x)^2 -> down, no gate (Nemotron-H)
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
@@ -198,6 +201,42 @@ class QsaSpec:
 
 
 @dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """DeepSeek-V4's attention (every layer): one shared key=value head of head_dim values per token (kv_proj, its
+    norm, rotary on the last rotary dims), attended by num_heads queries (the low-rank q_a -> norm -> q_b, each head
+    RMS-normalised) over a sliding window of `window` tokens, with a learned sink per head; the output is rotated
+    back and projected in `o_groups` groups to o_lora_rank each, then to hidden (wo_a, wo_b). A layer of ratio r > 0
+    also attends compressed entries: each window of r tokens (2r overlapping ones where `indexed`) pooled into one
+    head_dim entry by a softmax gate (compressor wkv / wgate / ape / norm); in an `indexed` layer (compressed sparse
+    attention) a lightning indexer of its own compressed keys (index_head_dim) picks the index_topk entries each
+    query attends. The compressed entries and the indexer's query are rotated with `compress_rope`."""
+
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int  # sliding_window: the raw keys every layer attends
+    ratios: tuple[int, ...]  # per layer: 0 (sliding window only) or the tokens per compressed entry
+    indexed: tuple[bool, ...]  # per layer: compressed sparse attention (an indexer, overlapping windows)
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    compress_rope: RopeSpec  # compressed entries, and the queries of layers with a ratio
+
+
+@dataclass(frozen=True)
+class MhcSpec:
+    """Manifold-constrained hyper-connections (DeepSeek-V4): `streams` residual streams [N, streams, H]. Before each
+    mixer and each MLP one projection of the normalised streams gives the weights that collapse them into the
+    part's input, those that add its output back into each stream, and a streams x streams mixing matrix made
+    doubly stochastic by `sinkhorn_iters` Sinkhorn-Knopp steps; a last collapse (the head's) precedes the final
+    norm."""
+
+    streams: int
+    sinkhorn_iters: int
+    eps: float
+
+
+@dataclass(frozen=True)
 class RopeSpec:
     theta: float
     rope_type: str  # "default" | "yarn" | "linear"
@@ -232,6 +271,9 @@ class MoeSpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # e_score_correction_bias [E] per MoE layer (fp32), added for the choice only
+    # MoE layers whose experts a token-id table picks (DeepSeek-V4's hash-routed first layers: tid2eid [vocab,
+    # top_k], no correction bias); the router's scores still weight them
+    hash_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,6 +307,8 @@ class ModelSpec:
     hyper: HyperSpec | None = None  # hyper-connections in place of the residual and its norms (Qwen4-Exp)
     ngram: NgramSpec | None = None  # the hashed n-gram per-layer embedding (Qwen4-Exp)
     qsa: QsaSpec | None = None  # the sparse-attention indexer of every attention layer (Qwen4-Exp)
+    compressed: CompressedAttentionSpec | None = None  # DeepSeek-V4's attention in every layer
+    mhc: MhcSpec | None = None  # manifold-constrained hyper-connections (DeepSeek-V4)
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
@@ -340,6 +384,11 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "indexer_head_dim": (2, 2**13),
     "indexer_budget": (1, 2**24),
     "indexer_compress_ratio": (1, 2**16),
+    "o_groups": (1, 2**14),
+    "o_lora_rank": (1, 2**16),
+    "hc_mult": (1, 64),
+    "hc_sinkhorn_iters": (1, 1000),
+    "num_hash_layers": (0, 4096),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
@@ -359,6 +408,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "mscale_all_dim": (-1e-300, math.inf),
     "layer_norm_epsilon": (0.0, 1.0),
     "time_step_min": (-1e-300, math.inf),  # >= 0
+    "hc_eps": (0.0, 1.0),
 }
 ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
 

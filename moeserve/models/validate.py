@@ -65,6 +65,8 @@ def expected_tensors(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> I
         yield names.final_norm, (h,), False
     else:
         yield from _hyper_tensors(names.hc_final, spec, inject=False)
+    if spec.mhc is not None:
+        yield from _mhc_tensors(names.mhc_head, spec, 1)
     if not (spec.tie_word_embeddings and not ckpt.has(names.lm_head + ".weight")):
         yield names.lm_head, (spec.vocab_size, h), True
     for L in range(spec.num_layers):
@@ -78,6 +80,14 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
     def n(template: str) -> str:
         return template.format(L=L)
 
+    if spec.compressed is not None:
+        yield n(names.input_norm), (h,), False
+        yield n(names.post_norm), (h,), False
+        yield from _mhc_tensors(n(names.mhc_attn), spec, 3)
+        yield from _mhc_tensors(n(names.mhc_mlp), spec, 3)
+        yield from _compressed_attention_tensors(arch, spec, L)
+        yield from _mlp_tensors(arch, spec, L)
+        return
     if spec.hyper is not None:  # gated residuals in place of the two norms
         yield from _hyper_tensors(n(names.hc_attn), spec, inject=True)
         yield from _hyper_tensors(n(names.hc_mlp), spec, inject=True)
@@ -131,6 +141,53 @@ def _hyper_tensors(prefix: str, spec: ModelSpec, inject: bool) -> Iterator[Expec
     yield from _linear(prefix + ".input_mix_weight_up", width, hc.rank, False)
     if inject:
         yield from _linear(prefix + ".block_inject_weight", hc.streams, width, False)
+
+
+def _mhc_tensors(prefix: str, spec: ModelSpec, scales: int) -> Iterator[Expected]:
+    """A manifold-constrained hyper-connection (ModelSpec.mhc): the projection of the flattened streams to its
+    weights (collapse and add-back: streams each, the mixing matrix: streams**2; the head's: the collapse only),
+    their biases and `scales` scales."""
+    hc = spec.mhc
+    assert hc is not None
+    n = hc.streams
+    rows = n if scales == 1 else (2 + n) * n
+    yield prefix + "_fn", (rows, n * spec.hidden_size), False
+    yield prefix + "_base", (rows,), False
+    yield prefix + "_scale", (scales,), False
+
+
+def _compressor_tensors(prefix: str, spec: ModelSpec, ratio: int, width: int, overlap: bool) -> Iterator[Expected]:
+    """A compressor of `width`-value entries, one per `ratio` tokens (two series side by side when `overlap`):
+    its per-slot gate bias (ape), kv and gate projections (stored unquantized) and norm."""
+    series = 2 if overlap else 1
+    yield prefix + ".ape", (ratio, series * width), False
+    yield prefix + ".wkv.weight", (series * width, spec.hidden_size), False
+    yield prefix + ".wgate.weight", (series * width, spec.hidden_size), False
+    yield prefix + ".norm.weight", (width,), False
+
+
+def _compressed_attention_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
+    """DeepSeek-V4's attention (ModelSpec.compressed): sinks, the low-rank query and its norm, the shared key=value
+    projection and its norm, the grouped output pair; with a ratio, the compressor; indexed, the indexer's own
+    compressor, query projection and head weights."""
+    ca, a, h = spec.compressed, spec.attention, spec.hidden_size
+    assert ca is not None
+    prefix = arch.names.compressed_attn.format(L=L)
+    yield prefix + ".attn_sink", (a.num_heads,), False
+    yield from _linear(prefix + ".wq_a", ca.q_lora_rank, h, False)
+    yield prefix + ".q_norm.weight", (ca.q_lora_rank,), False
+    yield from _linear(prefix + ".wq_b", a.num_heads * a.head_dim, ca.q_lora_rank, False)
+    yield from _linear(prefix + ".wkv", a.head_dim, h, False)
+    yield prefix + ".norm.weight", (a.head_dim,), False
+    yield from _linear(prefix + ".wo_a", ca.o_groups * ca.o_lora_rank, a.num_heads * a.head_dim // ca.o_groups, False)
+    yield from _linear(prefix + ".wo_b", h, ca.o_groups * ca.o_lora_rank, False)
+    ratio, indexed = ca.ratios[L], ca.indexed[L]
+    if ratio:
+        yield from _compressor_tensors(prefix + ".compressor", spec, ratio, a.head_dim, indexed)
+    if ratio and indexed:
+        yield from _compressor_tensors(prefix + ".indexer.compressor", spec, ratio, ca.index_head_dim, True)
+        yield from _linear(prefix + ".indexer.wq_b", ca.index_n_heads * ca.index_head_dim, ca.q_lora_rank, False)
+        yield prefix + ".indexer.weights_proj.weight", (ca.index_n_heads, h), False
 
 
 def ngram_table_shards(arch: Architecture, spec: ModelSpec, L: int) -> list[tuple[str, int]]:
@@ -248,8 +305,10 @@ def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
         yield names.router.format(L=L) + ".weight", (m.num_experts, h), False
     else:
         yield from _linear(names.router.format(L=L), m.num_experts, h, m.router_bias)
-    if m.correction_bias:
+    if m.correction_bias and L not in m.hash_layers:
         yield names.router_correction_bias.format(L=L), (m.num_experts,), False
+    if L in m.hash_layers:
+        yield names.router_hash.format(L=L), (spec.vocab_size, m.top_k), False
     if m.shared_intermediate_size:
         yield from _dense_mlp_tensors(spec, (names.shared_gate, names.shared_up, names.shared_down), L,
                                       m.shared_intermediate_size)

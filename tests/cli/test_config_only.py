@@ -24,6 +24,7 @@ from moeserve.models.experts.plans import EXPERT_PLANNERS
 from moeserve.models.registry import NOT_YET_SERVED, get_architecture
 from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
+from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_vl
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
@@ -130,6 +131,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "glm_moe_dsa-nvfp4-modelopt": lambda folder: write_dsa_nvfp4(folder)[0],  # likewise in NVFP4
     "minimax_m2-fp8-block": lambda folder: write_minimax_fp8(folder)[0],  # attention and experts FP8, as shipped
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
+    "deepseek_v4": write_tiny_deepseek_v4,  # bf16, its norms, sinks, gate biases and hyper-connections in fp32
 }
 CONFIG_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")  # what a user downloads first
 
@@ -328,6 +330,9 @@ PUBLISHED_SIZES = {
     # GLM-4.5 model card (huggingface.co/zai-org/GLM-4.5): GLM-4.5-Air, 106 billion total parameters, 12 billion active
     "GLM-4.5-Air": (106.0, 12.0),
     "DeepSeek-V3.2": (671.0, 37.0),
+    # DeepSeek-V4 model card (huggingface.co/deepseek-ai/DeepSeek-V4-Flash, as issue 33 quotes it): 284B total, 13B
+    # active; config: the published REAP160 derivative's (tests/data/reference_configs) with the original 256 experts
+    "DeepSeek-V4-Flash": (284.0, 13.0),
 }
 
 
@@ -337,6 +342,10 @@ def published_config(name: str) -> dict:
 
     if name == "MiniMax-M2":
         return PUBLISHED
+    if name == "DeepSeek-V4-Flash":
+        from tests.fixtures.deepseek_v4 import published_config as v4_config
+
+        return v4_config(256)
     if name in ("GLM-5", "DeepSeek-V3.2"):
         from tests.models.test_deepseek_v32 import published_config as dsa_config
 

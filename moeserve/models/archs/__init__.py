@@ -2,6 +2,7 @@
 
 from moeserve.models.archs import (  # noqa: F401
     deepseek_v3,
+    deepseek_v4,
     deepseek_v32,
     glm4_moe,
     gpt_oss,

@@ -1,0 +1,119 @@
+"""DeepSeek-V4 (models/archs/deepseek_v4.py): the spec read from both config.json spellings, its stored formats
+(FP8 with E8M0 scales, MXFP4 experts as DeepSeek ships them) against transformers' decoders, `plan` from the
+published config alone at 24 and 64 GB, and the engine's one-line refusal (sized, not served yet). The tensor map
+against the headers transformers writes: tests/cli/test_config_only.py (case deepseek_v4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.errors import UnsupportedModelError
+from moeserve.formats.catalog import DeepseekMxfp4Format, Fp8BlockE8m0Format
+from moeserve.formats.quant_config import load_quant_scheme
+from moeserve.models.registry import get_architecture, require_served
+from tests.cli.test_config_only import _lines
+from tests.fixtures.deepseek_v4 import TINY, published_config
+
+
+def _spec(config: dict):
+    return get_architecture(config, "config.json").spec(config, "config.json")
+
+
+def test_the_published_spelling_reads_as_transformers_reads_it() -> None:
+    """The published config.json (compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling) and the one
+    transformers' DeepseekV4Config writes from it (layer_types, mlp_layer_types, partial_rotary_factor,
+    rope_parameters {main, compress}) give one spec, and it says what transformers' config says."""
+    from transformers import DeepseekV4Config
+
+    published = published_config(256)
+    hf = DeepseekV4Config(**{k: v for k, v in published.items() if k != "quantization_config"})
+    written = {**hf.to_dict(), "architectures": published["architectures"]}
+    spec = _spec(published)
+    assert _spec(written) == spec
+    ca = spec.compressed
+    assert [{0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}[r]
+            for r in ca.ratios] == hf.layer_types
+    assert [L in spec.moe.hash_layers for L in range(spec.num_layers)] == [t == "hash_moe" for t in hf.mlp_layer_types]
+    assert [i for i, x in enumerate(ca.indexed) if x] == [i for i, t in enumerate(hf.layer_types)
+                                                          if t == "compressed_sparse_attention"]
+    assert spec.rope.rotary_dim(spec.attention.head_dim) == hf.qk_rope_head_dim == 64
+    compress = hf.rope_parameters["compress"]
+    assert ca.compress_rope.theta == compress["rope_theta"] and ca.compress_rope.rope_type == compress["rope_type"]
+    assert ca.compress_rope.param("attention_factor") == compress["attention_factor"] == 1.0
+    assert spec.rope.theta == hf.rope_parameters["main"]["rope_theta"] and spec.rope.rope_type == "default"
+    assert (spec.mhc.streams, spec.mhc.sinkhorn_iters, spec.mhc.eps) == (hf.hc_mult, hf.hc_sinkhorn_iters, hf.hc_eps)
+
+
+def test_the_tiny_config_reads_its_layer_kinds() -> None:
+    from transformers import DeepseekV4Config
+
+    config = {**DeepseekV4Config(**TINY).to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}
+    spec = _spec(config)
+    assert spec.compressed.ratios == (0, 4, 8, 4) and spec.compressed.indexed == (False, True, False, True)
+    assert spec.moe.hash_layers == (0,) and spec.moe.routing == "sqrtsoftplus"
+
+
+def _fp8_dequantizer():
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize.__new__(Fp8Dequantize)  # its decoders read no state
+
+
+def test_mxfp4_experts_decode_as_transformers_unpacks_them() -> None:
+    """Codes two per int8 byte (the low nibble first) times 2**(scale - 127) per 32 inputs: transformers' FP4 table
+    and unpacking (finegrained_fp8 Fp8Dequantize._unpack_fp4) applied by hand."""
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(-128, 128, (6, 32), generator=g, dtype=torch.int8)
+    scale_bytes = torch.randint(110, 140, (6, 2), generator=g, dtype=torch.uint8)
+    want = _fp8_dequantizer()._unpack_fp4(packed) * torch.exp2(scale_bytes.float() - 127).repeat_interleave(32, -1)
+    out = torch.empty(6, 64, dtype=torch.float32)
+    DeepseekMxfp4Format().dequantize({"weight": packed, "scale": scale_bytes.view(torch.float8_e8m0fnu)}, out)
+    assert torch.equal(out, want)
+
+
+def test_fp8_with_e8m0_scales_decodes_per_block() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = (torch.randn(8, 12, generator=g) * 4).to(torch.float8_e4m3fn)
+    scale_bytes = torch.randint(118, 134, (2, 3), generator=g, dtype=torch.uint8)
+    want = weight.float() * torch.exp2(scale_bytes.float() - 127).repeat_interleave(4, 0).repeat_interleave(4, 1)
+    out = torch.empty(8, 12, dtype=torch.float32)
+    Fp8BlockE8m0Format(block_size=(4, 4)).dequantize({"weight": weight, "scale": scale_bytes.view(
+        torch.float8_e8m0fnu)}, out)
+    assert torch.equal(out, want)
+
+
+def test_the_published_scheme_is_fp8_with_mxfp4_experts(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(published_config(256)))
+    scheme = load_quant_scheme(tmp_path)
+    assert isinstance(scheme.format_for("model.layers.3.ffn.experts.7.w1"), DeepseekMxfp4Format)
+    assert isinstance(scheme.format_for("model.layers.3.ffn.shared_experts.w1"), Fp8BlockE8m0Format)
+    assert isinstance(scheme.format_for("model.layers.3.attn.wq_a"), Fp8BlockE8m0Format)
+
+
+@pytest.mark.parametrize("experts", [256, 160])
+def test_plan_from_the_published_config_at_24_and_64_gb(experts: int, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """As shipped (FP8 dense weights, MXFP4 experts of 12.75 MiB): placed at 24 GB with some experts in RAM and the
+    rest read from disk, at 64 GB with several times as many; the compressed entries cost bytes per token."""
+    (tmp_path / "config.json").write_text(json.dumps(published_config(experts)))
+    placed = {}
+    for gb in (24, 64):
+        lines = _lines(capsys, ["plan", str(tmp_path), "--memory-gb", str(gb), "--device", "cpu", "--no-probe"])
+        assert lines[0] == "exit 0", lines
+        placement = next(line for line in lines if line.startswith("placement:")).split()
+        assert placement[3] == str(43 * experts)
+        placed[gb] = int(placement[1])
+        state = next(line for line in lines if line.startswith("sequence state:"))
+        assert int(state.split()[2]) > 0, state  # bytes/token of the compressed entries
+    assert 0 < placed[24] and 3 * placed[24] < placed[64] < 43 * experts, placed
+
+
+def test_the_engine_refuses_it_in_one_line() -> None:
+    arch = get_architecture(published_config(), "config.json")
+    with pytest.raises(UnsupportedModelError, match="DeepseekV4ForCausalLM is not served yet: it needs") as err:
+        require_served(arch, "config.json")
+    assert "\n" not in str(err.value)
