@@ -329,9 +329,11 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
                                       None, quantize=False)
         else:
             router = load.linear(n(names.router), m.num_experts, h, m.router_bias, quantize=False)
+        hashed = L in m.hash_layers  # DeepSeek-V4: experts by token id, no correction bias
         bias = (load.tensor(n(names.router_correction_bias), (m.num_experts,), torch.float32)
-                if m.correction_bias else None)
-        routing = choose_routing(m, opts.numerics, bias)
+                if m.correction_bias and not hashed else None)
+        experts_of = load.tensor(n(names.router_hash), (spec.vocab_size, m.top_k), torch.int64) if hashed else None
+        routing = choose_routing(m, opts.numerics, bias, experts_of)
         mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.numerics)
     else:
         mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,

@@ -20,7 +20,7 @@ QKNorm = Literal["none", "per_head", "full"]
 #   sigmoid_groups: DeepSeek-V3's "noaux_tc": sigmoid scores in fp32; the choice adds a correction bias and keeps the
 #                   best topk_group of n_group expert groups (a group's score: the sum of its top 2); the weights are
 #                   the unbiased scores of the chosen, optionally renormalised, times routed_scaling_factor - GLM-4.5
-#   sqrtsoftplus:   DeepSeek-V4: scores sqrt(softplus(logits)) in fp32; the choice adds a correction bias and takes the top
+#   sqrtsoftplus:   DeepSeek-V4: scores sqrt(softplus(logits)) in the router's dtype; the choice adds a correction bias and takes the top
 #                   k (no groups), or, in MoeSpec.hash_layers, is read from a token-id table; the weights are the scores
 #                   of the chosen, renormalised, times routed_scaling_factor
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups", "sqrtsoftplus"]

@@ -117,3 +117,71 @@ def test_the_engine_refuses_it_in_one_line() -> None:
     with pytest.raises(UnsupportedModelError, match="DeepseekV4ForCausalLM is not served yet: it needs") as err:
         require_served(arch, "config.json")
     assert "\n" not in str(err.value)
+
+
+def _routers(dtype: torch.dtype):
+    """transformers' top-k and hash routers of the tiny config (random weights, correction bias and table) in
+    `dtype`, and moeserve's rules over the same tensors."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HashRouter,
+        DeepseekV4TopKRouter,
+    )
+
+    from moeserve.models.experts.moe import choose_routing
+    from moeserve.models.numerics import Numerics
+
+    config = DeepseekV4Config(**TINY)
+    torch.manual_seed(0)
+    topk, hashed = DeepseekV4TopKRouter(config).to(dtype), DeepseekV4HashRouter(config).to(dtype)
+    with torch.no_grad():
+        for router in (topk, hashed):
+            router.weight.normal_(0.0, 0.5)
+        topk.e_score_correction_bias = torch.randn(TINY["n_routed_experts"]) * 0.1  # a buffer, kept in fp32
+        hashed.tid2eid.copy_(torch.rand(TINY["vocab_size"], TINY["n_routed_experts"]).argsort(-1)[:, :2])
+    moe = _spec({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}).moe
+    ours = (choose_routing(moe, Numerics(cpp=False), topk.e_score_correction_bias),
+            choose_routing(moe, Numerics(cpp=False), None, hashed.tid2eid))
+    return (topk, hashed), ours
+
+
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    order = ids.argsort(dim=-1)
+    return weights.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sqrtsoftplus_and_hash_routing_equal_transformers(dtype: torch.dtype) -> None:
+    """The experts and weights of DeepseekV4TopKRouter and DeepseekV4HashRouter, bit for bit, from the same logits;
+    the routed pairs carry the same weights."""
+    (topk, hashed), (rule, by_token) = _routers(dtype)
+    x = torch.randn(40, TINY["hidden_size"], dtype=dtype)
+    token_ids = torch.randint(0, TINY["vocab_size"], (40,))
+    for theirs, ours, args in ((topk, rule, ()), (hashed, by_token, (token_ids,))):
+        logits, want_w, want_ids = theirs(x, *args)
+        if args:
+            routed = ours.route(x, logits, token_ids)
+            got_ids = hashed.tid2eid[token_ids]
+            got_w = ours.weights(ours.scores(logits), got_ids)
+        else:
+            got_w, got_ids = ours.weights_and_ids(logits)
+            routed = ours.route(x, logits)
+        w1, i1 = _by_expert(got_w, got_ids)
+        w2, i2 = _by_expert(want_w, want_ids)
+        assert torch.equal(i1, i2) and torch.equal(w1, w2) and w1.dtype == dtype
+        assert torch.equal(torch.sort(routed.ids, dim=-1).values, torch.sort(want_ids, dim=-1).values)
+
+
+def test_sqrtsoftplus_routing_of_a_token_is_the_same_in_any_batch() -> None:
+    """Batch-invariant numerics: a token's experts and weights alone equal its row in a batch of 67 (the scores in
+    fixed row blocks), bf16."""
+    from moeserve.models.experts.moe import SqrtSoftplus
+    from moeserve.models.numerics import Numerics
+
+    (_topk, _hashed), (rule, _by_token) = _routers(torch.bfloat16)
+    invariant = SqrtSoftplus(rule.spec, rule.bias, Numerics(cpp=False, batch_invariant=True, row_block=16))
+    logits = torch.randn(67, TINY["n_routed_experts"], dtype=torch.bfloat16) * 3
+    weights, ids = invariant.weights_and_ids(logits)
+    for i in (0, 17, 66):
+        w, j = invariant.weights_and_ids(logits[i:i + 1])
+        assert torch.equal(_by_expert(w, j)[0], _by_expert(weights[i:i + 1], ids[i:i + 1])[0])

@@ -42,7 +42,9 @@ class Routing(ABC):
         return router(x)
 
     @abstractmethod
-    def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens: ...
+    def route(self, x: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> RoutedTokens:
+        """The pairs of x [N, H] from its router logits [N, E]; `token_ids` [N]: the tokens' ids, which only a
+        rule that routes by token (`HashRouting`) reads."""
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -66,8 +68,12 @@ class TorchRouting(Routing):
     def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) from the router logits [N, E]."""
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
+    def route(self, x: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> RoutedTokens:
         weights, ids = self.weights_and_ids(logits)
+        return self.pairs(x, weights, ids)
+
+    def pairs(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> RoutedTokens:
+        """(token, expert) pairs of the chosen `ids` [N, k] and their `weights`, grouped by expert (a stable sort)."""
         flat = ids.reshape(-1)  # [N*k]
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
@@ -152,7 +158,7 @@ class CppSigmoidGroups(SigmoidGroups):
     algorithm, ties included), and the pairs grouped by a stable counting sort. The decode stack calls the same op
     (DecodeStack.route_by_noaux)."""
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
+    def route(self, x: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> RoutedTokens:
         s = self.spec
         token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_noaux(
             logits, self.bias, s.top_k, s.n_group, s.topk_group, s.norm_topk_prob, s.routed_scaling_factor,
@@ -170,6 +176,51 @@ class CppSigmoidGroups(SigmoidGroups):
         s = self.spec
         stack.route_by_noaux(router.gemv_tensors()[0], router.bias, self.bias, s.top_k, s.n_group, s.topk_group,
                              s.norm_topk_prob, s.routed_scaling_factor)
+
+
+class SqrtSoftplus(TorchRouting):
+    """DeepSeek-V4's rule, op for op as transformers' DeepseekV4TopKRouter: scores sqrt(softplus(logits)) in the
+    router's dtype; the choice is the top-k of the scores plus the layer's correction bias (fp32); the weights are
+    the chosen experts' scores renormalised (+1e-20) and times routed_scaling_factor, in the scores' dtype.
+    Batch-invariant (`numerics`) in fixed blocks of rows, as SigmoidGroups (softplus and sqrt finish a tensor's
+    tail with scalar code)."""
+
+    def __init__(self, spec: MoeSpec, correction_bias: torch.Tensor | None, numerics: Numerics) -> None:
+        super().__init__(spec)
+        self.bias = correction_bias  # [E] fp32; None in a hash-routed layer
+        self.numerics = numerics
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.scores(logits)
+        assert self.bias is not None
+        ids = torch.topk(scores + self.bias, self.spec.top_k, dim=-1, sorted=False).indices
+        return self.weights(scores, ids), ids
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.numerics.rows(lambda rows: torch.nn.functional.softplus(rows).sqrt(), logits)
+
+    def weights(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.spec.routed_scaling_factor
+
+
+class HashRouting(SqrtSoftplus):
+    """DeepSeek-V4's hash-routed layers (MoeSpec.hash_layers), as transformers' DeepseekV4HashRouter: each token's
+    experts are its row of the token -> experts table (tid2eid [vocab, k]); the router's sqrtsoftplus scores of them
+    weight them as in SqrtSoftplus."""
+
+    def __init__(self, spec: MoeSpec, token_experts: torch.Tensor, numerics: Numerics) -> None:
+        super().__init__(spec, None, numerics)
+        self.token_experts = token_experts  # [vocab, k] int64
+
+    def route(self, x: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> RoutedTokens:
+        if token_ids is None:
+            raise ValueError("hash routing needs the tokens' ids")
+        ids = self.token_experts[token_ids]
+        return self.pairs(x, self.weights(self.scores(logits), ids), ids)
+
+    def describe(self) -> str:
+        return "torch (by token id: tid2eid; sqrtsoftplus weights)"
 
 
 class ForcedRouting(TorchRouting):
@@ -206,7 +257,7 @@ class CppRouting(Routing):
         super().__init__(spec)
         self.stack_mode = mode
 
-    def route(self, x: torch.Tensor, logits: torch.Tensor) -> RoutedTokens:
+    def route(self, x: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor | None = None) -> RoutedTokens:
         s = self.spec
         token_of, weight_of, counts, ids = torch.ops.moeserve.moe_route_pairs(logits, s.top_k, self.stack_mode,
                                                                           s.norm_topk_prob, s.weights_in_fp32)
@@ -216,11 +267,17 @@ class CppRouting(Routing):
         return f"C++ moe_route_pairs ({self.spec.routing})"
 
 
-def choose_routing(spec: MoeSpec, numerics: Numerics, correction_bias: torch.Tensor | None) -> Routing:
+def choose_routing(spec: MoeSpec, numerics: Numerics, correction_bias: torch.Tensor | None,
+                   token_experts: torch.Tensor | None = None) -> Routing:
     """The Routing of `spec.routing`: its C++ op when the C++ ops compute (`numerics.cpp`) and the op has the rule,
     else torch.
-    `correction_bias`: the layer's e_score_correction_bias [E] (fp32) when the rule has one. The only place that
-    asks which rule a model routes by."""
+    `correction_bias`: the layer's e_score_correction_bias [E] (fp32) when the rule has one; `token_experts`: a
+    hash-routed layer's token -> experts table (MoeSpec.hash_layers). The only place that asks which rule a model
+    routes by."""
+    if token_experts is not None:
+        return HashRouting(spec, token_experts, numerics)
+    if spec.routing == "sqrtsoftplus":
+        return SqrtSoftplus(spec, correction_bias, numerics)
     if spec.routing == "sigmoid_groups":
         assert correction_bias is not None
         return (CppSigmoidGroups if numerics.cpp else SigmoidGroups)(spec, correction_bias, numerics)
@@ -260,8 +317,9 @@ class MoEBlock(MLP):
         order = torch.argsort(counts.double() * (x.shape[0] + 1) + summed, descending=True, stable=True)
         return order[counts[order] > 0].tolist()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.routing.route(x, self.routing.logits(self.router, x))
+    def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for x [N, H]; `token_ids` [N] for a rule that routes by token (HashRouting)."""
+        routed = self.routing.route(x, self.routing.logits(self.router, x), token_ids)
         # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
         # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
         wanted = self.trace_hook is not None or self.store.takes_hints
