@@ -11,7 +11,11 @@ gives each GGUF tensor's HF name(s) and the transform that undoes llama.cpp's co
   (the nope rows, transposed: [heads, kv_lora, nope]) and `attn_v_b` [heads, v, kv_lora]; `joined` names the parts
   and `join` rebuilds the HF [heads x (nope + v), kv_lora] from them (older files' `attn_kv_b` is read as is);
 - glm4moe's block_count counts its NextN (multi-token prediction) layers: `derive` takes nextn_predict_layers off
-  num_hidden_layers, and the tensors of those layers are skipped (as moeserve skips them in the HF checkpoint).
+  num_hidden_layers, and the tensors of those layers are skipped (as moeserve skips them in the HF checkpoint);
+- gpt-oss stores gate and up as two stacked tensors (the converter splits the interleaved `gate_up_proj` rows:
+  even rows gate, odd rows up) and their biases [E, out] beside them (`ffn_*_exps.bias`, per expert one row):
+  each expert is read as its own gate_proj / up_proj / down_proj, weight and bias, which the gpt_oss expert plan
+  holds gate rows then up rows (models/experts/plans.py).
 An architecture, or a metadata key, that moeserve cannot map is refused in one line naming it.
 """
 
@@ -255,6 +259,44 @@ DEEPSEEK2_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     "attn_kv_a_norm.weight": _ATTN + "kv_a_layernorm.weight", "attn_kv_b.weight": _ATTN + "kv_b_proj.weight",
 })
 _MIXTRAL = "model.layers.{L}.block_sparse_moe."
+GPT_OSS_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    **{k: v for k, v in LAYER_TENSORS.items() if k.startswith(("attn_", "ffn_gate_inp.weight"))},
+    "post_attention_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    "attn_sinks.weight": _ATTN + "sinks",
+    "ffn_gate_inp.weight": _LAYER + "mlp.router.weight", "ffn_gate_inp.bias": _LAYER + "mlp.router.bias",
+})
+GPT_OSS_EXPERT_TENSORS: Mapping[str, str] = MappingProxyType({
+    f"ffn_{p}_exps.{kind}": f"{_LAYER}mlp.experts.{{E}}.{p}_proj.{kind}"
+    for p in ("gate", "up", "down") for kind in ("weight", "bias")})
+
+
+def _gpt_oss(config: dict[str, Any], meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path
+             ) -> None:
+    """gpt-oss's config from llama.cpp's gpt-oss keys (src/models/openai-moe.cpp): the sliding layers from
+    attention.sliding_window_pattern (an array of flags, or every n-th layer full; default 2: even layers slide),
+    YaRN with its betas and, as every released gpt-oss config.json holds it, truncate false (llama.cpp keeps no such
+    key). The clamped SwiGLU's limit and alpha are llama.cpp's constants (7.0, 1.702): the spec's defaults."""
+    layers, key = config["num_hidden_layers"], "gpt-oss.attention.sliding_window_pattern"
+    pattern = meta.get(key, 2)
+    if isinstance(pattern, list) and len(pattern) == layers:
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 0:
+        sliding = [pattern == 0 or L % pattern < pattern - 1 for L in range(layers)]
+    else:
+        raise CheckpointError(f"{where}: metadata key '{key}' must be {layers} flags or a layer count, got "
+                              f"{str(pattern)[:40]}")
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    scaling = config.pop("rope_scaling", None)
+    if scaling is not None:
+        if scaling["rope_type"] != "yarn":
+            raise UnsupportedModelError(f"{where}: metadata gpt-oss.rope.scaling.type={scaling['rope_type']!r} is "
+                                        "not supported for gpt-oss (yarn)")
+        for beta, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+            key = f"gpt-oss.rope.scaling.yarn_{beta}"
+            scaling[beta] = _number(meta.get(key, default), key, where)
+        config["rope_parameters"] = {**scaling, "rope_theta": config.pop("rope_theta"), "truncate": False}
+
+
 GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
     GGUFArch("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe",
              keys={"num_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
@@ -277,6 +319,12 @@ GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
              expert_tensors={f"ffn_{p}_exps.weight": f"{_MIXTRAL}experts.{{E}}.{w}.weight"
                              for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
              permute_qk=True),
+    GGUFArch("gpt-oss", "GptOssForCausalLM", "gpt_oss",
+             keys={"num_local_experts": ("expert_count", REQUIRED), "intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "head_dim": ("attention.key_length", None),
+                   "num_key_value_heads": ("attention.head_count_kv", None),
+                   "sliding_window": ("attention.sliding_window", REQUIRED)},
+             layer_tensors=GPT_OSS_LAYER_TENSORS, expert_tensors=GPT_OSS_EXPERT_TENSORS, derive=_gpt_oss),
     GGUFArch("glm4moe", "Glm4MoeForCausalLM", "glm4_moe",
              keys={"n_routed_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
                    ("expert_feed_forward_length", REQUIRED), "head_dim": ("attention.key_length", None),

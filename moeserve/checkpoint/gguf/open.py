@@ -164,9 +164,11 @@ def _refs(arch: GGUFArch, infos: dict[str, TensorInfo], config: dict[str, Any], 
             raise UnsupportedModelError(f"{where}: tensor '{name}' is stored as {info.ggml_type.name}; moeserve "
                                         "reads F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and MXFP4")
         if kind == "expert":
-            if len(info.shape) != 3 or info.shape[0] != num_experts:
+            bias = name.endswith(".bias")  # gpt-oss's expert biases [E, out]
+            if len(info.shape) != 2 + (not bias) or info.shape[0] != num_experts:
                 raise CheckpointError(f"{where}: tensor '{name}' has shape {list(info.shape)}; expected "
-                                      f"[{num_experts}, out, in] ({arch.gguf_name}.expert_count={num_experts})")
+                                      f"[{num_experts}, out{'' if bias else ', in'}] ({arch.gguf_name}.expert_count="
+                                      f"{num_experts})")
             for e, hf in enumerate(hf_names):
                 tensors[hf] = _expert_ref(hf, info, e)
             if not info.ggml_type.is_float:
@@ -202,10 +204,11 @@ def _joined_ref(arch: GGUFArch, hf: str, stored: dict[int, TensorInfo], config: 
 
 
 def _expert_ref(name: str, info: TensorInfo, expert: int) -> TensorRef:
+    """Expert `expert`'s slice of a layer's stacked experts [E, out, in] (or of their biases [E, out])."""
     per = info.nbytes // info.shape[0]
-    out, cols = info.shape[1], info.shape[2]
     code = info.ggml_type.name if info.ggml_type.is_float else "U8"
-    shape = (out, cols) if info.ggml_type.is_float else (out, info.ggml_type.row_bytes(cols))
+    *rows, cols = info.shape[1:]
+    shape = (*rows, cols if info.ggml_type.is_float else info.ggml_type.row_bytes(cols))
     dtype, _ = DTYPES[code]
     return TensorRef(name, info.path, info.offset + expert * per, per, dtype, code, shape)
 

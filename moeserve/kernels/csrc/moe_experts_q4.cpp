@@ -2,7 +2,8 @@
 // experts as stored (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4 blocks: gguf_codes.cpp) and gpt-oss's experts (clamped SwiGLU with biases) in bf16, one call per MoE layer and chunk of experts:
 //
 //   for each expert e of the chunk, in the order given (ascending ids), and each token t routed to it:
-//     gu    = gate_up_e x_t (+ bias)           [R1]: SwiGLU gate rows then up rows; gpt-oss gate/up interleaved;
+//     gu    = gate_up_e x_t (+ bias)           [R1]: SwiGLU gate rows then up rows; gpt-oss gate/up interleaved
+//                                              (a GGUF's gpt-oss, act=gptoss-split: gate rows then up rows);
 //                                              relu2 up rows only
 //     a     = act(gu)                          [I]
 //     out_t += w_t * (down_e a (+ bias))
@@ -204,11 +205,14 @@ inline float activation(const Spec& spec, const float* gu, int64_t j, int64_t is
       const float u = gu[j] > 0.0f || std::isnan(gu[j]) ? gu[j] : 0.0f;
       return rnd(u * u);
     }
-    case Act::kGptOss: break;
+    case Act::kGptOss:
+    case Act::kGptOssSplit: break;
   }
+  const bool split = spec.act == Act::kGptOssSplit;  // gate rows then up rows, else interleaved
+  const float graw = split ? gu[j] : gu[2 * j], uraw = split ? gu[isz + j] : gu[2 * j + 1];
   const float lim = rnd(spec.limit);  // torch.clamp casts its bound to the tensor's dtype
-  const float g = std::isnan(gu[2 * j]) ? gu[2 * j] : std::min(gu[2 * j], lim);
-  const float u = std::isnan(gu[2 * j + 1]) ? gu[2 * j + 1] : std::min(std::max(gu[2 * j + 1], -lim), lim);
+  const float g = std::isnan(graw) ? graw : std::min(graw, lim);
+  const float u = std::isnan(uraw) ? uraw : std::min(std::max(uraw, -lim), lim);
   const float glu = rnd(g * rnd(sigmoid(rnd(g * spec.alpha))));
   return rnd(rnd(u + 1.0f) * glu);
 }

@@ -7,7 +7,8 @@
 //                                            INT4 codes times int8-quantized activations, integer dots (q4_q8.h;
 //                                            group 32)
 //   group=G                                   elements per scale (4-bit formats)
-//   act=swiglu|gptoss|relu2  alpha=A limit=L  the activation (gptoss: clamped SwiGLU on interleaved gate/up rows)
+//   act=swiglu|gptoss|gptoss-split|relu2      the activation (gptoss: clamped SwiGLU on interleaved gate/up rows;
+//      alpha=A limit=L                        gptoss-split: on gate rows then up rows, as a GGUF stores them)
 //   gu=ROWSxK  dn=ROWSxK                      the two projections [out, in]: gate_up (or up) and down
 //   gu.bias=OFF  dn.bias=OFF                  byte offset of a bf16 bias [ROWS] (-1: none)
 //   gu.shard=ROWS:CODES:SCALES:TSCALE         one per stored weight, in row order (Qwen's gate then up): byte
@@ -69,7 +70,7 @@ void gguf_decode_row(const GRow& row, int64_t k, uint16_t* w);
 
 // ------------------------------------------------------------------------- the op (moe_experts_q4*.cpp)
 
-enum class Act { kSwiglu, kGptOss, kRelu2 };
+enum class Act { kSwiglu, kGptOss, kGptOssSplit, kRelu2 };
 
 struct ShardSpec {
   int64_t rows = 0, codes = 0, scales = -1, tscale = -1;

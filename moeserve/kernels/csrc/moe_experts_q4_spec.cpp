@@ -86,8 +86,9 @@ void read_format(const std::string& v, Spec& s) {
 void read_act(const std::string& v, Spec& s) {
   if (v == "swiglu") s.act = Act::kSwiglu;
   else if (v == "gptoss") s.act = Act::kGptOss;
+  else if (v == "gptoss-split") s.act = Act::kGptOssSplit;
   else if (v == "relu2") s.act = Act::kRelu2;
-  else TORCH_CHECK(false, "expert op spec: unknown act '", v, "' (swiglu, gptoss, relu2)");
+  else TORCH_CHECK(false, "expert op spec: unknown act '", v, "' (swiglu, gptoss, gptoss-split, relu2)");
 }
 
 void check_proj(const Spec& s, const ProjSpec& p, const char* name) {

@@ -171,8 +171,10 @@ class CanonicalExperts(ExpertKernel):
         if self.act == "relu2":
             u = gu.float()
             return torch.where((u > 0) | u.isnan(), u, torch.zeros_like(u)).square().bfloat16()
-        if self.act == "gptoss":  # gate and up rows interleaved; gate clamped above, up on both sides
-            g, u = gu[:, 0::2].float(), gu[:, 1::2].float()
+        if self.act.startswith("gptoss"):  # gate and up rows interleaved (split: gate rows then up rows); gate
+            inter = gu.shape[1] // 2  # clamped above, up on both sides
+            g, u = (gu[:, :inter], gu[:, inter:]) if self.act == "gptoss-split" else (gu[:, 0::2], gu[:, 1::2])
+            g, u = g.float(), u.float()
             lim = self.limit.to(device)
             g = torch.where(g.isnan(), g, torch.minimum(g, lim))
             u = torch.where(u.isnan(), u, torch.minimum(torch.maximum(u, -lim), lim))

@@ -21,16 +21,17 @@ from moeserve.models.experts.unit_math import FusedUnits, Projection
 @dataclass(frozen=True)
 class Activation:
     """The expert's activation as the op's spec words: swiglu (gate rows then up rows), relu2 (up rows only), or
-    gptoss (gate/up rows interleaved, clamped at `limit`, sigmoid(alpha g))."""
+    gptoss (gate/up rows interleaved, clamped at `limit`, sigmoid(alpha g); gptoss-split: gate rows then up rows,
+    as a GGUF stores them)."""
 
     kind: str
     alpha: float = 0.0
     limit: float = 0.0
 
     def words(self) -> str:
-        if self.kind != "gptoss":
+        if not self.kind.startswith("gptoss"):
             return f"act={self.kind}"
-        return f"act=gptoss alpha={self.alpha.hex()} limit={self.limit.hex()}"
+        return f"act={self.kind} alpha={self.alpha.hex()} limit={self.limit.hex()}"
 
 
 def _projection_words(name: str, proj: Projection, layout: UnitLayout) -> tuple[int, str] | str:

@@ -42,6 +42,7 @@ from moeserve.models.experts.unit_math import (
     Projection,
     Relu2Math,
     Shard,
+    SplitGptOssMath,
     SwiGLUMath,
     UnitMath,
     gpt_oss_expert_math,
@@ -99,16 +100,21 @@ class ProjectionSource:
     shape: tuple[int, int]  # dense [out, in]
     shard_prefixes: tuple[str, ...]  # one Linear prefix per shard; each fills out / len(shards) rows
     stacked: bool  # all experts of a layer along dim 0 of one tensor (gpt-oss), else one tensor per expert
-    bias: str | None = None  # tensor name template of the bias [out], or None
+    bias: tuple[str, ...] = ()  # tensor name templates of the bias [out] (one per shard: a GGUF's gpt-oss), or none
 
 
 def _stored_sources(ckpt: Checkpoint, layers: Sequence[int], num_experts: int,
                     field_names: list[tuple[str, str, ProjectionSource]]
                     ) -> dict[tuple[int, int], tuple[FieldSources, ...]]:
-    """Each (layer, expert) unit's fields read from the tensors as stored (field, tensor name template, projection)."""
-    return {(layer, e): tuple(FieldSources(field, (_ref(ckpt, template, layer, e, p.stacked),))
-                              for field, template, p in field_names)
-            for layer in layers for e in range(num_experts)}
+    """Each (layer, expert) unit's fields read from the tensors as stored (field, tensor name template, projection;
+    a field named several times is filled by those tensors end to end)."""
+    def unit(layer: int, e: int) -> tuple[FieldSources, ...]:
+        refs: dict[str, list[TensorRef]] = {}
+        for field, template, p in field_names:
+            refs.setdefault(field, []).append(_ref(ckpt, template, layer, e, p.stacked))
+        return tuple(FieldSources(field, tuple(r)) for field, r in refs.items())
+
+    return {(layer, e): unit(layer, e) for layer in layers for e in range(num_experts)}
 
 
 @dataclass
@@ -172,10 +178,10 @@ def stored_format_plan(
     for p in projections:
         shards = tuple(fields.shard(ckpt, scheme, spec, p, s) for s in range(len(p.shard_prefixes)))
         bias_field = None
-        if p.bias is not None:
+        if p.bias:
             bias_field = len(fields.specs)
             fields.specs.append((f"{p.name}.bias", dtype, (p.shape[0],)))
-            fields.names.append((f"{p.name}.bias", p.bias, p))
+            fields.names.extend((f"{p.name}.bias", template, p) for template in p.bias)
         built.append(Projection(p.shape, shards, bias_field))
     layout = UnitLayout.build(fields.specs)
     sources = _stored_sources(ckpt, layers, spec.moe.num_experts, fields.names)
@@ -315,11 +321,12 @@ def gpt_oss_stored_math(
     x: torch.Tensor,
     dense: tuple[torch.Tensor, ...],
     biases: tuple[torch.Tensor | None, ...],
+    gate_first: bool = False,
 ) -> torch.Tensor:
     gate_up, down = dense  # [2I, H], [H, I] (output-major, as stored), or stacked [G, ...]
     gate_up_bias, down_bias = biases
     assert gate_up_bias is not None and down_bias is not None
-    return gpt_oss_expert_math(x, gate_up.mT, gate_up_bias, down.mT, down_bias, limit, alpha)
+    return gpt_oss_expert_math(x, gate_up.mT, gate_up_bias, down.mT, down_bias, limit, alpha, gate_first)
 
 
 @register_planner("gpt_oss")
@@ -329,6 +336,8 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
     names, h, i, m = arch.names, spec.hidden_size, spec.moe.intermediate_size, spec.moe
     assert m.swiglu_limit is not None and m.swiglu_alpha is not None
     layer0 = spec.moe_layer_ids[0]
+    if ckpt.has(names.expert_gate.format(L=layer0, E=0) + ".weight"):
+        return _split_gpt_oss_plan(ckpt, arch, spec, dtype)
     if scheme.is_quantized(names.stacked_gate_up.format(L=layer0)):
         projections = (
             ProjectionSource(
@@ -336,10 +345,10 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
                 (2 * i, h),
                 (names.stacked_gate_up,),
                 stacked=True,
-                bias=names.stacked_gate_up + "_bias",
+                bias=(names.stacked_gate_up + "_bias",),
             ),
             ProjectionSource(
-                "down", (h, i), (names.stacked_down,), stacked=True, bias=names.stacked_down + "_bias"
+                "down", (h, i), (names.stacked_down,), stacked=True, bias=(names.stacked_down + "_bias",)
             ),
         )
         math = partial(gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha)
@@ -363,6 +372,35 @@ def gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: t
     }
     dense_math = GptOssMath(m.swiglu_limit, m.swiglu_alpha)  # [H, 2I], [2I], [I, H], [H] (input-major, as stored)
     return ExpertPlan(layout, dense_math, sources, f"gpt-oss experts in {str(dtype).removeprefix('torch.')}")
+
+
+def _split_gpt_oss_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """gpt-oss experts stored per expert with gate and up apart, each with its bias (a GGUF, checkpoint/gguf/archs.py):
+    a unit holds gate rows then up rows, the clamped SwiGLU reads them so (`gate_first`). Quantized: in their stored
+    format in every tier; float: in the compute dtype."""
+    scheme = checkpoint_scheme(ckpt)
+    names, h, i, m = arch.names, spec.hidden_size, spec.moe.intermediate_size, spec.moe
+    assert m.swiglu_limit is not None and m.swiglu_alpha is not None
+    gate, up, down = names.expert_gate, names.expert_up, names.expert_down
+    if scheme.is_quantized(gate.format(L=spec.moe_layer_ids[0], E=0)):
+        projections = (
+            ProjectionSource("gate_up", (2 * i, h), (gate, up), stacked=False, bias=(gate + ".bias", up + ".bias")),
+            ProjectionSource("down", (h, i), (down,), stacked=False, bias=(down + ".bias",)),
+        )
+        math = partial(gpt_oss_stored_math, m.swiglu_limit, m.swiglu_alpha, gate_first=True)
+        act = Activation("gptoss-split", m.swiglu_alpha, m.swiglu_limit)
+        return stored_format_plan(ckpt, scheme, spec, dtype, projections, math, "gpt-oss experts", act)
+    fields = (("gate_up", (gate, up), (2 * i, h)), ("gate_up_bias", (gate, up), (2 * i,)),
+              ("down", (down,), (h, i)), ("down_bias", (down,), (h,)))
+    layout = UnitLayout.build([(name, dtype, shape) for name, _, shape in fields])
+    sources = {
+        (layer, e): tuple(FieldSources(name, tuple(
+            ckpt.ref(t.format(L=layer, E=e) + (".bias" if name.endswith("bias") else ".weight"),
+                     (shape[0] // len(templates), *shape[1:])) for t in templates)) for name, templates, shape in fields)
+        for layer in spec.moe_layer_ids for e in range(m.num_experts)
+    }
+    return ExpertPlan(layout, SplitGptOssMath(m.swiglu_limit, m.swiglu_alpha), sources,
+                      f"gpt-oss experts in {str(dtype).removeprefix('torch.')}, gate rows then up rows")
 
 
 # ------------------------------------------------------------------------------ row-interleaved SwiGLU units

@@ -161,24 +161,26 @@ class Relu2Math(UnitMath):
         return FusedUnits(interleaved=False, stack_op="relu2-loop")
 
 
-def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up) -> [T, I].
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float, gate_first: bool = False) -> torch.Tensor:
+    """gpt-oss activation on INTERLEAVED rows of gate_up [T, 2I] (even = gate, odd = up; `gate_first`: gate rows
+    then up rows, as a GGUF stores them) -> [T, I].
 
     gate is clamped above only, up on both sides; out = gate * sigmoid(alpha * gate) * (up + 1).
     """
-    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate, up = gate_up.chunk(2, dim=-1) if gate_first else (gate_up[..., ::2], gate_up[..., 1::2])
     gate = gate.clamp(min=None, max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gpt_oss_expert_math(x: torch.Tensor, gate_up_t: torch.Tensor, gate_up_bias: torch.Tensor,
-                        down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+                        down_t: torch.Tensor, down_bias: torch.Tensor, limit: float, alpha: float,
+                        gate_first: bool = False) -> torch.Tensor:
     """One gpt-oss expert, operation by operation as transformers: x [T, H] @ gate_up_t [H, 2I] + bias,
     clamped SwiGLU, @ down_t [I, H] + bias -> [T, H]. The weights may be transposed views; or G experts stacked
-    (x [G, M, H], weights [G, ...], biases [G, out])."""
+    (x [G, M, H], weights [G, ...], biases [G, out]). `gate_first`: gate_up's columns are gate then up."""
     gate_up = x @ gate_up_t + row_bias(gate_up_bias, x)
-    return clamped_swiglu(gate_up, limit, alpha) @ down_t + row_bias(down_bias, x)
+    return clamped_swiglu(gate_up, limit, alpha, gate_first) @ down_t + row_bias(down_bias, x)
 
 
 class GptOssMath(UnitMath):
@@ -190,6 +192,19 @@ class GptOssMath(UnitMath):
     def bind(self, w: ExpertWeights) -> RowFn:
         gate_up_t, gate_up_bias, down_t, down_bias = w
         return lambda x: gpt_oss_expert_math(x, gate_up_t, gate_up_bias, down_t, down_bias, self.limit, self.alpha)
+
+
+class SplitGptOssMath(UnitMath):
+    """gpt-oss experts in the compute dtype as a GGUF stores them: gate_up [2I, H] (gate rows, then up rows), its
+    bias, down [H, I], its bias (output-major)."""
+
+    def __init__(self, limit: float, alpha: float) -> None:
+        self.limit, self.alpha = limit, alpha
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        gate_up, gate_up_bias, down, down_bias = w
+        return lambda x: gpt_oss_expert_math(x, gate_up.mT, gate_up_bias, down.mT, down_bias, self.limit,
+                                             self.alpha, gate_first=True)
 
 
 class InterleavedGptOss(UnitMath):

