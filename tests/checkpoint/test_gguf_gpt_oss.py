@@ -27,6 +27,7 @@ from tests.engine.test_parity_transformers import hf_greedy
 from tests.fixtures.checkpoints import write_gpt_oss
 from tests.fixtures.gguf_gpt_oss import write_gguf, write_reference
 from tests.models.exactness import (
+    Run,
     assert_offloaded_equals_resident,
     assert_same_run,
     random_prompts,
@@ -50,6 +51,19 @@ def _spec(path: Path):
     return get_architecture(config, str(path)).spec(config, str(path))
 
 
+def _assert_transformers_tokens(got: Run, folder: Path) -> None:
+    """fp32 greedy tokens equal transformers' on `folder`, log-probabilities within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, (tokens, logprobs) in zip(PROMPTS, got.outs, strict=True):
+        ref_tokens, ref_logps = hf_greedy(hf, prompt, STEPS)
+        assert tokens == ref_tokens, len(prompt)
+        for lp, ref_lp in zip(logprobs, ref_logps, strict=True):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref_lp[token_id])) < 1e-4, token_id
+
+
 def test_config_gives_the_checkpoints_spec(files) -> None:
     src, gguf, _ = files
     got = _spec(gguf)
@@ -61,24 +75,26 @@ def test_config_gives_the_checkpoints_spec(files) -> None:
 
 
 def test_fp32_logits_equal_the_hf_mxfp4_folder_and_tokens_equal_transformers(files) -> None:
-    from transformers import AutoModelForCausalLM
-
     _, gguf, ref = files
     got = run_together(gguf, PROMPTS, STEPS, dtype="float32", kernels="torch")
     assert_same_run(got, run_together(ref, PROMPTS, STEPS, dtype="float32", kernels="torch"), "GGUF vs HF MXFP4")
-    hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    for prompt, (tokens, logprobs) in zip(PROMPTS, got.outs, strict=True):
-        ref_tokens, ref_logps = hf_greedy(hf, prompt, STEPS)
-        assert tokens == ref_tokens, len(prompt)
-        for lp, ref_lp in zip(logprobs, ref_logps, strict=True):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref_lp[token_id])) < 1e-4, token_id
+    _assert_transformers_tokens(got, ref)
 
 
 def test_offloaded_equals_resident_with_experts_in_mxfp4_blocks(files) -> None:
     _, gguf, _ = files
     run = assert_offloaded_equals_resident(gguf, PROMPTS, steps=STEPS)
     assert "stored as gguf-mxfp4" in run.choices["experts"], run.choices["experts"]
+
+
+def test_float_experts_give_transformers_tokens(files, tmp_path: Path) -> None:
+    """Experts stored F32 (the converter's output from a bf16 checkpoint, F32 everywhere here): held in the compute
+    dtype, gate rows then up rows; fp32 greedy tokens equal transformers' on the checkpoint itself."""
+    src = files[0]
+    gguf = write_gguf(src, tmp_path / "f32.gguf", "F32", "F32")
+    got = run_together(gguf, PROMPTS, STEPS, dtype="float32", kernels="torch")
+    assert "gate rows then up rows" in got.choices["experts"], got.choices["experts"]
+    _assert_transformers_tokens(got, src)
 
 
 def test_a_bad_sliding_window_pattern_is_one_line(tmp_path: Path) -> None:
@@ -92,3 +108,43 @@ def test_a_bad_sliding_window_pattern_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="gpt-oss.attention.sliding_window_pattern") as e:
         derive(config, {"gpt-oss.attention.sliding_window_pattern": [True]}, {}, tmp_path / "x.gguf")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_llama_cpp_converter_file_equals_the_hf_mxfp4_folder(tmp_path: Path) -> None:
+    """llama.cpp's converter on an HF MXFP4 gpt-oss folder (the Qwen2 vocabulary, the harmony chat template of
+    llama.cpp's models/templates): moeserve's fp32 logits on its GGUF equal those on the folder bit for bit, the
+    template is the GGUF's, the tokenizer's ids equal llama.cpp's, and llama.cpp's greedy tokens are compared."""
+    import json
+
+    from moeserve.bench.real_dims import write_gpt_oss_mxfp4
+    from moeserve.checkpoint.gguf.header import read_header
+    from moeserve.checkpoint.gguf.tokenizer import gguf_tokenizer
+    from moeserve.tokenizer import Tokenizer
+    from tests.checkpoint.test_gguf_llama_cpp import LLAMA_CPP_SRC, VOCAB, _agreement, _convert
+    from tests.checkpoint.test_gguf_tokenizer import SAMPLE
+
+    template_file = LLAMA_CPP_SRC / "models" / "templates" / "openai-gpt-oss-120b.jinja"
+    if not (LLAMA_CPP_SRC / "convert_hf_to_gguf.py").is_file() or not VOCAB.is_file() or not template_file.is_file():
+        pytest.skip(f"llama.cpp's source is not at {LLAMA_CPP_SRC} (set LLAMA_CPP_SRC; not in CI)")
+    spec, _ = gguf_tokenizer(VOCAB)
+    tokens = read_header(VOCAB).metadata["tokenizer.ggml.tokens"]
+    bf16 = write_gpt_oss(tmp_path / "bf16", vocab_size=len(tokens), eos_token_id=tokens.index("<|im_end|>"))
+    src = write_gpt_oss_mxfp4(bf16, tmp_path / "mxfp4")
+    template = template_file.read_text()
+    (src / "tokenizer.json").write_text(spec)
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "chat_template": template}))
+    gguf = _convert(src, tmp_path / "gpt-oss.gguf", "f32")
+    assert {t.ggml_type.name for n, t in read_header(gguf).tensors.items() if "_exps.weight" in n} == {"MXFP4"}
+    assert read_header(gguf).metadata["tokenizer.chat_template"] == template
+    ours = Tokenizer(gguf)
+    prompts = [ours.encode(text) for text in ("Once upon a time", "日本語のテキスト、русский текст")]
+    got = run_together(gguf, prompts, 4, dtype="float32", kernels="torch")
+    assert_same_run(got, run_together(src, prompts, 4, dtype="float32", kernels="torch"), "llama.cpp's GGUF vs HF")
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (not in CI)")
+    theirs = llama_cpp.Llama(model_path=str(gguf), verbose=False, n_ctx=128, n_threads=2)
+    for text in SAMPLE:
+        assert ours.encode(text) == theirs.tokenize(text.encode(), add_bos=False, special=True), text
+    print(f"gpt-oss: greedy tokens equal to llama.cpp's at {_agreement(gguf, theirs, ours)} positions")

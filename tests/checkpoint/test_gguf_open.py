@@ -103,7 +103,7 @@ def _minimal(path: Path, arch: str, keys: dict[str, float], tensors: dict[str, t
 def test_bad_files_architectures_keys_and_types_are_one_line(tmp_path: Path, one_file: Path) -> None:
     cases = [
         (_minimal(tmp_path / "ds.gguf", "gemma3", {}, {}), UnsupportedModelError,
-         r"general.architecture='gemma3' is not read by moeserve; supported: deepseek2, glm4moe, llama, olmoe"),
+         r"general.architecture='gemma3' is not read by moeserve; supported: deepseek2, glm4moe, gpt-oss, llama, olmoe"),
         (_minimal(tmp_path / "nokey.gguf", "qwen3moe", {}, {"token_embd.weight": ("F16", (8, 32))}), CheckpointError,
          r"metadata key 'qwen3moe.block_count' is missing"),
     ]

@@ -17,7 +17,8 @@ from tests.kernels.q8_reference import q8_dots
 from tests.kernels.test_canonical_isa import _expf, bf16_from_float, canonical_dots, edge_values, interleave
 
 GPT_OSS = Activation("gptoss", 1.702, 7.0)
-ACTS = {"swiglu": Activation("swiglu"), "relu2": Activation("relu2"), "gptoss": GPT_OSS}
+ACTS = {"swiglu": Activation("swiglu"), "relu2": Activation("relu2"), "gptoss": GPT_OSS,
+        "gptoss-split": Activation("gptoss-split", GPT_OSS.alpha, GPT_OSS.limit)}  # a GGUF's: gate rows, up rows
 
 
 # edge: False (typical scales), "small" (scales down to bf16 / fp32 denormal products, none overflowing: results
@@ -105,7 +106,8 @@ def make_case(fmt_name: str, act: str, h: int, isz: int, n_exp: int, tokens: int
     q8 = fmt_name == "int4-q8"  # INT4 units computed against int8 activations (q8_reference.py)
     fmt = create_format("int4-ct" if q8 else fmt_name, **({"group_size": group} if fmt_name.startswith("int4") else {}))
     r1 = isz if act == "relu2" else 2 * isz
-    shapes = (ProjectionShape(r1, h, shards, act == "gptoss"), ProjectionShape(h, isz, 1, act == "gptoss"))
+    bias = act.startswith("gptoss")
+    shapes = (ProjectionShape(r1, h, shards, bias), ProjectionShape(h, isz, 1, bias))
     stored_w = [[stored(fmt_name, p.rows // p.shards, p.cols, gen, edge, group) for p in shapes for _ in range(p.shards)]
                 for _ in range(n_exp)]
     biases = [[(torch.randn(p.rows, generator=gen) * 0.1).bfloat16() if p.bias else None for p in shapes]
@@ -191,8 +193,9 @@ def _activation(act: str, gu: torch.Tensor) -> torch.Tensor:
     if act == "relu2":
         return _rnd(torch.relu(gu) ** 2)
     lim = _rnd(torch.tensor(GPT_OSS.limit))
-    g = torch.minimum(gu[:, ::2], lim)
-    u = torch.maximum(torch.minimum(gu[:, 1::2], lim), -lim)
+    gate, up = gu.chunk(2, dim=1) if act == "gptoss-split" else (gu[:, ::2], gu[:, 1::2])
+    g = torch.minimum(gate, lim)
+    u = torch.maximum(torch.minimum(up, lim), -lim)
     sig = _rnd(1.0 / (1.0 + exp(-_rnd(g * GPT_OSS.alpha))))
     return _rnd(_rnd(u + 1.0) * _rnd(g * sig))
 

@@ -10,6 +10,7 @@ blocks decoded in registers, SwiGLU units of Qwen's layout (gate and up two stor
 - a token's result does not depend on the others;
 - units whose ggml type changes across layers (a Q4_K_M file's ffn_down_exps) are read by their type index; an index
   outside the spec's list is refused;
+- a GGUF's gpt-oss units (MXFP4 gate and up shards, biases, act=gptoss-split) among `all_cases`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def all_cases() -> list[dict]:
         for j, (h, isz, tokens, n_exp, edge) in enumerate(((256, 256, 1, 2, False), (512, 256, 3, 3, "small"),
                                                           (256, 512, 9, 2, False))):
             cases.append(make_case(f"gguf-{t}", "swiglu", h, isz, n_exp, tokens, 2, seed=100 * i + j, edge=edge))
-    return cases
+    # a GGUF's gpt-oss: gate and up shards (gate rows, then up rows), biases, the clamped SwiGLU
+    return [*cases, make_case("gguf-mxfp4", "gptoss-split", 128, 64, 3, 5, 2, seed=77, edge="small")]
 
 
 @pytest.mark.parametrize("type_name", TYPES)

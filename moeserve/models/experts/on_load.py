@@ -28,6 +28,7 @@ from moeserve.models.experts.unit_math import (
     Projection,
     Relu2Math,
     Shard,
+    SplitGptOssMath,
     SwiGLUMath,
 )
 
@@ -102,6 +103,10 @@ def _dense_kind(dense: ExpertPlan) -> tuple[tuple[_DenseProjection, ...], Expert
     if isinstance(math, GptOssMath):
         return ((_DenseProjection("gate_up", 0, True, 1), _DenseProjection("down", 2, True, 3)),
                 partial(gpt_oss_stored_math, math.limit, math.alpha), Activation("gptoss", math.alpha, math.limit))
+    if isinstance(math, SplitGptOssMath):  # a GGUF's: [out, in], gate rows then up rows
+        return ((_DenseProjection("gate_up", 0, False, 1), _DenseProjection("down", 2, False, 3)),
+                partial(gpt_oss_stored_math, math.limit, math.alpha, gate_first=True),
+                Activation("gptoss-split", math.alpha, math.limit))
     raise ConfigError(f"quantization=int4 quantizes SwiGLU, relu2 and gpt-oss experts, not {type(math).__name__}")
 
 
