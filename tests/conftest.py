@@ -28,7 +28,7 @@ from moeserve.bench.checkpoints import (
     write_tiny_checkpoint,
     write_tiny_text_model,
 )
-from tests import cpu_emulation, tiers
+from tests import cpu_emulation, tiers, watch
 
 # TESTS_EMULATE_CPU=avx2 (`make test-as-avx2`): the run as on an AVX2-only CPU, on a wider one: our kernels built for
 # avx2 (MOESERVE_CPU_ISA), ATen's avx2 kernels, oneDNN off, here and in subprocesses (tests/cpu_emulation). Applied
@@ -121,6 +121,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:  # -q hides the head
 
 def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(tiers.SlowFastTests(), "moeserve-slow-fast-tests")
+    config.pluginmanager.register(watch.RunWatch(config), "moeserve-run-watch")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker: the tier markers must be on by then

@@ -11,12 +11,21 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from moeserve.memory.split import process_rss_bytes
 from tests.cpu_emulation import child_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 JOIN_TIMEOUT_S = 60.0  # a rank that cannot join fails its test within this, not the default 300 s
+
+
+def in_process_gb(own_gb: float) -> float:
+    """memory_gb for an engine in this (the test) process: `own_gb` plus what the process holds now. An engine
+    counts its whole process's RSS against memory_gb, and earlier tests leave a pytest process at gigabytes (the
+    last CI's heads were refused: 'runtime 3.44 GiB ... exceed memory_gb=1.5'). A worker is a process of its own
+    and keeps its real budget."""
+    return own_gb + process_rss_bytes() / 2**30
 
 
 def free_address() -> str:
@@ -30,8 +39,8 @@ def worker_flags(settings: dict[str, Any]) -> list[str]:
     """The engine flags of `settings` (the numerics ones a worker must share with its head)."""
     flags = []
     for name, value in settings.items():
-        if name in ("dtype", "kernels", "batch_invariant", "quantization", "expert_layout", "threads", "ep_timeout", "ep_join_timeout",
-                    "max_num_batched_tokens", "cache_policy"):
+        if name in ("dtype", "kernels", "batch_invariant", "quantization", "expert_layout", "threads", "ep_timeout",
+                    "ep_join_timeout", "max_num_batched_tokens", "cache_policy"):
             flag = "--" + name.replace("_", "-")
             flags += [flag] if value is True else [f"--no-{flag[2:]}"] if value is False else [flag, str(value)]
     return flags
@@ -88,6 +97,12 @@ def reap(proc: subprocess.Popen[str], timeout_s: float = 120) -> tuple[int, int,
     peak = SAMPLERS.pop(proc.pid).stop()
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, peak, output
+
+
+def workers_said(reaped: list[tuple[int, int, str]]) -> str:
+    """What reaped workers printed (exit status, the end of their output), for a failed test's message."""
+    return "\n".join(f"worker {i + 1} exited with {status}:\n{output[-1500:]}"
+                     for i, (status, _, output) in enumerate(reaped))
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -19,7 +19,15 @@ import httpx
 import pytest
 
 from moeserve.engine.llm_engine import demo_model_path
-from tests.parallel.cluster import JOIN_TIMEOUT_S, free_address, peak_rss_bytes, reap, start_worker
+from tests.parallel.cluster import (
+    JOIN_TIMEOUT_S,
+    free_address,
+    in_process_gb,
+    peak_rss_bytes,
+    reap,
+    start_worker,
+    workers_said,
+)
 from tests.server.conftest import (
     MODEL_NAME,
     ThreadServer,
@@ -107,7 +115,8 @@ class Head:
         self.proc: subprocess.Popen[str] | None = None
         self.thread: ThreadServer | None = None
         if in_process:
-            settings = {"memory_gb": HEAD_GB, "ep_listen": address, "ep_workers": 1, "ep_timeout": TIMEOUT_S,
+            settings = {"memory_gb": in_process_gb(HEAD_GB), "ep_listen": address, "ep_workers": 1,
+                        "ep_timeout": TIMEOUT_S,
                         "ep_join_timeout": JOIN_TIMEOUT_S,
                         "max_num_seqs": 2}
             self.thread = ThreadServer(make_state(engine_factory(model, **settings)), wait_ready=False)
@@ -147,8 +156,13 @@ def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
     act = {"SIGKILL": lambda: os.kill(worker.pid, signal.SIGKILL),
            "SIGSTOP": lambda: os.kill(worker.pid, signal.SIGSTOP),
            "cut-link": lambda: link.cut() if link is not None else None}[fault]
+    failed_to_start: Exception | None = None
     try:
-        head.wait_healthy()
+        try:
+            head.wait_healthy()
+        except Exception as err:
+            failed_to_start = err
+            raise
         assert peak_rss_bytes(worker.pid) <= WORKER_GB * 2**30
         chunks, seconds = stream_until_error(head.url, act)
         assert chunks == 3 and seconds <= TIMEOUT_S + 1, f"the error came {seconds:.1f} s after {fault}"
@@ -156,7 +170,9 @@ def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
         assert health.status_code == 503 and "expert parallelism" in health.text, health.text
     finally:
         os.kill(worker.pid, signal.SIGKILL)
-        reap(worker)
+        reaped = reap(worker)
         head.stop()
         if link is not None:
             link.close()
+        if failed_to_start is not None:  # the worker's own words say why
+            raise AssertionError(f"the head did not start: {failed_to_start}\n{workers_said([reaped])}")

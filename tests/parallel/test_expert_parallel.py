@@ -24,7 +24,15 @@ from moeserve.engine.llm_engine import demo_model_path
 from moeserve.errors import ConfigError, ExpertLoadError
 from moeserve.models.experts.remote import ExpertParallel
 from tests.logits_capture import generate_capturing_logits
-from tests.parallel.cluster import JOIN_TIMEOUT_S, free_address, reap, start_worker, worker_flags
+from tests.parallel.cluster import (
+    JOIN_TIMEOUT_S,
+    free_address,
+    in_process_gb,
+    reap,
+    start_worker,
+    worker_flags,
+    workers_said,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +41,8 @@ PROMPTS = [{"prompt_token_ids": [(7 * i + 3) % 290 + 5 for i in range(37)]},
            {"prompt_token_ids": [11, 5, 77]},
            {"prompt_token_ids": [3, 17, 42, 9, 250, 8, 61, 100, 2]}]
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
-SETTINGS = {"max_num_batched_tokens": 16, "threads": 1, "skip_tokenizer_init": True, "ep_join_timeout": JOIN_TIMEOUT_S}
+SETTINGS = {"max_num_batched_tokens": 16, "threads": 1, "skip_tokenizer_init": True,
+            "ep_join_timeout": JOIN_TIMEOUT_S}
 WORKER_GB = 0.9  # the process (torch, the C++ ops) and a tiny model's experts
 
 
@@ -63,11 +72,13 @@ def run_parallel(model: Path, worker_gbs: list[float], head_gb: float = 1.5,
     address = free_address()
     workers = [start_worker(model, address, gb, *worker_flags(settings)) for gb in worker_gbs]
     try:
-        llm = LLM(model=str(model), memory_gb=head_gb, ep_listen=address, ep_workers=len(workers), **settings)
+        llm = LLM(model=str(model), memory_gb=in_process_gb(head_gb), ep_listen=address, ep_workers=len(workers),
+                  **settings)
         kernel, store = llm.engine.model.moe_blocks[0].experts, llm.engine.model.store
         logits, outs = generate_capturing_logits(llm, PROMPTS, PARAMS)  # closes the engine: the workers stop
-    finally:
-        reaped = [reap(w) for w in workers]
+    except Exception as err:  # the head failed: the workers' own words say why
+        raise AssertionError(f"the head failed: {err}\n" + workers_said([reap(w) for w in workers])) from err
+    reaped = [reap(w) for w in workers]
     return logits, outs, reaped, kernel, store
 
 
@@ -101,7 +112,8 @@ def test_expert_parallel_steps_equal_one_process(model_of, name: str, worker_gbs
     model = model_of(name)
     settings = {**SETTINGS, **extra}
     ref_logits, ref_outs = generate_capturing_logits(
-        LLM(model=str(model), memory_gb=2, **{k: v for k, v in settings.items() if not k.startswith("ep_")}),
+        LLM(model=str(model), memory_gb=in_process_gb(2),
+            **{k: v for k, v in settings.items() if not k.startswith("ep_")}),
         PROMPTS, PARAMS)
     logits, outs, reaped, kernel, store = run_parallel(model, worker_gbs, **settings)
     for (status, peak, output), budget in zip(reaped, worker_gbs, strict=True):  # (ranks go by joining order)
@@ -123,7 +135,8 @@ def test_mismatched_numerics_are_refused_at_start_up(model_of) -> None:
     address = free_address()
     worker = start_worker(model, address, WORKER_GB, *worker_flags({**SETTINGS, "batch_invariant": False}))
     with pytest.raises(ConfigError, match=r"rank 1 refused: numerics differs .*head 'cpp-inv\d+"):
-        LLM(model=str(model), memory_gb=1.5, ep_listen=address, ep_workers=1, **SETTINGS)
+        LLM(model=str(model), memory_gb=in_process_gb(1.5), ep_listen=address, ep_workers=1,
+            **SETTINGS)
     status, _, output = reap(worker)
     assert status == 1 and "error: expert parallelism: rank 1 refused: numerics differs" in output, output[-2000:]
     assert "serves experts" not in output  # refused before serving
@@ -141,8 +154,8 @@ def test_a_workers_read_error_fails_the_call_and_the_next_call_works(tiny_checkp
                           "4e-6", "--ep-join-timeout", str(JOIN_TIMEOUT_S))
     prompt, params = {"prompt_token_ids": [3, 17, 42, 9]}, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     try:
-        llm = LLM(str(original), skip_tokenizer_init=True, dtype="float32", threads=1, memory_gb=1.5,
-                  ep_listen=address, ep_workers=1, ep_join_timeout=JOIN_TIMEOUT_S)
+        llm = LLM(str(original), skip_tokenizer_init=True, dtype="float32", threads=1,
+                  memory_gb=in_process_gb(1.5), ep_listen=address, ep_workers=1, ep_join_timeout=JOIN_TIMEOUT_S)
         try:
             expected = llm.generate(prompt, params)[0].outputs[0].token_ids
             whole = shard.read_bytes()
