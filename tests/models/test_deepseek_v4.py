@@ -185,3 +185,46 @@ def test_sqrtsoftplus_routing_of_a_token_is_the_same_in_any_batch() -> None:
     for i in (0, 17, 66):
         w, j = invariant.weights_and_ids(logits[i:i + 1])
         assert torch.equal(_by_expert(w, j)[0], _by_expert(weights[i:i + 1], ids[i:i + 1])[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hyper_connections_equal_transformers(dtype: torch.dtype) -> None:
+    """MhcMix and MhcHead against transformers' DeepseekV4HyperConnection / DeepseekV4HyperHead (fp32 parameters,
+    streams in `dtype`): the part's input, post, the Sinkhorn-projected comb and the mixed streams, bit for bit; and
+    in fixed row blocks (batch-invariant numerics) a token's row alone equals its row in the batch."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HyperConnection,
+        DeepseekV4HyperHead,
+    )
+
+    from moeserve.models.layers.mhc import MhcHead, MhcMix
+    from moeserve.models.numerics import Numerics
+
+    config = DeepseekV4Config(**{**TINY, "hc_mult": 3})
+    torch.manual_seed(0)
+    hc, head = DeepseekV4HyperConnection(config), DeepseekV4HyperHead(config)
+    with torch.no_grad():
+        for p in (hc.fn, hc.base, hc.scale, head.hc_fn, head.hc_base, head.hc_scale):
+            p.normal_(0.0, 0.5)
+    h = torch.randn(1, 37, 3, TINY["hidden_size"], dtype=dtype)
+    out = torch.randn(37, TINY["hidden_size"], dtype=dtype)
+    want_post, want_comb, want_x = hc(h)
+    want_h = want_post.to(dtype).unsqueeze(-1) * out.unsqueeze(0).unsqueeze(-2) + torch.matmul(
+        want_comb.to(dtype).transpose(-1, -2), h)
+    mix = MhcMix(hc.fn.data, hc.base.data, hc.scale.data, 3, config.hc_sinkhorn_iters, config.hc_eps,
+                 config.rms_norm_eps)
+    x, post, comb = mix.read(h[0])
+    assert torch.equal(x, want_x[0]) and torch.equal(post, want_post[0]) and torch.equal(comb, want_comb[0])
+    assert torch.equal(MhcMix.add(h[0], out, post, comb), want_h[0])
+    collapse = MhcHead(head.hc_fn.data, head.hc_base.data, head.hc_scale.data, config.hc_eps, config.rms_norm_eps)
+    assert torch.equal(collapse(h[0]), head(h)[0])
+    # batch-invariant numerics (fixed blocks of 8 rows): a token alone reads as in the batch
+    blocks = Numerics(batch_invariant=True, row_block=8)
+    mix = MhcMix(hc.fn.data, hc.base.data, hc.scale.data, 3, config.hc_sinkhorn_iters, config.hc_eps,
+                 config.rms_norm_eps, blocks)
+    collapse = MhcHead(head.hc_fn.data, head.hc_base.data, head.hc_scale.data, config.hc_eps, config.rms_norm_eps,
+                       blocks)
+    batched, alone = mix.read(h[0]), mix.read(h[0, 20:21])
+    assert all(torch.equal(a, b[20:21]) for a, b in zip(alone, batched))
+    assert torch.equal(collapse(h[0, 20:21]), collapse(h[0])[20:21])
