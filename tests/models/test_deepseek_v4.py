@@ -228,3 +228,56 @@ def test_hyper_connections_equal_transformers(dtype: torch.dtype) -> None:
     batched, alone = mix.read(h[0]), mix.read(h[0, 20:21])
     assert all(torch.equal(a, b[20:21]) for a, b in zip(alone, batched))
     assert torch.equal(collapse(h[0, 20:21]), collapse(h[0])[20:21])
+
+
+def _compressors(dtype: torch.dtype):
+    """transformers' CSA and HCA compressors of the tiny config with yarn on the compressed layers' rotary (as
+    DeepSeek-V4-Flash), random gate biases, in `dtype` (their fp32-kept parts in fp32)."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4CSACompressor,
+        DeepseekV4HCACompressor,
+    )
+
+    yarn = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+    config = DeepseekV4Config(**TINY, rope_parameters=yarn)
+    torch.manual_seed(0)
+    csa, hca = DeepseekV4CSACompressor(config), DeepseekV4HCACompressor(config)
+    with torch.no_grad():
+        for module in (csa, csa.indexer, hca):
+            module.position_bias.normal_(0.0, 1.0)
+            module.kv_norm.weight.normal_(1.0, 0.2)
+    for module in (csa, hca):  # the Linears in `dtype`; gate biases, norms and rotary tables stay fp32
+        for part in module.modules():
+            if isinstance(part, torch.nn.Linear):
+                part.to(dtype)
+    return config, csa, hca
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressed_entries_equal_transformers_and_any_chunking(dtype: torch.dtype) -> None:
+    """The entries of a 27-token prompt (6 windows of 4, 3 of 8, the rest open) bit for bit as transformers'
+    compressors emit them (CSA, HCA; yarn rotary; the indexer's compressor is CSA's at index_head_dim), and the same entries window by window (each from
+    its own tokens and, overlapping, the window before): what chunked prefill and decode compute."""
+    from moeserve.models.mixers.compressor import Compressor, RopeTable
+
+    config, csa, hca = _compressors(dtype)
+    x = torch.randn(1, 27, TINY["hidden_size"], dtype=dtype)
+    positions = torch.arange(27)[None]
+    spec = _spec({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
+    rope = RopeTable(spec.compressed.compress_rope, 8, 64, torch.device("cpu"))
+    q_residual = torch.randn(1, 27, TINY["q_lora_rank"], dtype=dtype)
+    with torch.no_grad():
+        cases = ((csa, 4, 32, True, csa(x, q_residual, positions, None, 0)[0][0, 0]),
+                 (hca, 8, 32, False, hca(x, q_residual, positions, None, 0)[0][0, 0]))
+    for module, ratio, width, overlap, want in cases:
+        ours = Compressor(module.position_bias.data, module.kv_norm.weight.data, ratio, width, overlap, rope,
+                          config.rms_norm_eps)
+        with torch.no_grad():
+            kv, gate = module.kv_proj(x[0]), module.gate_proj(x[0])
+        n = 27 // ratio
+        got = ours.entries(kv[: n * ratio], gate[: n * ratio], 0)
+        assert got.dtype == dtype and torch.equal(got, want), (ratio, (got.float() - want.float()).abs().max())
+        for w in range(n):
+            lo = max(w - 1, 0) * ratio if overlap else w * ratio
+            assert torch.equal(ours.entries(kv[lo: (w + 1) * ratio], gate[lo: (w + 1) * ratio], w), want[w: w + 1])
