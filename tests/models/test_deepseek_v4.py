@@ -281,3 +281,87 @@ def test_compressed_entries_equal_transformers_and_any_chunking(dtype: torch.dty
         for w in range(n):
             lo = max(w - 1, 0) * ratio if overlap else w * ratio
             assert torch.equal(ours.entries(kv[lo: (w + 1) * ratio], gate[lo: (w + 1) * ratio], w), want[w: w + 1])
+
+
+def _captured_attention(seed: int = 0):
+    """A float32 tiny DeepseekV4Model (yarn on the compressed layers), a 27-token prompt run through it; per layer
+    its attention's input, keyword arguments and output."""
+    from transformers import DeepseekV4Config, DeepseekV4Model
+
+    yarn = {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
+    # 16 indexer heads: an index score is 0 (a tie) only where all 16 relu(q . k) are
+    config = DeepseekV4Config(**{**TINY, "index_n_heads": 16}, rope_parameters=yarn)
+    torch.manual_seed(seed)
+    model = DeepseekV4Model(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "position_bias")):
+                p.normal_(0.0, 1.0)
+    seen = {}
+
+    def hook(module, args, kwargs, output):  # noqa: ANN001, ANN202
+        seen[module.layer_idx] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0], kwargs,
+                                  output[0])
+
+    for layer in model.layers:
+        layer.self_attn.register_forward_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(0, TINY["vocab_size"], (1, 27)))
+    return config, model, seen
+
+
+def test_compressed_attention_equals_transformers() -> None:
+    """Each layer kind's attention (sliding window only, heavily compressed, compressed sparse with its indexer's
+    choice of 4 of 6 entries) rebuilt from the pure functions over transformers' own projections equals its output
+    bit for bit (float32; the prompt's index scores have no tie at the cut, checked)."""
+    from moeserve.models.layers.mhc import unweighted_rms_norm
+    from moeserve.models.mixers.compressed_attention import (
+        attend,
+        choose_entries,
+        grouped_output,
+        index_scores,
+        visible_entries,
+    )
+    from moeserve.models.mixers.compressor import Compressor, RopeTable, rope_tail
+
+    config, model, seen = _captured_attention()
+    spec = _spec({**config.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]})
+    compress = RopeTable(spec.compressed.compress_rope, 8, 64, torch.device("cpu"))
+    positions = torch.arange(27)
+    for L, (x, kwargs, want) in seen.items():
+        attn, x = model.layers[L].self_attn, x[0]
+        cos, sin = (t[0] for t in kwargs["position_embeddings"][attn.rope_layer_type])
+        with torch.no_grad():
+            q_resid = attn.q_a_norm(attn.q_a_proj(x))
+            q = rope_tail(unweighted_rms_norm(attn.q_b_proj(q_resid).view(27, 4, 32), config.rms_norm_eps),
+                          cos.unsqueeze(1), sin.unsqueeze(1))
+            rows = rope_tail(attn.kv_norm(attn.kv_proj(x)), cos, sin)
+            entries, kept = rows[:0], torch.zeros(27, 0, dtype=torch.bool)
+            ratio, indexed = spec.compressed.ratios[L], spec.compressed.indexed[L]
+            if ratio:
+                c, n = attn.compressor, 27 // ratio
+                entries = Compressor(c.position_bias, c.kv_norm.weight, ratio, 32, indexed, compress,
+                                     config.rms_norm_eps).entries(c.kv_proj(x)[: n * ratio], c.gate_proj(x)[: n * ratio], 0)
+                kept = visible_entries(positions, n, ratio)
+            if indexed:
+                ix = attn.compressor.indexer
+                keys = Compressor(ix.position_bias, ix.kv_norm.weight, ratio, 16, True, compress,
+                                  config.rms_norm_eps).entries(ix.kv_proj(x)[: n * ratio], ix.gate_proj(x)[: n * ratio], 0)
+                ccos, csin = compress.at(positions, x.dtype)
+                qi = rope_tail(ix.q_b_proj(q_resid).view(27, 16, 16), ccos.unsqueeze(1), csin.unsqueeze(1))
+                scores = index_scores(qi, keys, ix.scorer.weights_proj(x).float() * 16**-0.5, 16)
+                ranked = torch.sort(scores.masked_fill(~kept, float("-inf")), dim=-1, descending=True).values
+                assert not (ranked[kept.sum(-1) > 4, 3] == ranked[kept.sum(-1) > 4, 4]).any()  # no tie at the cut
+                kept = choose_entries(scores, kept, 4)
+            out = attend(q, rows, entries, positions, config.sliding_window, kept, attn.sinks, 32**-0.5)
+            got = attn.o_b_proj(grouped_output(out, cos, sin, attn.o_a_proj.weight, 2))
+        assert torch.equal(got, want[0]), (L, (got - want[0]).abs().max())
+
+
+def test_the_indexer_breaks_ties_by_position() -> None:
+    from moeserve.models.mixers.compressed_attention import choose_entries
+
+    scores = torch.tensor([[0.0, 1.0, 0.0, 0.0, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    visible = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    kept = choose_entries(scores, visible, 3)
+    assert kept.tolist() == [[True, True, False, False, True], [True, True, True, False, False]]
