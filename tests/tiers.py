@@ -53,6 +53,9 @@ SLOW: dict[str, str] = {
         "NVFP4 and shared layers were added, 40 of them the real dimensions)",
     "cli/test_config_only.py::test_sparse_attention_models_plan_for_24_and_64_gb":
         "GLM-5 and DeepSeek-V3.2 planned from their configs at two budgets (12 s at a load of 15)",
+    "models/test_gemma4.py::test_bf16_offloaded_chunked_and_batched_are_exact":
+        "Gemma-4 offloaded, chunked, batched and preempted against its resident, one-pass, solo runs (10 s at a load "
+        "of 8)",
     "models/test_glm4_moe.py::test_variants_match_transformers": "GLM-4 MoE variants against transformers (31 s)",
     "models/test_qwen3_next.py::test_tiny_qwen3_next_matches_transformers": "Qwen3-Next against transformers (17 s)",
     "models/test_qwen3_next.py::test_batched_and_preempted_sequences_keep_their_solo_numbers":

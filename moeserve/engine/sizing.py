@@ -37,14 +37,15 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[K
     sizes from shapes (`groups` and their `block_bytes` as the engine holds them), and `runtime_bytes`, what the
     process holds before the weights (the engine measures its RSS; `plan` states a figure). The runtime and the
     sliding-window pools are sized for the set max_model_len or the model's full context."""
-    a, m = spec.attention, spec.moe
+    a, m = widest_attention(spec), spec.moe
     model_max = s.max_model_len or spec.max_position_embeddings
     fixed_kv, kv_per_token = fixed_pool_bytes(groups, block_bytes, s.block_size, s.max_num_seqs, batched_tokens,
                                               model_max)
     # torch's attention (kernels=torch, CUDA) gathers one sequence's K and V of one layer at a time (with attention
     # sinks, repeated per query head); the C++ ops read the blocks in place
     kv_width = (a.num_heads if a.sinks else a.num_kv_heads) * a.head_dim
-    rotary_dims = a.head_dim
+    o = spec.attention_override  # its layers' own tables beside the model's (Gemma-4's global layers)
+    rotary_dims = spec.attention.head_dim + (o.attention.head_dim if o else 0)
     if spec.compressed is not None:  # DeepSeek-V4: one K=V row read once per entry; entries: context / ratio
         kv_width = -(-a.head_dim // (2 * min((r for r in spec.compressed.ratios if r), default=1)))
         rotary_dims = 2 * spec.rope.rotary_dim(a.head_dim)  # the main and the compressed layers' tables
@@ -58,6 +59,14 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[K
     return MemoryNeeds(nonexpert, unit, total, kv_per_token, fixed_kv, s.block_size, spec.max_position_embeddings,
                        staging, acts + rotary, runtime_bytes, workspace,
                        request_bytes=int((s.request_memory_mb or 0) * 2**20))
+
+
+def widest_attention(spec):  # noqa: ANN001, ANN201 - ModelSpec -> AttentionSpec
+    """The attention whose activations are widest (the override's layers may be wider: Gemma-4's global)."""
+    o = spec.attention_override
+    if o is None:
+        return spec.attention
+    return max((spec.attention, o.attention), key=lambda a: (a.num_heads + 2 * a.num_kv_heads) * a.head_dim)
 
 
 def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
@@ -76,7 +85,9 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
         return kv_groups(windows, kind, mamba.layers, latent, stateless)
     if la is None:
         unindexed = spec.mla.indexer.shared if spec.mla is not None and spec.mla.indexer is not None else ()
-        return kv_groups(windows, latent=latent, stateless_layers=stateless, unindexed_layers=unindexed)
+        o = spec.attention_override  # layers caching another head shape (Gemma-4's global layers)
+        heads = {L: (o.attention.num_kv_heads, o.attention.head_dim) for L in o.layers} if o is not None else None
+        return kv_groups(windows, latent=latent, stateless_layers=stateless, unindexed_layers=unindexed, heads=heads)
     kind = RecurrentState(conv_shape=(la.conv_kernel - 1, la.conv_dim),
                           state_shape=(la.num_v_heads, la.k_head_dim, la.v_head_dim), prefill_chunk=CHUNK, snapshots=snapshots)
     groups = kv_groups(windows, kind, la.layers, latent, stateless)

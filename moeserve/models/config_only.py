@@ -81,6 +81,15 @@ def _gpt_oss(arch: Architecture, spec: ModelSpec, scheme: QuantScheme) -> Iterat
             yield prefix + "_bias", (e, out), False
 
 
+@_register("geglu")
+def _geglu(arch: Architecture, spec: ModelSpec, scheme: QuantScheme) -> Iterator[Expected]:
+    """Every expert of a layer in one tensor per projection, [E, out, in], as transformers stores them (Gemma-4)."""
+    n, h, i, e = arch.names, spec.hidden_size, spec.moe.intermediate_size, spec.moe.num_experts
+    for layer in spec.moe_layer_ids:
+        yield n.stacked_gate_up.format(L=layer), (e, 2 * i, h), False
+        yield n.stacked_down.format(L=layer), (e, h, i), False
+
+
 def expert_parameters(arch: Architecture, spec: ModelSpec) -> int:
     """Parameters in all experts (weights and biases, as unquantized shapes: packed 4-bit storage does not halve
     them), from the same per-kind tensor list the config-only checkpoint is built from (relu2: up + down only)."""

@@ -23,7 +23,8 @@ def qkv_linear(load: WeightLoader, names: WeightNames, a: AttentionSpec, L: int,
     """q, k, v stacked into one Linear; with an output gate, q_proj's rows [heads, (query, gate), d] are split and
     the gates stacked last: [q, k, v, gate]."""
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    parts = [(names.q_proj.format(L=L), q), (names.k_proj.format(L=L), kv), (names.v_proj.format(L=L), kv)]
+    parts = [(names.q_proj.format(L=L), q), (names.k_proj.format(L=L), kv)]
+    parts += [] if a.k_eq_v else [(names.v_proj.format(L=L), kv)]  # keys as values: no v_proj
     if not a.output_gate:
         return load.stacked_linear(parts, h, a.qkv_bias)
     query_gate = load.linear_weight(parts[0][0], 2 * q, h).view(a.num_heads, 2, a.head_dim, h)

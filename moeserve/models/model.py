@@ -44,6 +44,7 @@ from moeserve.models.layers.block_parts import NoMixer, NoMLP, NoRotary, Relu2ML
 from moeserve.models.layers.hyper import GatedResidual
 from moeserve.models.layers.hyper_layer import HyperLayers
 from moeserve.models.layers.linear import Linear
+from moeserve.models.layers.sandwich import GeGLUMLP
 from moeserve.models.loader import WeightLoader
 from moeserve.models.mixers.attention import Attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
@@ -55,6 +56,7 @@ from moeserve.models.numerics import Numerics
 from moeserve.models.passes import CppLayers, LayerPass, TorchLayers
 from moeserve.models.quantized import activation_scales
 from moeserve.models.registry import Architecture, WeightNames
+from moeserve.models.sandwich_build import sandwich_expert_norm, sandwich_layer, scaled_router
 from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import is_skipped
 from moeserve.state.kv_cache import PagedKVCache
@@ -88,9 +90,12 @@ class MoeModel:
         self.moe_blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoEBlock)]
         self.norm = RMS_NORMS[spec.norm_style][0]
         eps = spec.rms_norm_eps
+        fused_norms = options.numerics.cpp and all(layer.fuses_norms for layer in layers)
         self.layer_pass: LayerPass = (HyperLayers(layers, final_mixer) if final_mixer is not None else
                                       CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
-                                      if options.numerics.cpp else TorchLayers(layers, final_norm, self.norm, eps))
+                                      if fused_norms else TorchLayers(layers, final_norm, self.norm, eps))
+        # Gemma: the rows times sqrt(hidden) cast to the compute dtype first, as transformers' scaled embedding
+        self._embed_scale = None if spec.embed_scale is None else torch.tensor(spec.embed_scale).to(embed.dtype)
         self.decode_step, decode_reason = choose_decode_step(self, options.decode_step)
         self._traced = False  # a trace hook is set: the layer pass runs (the hook sees each layer's routing)
         self._forced = False  # routing forced (force_routing, benchmark only): the layer pass runs
@@ -122,14 +127,24 @@ class MoeModel:
         if self.closed:
             raise MoeserveError("the model was closed (LLMEngine.close()): open a new engine to run it")
         h = self.embed[batch.token_ids]  # [N, H]
+        if self._embed_scale is not None:
+            h = h * self._embed_scale
         step = self.decode_step
         fused = not self._traced and not self._forced and step is not None and step.accepts(batch)
         run = step if step is not None and fused else self.layer_pass
         last = run.run(h, batch, kv)
         if self._head is not None:
-            return self._head(last).float()
+            return self._softcap(self._head(last)).float()
         tied = functools.partial(torch.nn.functional.linear, weight=self.embed)  # tied: the head is the embedding
-        return self.options.numerics.rows(tied, last).float()
+        return self._softcap(self.options.numerics.rows(tied, last)).float()
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap) in the compute dtype (transformers' final_logit_softcapping), row by row: a
+        vectorised tanh's tail must not move with the batch."""
+        cap = self.spec.logit_softcap
+        if cap is None:
+            return logits
+        return torch.cat([torch.tanh(row / cap) * cap for row in logits.split(1)])
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -208,12 +223,15 @@ def build_model(
     choices += [("expert kernel", kernel.describe()), ("placement", placement)]
     rotary = (NoRotary(spec.attention.head_dim, max_len, dtype, device) if spec.rope.rope_type == "none"
               else Rotary(spec.rope, spec.attention.head_dim, max_len, dtype, device))
+    o = spec.attention_override  # its layers' own tables (another head_dim and rotary)
+    other = Rotary(o.rope, o.attention.head_dim, max_len, dtype, device) if o is not None else rotary
     embed = load.tensor(arch.names.embed, (spec.vocab_size, spec.hidden_size))
     table = (NgramTable.build(ckpt, arch, spec, dtype, device, opts.ngram_capacity,
                               replace(store_options or StoreOptions(policy=cache_policy), prefetch=False,
                                       host_capacity=0, cache_mode="shared"))
              if spec.ngram is not None else None)
-    layers = [_build_layer(load, arch, spec, L, rotary, store, kernel, opts, table) for L in range(spec.num_layers)]
+    layers = [_build_layer(load, arch, spec, L, other if o is not None and L in o.layers else rotary, store, kernel,
+                           opts, table) for L in range(spec.num_layers)]
     choices += _layer_choices(ckpt, arch, spec, layers, load)
     final_norm = _norm(load, names.final_norm, spec) if spec.hyper is None else torch.empty(0)
     final_mixer = gated_residual(load, spec, names.hc_final, False, opts) if spec.hyper is not None else None
@@ -333,13 +351,18 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         bias = (load.tensor(n(names.router_correction_bias), (m.num_experts,), torch.float32)
                 if m.correction_bias and not hashed else None)
         experts_of = load.tensor(n(names.router_hash), (spec.vocab_size, m.top_k), torch.int64) if hashed else None
-        routing = choose_routing(m, opts.numerics, bias, experts_of)
-        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.numerics)
+        routing = choose_routing(m, opts.numerics, bias, experts_of, scaled_router(load, arch, spec, L))
+        expert_norm = sandwich_expert_norm(load, arch, spec, L)
+        mlp = MoEBlock(m, L, router, store, kernel, routing, shared, shared_gate, opts.numerics, expert_norm)
     else:
         mlp = _dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
                          spec.dense_intermediate_size, opts)
     if spec.hyper is not None:
         return hyper_layer(load, arch, spec, L, attn, mlp, opts, table)
+    if spec.sandwich is not None:
+        dense = (_dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
+                            spec.dense_intermediate_size, opts) if spec.moe_layers[L] else None)
+        return sandwich_layer(load, arch, spec, L, attn, mlp, dense)
     norm = RMS_NORMS[spec.norm_style][0]
     # a part the layer does not have (one-part blocks: Nemotron-H) adds zeros whatever its norm: ones, unread
     input_norm = _norm(load, n(names.input_norm), spec) if L not in spec.mixerless_layers else None
@@ -356,7 +379,7 @@ def _dense_mlp(load: WeightLoader, spec: ModelSpec, names: tuple[str, str, str],
     h = spec.hidden_size
     if spec.mlp_kind == "relu2":
         return Relu2MLP(load.linear(up, width, h), load.linear(down, h, width), opts.numerics)
-    return DenseMLP(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
+    return (GeGLUMLP if spec.mlp_kind == "geglu" else DenseMLP)(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
                     opts.numerics)
 
 
@@ -380,7 +403,7 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
 def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
                      opts: ModelOptions) -> TokenMixer:
     """Layer L's softmax attention: q/k/v (and an output gate) stacked into one Linear, norms, sinks."""
-    names, a, h = arch.names, spec.attention, spec.hidden_size
+    names, a, h = arch.names, spec.attention_at(L), spec.hidden_size
 
     def n(template: str) -> str:
         return template.format(L=L)
@@ -399,4 +422,6 @@ def _build_attention(load: WeightLoader, arch: Architecture, spec: ModelSpec, L:
         sinks=load.tensor(n(names.sinks), (a.num_heads,)) if a.sinks else None,
         rotary=rotary, eps=spec.rms_norm_eps, numerics=opts.numerics,
         qk_norm=RMS_NORMS[spec.norm_style][0] if a.qk_norm == "per_head" else RMS_NORMS["cast_then_scale"][0],
+        v_norm=(torch.ones(a.head_dim, dtype=RMS_NORMS[spec.norm_style][1] or load.dtype, device=load.device)
+                if a.v_norm else None),
     )

@@ -36,6 +36,9 @@ class WeightNames:
     sinks: str = "model.layers.{L}.self_attn.sinks"
     router: str = "model.layers.{L}.mlp.gate"
     router_correction_bias: str = "model.layers.{L}.mlp.gate.e_score_correction_bias"  # noaux_tc routing, fp32 [E]
+    # routing "normed_softmax_topk" (MoeSpec.expert_scales): the router input's scale [H], the per-expert scales [E]
+    router_scale: str = "model.layers.{L}.mlp.gate.scale"
+    router_expert_scale: str = "model.layers.{L}.mlp.gate.per_expert_scale"
     expert_gate: str = "model.layers.{L}.mlp.experts.{E}.gate_proj"
     expert_up: str = "model.layers.{L}.mlp.experts.{E}.up_proj"
     expert_down: str = "model.layers.{L}.mlp.experts.{E}.down_proj"
@@ -102,6 +105,14 @@ class WeightNames:
     mhc_mlp: str = "model.layers.{L}.hc_ffn"
     mhc_head: str = "model.hc_head.hc"
     router_hash: str = "model.layers.{L}.ffn.gate.tid2eid"
+    # Sandwich layers (ModelSpec.sandwich): post_norm normalises the attention's output; the MLP part's norms (before
+    # and after it; after the dense MLP and after the experts, before the experts), the layer's output scale [1]
+    pre_mlp_norm: str = "model.layers.{L}.pre_feedforward_layernorm.weight"
+    post_mlp_norm: str = "model.layers.{L}.post_feedforward_layernorm.weight"
+    post_dense_norm: str = "model.layers.{L}.post_feedforward_layernorm_1.weight"
+    post_moe_norm: str = "model.layers.{L}.post_feedforward_layernorm_2.weight"
+    pre_moe_norm: str = "model.layers.{L}.pre_feedforward_layernorm_2.weight"
+    layer_scalar: str = "model.layers.{L}.layer_scalar"
 
 
 class Architecture(ABC):
@@ -125,12 +136,7 @@ _REGISTRY: dict[str, Architecture] = {}
 
 # Architectures transformers implements that are not served yet, and what they need beyond the registered families:
 # refused in one line that says so (a config of one is sized by no spec either)
-_GEMMA4 = ("a dense MLP beside the MoE in each layer, a normalised router with per-expert scales, GeGLU experts "
-           "stored as one 3D tensor, K=V global layers and logit softcapping")
-NOT_YET_SERVED: dict[str, str] = {
-    "Gemma4ForCausalLM": _GEMMA4,
-    "Gemma4ForConditionalGeneration": _GEMMA4,
-}
+NOT_YET_SERVED: dict[str, str] = {}
 
 
 def register(cls: type[Architecture]) -> type[Architecture]:

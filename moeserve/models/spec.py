@@ -23,8 +23,12 @@ QKNorm = Literal["none", "per_head", "full"]
 #   sqrtsoftplus:   DeepSeek-V4: scores sqrt(softplus(logits)) in the router's dtype; the choice adds a correction bias and takes the top
 #                   k (no groups), or, in MoeSpec.hash_layers, is read from a token-id table; the weights are the scores
 #                   of the chosen, renormalised, times routed_scaling_factor
-Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups", "sqrtsoftplus"]
-ExpertKind = Literal["swiglu", "gpt_oss", "relu2"]  # relu2: up -> relu(x)^2 -> down, no gate (Nemotron-H)
+#   normed_softmax_topk: the router reads RMSNorm(x) (no weight) * scale [H] / sqrt(H); softmax_topk renormalised,
+#                   each weight times its expert's scale (MoeSpec.expert_scales) - Gemma-4
+Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups", "sqrtsoftplus", "normed_softmax_topk"]
+# relu2: up -> relu(x)^2 -> down, no gate (Nemotron-H); geglu: SwiGLU's form with tanh-approximated GELU for SiLU,
+# all experts of a layer stored in one tensor per projection (Gemma-4)
+ExpertKind = Literal["swiglu", "gpt_oss", "relu2", "geglu"]
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
 #   scale_in_fp32:   weight kept in fp32, normalise and scale in fp32, then cast (gpt-oss)
@@ -44,6 +48,13 @@ class AttentionSpec:
     sinks: bool
     sliding_window: tuple[int | None, ...]  # per layer; None = full causal attention
     output_gate: bool = False  # q_proj also gives a per-head gate: output * sigmoid(gate) before o_proj (Qwen3-Next)
+    scale: float | None = None  # the softmax scale; None: head_dim**-0.5 (Gemma-4: 1, its q/k norms set the scale)
+    v_norm: bool = False  # values RMS-normed per head, no weight (Gemma-4)
+    k_eq_v: bool = False  # no v_proj: the values are the key projection before its norm and rotary (Gemma-4 global)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
 
 
 @dataclass(frozen=True)
@@ -239,7 +250,7 @@ class MhcSpec:
 @dataclass(frozen=True)
 class RopeSpec:
     theta: float
-    rope_type: str  # "default" | "yarn" | "linear"
+    rope_type: str  # "default" | "yarn" | "linear" | "proportional"
     params: tuple[tuple[str, Any], ...] = ()  # the remaining rope_parameters, hashable
     partial_rotary_factor: float = 1.0  # the fraction of head_dim that is rotated (GLM-4.5: 0.5); the rest passes
 
@@ -247,8 +258,10 @@ class RopeSpec:
         return dict(self.params).get(key, default)
 
     def rotary_dim(self, head_dim: int) -> int:
-        """The leading dims of each head that are rotated (transformers: int(head_dim * partial_rotary_factor))."""
-        return int(head_dim * self.partial_rotary_factor)
+        """The leading dims of each head that are rotated (transformers: int(head_dim * partial_rotary_factor)).
+        Proportional rotary (Gemma-4) rotates the whole head as pairs (i, i + d/2), the pairs past its
+        partial_rotary_factor share at frequency 0 (rope_inv_freq): every dim is in the tables."""
+        return head_dim if self.rope_type == "proportional" else int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -274,6 +287,28 @@ class MoeSpec:
     # MoE layers whose experts a token-id table picks (DeepSeek-V4's hash-routed first layers: tid2eid [vocab,
     # top_k], no correction bias); the router's scores still weight them
     hash_layers: tuple[int, ...] = ()
+    # routing "normed_softmax_topk" only: the router's input scale [H] and the per-expert scales [E] (Gemma-4)
+    expert_scales: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionOverride:
+    """`layers` whose attention differs from ModelSpec.attention in shape and rotary (Gemma-4's global layers: wider
+    heads, fewer of them, keys as values, proportional rotary); their KV group holds its own head shape."""
+
+    layers: tuple[int, ...]
+    attention: AttentionSpec
+    rope: RopeSpec
+
+
+@dataclass(frozen=True)
+class SandwichSpec:
+    """Gemma-4's decoder layer (models/layers/sandwich.py): each part normed before and after (the post-attention norm
+    on the attention's output, pre/post feed-forward norms around the MLP), in MoE layers a dense MLP beside the
+    experts, each output normed (post_feedforward_layernorm_1 / _2) before their sum; the router reads the residual,
+    the experts its pre_feedforward_layernorm_2; the layer's output times its layer_scalar."""
+
+    dense_beside_moe: bool = True
 
 
 @dataclass(frozen=True)
@@ -303,12 +338,26 @@ class ModelSpec:
     # layers with no MLP. The missing part adds nothing to the residual stream and keeps no sequence memory.
     mixerless_layers: tuple[int, ...] = ()
     mlpless_layers: tuple[int, ...] = ()
-    mlp_kind: Literal["swiglu", "relu2"] = "swiglu"  # dense and shared-expert MLPs (relu2: up -> relu^2 -> down)
+    # dense and shared-expert MLPs (relu2: up -> relu^2 -> down; geglu: SwiGLU with tanh GELU, Gemma-4)
+    mlp_kind: Literal["swiglu", "relu2", "geglu"] = "swiglu"
     hyper: HyperSpec | None = None  # hyper-connections in place of the residual and its norms (Qwen4-Exp)
     ngram: NgramSpec | None = None  # the hashed n-gram per-layer embedding (Qwen4-Exp)
     qsa: QsaSpec | None = None  # the sparse-attention indexer of every attention layer (Qwen4-Exp)
     compressed: CompressedAttentionSpec | None = None  # DeepSeek-V4's attention in every layer
     mhc: MhcSpec | None = None  # manifold-constrained hyper-connections (DeepSeek-V4)
+    attention_override: AttentionOverride | None = None  # layers of another attention shape (Gemma-4's global)
+    sandwich: SandwichSpec | None = None  # norms after each part too, a dense MLP beside the MoE (Gemma-4)
+    embed_scale: float | None = None  # the embedding rows times this, cast to the compute dtype first (Gemma)
+    logit_softcap: float | None = None  # logits = cap * tanh(logits / cap), in the compute dtype (Gemma)
+
+    def attention_at(self, layer: int) -> AttentionSpec:
+        """Layer `layer`'s attention: the override's in its layers, else `attention`."""
+        o = self.attention_override
+        return o.attention if o is not None and layer in o.layers else self.attention
+
+    def rope_at(self, layer: int) -> RopeSpec:
+        o = self.attention_override
+        return o.rope if o is not None and layer in o.layers else self.rope
 
     @property
     def attention_layers(self) -> tuple[bool, ...]:
@@ -389,6 +438,9 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "hc_mult": (1, 64),
     "hc_sinkhorn_iters": (1, 1000),
     "num_hash_layers": (0, 4096),
+    "global_head_dim": (2, 2**13),
+    "num_global_key_value_heads": (1, 2**14),
+    "top_k_experts": (1, 2**16),
 }
 OTHER_INT_BOUNDS = (0, 2**31 - 1)
 # Floats: (lowest, highest), both exclusive. NaN and infinity are refused for every float.
@@ -409,8 +461,10 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "layer_norm_epsilon": (0.0, 1.0),
     "time_step_min": (-1e-300, math.inf),  # >= 0
     "hc_eps": (0.0, 1.0),
+    "final_logit_softcapping": (0.0, math.inf),
 }
-ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings")}
+ROPE_REQUIRED = {"default": (), "linear": (), "yarn": ("factor", "original_max_position_embeddings"),
+                 "proportional": ()}
 
 
 class ConfigReader:
@@ -497,7 +551,7 @@ def read_rope(c: ConfigReader) -> RopeSpec:
                           "partial_rotary_factor", c.where)
     rope_type = str(params.pop("rope_type", params.pop("type", "default")))
     if rope_type not in ROPE_REQUIRED:
-        raise CheckpointError(f"{c.where}: rope type '{rope_type}' is not supported (default, yarn, linear)")
+        raise CheckpointError(f"{c.where}: rope type '{rope_type}' is not supported ({', '.join(ROPE_REQUIRED)})")
     for key in ROPE_REQUIRED[rope_type]:
         if params.get(key) is None:
             raise CheckpointError(f"{c.where}: rope type '{rope_type}' needs '{key}'")

@@ -74,7 +74,7 @@ def expected_tensors(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec) -> I
 
 
 def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expected]:
-    names, h, a = arch.names, spec.hidden_size, spec.attention
+    names, h, a = arch.names, spec.hidden_size, spec.attention_at(L)
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
 
     def n(template: str) -> str:
@@ -88,6 +88,10 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
         yield from _compressed_attention_tensors(arch, spec, L)
         yield from _mlp_tensors(arch, spec, L)
         return
+    if spec.sandwich is not None:  # norms around the MLP part, the layer's output scale
+        yield from ((n(t), (h,), False) for t in (names.pre_mlp_norm, names.post_mlp_norm))
+        yield n(names.layer_scalar), (1,), False
+
     if spec.hyper is not None:  # gated residuals in place of the two norms
         yield from _hyper_tensors(n(names.hc_attn), spec, inject=True)
         yield from _hyper_tensors(n(names.hc_mlp), spec, inject=True)
@@ -119,7 +123,8 @@ def _layer_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expe
     q_rows = 2 * q if a.output_gate else q  # with an output gate, q_proj gives each head's gate beside its query
     for prefix, rows, cols, bias in ((names.q_proj, q_rows, h, a.qkv_bias), (names.k_proj, kv, h, a.qkv_bias),
                                      (names.v_proj, kv, h, a.qkv_bias), (names.o_proj, h, q, a.o_bias)):
-        yield from _linear(n(prefix), rows, cols, bias)
+        if prefix != names.v_proj or not a.k_eq_v:  # keys as values: no v_proj
+            yield from _linear(n(prefix), rows, cols, bias)
     if a.sinks:
         yield n(names.sinks), (a.num_heads,), False
     if spec.qsa is not None:
@@ -309,6 +314,14 @@ def _mlp_tensors(arch: Architecture, spec: ModelSpec, L: int) -> Iterator[Expect
         yield names.router_correction_bias.format(L=L), (m.num_experts,), False
     if L in m.hash_layers:
         yield names.router_hash.format(L=L), (spec.vocab_size, m.top_k), False
+    if m.expert_scales:
+        yield names.router_scale.format(L=L), (h,), False
+        yield names.router_expert_scale.format(L=L), (m.num_experts,), False
+    if spec.sandwich is not None:  # the dense MLP beside the MoE, its norm after it, the experts' before and after
+        yield from _dense_mlp_tensors(spec, (names.dense_gate, names.dense_up, names.dense_down), L,
+                                      spec.dense_intermediate_size)
+        for template in (names.post_dense_norm, names.post_moe_norm, names.pre_moe_norm):
+            yield template.format(L=L), (h,), False
     if m.shared_intermediate_size:
         yield from _dense_mlp_tensors(spec, (names.shared_gate, names.shared_up, names.shared_down), L,
                                       m.shared_intermediate_size)

@@ -47,6 +47,9 @@ class CacheKind(ABC):
     # a forward overwrites what a sequence holds (a recurrent state updated in place), so a forward that failed
     # part-way cannot be run again: its sequences are recomputed from their tokens (LLMEngine.step)
     written_in_place: bool = False
+    # (KV heads, head dim) of the keys and values its layers cache when they differ from the model's (Gemma-4's
+    # global layers); None: the model's
+    heads: tuple[int, int] | None = None
 
     @abstractmethod
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
@@ -76,7 +79,9 @@ class CacheKind(ABC):
         return self.name
 
     def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        """Bytes of one block in all `num_layers` layers of the group (keys and values by default)."""
+        """Bytes of one block in all `num_layers` layers of the group (keys and values by default, of `heads`
+        when set)."""
+        num_kv_heads, head_dim = self.heads or (num_kv_heads, head_dim)
         return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
     def fixed_blocks(self, max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> int | None:
@@ -95,6 +100,11 @@ class CacheKind(ABC):
 class FullAttention(CacheKind):
     name = "full attention"
 
+    def __init__(self, heads: tuple[int, int] | None = None) -> None:
+        self.heads = heads
+        if heads is not None:
+            self.name = f"full attention ({heads[0]} KV heads of {heads[1]})"
+
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
 
@@ -103,6 +113,7 @@ class LatentKV(FullAttention):
     """One `width`-value row per token and layer (MLA's latent + rotated key), `block_size` rows per block."""
 
     def __init__(self, width: int) -> None:
+        super().__init__()
         self.width = width
         self.name = f"latent attention ({width} values per token)"
 
@@ -124,11 +135,11 @@ class IndexedLatentKV(LatentKV):
 
 
 class SlidingWindow(CacheKind):
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, heads: tuple[int, int] | None = None) -> None:
         if window < 1:
             raise ValueError(f"sliding window must be >= 1, got {window}")
-        self.window = window
-        self.name = f"sliding window {window}"
+        self.window, self.heads = window, heads
+        self.name = f"sliding window {window}" + ("" if heads is None else f" ({heads[0]} KV heads of {heads[1]})")
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         return -(-num_tokens // block_size)
@@ -254,6 +265,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def kind_key(kind: CacheKind) -> tuple[str, int]:
-    """Equal for kinds whose layers can share one block table (same kind, same window)."""
-    return (type(kind).__name__, getattr(kind, "window", 0))
+def kind_key(kind: CacheKind) -> tuple[str, int, tuple[int, int] | None]:
+    """Equal for kinds whose layers can share one block table (same kind, same window, same head shape)."""
+    return (type(kind).__name__, getattr(kind, "window", 0), kind.heads)

@@ -45,19 +45,23 @@ class KVGroup:
 
 def kv_groups(windows: Sequence[int | None], recurrent: RecurrentState | None = None,
               recurrent_layers: Sequence[int] = (), latent: LatentKV | None = None,
-              stateless_layers: Sequence[int] = (), unindexed_layers: Sequence[int] = ()) -> list[KVGroup]:
+              stateless_layers: Sequence[int] = (), unindexed_layers: Sequence[int] = (),
+              heads: dict[int, tuple[int, int]] | None = None) -> list[KVGroup]:
     """Group the layers by kind: `windows[i]` is layer i's sliding window (None: full attention, or the `latent`
     kind when given; the plain latent kind for `unindexed_layers`, GLM-5's layers without an indexer of their own),
     except the `recurrent_layers`, which keep the `recurrent` kind of state, and the `stateless_layers` (no token
-    mixer: Nemotron-H's MLP and MoE blocks), which keep nothing and are in no group."""
-    kinds: dict[tuple[str, int], CacheKind] = {}
-    members: dict[tuple[str, int], list[int]] = {}
+    mixer: Nemotron-H's MLP and MoE blocks), which keep nothing and are in no group. `heads`: the layers whose keys
+    and values have another (KV heads, head dim) than the model's (Gemma-4's global layers), in groups of their own."""
+    kinds: dict[tuple[str, int, tuple[int, int] | None], CacheKind] = {}
+    members: dict[tuple[str, int, tuple[int, int] | None], list[int]] = {}
+    shapes = heads or {}
     linear, stateless = set(recurrent_layers), set(stateless_layers)
     plain = LatentKV(latent.width) if latent is not None else None
     for layer, window in enumerate(windows):
         if layer in stateless:
             continue
-        kind: CacheKind = (latent or FullAttention()) if window is None else SlidingWindow(window)
+        shape = shapes.get(layer)
+        kind: CacheKind = (latent or FullAttention(shape)) if window is None else SlidingWindow(window, shape)
         if layer in unindexed_layers and plain is not None:
             kind = plain
         if layer in linear:
@@ -96,8 +100,8 @@ class PagedKVCache:
             if isinstance(group.kind, LatentKV):  # one row per token for every head: no K and V
                 self._add_latent(g, group, group.kind, n, dtype, device)
                 continue
-            kv = torch.zeros((len(group.layers), 2, n, num_kv_heads, block_size, head_dim), dtype=dtype,
-                             device=device)
+            heads, dim = group.kind.heads or (num_kv_heads, head_dim)
+            kv = torch.zeros((len(group.layers), 2, n, heads, block_size, dim), dtype=dtype, device=device)
             self._tensors.append(kv)
             self._by_block[g] = [(kv, 2)]
             for i, layer in enumerate(group.layers):

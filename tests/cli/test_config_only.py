@@ -25,6 +25,7 @@ from moeserve.models.registry import NOT_YET_SERVED, get_architecture
 from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
 from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4
+from tests.fixtures.gemma4 import write_tiny_gemma4, write_tiny_gemma4_vl
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_vl
 from tests.models.test_deepseek_v3 import write_tiny as write_deepseek
@@ -119,6 +120,8 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "nemotron_h": _nemotron,
     "qwen4_exp": write_tiny_qwen4_exp,  # bf16; n-gram tables in row blocks, their int64 hash buffers beside
     "qwen4_exp-vl": write_tiny_qwen4_exp_vl,  # its vision tower beside
+    "gemma4": lambda folder: write_tiny_gemma4(folder, torch.bfloat16),  # global layers of their own head shape
+    "gemma4-vl": lambda folder: write_tiny_gemma4_vl(folder, torch.bfloat16),  # its vision tower beside
     "gpt_oss-mxfp4": lambda folder: C.write_gpt_oss_mxfp4(C.write_gpt_oss(folder.with_name("gpt_oss-src")), folder),
     "qwen3_moe-nvfp4-ct": _quantized(C.nvfp4_ct_quantize, C.NVFP4_CT_CONFIG),
     "qwen3_moe-nvfp4-modelopt": _quantized(C.nvfp4_modelopt_quantize, None,
@@ -241,7 +244,7 @@ def test_inspect_from_config_equals_inspect_with_weights(folders, case: str, cap
     full, bare = folders(case)
     got, want = _lines(capsys, ["inspect", str(bare)]), _lines(capsys, ["inspect", str(full)])
     assert got[0] == "exit 0"
-    if case.startswith(("qwen3_5_moe", "kimi_k25", "qwen4_exp-vl")):  # the full checkpoint also holds a vision tower or mtp.*, apart
+    if case.startswith(("qwen3_5_moe", "kimi_k25", "qwen4_exp-vl", "gemma4-vl")):  # a vision tower or mtp.* beside
         unserved = [line for line in want if line.startswith("not served:")]
         assert len(unserved) == 1 and "tensors" in unserved[0]
         want.remove(unserved[0])

@@ -4,6 +4,7 @@ from moeserve.models.archs import (  # noqa: F401
     deepseek_v3,
     deepseek_v4,
     deepseek_v32,
+    gemma4,
     glm4_moe,
     gpt_oss,
     kimi_k25,

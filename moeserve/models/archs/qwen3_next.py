@@ -95,9 +95,9 @@ class Qwen3Next(Architecture):
         return hybrid_spec(self.name, c, "qkvz_ba", c.optional_str("dtype", "torch_dtype"))
 
 
-def language_model_names() -> WeightNames:
-    """WeightNames with every `model.` name under `model.language_model.` (the LM head stays `lm_head`)."""
-    fields = asdict(WeightNames())
+def language_model_names(names: WeightNames = WeightNames()) -> WeightNames:
+    """`names` with every `model.` name under `model.language_model.` (the LM head stays `lm_head`)."""
+    fields = asdict(names)
     return WeightNames(**{k: v.replace("model.", "model.language_model.", 1) if v.startswith("model.") else v
                           for k, v in fields.items()})
 

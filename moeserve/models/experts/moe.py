@@ -223,6 +223,27 @@ class HashRouting(SqrtSoftplus):
         return "torch (by token id: tid2eid; sqrtsoftplus weights)"
 
 
+class NormedSoftmaxTopk(TorchRouting):
+    """Gemma-4's router, op for op as transformers' Gemma4TextRouter: its input RMS-normed without weight (fp32, cast
+    back), times `input_scale` [H] and 1/sqrt(H), in the compute dtype; softmax over all experts in fp32, top-k,
+    renormalised, each weight times its expert's scale `expert_scales` [E] (fp32 weights)."""
+
+    def __init__(self, spec: MoeSpec, input_scale: torch.Tensor, expert_scales: torch.Tensor, eps: float,
+                 norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> None:
+        super().__init__(spec)
+        self.input_scale, self.expert_scales, self.eps, self.norm = input_scale, expert_scales, eps, norm
+        self.ones = torch.ones(input_scale.shape[0], dtype=torch.float32, device=input_scale.device)
+        self.root = input_scale.shape[0] ** -0.5
+
+    def logits(self, router: Linear, x: torch.Tensor) -> torch.Tensor:
+        return router(self.norm(x, self.ones, self.eps) * self.input_scale * self.root)
+
+    def weights_and_ids(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top, ids = torch.topk(probs, self.spec.top_k, dim=-1)
+        return top / top.sum(dim=-1, keepdim=True) * self.expert_scales[ids], ids
+
+
 class ForcedRouting(TorchRouting):
     """BENCHMARK ONLY (`moeserve bench --route-trace`): each token's experts come from `forced(n_tokens)` ([N, k]
     distinct ids per row, e.g. a recorded routing trace) instead of the router's top-k, so a synthetic model routes
@@ -268,16 +289,19 @@ class CppRouting(Routing):
 
 
 def choose_routing(spec: MoeSpec, numerics: Numerics, correction_bias: torch.Tensor | None,
-                   token_experts: torch.Tensor | None = None) -> Routing:
+                   token_experts: torch.Tensor | None = None, scales: NormedSoftmaxTopk | None = None) -> Routing:
     """The Routing of `spec.routing`: its C++ op when the C++ ops compute (`numerics.cpp`) and the op has the rule,
     else torch.
     `correction_bias`: the layer's e_score_correction_bias [E] (fp32) when the rule has one; `token_experts`: a
-    hash-routed layer's token -> experts table (MoeSpec.hash_layers). The only place that asks which rule a model
-    routes by."""
+    hash-routed layer's token -> experts table (MoeSpec.hash_layers); `scales`: the normed_softmax_topk router,
+    built with its layer's scales (torch only). The only place that asks which rule a model routes by."""
     if token_experts is not None:
         return HashRouting(spec, token_experts, numerics)
     if spec.routing == "sqrtsoftplus":
         return SqrtSoftplus(spec, correction_bias, numerics)
+    if spec.routing == "normed_softmax_topk":
+        assert scales is not None
+        return scales
     if spec.routing == "sigmoid_groups":
         assert correction_bias is not None
         return (CppSigmoidGroups if numerics.cpp else SigmoidGroups)(spec, correction_bias, numerics)
@@ -291,8 +315,12 @@ class MoEBlock(MLP):
 
     def __init__(self, spec: MoeSpec, layer: int, router: Linear, store: ExpertStore, experts: ExpertKernel,
                  routing: Routing, shared: DenseMLP | None = None, shared_gate: Linear | None = None,
-                 numerics: Numerics = Numerics()) -> None:
+                 numerics: Numerics = Numerics(),
+                 expert_norm: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """`expert_norm`: the experts read expert_norm(x) while the router reads x (Gemma-4's
+        pre_feedforward_layernorm_2); None: both read x."""
         self.spec, self.layer, self.router, self.store = spec, layer, router, store
+        self.expert_norm = expert_norm
         self.numerics = numerics  # batch-invariant: the gated shared expert in fixed row blocks (see DenseMLP)
         self.experts, self.routing = experts, routing
         self.shared, self.shared_gate = shared, shared_gate
@@ -319,7 +347,8 @@ class MoEBlock(MLP):
 
     def __call__(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for x [N, H]; `token_ids` [N] for a rule that routes by token (HashRouting)."""
-        routed = self.routing.route(x, self.routing.logits(self.router, x), token_ids)
+        experts_x = x if self.expert_norm is None else self.expert_norm(x)
+        routed = self.routing.route(experts_x, self.routing.logits(self.router, x), token_ids)
         # The next router's guess costs a GEMV over the next layer's router and a top-k: only when something uses
         # it (the store prefetching the caller's hints, or a trace recording it), not with the store's own predictor.
         wanted = self.trace_hook is not None or self.store.takes_hints
@@ -353,6 +382,8 @@ class MoEBlock(MLP):
         why_routing = self.routing.why_not_stacked()
         if why_routing is not None:
             return why_routing
+        if self.expert_norm is not None:
+            return "experts reading a norm of the router's input (Gemma-4)"
         if units is None or (self.store.resident and not units.held_by_stack):
             return ("experts are not row-interleaved units (expert_layout=plain, or a kernel without the fused op)"
                     if self.store.resident else "experts in a layout without a fused C++ op")

@@ -36,6 +36,7 @@ from moeserve.models.experts.sources import (
 from moeserve.models.experts.unit_math import (
     DequantizingKernel,
     ExpertMath,
+    GeGLUMath,
     GptOssMath,
     InterleavedGptOss,
     InterleavedSwiGLU,
@@ -312,6 +313,26 @@ def relu2_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: tor
         for e in range(spec.moe.num_experts)
     }
     return ExpertPlan(layout, Relu2Math(), sources, f"relu2 experts in {str(dtype).removeprefix('torch.')}")
+
+
+# ------------------------------------------------------------------------------------------- GeGLU (Gemma-4)
+@register_planner("geglu")
+def geglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """Every expert of a layer in one tensor per projection, output-major: gate_up [E, 2I, H] (gate rows first), down
+    [E, H, I]; unit = expert e's rows of each, gate_up [2I, H] + down [H, I], in the compute dtype."""
+    names, h, i, e = arch.names, spec.hidden_size, spec.moe.intermediate_size, spec.moe.num_experts
+    fields = (("gate_up", names.stacked_gate_up, (2 * i, h)), ("down", names.stacked_down, (h, i)))
+    layer0 = spec.moe_layer_ids[0]
+    if checkpoint_scheme(ckpt).is_quantized(names.stacked_gate_up.format(L=layer0)):
+        raise UnsupportedModelError(f"{ckpt.path}: quantized GeGLU experts are not read (Gemma-4 ships in bf16)")
+    for layer in spec.moe_layer_ids:
+        for _, template, shape in fields:
+            ckpt.ref(template.format(L=layer), (e, *shape))  # checks the stacked shape
+    layout = UnitLayout.build([(name, dtype, shape) for name, _, shape in fields])
+    sources = {(layer, x): tuple(FieldSources(name, (_ref(ckpt, template, layer, x, True),))
+                                 for name, template, _ in fields)
+               for layer in spec.moe_layer_ids for x in range(e)}
+    return ExpertPlan(layout, GeGLUMath(), sources, f"GeGLU experts in {str(dtype).removeprefix('torch.')}")
 
 
 # -------------------------------------------------------------------------------------------------- gpt-oss

@@ -146,6 +146,22 @@ class InterleavedSwiGLU(UnitMath):
         return FusedUnits(interleaved=True)
 
 
+def geglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]: SwiGLU's form with tanh GELU (Gemma-4)."""
+    gate, up = expert_linear(x, w[0]).chunk(2, dim=-1)
+    return expert_linear(F.gelu(gate, approximate="tanh") * up, w[1])
+
+
+class GeGLUMath(UnitMath):
+    """GeGLU experts in the compute dtype (Gemma-4): gate_up [2I, H] (gate rows first) and down [H, I]."""
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        return lambda x: geglu_expert(x, w)
+
+    def why_not_fused(self) -> str | None:
+        return "the C++ expert ops compute SwiGLU, relu2 and gpt-oss experts, not GeGLU"
+
+
 def relu2_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """Unit fields: up [I, H], down [H, I]: down(relu(up x)^2), no gate (Nemotron-H)."""
     return expert_linear(torch.square(F.relu(expert_linear(x, w[0]))), w[1])

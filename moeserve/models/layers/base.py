@@ -122,6 +122,10 @@ class Rotary:
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [d/2] (fp32) and the attention scaling factor for the rope type."""
     base = 1.0 / (spec.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if spec.rope_type == "proportional":  # Gemma-4: the first angles at the full head's frequencies, the rest 0
+        angles = int(spec.partial_rotary_factor * head_dim // 2)
+        inv_freq = torch.cat([base[:angles], torch.zeros(head_dim // 2 - angles)])
+        return inv_freq / float(spec.param("factor", 1.0)), 1.0
     if spec.rope_type == "default":
         return base, 1.0
     if spec.rope_type == "linear":
@@ -233,6 +237,11 @@ def not_in_gemv_layout(linears: list[Linear]) -> str | None:
 
 
 class DecoderLayer:
+    """Pre-norm residual layer: h + attn(norm(h)), then h + mlp(norm(h)). `fuses_norms`: passes.CppLayers may run
+    it with each residual add fused into the norm after it (a layer of another form says False)."""
+
+    fuses_norms = True
+
     def __init__(self, attn: TokenMixer, mlp: MLP, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
                  norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm) -> None:
         self.attn, self.mlp = attn, mlp

@@ -20,7 +20,8 @@ from moeserve.state.kv_cache import PagedKVCache
 
 
 class Attention(TokenMixer):
-    """Grouped-query attention over the paged KV cache; optional q/k norm, biases, sinks, sliding window.
+    """Grouped-query attention over the paged KV cache; optional q/k norm, biases, sinks, sliding window, value
+    norm and keys as values (Gemma-4: `spec.v_norm`, `spec.k_eq_v`; they run in torch before the C++ op).
 
     q, k and v come from one fused Linear (weights stacked at load: one GEMV instead of three, the same bits), and
     with `spec.output_gate` a fourth part, the gate [N, nh*d]: the output is multiplied by sigmoid(gate) before
@@ -44,23 +45,29 @@ class Attention(TokenMixer):
         eps: float,
         numerics: Numerics = Numerics(),
         qk_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm,
+        v_norm: torch.Tensor | None = None,
     ) -> None:
         self.spec, self.layer = spec, layer
         self.qkv, self.o = qkv, o
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.split = [q_size, kv_size, kv_size] + ([q_size] if spec.output_gate else [])
+        # keys as values (spec.k_eq_v): no v rows, the values are the keys as projected
+        self.split = [q_size, kv_size] + ([] if spec.k_eq_v else [kv_size]) + ([q_size] if spec.output_gate else [])
         self.qk_norm = qk_norm
         self.q_norm, self.k_norm, self.sinks = q_norm, k_norm, sinks
+        self.v_norm = v_norm  # [d] ones (a norm without weight, spec.v_norm), in the norm's weight dtype, or None
         self._sinks_f32 = None if sinks is None else sinks.float().contiguous()  # the C++ op's form
         self.rotary, self.eps = rotary, eps
         self.window = spec.sliding_window[layer]
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.softmax_scale
         self.numerics = numerics  # the C++ ops; batch-invariant: the torch path attends in aligned query blocks
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         s = self.spec
         n = x.shape[0]
-        q, k, v, *gate = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d] x2 (views)
+        q, k, *rest = self.qkv(x).split_with_sizes(self.split, dim=-1)  # [N, nh*d], [N, nkv*d] (views)
+        v, gate = (k, rest) if s.k_eq_v else (rest[0], rest[1:])  # [N, nkv*d], the output gate if any
+        if self.v_norm is not None:  # per head, before the keys' own norm (which makes new tensors)
+            v = self.qk_norm(v.reshape(n, s.num_kv_heads, s.head_dim), self.v_norm, self.eps).reshape(n, -1)
         if s.qk_norm == "full":
             assert self.q_norm is not None and self.k_norm is not None
             q, k = rms_norm(q, self.q_norm, self.eps), rms_norm(k, self.k_norm, self.eps)
@@ -127,8 +134,8 @@ class Attention(TokenMixer):
     def why_not_stacked(self) -> str | None:
         """None when the fused decode stack can run this attention, else why not (one line)."""
         s = self.spec
-        if s.sinks or s.clip_qkv is not None or s.qk_norm == "full":
-            return "attention sinks, qkv clipping or a full-width q/k norm"
+        if s.sinks or s.clip_qkv is not None or s.qk_norm == "full" or s.v_norm or s.k_eq_v:
+            return "attention sinks, qkv clipping, a full-width q/k norm, value norms or keys as values"
         return not_in_gemv_layout(self.linears())
 
     def add_to_stack(self, stack: Any, kv: PagedKVCache, input_norm: torch.Tensor, post_norm: torch.Tensor) -> None:
