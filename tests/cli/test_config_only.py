@@ -24,7 +24,7 @@ from moeserve.models.experts.plans import EXPERT_PLANNERS
 from moeserve.models.registry import NOT_YET_SERVED, get_architecture
 from moeserve.models.validate import is_skipped
 from tests.fixtures import checkpoints as C
-from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4
+from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4, write_tiny_shipped
 from tests.fixtures.gemma4 import write_tiny_gemma4, write_tiny_gemma4_vl
 from tests.fixtures.nemotron_h import TINY, TINY_PATTERN, randomize_mamba
 from tests.fixtures.qwen4_exp import write_tiny_qwen4_exp, write_tiny_qwen4_exp_vl
@@ -135,6 +135,7 @@ CASES: dict[str, Callable[[Path], Path]] = {
     "minimax_m2-fp8-block": lambda folder: write_minimax_fp8(folder)[0],  # attention and experts FP8, as shipped
     "nemotron_h-nvfp4-modelopt": _nemotron_nvfp4,
     "deepseek_v4": write_tiny_deepseek_v4,  # bf16, its norms, sinks, gate biases and hyper-connections in fp32
+    "deepseek_v4-fp8-mxfp4": write_tiny_shipped,  # as DeepSeek-V4-Flash ships: E8M0-scaled FP8, MXFP4 experts
 }
 CONFIG_FILES = ("config.json", "hf_quant_config.json", "generation_config.json")  # what a user downloads first
 

@@ -365,3 +365,30 @@ def test_the_indexer_breaks_ties_by_position() -> None:
     visible = torch.tensor([[True] * 5, [True, True, True, False, False]])
     kept = choose_entries(scores, visible, 3)
     assert kept.tolist() == [[True, True, False, False, True], [True, True, True, False, False]]
+
+
+def test_shipped_formats_load_as_transformers_dequantizes_them(tmp_path: Path) -> None:
+    """A tiny checkpoint stored as DeepSeek-V4-Flash ships (E8M0-scaled FP8 Linears, MXFP4 routed experts, bf16
+    compressor projections): read_model accepts it, the expert plan reads every routed expert's MXFP4 tensors, and an
+    expert projection and an FP8 Linear dequantize to what transformers' Fp8Dequantize gives (bf16, bit for bit)."""
+    from moeserve.checkpoint.folder import open_checkpoint
+    from moeserve.models.experts.plans import expert_plan
+    from moeserve.models.inventory import expert_tensor_names
+    from moeserve.models.quantized import checkpoint_scheme, linear_format
+    from moeserve.models.validate import read_model
+    from tests.fixtures.deepseek_v4 import write_tiny_shipped
+
+    ckpt = open_checkpoint(write_tiny_shipped(tmp_path / "shipped"))
+    arch, spec = read_model(ckpt)
+    names = expert_tensor_names(expert_plan(ckpt, arch, spec, torch.bfloat16))
+    assert names == {n for n in ckpt.tensors if ".ffn.experts." in n} and len(names) == 4 * 8 * 3 * 2
+    scheme, reference = checkpoint_scheme(ckpt), _fp8_dequantizer()
+    for prefix, kind in (("model.layers.2.ffn.experts.5.w2", DeepseekMxfp4Format),
+                         ("model.layers.1.attn.wq_b", Fp8BlockE8m0Format)):
+        fmt = linear_format(ckpt, scheme, prefix)
+        assert isinstance(fmt, kind)
+        stored = {role: ckpt.reader.read(ckpt.tensors[f"{prefix}.{role}"]) for role in fmt.roles}
+        out = torch.empty(fmt.dequantized_shape(stored), dtype=torch.bfloat16)
+        fmt.dequantize(stored, out)
+        want = reference._dequantize_one(stored["weight"], stored["scale"], output_dtype=torch.bfloat16)
+        assert torch.equal(out, want), prefix
