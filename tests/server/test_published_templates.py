@@ -41,6 +41,8 @@ TEMPLATES = {
     "Kimi-K2-Thinking": ("moonshotai-Kimi-K2-Thinking.jinja", "kimi_k2", True),
     "Kimi-K2-Instruct-0905": ("moonshotai-Kimi-K2-Instruct-0905.jinja", "kimi_k2", True),
     "Kimi-K2-Instruct": ("moonshotai-Kimi-K2-Instruct.jinja", "kimi_k2", True),
+    # Gemma-4's calls are not JSON and moeserve has no parser of them: tools are refused, the history renders
+    "Gemma-4": ("google-gemma-4-31B-it.jinja", "gemma4_text", False),
 }
 CALLS = [("call_1", "get_weather", {"city": "Paris", "days": 2}), ("call_2", "get_time", {})]
 # Kimi's template writes each call's id back to the model (and a result's tool_call_id): the ids it was trained on
@@ -135,3 +137,15 @@ def test_kimi_templates_pick_the_kimi_tool_parser(family: str) -> None:
     from moeserve.server.tool_parsers import KimiK2ToolParser, tool_parser_for
 
     assert tool_parser_for((PUBLISHED / TEMPLATES[family][0]).read_text()) is KimiK2ToolParser
+
+
+def test_gemma4_template_refuses_tools_in_one_line(tmp_path: Path) -> None:
+    """Gemma-4's calls (`<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>`) have no parser here: a request offering
+    tools is refused in one line naming why, not served with calls the server could not read back."""
+    from moeserve.errors import RequestError
+
+    folder = _model_folder(tmp_path, (PUBLISHED / TEMPLATES["Gemma-4"][0]).read_text())
+    chat = chat_format_for("gemma4_text", Tokenizer(folder), folder)
+    with pytest.raises(RequestError, match="no tool-call format") as err:
+        chat.render(ChatCompletionRequest(messages=conversation(str), tools=[WEATHER]))
+    assert "\n" not in str(err.value)
