@@ -7,7 +7,7 @@
   proportional rotary, GeGLU experts beside a dense MLP, scaled router, soft-capped logits, every ones-init weight
   randomised): fp32 tokens equal to transformers' and logprobs within 1e-4, C++ kernels and torch; the multimodal
   wrapper's language model the same, its vision tower not loaded; in bf16 offloaded == resident, chunked == one
-  pass, batched and preempted == alone, bit for bit.
+  pass, batched and preempted == alone, a prefix-cache hit == a cold run, bit for bit.
 - The Gemma-4 variants not served are refused in one line.
 """
 
@@ -112,6 +112,8 @@ def test_bf16_offloaded_chunked_and_batched_are_exact(tmp_path: Path) -> None:
     X.assert_offloaded_equals_resident(folder, prompts, max_model_len=256)
     X.assert_chunked_equals_one_pass(folder, prompts[0], (16,), max_model_len=256)
     X.assert_batched_and_preempted_equal_solo(folder, [(0, p) for p in X.random_prompts(8, (30, 21, 9))], 6, 12, 64)
+    # 32 tokens from the prefix cache: both KV groups (the sliding window's blocks it still reads, the global layers')
+    X.assert_prefix_hit_equals_cold(folder, prompts[0], prompts[0][:32] + prompts[2][:9], 32, max_model_len=256)
 
 
 @pytest.mark.parametrize("field", [dict(hidden_size_per_layer_input=256), dict(num_kv_shared_layers=2),
