@@ -44,6 +44,8 @@ SLOW: dict[str, str] = {
         "transformers, and offloaded (12 s)",
     "checkpoint/test_gguf_gpt_oss.py": "a tiny gpt-oss GGUF against its HF MXFP4 folder, transformers, and offloaded "
         "(18 s at a load of 9)",
+    "checkpoint/test_gguf_qwen3next.py": "a tiny Qwen3-Next GGUF against its dequantized weights, transformers, and "
+        "offloaded (11 s)",
     "models/test_quantized.py::test_offloaded_equals_resident_and_a_miss_reads_the_stored_bytes":
         "each quantized format's engine, resident and offloaded with a one-expert cache (35 s)",
     "models/test_quantized_int8.py::test_int8_experts_offloaded_equal_resident_and_cost_little_accuracy":

@@ -50,12 +50,12 @@ def _source(folder: Path, arch: str, **overrides: object) -> Path:
     return folder
 
 
-def _convert(src: Path, out: Path, outtype: str) -> Path:
+def _convert(src: Path, out: Path, outtype: str, *flags: str) -> Path:
     # the converter's own gguf-py, and where its own dependencies are (LLAMA_CPP_CONVERTER_PYTHONPATH: sentencepiece)
     paths = [str(LLAMA_CPP_SRC / "gguf-py"), os.environ.get("LLAMA_CPP_CONVERTER_PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run([sys.executable, str(LLAMA_CPP_SRC / "convert_hf_to_gguf.py"), str(src), "--outtype",
-                           outtype, "--outfile", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           outtype, "--outfile", str(out), *flags], env=env, capture_output=True, text=True, timeout=600)
     if "No module named 'sentencepiece'" in done.stderr:
         pytest.skip("llama.cpp's converter imports sentencepiece for llama-architecture vocabularies: not installed "
                     "(set LLAMA_CPP_CONVERTER_PYTHONPATH to a folder holding it)")

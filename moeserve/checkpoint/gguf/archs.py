@@ -12,6 +12,10 @@ gives each GGUF tensor's HF name(s) and the transform that undoes llama.cpp's co
   and `join` rebuilds the HF [heads x (nope + v), kv_lora] from them (older files' `attn_kv_b` is read as is);
 - glm4moe's block_count counts its NextN (multi-token prediction) layers: `derive` takes nextn_predict_layers off
   num_hidden_layers, and the tensors of those layers are skipped (as moeserve skips them in the HF checkpoint);
+- qwen3next (Qwen3-Next) stores its zero-centred norms as 1 + w, `A_log` as `ssm_a` = -exp(A_log), conv1d squeezed to
+  [channels, kernel] and `in_proj_qkvz` (per key-head groups of q, k, v, z rows) regrouped into `attn_qkv` (all q, all
+  k, all v) and `attn_gate` (all z): `transforms` undo each (w = stored - 1, A_log = log(-ssm_a), in float32) and
+  `qkvz_join` rebuilds in_proj_qkvz; its NextN (MTP) blocks past num_hidden_layers are skipped;
 - gpt-oss stores gate and up as two stacked tensors (the converter splits the interleaved `gate_up_proj` rows:
   even rows gate, odd rows up) and their biases [E, out] beside them (`ffn_*_exps.bias`, per expert one row):
   each expert is read as its own gate_proj / up_proj / down_proj, weight and bias, which the gpt_oss expert plan
@@ -87,6 +91,7 @@ class GGUFArch:
     derive: Derive | None = None
     joined: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # HF stem -> its GGUF parts, in order
     join: Callable[[Mapping[str, Any]], Join] | None = None  # the Join of `joined`'s parts, given the config
+    transforms: Mapping[str, Callable[[Mapping[str, Any]], Transform]] = field(default_factory=dict)  # stem -> undo
 
     def config(self, meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple[int, ...]], where: Path
                ) -> dict[str, Any]:
@@ -142,6 +147,8 @@ class GGUFArch:
     def transform(self, gguf_name: str, config: Mapping[str, Any]) -> Transform | None:
         """What undoes the converter for this tensor (None: stored as HF holds it)."""
         stem = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
+        if stem in self.transforms:
+            return self.transforms[stem](config)
         if stem == "ffn_gate_inp_shexp.weight":
             return lambda w: w.reshape(1, -1)
         if self.permute_qk and stem in ("attn_q.weight", "attn_k.weight"):
@@ -259,6 +266,60 @@ DEEPSEEK2_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     "attn_kv_a_norm.weight": _ATTN + "kv_a_layernorm.weight", "attn_kv_b.weight": _ATTN + "kv_b_proj.weight",
 })
 _MIXTRAL = "model.layers.{L}.block_sparse_moe."
+_LIN = _LAYER + "linear_attn."
+QWEN3NEXT_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
+    **{k: v for k, v in LAYER_TENSORS.items() if k != "ffn_norm.weight"},
+    "post_attention_norm.weight": _LAYER + "post_attention_layernorm.weight",
+    "ssm_ba.weight": _LIN + "in_proj_ba.weight", "ssm_conv1d.weight": _LIN + "conv1d.weight", "ssm_a": _LIN + "A_log",
+    "ssm_dt.bias": _LIN + "dt_bias", "ssm_norm.weight": _LIN + "norm.weight", "ssm_out.weight": _LIN + "out_proj.weight",
+})
+
+
+def _minus_one(config: Mapping[str, Any]) -> Transform:
+    return lambda w: w - 1.0
+
+
+def _a_log(config: Mapping[str, Any]) -> Transform:
+    return lambda a: torch.log(-a)
+
+
+def _unsqueeze_conv(config: Mapping[str, Any]) -> Transform:
+    return lambda w: w.unsqueeze(1)
+
+
+def qkvz_join(config: Mapping[str, Any]) -> Join:
+    """attn_qkv [all q, all k, all v rows] and attn_gate [all z rows] -> in_proj_qkvz, per key head [q, k, v, z] rows
+    (the inverse of the converter's regrouping, conversion/qwen.py)."""
+    nk, dk = config["linear_num_key_heads"], config["linear_key_head_dim"]
+    per_group = config["linear_num_value_heads"] // nk * config["linear_value_head_dim"]
+
+    def join(parts: list[torch.Tensor]) -> torch.Tensor:
+        qkv, z = parts
+        q, k, v = torch.split(qkv, [nk * dk, nk * dk, nk * per_group])
+        grouped = [t.reshape(nk, -1, t.shape[-1]) for t in (q, k, v, z)]
+        return torch.cat(grouped, dim=1).reshape(-1, qkv.shape[-1])
+
+    return join
+
+
+def _qwen3next(config: dict[str, Any], meta: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], where: Path
+               ) -> None:
+    """Qwen3-Next's config from llama.cpp's qwen3next keys (src/models/qwen3next.cpp): the linear-attention widths
+    from ssm.*, the layer kinds from attention.recurrent_layers (else every full_attention_interval-th layer full),
+    the rotated fraction from rope.dimension_count, block_count less the NextN layers."""
+    a = "qwen3next."
+    config["num_hidden_layers"] -= meta.get(a + "nextn_predict_layers", 0)
+    layers = config["num_hidden_layers"]
+    config["linear_value_head_dim"] = meta.get(a + "ssm.inner_size", 0) // config["linear_num_value_heads"]
+    recurrent = meta.get(a + "attention.recurrent_layers")
+    if isinstance(recurrent, list) and len(recurrent) >= layers:
+        config["layer_types"] = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
+    elif recurrent is not None:
+        raise CheckpointError(f"{where}: metadata key '{a}attention.recurrent_layers' must hold a flag per layer")
+    rotated = meta.get(a + "rope.dimension_count", config["head_dim"])
+    config["partial_rotary_factor"] = rotated / config["head_dim"]
+
+
 GPT_OSS_LAYER_TENSORS: Mapping[str, str] = MappingProxyType({
     **{k: v for k, v in LAYER_TENSORS.items() if k.startswith(("attn_", "ffn_gate_inp.weight"))},
     "post_attention_norm.weight": _LAYER + "post_attention_layernorm.weight",
@@ -319,6 +380,22 @@ GGUF_ARCHS: Mapping[str, GGUFArch] = {a.gguf_name: a for a in (
              expert_tensors={f"ffn_{p}_exps.weight": f"{_MIXTRAL}experts.{{E}}.{w}.weight"
                              for p, w in (("gate", "w1"), ("up", "w3"), ("down", "w2"))},
              permute_qk=True),
+    GGUFArch("qwen3next", "Qwen3NextForCausalLM", "qwen3_next",
+             keys={"num_experts": ("expert_count", REQUIRED), "moe_intermediate_size":
+                   ("expert_feed_forward_length", REQUIRED), "shared_expert_intermediate_size":
+                   ("expert_shared_feed_forward_length", 0), "head_dim": ("attention.key_length", None),
+                   "num_key_value_heads": ("attention.head_count_kv", None),
+                   "linear_conv_kernel_dim": ("ssm.conv_kernel", REQUIRED),
+                   "linear_key_head_dim": ("ssm.state_size", REQUIRED),
+                   "linear_num_key_heads": ("ssm.group_count", REQUIRED),
+                   "linear_num_value_heads": ("ssm.time_step_rank", REQUIRED),
+                   "full_attention_interval": ("full_attention_interval", 4)},
+             fixed={"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []},
+             layer_tensors=QWEN3NEXT_LAYER_TENSORS, derive=_qwen3next,
+             joined={_LIN + "in_proj_qkvz.weight": ("attn_qkv.weight", "attn_gate.weight")}, join=qkvz_join,
+             transforms={**{n: _minus_one for n in ("attn_norm.weight", "post_attention_norm.weight",
+                                                     "attn_q_norm.weight", "attn_k_norm.weight", "output_norm.weight")},
+                         "ssm_a": _a_log, "ssm_conv1d.weight": _unsqueeze_conv}),
     GGUFArch("gpt-oss", "GptOssForCausalLM", "gpt_oss",
              keys={"num_local_experts": ("expert_count", REQUIRED), "intermediate_size":
                    ("expert_feed_forward_length", REQUIRED), "head_dim": ("attention.key_length", None),
