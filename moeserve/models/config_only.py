@@ -56,6 +56,7 @@ def _per_expert(templates: list[tuple[str, int, int]], spec: ModelSpec) -> Itera
 
 
 @_register("swiglu")
+@_register("swiglu_clamp")
 def _swiglu(arch: Architecture, spec: ModelSpec, scheme: QuantScheme) -> Iterator[Expected]:
     n, h, i = arch.names, spec.hidden_size, spec.moe.intermediate_size
     yield from _per_expert([(n.expert_gate, i, h), (n.expert_up, i, h), (n.expert_down, h, i)], spec)

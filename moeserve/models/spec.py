@@ -27,8 +27,9 @@ QKNorm = Literal["none", "per_head", "full"]
 #                   each weight times its expert's scale (MoeSpec.expert_scales) - Gemma-4
 Routing = Literal["softmax_topk", "topk_softmax", "sigmoid_groups", "sqrtsoftplus", "normed_softmax_topk"]
 # relu2: up -> relu(x)^2 -> down, no gate (Nemotron-H); geglu: SwiGLU's form with tanh-approximated GELU for SiLU,
-# all experts of a layer stored in one tensor per projection (Gemma-4)
-ExpertKind = Literal["swiglu", "gpt_oss", "relu2", "geglu"]
+# all experts of a layer stored in one tensor per projection (Gemma-4); swiglu_clamp: SwiGLU with the gate clamped
+# from above and up to [-swiglu_limit, swiglu_limit] (DeepSeek-V4)
+ExpertKind = Literal["swiglu", "swiglu_clamp", "gpt_oss", "relu2", "geglu"]
 # How RMSNorm applies its weight:
 #   cast_then_scale: normalise in fp32, cast to the compute dtype, then times the weight (Llama, Qwen, Mixtral)
 #   scale_in_fp32:   weight kept in fp32, normalise and scale in fp32, then cast (gpt-oss)

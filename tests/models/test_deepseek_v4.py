@@ -392,3 +392,56 @@ def test_shipped_formats_load_as_transformers_dequantizes_them(tmp_path: Path) -
         fmt.dequantize(stored, out)
         want = reference._dequantize_one(stored["weight"], stored["scale"], output_dtype=torch.bfloat16)
         assert torch.equal(out, want), prefix
+
+
+@pytest.mark.parametrize("shipped", [False, True])
+def test_clamped_experts_equal_transformers(shipped: bool, tmp_path: Path) -> None:
+    """The expert plan of a tiny checkpoint (bf16, or as shipped: MXFP4) computes an expert as transformers'
+    DeepseekV4Experts does with the same dense weights (the clamp at swiglu_limit reached: inputs scaled up), bf16,
+    bit for bit; the C++ ops are not used for it (they have no clamp)."""
+    from transformers import DeepseekV4Config
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
+
+    from moeserve.checkpoint.folder import open_checkpoint
+    from moeserve.models.experts.plans import expert_plan
+    from moeserve.models.validate import read_model
+    from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4, write_tiny_shipped
+
+    folder = (write_tiny_shipped if shipped else write_tiny_deepseek_v4)(tmp_path / "ckpt")
+    ckpt = open_checkpoint(folder)
+    arch, spec = read_model(ckpt)
+    plan = expert_plan(ckpt, arch, spec, torch.bfloat16)
+    assert plan.math.why_not_fused() is not None
+    config = DeepseekV4Config(**TINY)
+    theirs = DeepseekV4Experts(config).to(torch.bfloat16)
+    x = torch.randn(5, TINY["hidden_size"], dtype=torch.bfloat16) * 30  # past the clamp
+    dense = _dense_expert(plan, ckpt, 2, 5)
+    with torch.no_grad():
+        theirs.gate_up_proj[5] = dense[0]
+        theirs.down_proj[5] = dense[1]
+        want = theirs(x, torch.full((5, 1), 5), torch.ones(5, 1, dtype=torch.bfloat16))
+    assert torch.equal(plan.math.bind(_unit(plan, ckpt, 2, 5))(x), want)
+    assert (torch.nn.functional.linear(x, dense[0]).abs() > config.swiglu_limit).any()  # the clamp is reached
+
+
+def _dense_expert(plan, ckpt, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+    """Expert `expert` of `layer` as transformers holds it: gate_up [2I, H] (w1 rows, then w3), down [H, I], bf16,
+    dequantized from the checkpoint's own tensors by its format."""
+    from moeserve.models.quantized import checkpoint_scheme, linear_format
+
+    scheme, dense = checkpoint_scheme(ckpt), []
+    for w in ("w1", "w3", "w2"):
+        prefix = f"model.layers.{layer}.ffn.experts.{expert}.{w}"
+        fmt = linear_format(ckpt, scheme, prefix)
+        stored = {role: ckpt.reader.read(ckpt.tensors[fmt.stored_name(prefix, role)]) for role in fmt.roles}
+        out = torch.empty(fmt.dequantized_shape(stored), dtype=torch.bfloat16)
+        fmt.dequantize(stored, out)
+        dense.append(out)
+    return torch.cat(dense[:2]), dense[2]
+
+
+def _unit(plan, ckpt, layer: int, expert: int) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """The unit the store would hold for the expert: its bytes read by the plan's source, as the layout's fields."""
+    unit = torch.empty(plan.layout.nbytes, dtype=torch.uint8)
+    plan.source(ckpt).read_unit(layer, expert, unit)
+    return plan.layout.views(unit)

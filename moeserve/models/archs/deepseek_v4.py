@@ -126,7 +126,7 @@ def _moe(c: ConfigReader, num_layers: int) -> MoeSpec:
     return MoeSpec(
         num_experts=c.int("n_routed_experts", "num_local_experts"), top_k=c.int("num_experts_per_tok"),
         intermediate_size=width, norm_topk_prob=True, routing="sqrtsoftplus", router_bias=False,
-        weights_in_fp32=False, expert_kind="swiglu", shared_intermediate_size=c.int("n_shared_experts", default=1) * width,
+        weights_in_fp32=False, expert_kind="swiglu_clamp", shared_intermediate_size=c.int("n_shared_experts", default=1) * width,
         swiglu_limit=c.float("swiglu_limit", default=10.0), shared_gated=False,
         routed_scaling_factor=c.float("routed_scaling_factor", default=1.5), correction_bias=True,
         hash_layers=_hash_layers(c, num_layers))

@@ -34,6 +34,7 @@ from moeserve.models.experts.sources import (
     LayerTaggedSource,
 )
 from moeserve.models.experts.unit_math import (
+    ClampedSwiGLUMath,
     DequantizingKernel,
     ExpertMath,
     GeGLUMath,
@@ -46,6 +47,7 @@ from moeserve.models.experts.unit_math import (
     SplitGptOssMath,
     SwiGLUMath,
     UnitMath,
+    clamped_swiglu_expert,
     gpt_oss_expert_math,
     relu2_expert,
     swiglu_expert,
@@ -283,6 +285,31 @@ def swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: to
         ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
     )
     return stored_format_plan(ckpt, scheme, spec, dtype, projections, swiglu_stored_math, "experts", Activation("swiglu"))
+
+
+# ------------------------------------------------------------------------- clamped SwiGLU (DeepSeek-V4)
+@register_planner("swiglu_clamp")
+def clamped_swiglu_plan(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, dtype: torch.dtype) -> ExpertPlan:
+    """SwiGLU's per-expert Linears with the gate and up clamped at swiglu_limit (DeepSeek-V4): units as swiglu_plan
+    lays them out (in the compute dtype, or in the stored format: MXFP4 as shipped), computed by torch."""
+    limit = spec.moe.swiglu_limit
+    assert limit is not None
+    plan = swiglu_plan(ckpt, arch, spec, dtype)
+    if not isinstance(plan.math, SwiGLUMath):  # stored format: dequantized at use, then the clamped math
+        names, h, i = arch.names, spec.hidden_size, spec.moe.intermediate_size
+        projections = (
+            ProjectionSource("gate_up", (2 * i, h), (names.expert_gate, names.expert_up), stacked=False),
+            ProjectionSource("down", (h, i), (names.expert_down,), stacked=False),
+        )
+        return stored_format_plan(ckpt, checkpoint_scheme(ckpt), spec, dtype, projections,
+                                  partial(clamped_swiglu_stored_math, limit), "clamped SwiGLU experts")
+    return ExpertPlan(plan.layout, ClampedSwiGLUMath(limit), plan.sources,
+                      f"clamped SwiGLU experts (swiglu_limit {limit:g}) in {str(dtype).removeprefix('torch.')}")
+
+
+def clamped_swiglu_stored_math(limit: float, x: torch.Tensor, dense: tuple[torch.Tensor, ...],
+                               biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    return clamped_swiglu_expert(x, dense, limit)
 
 
 # ------------------------------------------------------------------------------------ relu2 (Nemotron-H)

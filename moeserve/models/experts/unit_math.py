@@ -146,6 +146,26 @@ class InterleavedSwiGLU(UnitMath):
         return FusedUnits(interleaved=True)
 
 
+def clamped_swiglu_expert(x: torch.Tensor, w: ExpertWeights, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's experts (transformers' DeepseekV4Experts): SwiGLU's units with the gate clamped from above and
+    the up projection to [-limit, limit] before silu(gate) * up."""
+    gate, up = expert_linear(x, w[0]).chunk(2, dim=-1)
+    return expert_linear(F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit), w[1])
+
+
+class ClampedSwiGLUMath(UnitMath):
+    """DeepSeek-V4's clamped SwiGLU experts in the compute dtype: gate_up [2I, H] (gate rows first), down [H, I]."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+
+    def bind(self, w: ExpertWeights) -> RowFn:
+        return lambda x: clamped_swiglu_expert(x, w, self.limit)
+
+    def why_not_fused(self) -> str | None:
+        return "the C++ expert ops compute SwiGLU without DeepSeek-V4's clamp"
+
+
 def geglu_expert(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """Unit fields: gate_up [2I, H] (gate rows first), down [H, I]: SwiGLU's form with tanh GELU (Gemma-4)."""
     gate, up = expert_linear(x, w[0]).chunk(2, dim=-1)
