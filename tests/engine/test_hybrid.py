@@ -84,7 +84,7 @@ def test_hybrid_placements_equal_resident(folder_of, three_tiers, monkeypatch, p
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "gpt_oss", "int8",
-                                  "nvfp4-ct", "mxfp4-gpt-oss"])
+                                  "nvfp4-ct", "mxfp4-gpt-oss", "gguf-gpt-oss"])
 def test_hybrid_mixed_placement_every_canonical_family_and_format(folder_of, three_tiers, monkeypatch,
                                                                    case: str) -> None:
     settings = {"quantization": "int8"} if case == "int8" else {}
@@ -127,7 +127,8 @@ def test_metrics_show_where_experts_ran_and_the_costs() -> None:
     assert _placement_lines(object(), {}) == []
 
 
-@pytest.mark.parametrize("case", ["gpt_oss", "mxfp4-gpt-oss", "nvfp4-ct", "mxfp4-ct", "nvfp4-modelopt", "int8"])
+@pytest.mark.parametrize("case", ["gpt_oss", "mxfp4-gpt-oss", "gguf-gpt-oss", "nvfp4-ct", "mxfp4-ct",
+                                  "nvfp4-modelopt", "int8"])
 def test_canonical_kernel_equals_the_models_cpu_kernel(folder_of, case: str) -> None:
     """The GPU side's kernel on a model's own units (as loaded, every format) against the kernel the CPU engine
     chose for them, bit for bit, on random token rows: the C++ ops of every unit kind the hybrid takes."""

@@ -58,6 +58,10 @@ def folder_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
             return C.write_gpt_oss(root / "gpt_oss")
         if name == "mxfp4-gpt-oss":
             return C.write_gpt_oss_mxfp4(make("gpt_oss"), root / name)
+        if name == "gguf-gpt-oss":  # llama.cpp's layout: MXFP4 gate and up apart, gate rows then up rows in a unit
+            from tests.fixtures.gguf_gpt_oss import write_gguf
+
+            return write_gguf(make("gpt_oss"), root / "gpt-oss.gguf")
         if name in QUANTIZED:
             quantize, config, extra = QUANTIZED[name]
             return C.quantize_checkpoint(make("qwen3_moe"), root / name, quantize, config, extra)
