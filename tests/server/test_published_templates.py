@@ -41,8 +41,7 @@ TEMPLATES = {
     "Kimi-K2-Thinking": ("moonshotai-Kimi-K2-Thinking.jinja", "kimi_k2", True),
     "Kimi-K2-Instruct-0905": ("moonshotai-Kimi-K2-Instruct-0905.jinja", "kimi_k2", True),
     "Kimi-K2-Instruct": ("moonshotai-Kimi-K2-Instruct.jinja", "kimi_k2", True),
-    # Gemma-4's calls are not JSON and moeserve has no parser of them: tools are refused, the history renders
-    "Gemma-4": ("google-gemma-4-31B-it.jinja", "gemma4_text", False),
+    "Gemma-4": ("google-gemma-4-31B-it.jinja", "gemma4_text", True),
 }
 CALLS = [("call_1", "get_weather", {"city": "Paris", "days": 2}), ("call_2", "get_time", {})]
 # Kimi's template writes each call's id back to the model (and a result's tool_call_id): the ids it was trained on
@@ -139,13 +138,30 @@ def test_kimi_templates_pick_the_kimi_tool_parser(family: str) -> None:
     assert tool_parser_for((PUBLISHED / TEMPLATES[family][0]).read_text()) is KimiK2ToolParser
 
 
-def test_gemma4_template_refuses_tools_in_one_line(tmp_path: Path) -> None:
-    """Gemma-4's calls (`<|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|>`) have no parser here: a request offering
-    tools is refused in one line naming why, not served with calls the server could not read back."""
-    from moeserve.errors import RequestError
 
-    folder = _model_folder(tmp_path, (PUBLISHED / TEMPLATES["Gemma-4"][0]).read_text())
-    chat = chat_format_for("gemma4_text", Tokenizer(folder), folder)
-    with pytest.raises(RequestError, match="no tool-call format") as err:
-        chat.render(ChatCompletionRequest(messages=conversation(str), tools=[WEATHER]))
-    assert "\n" not in str(err.value)
+def test_gemma4_calls_as_the_template_renders_them_parse_back(tmp_path: Path) -> None:
+    """The calls of the conversation as Gemma-4's published template renders them (`<|tool_call>call:NAME{key:
+    <|"|>text<|"|>,...}<tool_call|>`: not JSON), fed to the parser its template picks in small pieces, give the
+    calls' names and arguments back; text that is not a call stays content."""
+    from transformers import AutoTokenizer
+
+    from moeserve.server.tool_parsers import Gemma4ToolParser, tool_parser_for
+
+    template = (PUBLISHED / TEMPLATES["Gemma-4"][0]).read_text()
+    assert tool_parser_for(template) is Gemma4ToolParser
+    folder = _model_folder(tmp_path, template)
+    nested = {"city": "Paris, <b>\"old\" town</b>", "days": 2, "hourly": True, "at": [8.5, "noon"],
+              "units": {"temp": "C"}}
+    messages = conversation(dict)[:3]
+    messages[2]["tool_calls"][1]["function"]["arguments"] = nested
+    rendered = AutoTokenizer.from_pretrained(str(folder)).apply_chat_template(messages, tokenize=False)
+    calls = rendered[rendered.index("<|tool_call>"):rendered.rindex("<tool_call|>") + len("<tool_call|>")]
+    parser = Gemma4ToolParser([WEATHER, TIME])
+    parses = [parser.feed(calls[i:i + 3]) for i in range(0, len(calls), 3)] + [parser.flush()]
+    deltas = [c for p in parses for c in p.calls]
+    names = [d.name for d in deltas if d.name is not None]
+    arguments = [json.loads("".join(d.arguments for d in deltas if d.index == i)) for i in range(2)]
+    assert "".join(p.content for p in parses) == ""
+    assert names == ["get_weather", "get_time"] and arguments == [{"city": "Paris", "days": 2}, nested]
+    text = Gemma4ToolParser([]).feed("Sure: <|tool_call>not a call<tool_call|> done")
+    assert text.content == "Sure: <|tool_call>not a call<tool_call|> done" and not text.calls

@@ -12,13 +12,15 @@ from moeserve.server.tool_parsers.base import (
     parameters_schema,
 )
 from moeserve.server.tool_parsers.deepseek import DeepSeekV3ToolParser
+from moeserve.server.tool_parsers.gemma4 import Gemma4ToolParser
 from moeserve.server.tool_parsers.kimi import KimiK2ToolParser
 from moeserve.server.tool_parsers.xml import Glm45ToolParser, Qwen3XmlToolParser
 
 # Most specific first: the XML-format and GLM templates also mention <tool_call>.
 TOOL_PARSERS: list[type[ToolParser]] = [Qwen3XmlToolParser, Glm45ToolParser, DeepSeekV3ToolParser, KimiK2ToolParser,
-                                        Qwen3JsonToolParser]
-__all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "Glm45ToolParser", "KimiK2ToolParser", "Qwen3JsonToolParser",
+                                        Gemma4ToolParser, Qwen3JsonToolParser]
+__all__ = ["TOOL_PARSERS", "DeepSeekV3ToolParser", "Gemma4ToolParser", "Glm45ToolParser", "KimiK2ToolParser",
+           "Qwen3JsonToolParser",
            "Qwen3XmlToolParser", "ToolCallDelta", "ToolParse", "ToolParser", "json_value_end", "parameters_schema",
            "tool_parser_for"]
 
