@@ -55,6 +55,10 @@ SLOW: dict[str, str] = {
         "NVFP4 and shared layers were added, 40 of them the real dimensions)",
     "cli/test_config_only.py::test_sparse_attention_models_plan_for_24_and_64_gb":
         "GLM-5 and DeepSeek-V3.2 planned from their configs at two budgets (12 s at a load of 15)",
+    "models/test_gemma4.py::test_fp32_matches_transformers": "Gemma-4 against transformers' decode, C++ kernels and "
+        "torch (10 s and 7 s at a load of 8, the first writing the module's checkpoint)",
+    "models/test_gemma4.py::test_multimodal_wrapper_serves_its_language_model":
+        "Gemma-4's multimodal checkpoint written and against transformers' decode (8 s at a load of 8)",
     "models/test_gemma4.py::test_bf16_offloaded_chunked_and_batched_are_exact":
         "Gemma-4 offloaded, chunked, batched and preempted against its resident, one-pass, solo runs (10 s at a load "
         "of 8)",
