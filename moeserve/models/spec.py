@@ -593,18 +593,21 @@ def base_attention(c: ConfigReader, num_layers: int, **switches: Any) -> Attenti
 def check_spec(spec: ModelSpec, where: str) -> None:
     """The relations between config.json fields that each field's own bounds (INT_BOUNDS) cannot say; raises a
     CheckpointError naming `where` (config.json) and the fields."""
-    a, m = spec.attention, spec.moe
+    m = spec.moe
     problems = []
     if m.top_k > m.num_experts:
         problems.append(f"num_experts_per_tok={m.top_k} is more than the {m.num_experts} experts per layer")
-    if a.num_heads % a.num_kv_heads:
-        problems.append(f"num_attention_heads={a.num_heads} is not a multiple of num_key_value_heads="
-                        f"{a.num_kv_heads}")
-    if a.head_dim % 2:
-        problems.append(f"head_dim={a.head_dim} is odd (rotary embeddings rotate pairs)")
-    elif spec.rope.rotary_dim(a.head_dim) % 2 or spec.rope.rotary_dim(a.head_dim) == 0:
-        problems.append(f"partial_rotary_factor={spec.rope.partial_rotary_factor:g} of head_dim={a.head_dim} rotates "
-                        f"{spec.rope.rotary_dim(a.head_dim)} dims (rotary embeddings rotate pairs)")
+    o = spec.attention_override  # its layers' shape and rotary are checked alike (Gemma-4's global layers)
+    for a, rope, which in ((spec.attention, spec.rope, ""), *(((o.attention, o.rope, " (full-attention layers)"),)
+                                                               if o is not None else ())):
+        if a.num_heads % a.num_kv_heads:
+            problems.append(f"num_attention_heads={a.num_heads} is not a multiple of num_key_value_heads="
+                            f"{a.num_kv_heads}{which}")
+        if a.head_dim % 2:
+            problems.append(f"head_dim={a.head_dim}{which} is odd (rotary embeddings rotate pairs)")
+        elif rope.rotary_dim(a.head_dim) % 2 or rope.rotary_dim(a.head_dim) == 0:
+            problems.append(f"partial_rotary_factor={rope.partial_rotary_factor:g} of head_dim={a.head_dim}{which} "
+                            f"rotates {rope.rotary_dim(a.head_dim)} dims (rotary embeddings rotate pairs)")
     if m.num_experts % m.n_group or not 1 <= m.topk_group <= m.n_group:
         problems.append(f"n_group={m.n_group} must divide the {m.num_experts} experts and topk_group="
                         f"{m.topk_group} lie in [1, n_group]")

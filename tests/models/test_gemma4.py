@@ -123,3 +123,14 @@ def test_variants_not_served_are_refused_in_one_line(field: dict[str, Any]) -> N
     with pytest.raises(UnsupportedModelError, match=f"{next(iter(field))}.* not supported") as err:
         get_architecture(config, "config.json").spec(config, "config.json")
     assert "\n" not in str(err.value)
+
+
+def test_a_global_layer_shape_that_does_not_fit_is_refused_in_one_line() -> None:
+    from moeserve.errors import CheckpointError
+    from moeserve.models.spec import check_spec
+
+    config = {**PUBLISHED_26B_A4B, "num_global_key_value_heads": 3}
+    spec = get_architecture(config, "config.json").spec(config, "config.json")
+    with pytest.raises(CheckpointError, match=r"num_key_value_heads=3 \(full-attention layers\)") as err:
+        check_spec(spec, "config.json")
+    assert "\n" not in str(err.value)
