@@ -1,8 +1,11 @@
 """The canonical ops on aarch64, without ARM hardware: the numeric cores of the dense GEMV and the interleaved expert
-op (csrc/dense_gemv_core.h, csrc/moe_interleaved.h) built as plain C++ (tests/kernels/harness/canonical_harness.cpp)
-for every x86 ISA level this CPU runs and, with Debian's cross compiler, for aarch64 (NEON, NEON + BF16, the scalar
-reference), run under qemu-aarch64 on the same inputs: the same bits everywhere, and the x86 harness the same bits
-as the torch ops. Also: every csrc/*.cpp compiles for aarch64 against torch's (architecture-independent) headers.
+op (csrc/dense_gemv_core.h, csrc/moe_interleaved.h) and of the 4-bit expert op's integer and GGUF dots (csrc/q4_q8.h:
+int4 codes times int8-quantized activations; csrc/gguf_codes.cpp: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K and MXFP4 blocks)
+built as plain C++ (tests/kernels/harness/canonical_harness.cpp) for every x86 ISA level this CPU runs and, with
+Debian's cross compiler, for aarch64 (NEON, NEON + BF16 + dot product, the scalar reference), run under qemu-aarch64
+on the same inputs: the same bits everywhere, and the x86 harness the same bits as the torch ops and the 4-bit
+references (tests/kernels/q8_reference.py, the GGUF decoder in torch, canonical_dots). Also: every csrc/*.cpp
+compiles for aarch64 against torch's (architecture-independent) headers.
 
 Needs g++-aarch64-linux-gnu and qemu-user (`make test-tools` installs them where apt-get is usable); without them
 these tests skip, saying so. Outputs are compared as bits: -0 vs +0 and NaN payloads count.
@@ -10,6 +13,7 @@ these tests skip, saying so. Outputs are compared as bits: -0 vs +0 and NaN payl
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import shutil
@@ -23,19 +27,36 @@ import pytest
 import torch
 
 from moeserve import kernels
+from moeserve.checkpoint.gguf.quants import TYPES_BY_NAME, dequantize
 from tests.kernels.ops import suite_isa
-from tests.kernels.test_canonical_isa import expert_cases, interleave, linear_cases, one_thread, run_ops
+from tests.kernels.q4_cases import _bf16_scales, gguf_blocks
+from tests.kernels.q8_reference import q8_dots
+from tests.kernels.test_canonical_isa import (
+    assert_same_bits,
+    canonical_dots,
+    edge_values,
+    expert_cases,
+    interleave,
+    linear_cases,
+    one_thread,
+    run_ops,
+)
 
 HARNESS = Path(__file__).with_name("harness") / "canonical_harness.cpp"
 CSRC = kernels.CSRC
 CROSS = "aarch64-linux-gnu-g++"
-# aarch64 builds of the harness: (name, flags, the bf16 dot implementation it must report, OpenMP threads)
+# aarch64 builds of the harness: (name, flags, the implementations it must report: bf16 dot, int4-q8 dot, GGUF decode;
+# OpenMP threads). armv8.6-a has the dot product extension (SDOT) and, with +bf16, BFMLALT/BFMLALB: qemu's -cpu max
+# has both; armv8-a neither (the plain NEON paths).
 ARM_BUILDS = (
-    ("neon", ("-march=armv8-a",), "neon", 2),
-    ("neon-bf16", ("-march=armv8.6-a+bf16",), "neon-bf16", 1),  # BFMLALT/BFMLALB: qemu's -cpu max has FEAT_BF16
-    ("arm-scalar", ("-march=armv8-a", "-DMOESERVE_CANON_FORCE_SCALAR"), "scalar", 1),
+    ("neon", ("-march=armv8-a",), ("neon", "neon", "neon"), 2),
+    ("neon-bf16", ("-march=armv8.6-a+bf16",), ("neon-bf16", "neon-dotprod", "neon"), 1),
+    ("arm-scalar", ("-march=armv8-a", "-DMOESERVE_CANON_FORCE_SCALAR", "-DMOESERVE_Q8_FORCE_SCALAR"),
+     ("scalar", "scalar", "scalar"), 1),
 )
-X86_IMPLEMENTATION = {"native": None, "avx2": "avx2", "generic": "scalar"}  # native: whatever this CPU has
+# native: whatever this CPU has; avx2 (x86-64-v3: no AVX-512, so no VNNI) and generic (x86-64: scalar) are forced
+X86_IMPLEMENTATION = {"native": None, "avx2": ("avx2", "avx2", "scalar"), "generic": ("scalar", "scalar", "scalar")}
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4")  # in moeserve_q4::GType's order
 
 
 def _cross_tools() -> tuple[str, str]:
@@ -56,7 +77,7 @@ def _compile(cmd: list[str]) -> None:
 
 def build_harness(cxx: str, flags: tuple[str, ...], out: Path, static: bool = False) -> Path:
     _compile([cxx, "-O3", *flags, "-std=c++20", "-fopenmp", *(["-static"] if static else []), f"-I{CSRC}",
-              str(HARNESS), "-o", str(out)])
+              str(HARNESS), str(CSRC / "gguf_codes.cpp"), "-o", str(out)])
     return out
 
 
@@ -87,18 +108,29 @@ def _expert_record(c: dict) -> bytes:
     return b"".join(parts)
 
 
-def write_inputs(path: Path, linear: list[dict], experts: list[dict]) -> None:
-    """The cases in the harness's input format (canonical_harness.cpp's header), then the silu table record."""
-    records = [_linear_record(c) for c in linear] + [_expert_record(c) for c in experts] + [_i64(2)]
+def _q8_record(c: dict) -> bytes:
+    (m, k), n = c["x"].shape, c["codes"].shape[0]
+    return _i64(3, m, n, k) + _u16(c["x"]) + c["codes"].numpy().tobytes() + _u16(c["scales"])
+
+
+def _gguf_record(c: dict) -> bytes:
+    (m, k), n = c["x"].shape, c["rows"].shape[0]
+    return _i64(4, GGUF_TYPES.index(c["type"]), m, n, k) + _u16(c["x"]) + c["rows"].numpy().tobytes()
+
+
+def write_inputs(path: Path, linear: list[dict], experts: list[dict], q8: list[dict], gguf: list[dict]) -> None:
+    """The cases in the harness's input format (canonical_harness.cpp's header), the silu table record among them."""
+    records = [_linear_record(c) for c in linear] + [_expert_record(c) for c in experts] + [_i64(2)] + \
+        [_q8_record(c) for c in q8] + [_gguf_record(c) for c in gguf]
     path.write_bytes(b"MSHARN01" + _i64(len(records)) + b"".join(records))
 
 
-def read_outputs(path: Path) -> tuple[str, list[np.ndarray]]:
-    """(the bf16 dot implementation the build ran, one uint16 array per record)."""
+def read_outputs(path: Path) -> tuple[tuple[str, ...], list[np.ndarray]]:
+    """(the implementations the build ran: bf16 dot, int4-q8 dot, GGUF decode; one uint16 array per record)."""
     data = path.read_bytes()
     assert data[:8] == b"MSHARO01", f"{path}: not a harness output"
     (n,) = struct.unpack_from("<q", data, 8)
-    isa, pos, outs = data[16:16 + n].decode(), 16 + n, []
+    isa, pos, outs = tuple(data[16:16 + n].decode().split()), 16 + n, []
     while pos < len(data):
         (count,) = struct.unpack_from("<q", data, pos)
         outs.append(np.frombuffer(data, dtype="<u2", count=count, offset=pos + 8))
@@ -106,7 +138,7 @@ def read_outputs(path: Path) -> tuple[str, list[np.ndarray]]:
     return isa, outs
 
 
-def run_harness(cmd: list[str], inputs: Path, out: Path, threads: int) -> tuple[str, list[np.ndarray]]:
+def run_harness(cmd: list[str], inputs: Path, out: Path, threads: int) -> tuple[tuple[str, ...], list[np.ndarray]]:
     proc = subprocess.run([*cmd, str(inputs), str(out), str(threads)], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, f"{' '.join(cmd)}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     return read_outputs(out)
@@ -127,6 +159,34 @@ def big_linear_case() -> dict:
             "x": torch.randn(2, 2048, generator=gen).bfloat16(), "bias": torch.randn(2052, generator=gen).bfloat16()}
 
 
+def q8_cases() -> list[dict]:
+    """INT4 rows times int8-quantized inputs (q4_q8.h): whole spans, and a padded one (k = 96) with edge scales and
+    inputs: denormals, zeros, huge values, a block of zeros, one below 2^-100 (quantized to 0), inf and NaN."""
+    gen = torch.Generator().manual_seed(31)
+    cases = []
+    for n, k, edge in ((8, 256, False), (4, 96, "small")):
+        x = torch.randn(5, k, generator=gen)
+        if edge:
+            x[1] = edge_values((k,), gen, inf=False).float()
+            x[2, :32], x[2, 32:64] = 0.0, x[2, 32:64] * 2.0**-110
+            x[3, 5], x[3, 70] = math.inf, math.nan
+        cases.append({"x": x.bfloat16(), "codes": torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+                      "scales": _bf16_scales((n, k // 32), gen, edge)})
+    return cases
+
+
+def gguf_cases() -> list[dict]:
+    """Each GGUF type: 8 rows of 256 values (4 with typical scales, 4 with f16 subnormal and zero ones), 5 inputs (the
+    last with denormals, zeros, huge values and infinities)."""
+    gen = torch.Generator().manual_seed(32)
+    cases = []
+    for t in GGUF_TYPES:
+        rows = torch.cat([gguf_blocks(t, 4, 256, gen, False), gguf_blocks(t, 4, 256, gen, "small")])
+        x = torch.cat([torch.randn(4, 256, generator=gen).bfloat16(), edge_values((1, 256), gen, inf=True)])
+        cases.append({"type": t, "rows": rows, "x": x})
+    return cases
+
+
 @pytest.fixture(scope="module")
 def harness_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The inputs written once and the outputs on them of the x86 harness built for the suite's ISA level (native,
@@ -134,12 +194,14 @@ def harness_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("aarch64")
     with one_thread():
         linear, experts = linear_cases() + [big_linear_case()], expert_cases()
+    q8, gguf = q8_cases(), gguf_cases()
     inputs = tmp / "inputs.bin"
-    write_inputs(inputs, linear, experts)
+    write_inputs(inputs, linear, experts, q8, gguf)
     level = suite_isa()
     exe = build_harness("g++", kernels.ISA_FLAGS[level], tmp / f"harness-{level}")
     isa, outs = run_harness([str(exe)], inputs, tmp / f"{level}.out", threads=2)
-    return {"tmp": tmp, "inputs": inputs, "linear": linear, "experts": experts, "isa": isa, "level": level, "want": outs,
+    return {"tmp": tmp, "inputs": inputs, "linear": linear, "experts": experts, "q8": q8, "gguf": gguf, "isa": isa,
+            "level": level, "want": outs,
             "boundary": len(linear) - 2}  # test_canonical_isa.boundary_rows: the last of linear_cases()
 
 
@@ -152,9 +214,41 @@ def test_x86_harness_equals_the_torch_ops(harness_run):
 
     cpp_ops()
     got = run_ops(harness_run["linear"], harness_run["experts"])
-    assert got["isa"] == [harness_run["isa"]]
+    assert got["isa"] == [harness_run["isa"][0]]
     ops_out = [y.contiguous().view(torch.int16).numpy().view("<u2").reshape(-1) for y in got["linear"] + got["experts"]]
     assert differing(harness_run["want"][: len(ops_out)], ops_out) == []
+
+
+def _canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    return torch.where(t.isnan(), torch.full_like(t, math.nan), t)  # the harness writes every NaN as the quiet one
+
+
+def _dots_of(out: np.ndarray, m: int, n: int) -> torch.Tensor:
+    """The dots section of an int4-q8 or GGUF record: [group size 1 .. 4, m, n] fp32."""
+    return torch.from_numpy(out.copy().view("<f4")).reshape(4, m, n)
+
+
+@pytest.mark.slow
+def test_x86_harness_4bit_dots_equal_the_references(harness_run):
+    """The 4-bit records of the suite level's harness: the int4-q8 dots, for every group size of inputs per call, are
+    tests/kernels/q8_reference.py's; each GGUF row decodes to the bf16 cast of the torch decoder's values
+    (moeserve/checkpoint/gguf/quants.py) and its dots are canonical_dots on those, bit for bit (a NaN as a NaN)."""
+    q8, gguf = harness_run["q8"], harness_run["gguf"]
+    outs = harness_run["want"][len(harness_run["want"]) - len(q8) - len(gguf):]
+    for c, out in zip(q8, outs):
+        (m, k), n = c["x"].shape, c["codes"].shape[0]
+        want = _canonical_nan(q8_dots(c["codes"], c["scales"], c["x"]))
+        dots = _dots_of(out[m * ((k + 63) // 64) * 96:], m, n)  # after the quantized rows (192 bytes per span)
+        for mb in range(4):
+            assert_same_bits(dots[mb], want, f"int4-q8 k={k}, {mb + 1} inputs per call")
+    for c, out in zip(gguf, outs[len(q8):]):
+        (m, k), n = c["x"].shape, c["rows"].shape[0]
+        w = _canonical_nan(dequantize(c["rows"], TYPES_BY_NAME[c["type"]]).bfloat16())
+        assert_same_bits(torch.from_numpy(out[: n * k].copy().view("<i2")).view(torch.bfloat16).reshape(n, k), w,
+                         f"{c['type']} decoded")
+        want = _canonical_nan(canonical_dots(w, c["x"]))
+        for mb in range(4):
+            assert_same_bits(_dots_of(out[n * k:], m, n)[mb], want, f"{c['type']}, {mb + 1} inputs per call")
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "canonical_dot.h"
-#include "moe_experts_q4.h"
+#include "gguf_codes.h"
 
 namespace moeserve_q4 {
 
@@ -86,7 +86,7 @@ inline float mxfp4_scale(uint8_t e) {
 
 // [256][16] bf16: table[e][n] = the bf16 of 2^(e - 128) * (2 E2M1[n]) (not q4_codes.cpp's MXFP4 tables: ggml's
 // code 8 is +0, OCP's E2M1 -0).
-const uint16_t* mxfp4_gguf_tables() {
+[[maybe_unused]] const uint16_t* mxfp4_gguf_tables() {
   static const struct T {
     uint16_t v[256 * 16];
     T() {
@@ -100,7 +100,7 @@ const uint16_t* mxfp4_gguf_tables() {
 
 // ------------------------------------------------------------------------------------- the scalar reference
 // w[32] = the bf16 weights of chunk c of `row` (values as fp32 first, then torch's cast).
-void decode_chunk_scalar(GType t, const uint8_t* row, int64_t c, uint16_t* w) {
+[[maybe_unused]] void decode_chunk_scalar(GType t, const uint8_t* row, int64_t c, uint16_t* w) {
   float v[32];
   switch (t) {
     case GType::kQ8_0: {
@@ -300,7 +300,94 @@ void decode_into(const uint8_t* row, int64_t k, uint16_t* w) {
   }
 }
 
-#else  // decoded by the scalar reference into a 4-row block, then canonical_dot.h's dots
+#else  // decoded into a 4-row block (by NEON, or by the scalar reference), then canonical_dot.h's dots
+#if defined(MOESERVE_CANON_NEON)
+
+inline float32x4_t rounded(float32x4_t v) {
+  asm("" : "+w"(v));
+  return v;
+}
+
+// w[8] = bf16_bits of a's then b's 4 lanes (nearest even on the bits; any NaN -> 0x7FC0).
+inline void store_bf16(uint16_t* w, float32x4_t a, float32x4_t b) {
+  uint32x4_t r[2];
+  for (int h = 0; h < 2; ++h) {
+    const uint32x4_t u = vreinterpretq_u32_f32(h == 0 ? a : b);
+    const uint32x4_t up = vaddq_u32(u, vaddq_u32(vdupq_n_u32(0x7FFFu), vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1u))));
+    const uint32x4_t nan = vcgtq_u32(vandq_u32(u, vdupq_n_u32(0x7FFFFFFFu)), vdupq_n_u32(0x7F800000u));
+    r[h] = vbslq_u32(nan, vdupq_n_u32(0x7FC00000u), up);
+  }
+  vst1q_u16(w, vuzp2q_u16(vreinterpretq_u16_u32(r[0]), vreinterpretq_u16_u32(r[1])));  // the high halves
+}
+
+// w[32] = the bf16 of s_h * float(q_i) (h = i / 16: q[h] holds values 16h .. 16h + 15), minus *sub after rounding
+// when sub is given: the scalar reference's operations, 4 lanes at a time.
+inline void scale_store(uint16_t* w, const int8x16_t* q, float s0, float s1, const float* sub) {
+  for (int h = 0; h < 2; ++h) {
+    const int16x8_t lo = vmovl_s8(vget_low_s8(q[h])), hi = vmovl_high_s8(q[h]);
+    const float32x4_t s = vdupq_n_f32(h == 0 ? s0 : s1);
+    float32x4_t v[4] = {vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vcvtq_f32_s32(vmovl_high_s16(lo)),
+                        vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vcvtq_f32_s32(vmovl_high_s16(hi))};
+    for (float32x4_t& e : v) {
+      e = vmulq_f32(s, e);
+      if (sub != nullptr) e = vsubq_f32(rounded(e), vdupq_n_f32(*sub));
+    }
+    store_bf16(w + 16 * h, v[0], v[1]);
+    store_bf16(w + 16 * h + 8, v[2], v[3]);
+  }
+}
+
+inline uint8x16_t shr(uint8x16_t v, int n) { return vshlq_u8(v, vdupq_n_s8(static_cast<int8_t>(-n))); }
+inline int8x16_t s8(uint8x16_t v) { return vreinterpretq_s8_u8(v); }
+constexpr int8_t kMxfp4DoubledI8[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// decode_chunk_scalar's bits: the codes of chunk c as int8 (q[0]: values 0-15, q[1]: 16-31), then scale_store.
+void decode_chunk(GType t, const uint8_t* row, int64_t c, uint16_t* w) {
+  const uint8x16_t m4 = vdupq_n_u8(15);
+  int8x16_t q[2];
+  if (t == GType::kQ8_0) {
+    const uint8_t* b = row + 34 * c;
+    for (int h = 0; h < 2; ++h) q[h] = vld1q_s8(reinterpret_cast<const int8_t*>(b + 2 + 16 * h));
+    scale_store(w, q, f16(b), f16(b), nullptr);
+  } else if (t == GType::kQ4_0 || t == GType::kMxfp4) {
+    const bool q4 = t == GType::kQ4_0;
+    const uint8_t* b = row + (q4 ? 18 : 17) * c;
+    const uint8x16_t v = vld1q_u8(b + (q4 ? 2 : 1)), n[2] = {vandq_u8(v, m4), vshrq_n_u8(v, 4)};
+    for (int h = 0; h < 2; ++h) q[h] = q4 ? vsubq_s8(s8(n[h]), vdupq_n_s8(8)) : vqtbl1q_s8(vld1q_s8(kMxfp4DoubledI8), n[h]);
+    const float scale = q4 ? f16(b) : mxfp4_scale(b[0]);
+    scale_store(w, q, scale, scale, nullptr);
+  } else if (t == GType::kQ4_K || t == GType::kQ5_K) {
+    const bool q5 = t == GType::kQ5_K;
+    const int j = static_cast<int>(c & 7);
+    const uint8_t* b = row + (q5 ? 176 : 144) * (c >> 3);
+    int sc, m;
+    scale_min_k4(j, b + 4, sc, m);
+    const float d = f16(b) * static_cast<float>(sc), dm = f16(b + 2) * static_cast<float>(m);
+    for (int h = 0; h < 2; ++h) {
+      uint8x16_t u = vandq_u8(shr(vld1q_u8(b + (q5 ? 48 : 16) + 32 * (j >> 1) + 16 * h), 4 * (j & 1)), m4);
+      if (q5) u = vorrq_u8(u, vshlq_n_u8(vandq_u8(shr(vld1q_u8(b + 16 + 16 * h), j), vdupq_n_u8(1)), 4));
+      q[h] = s8(u);
+    }
+    scale_store(w, q, d, d, &dm);
+  } else {  // Q6_K
+    const uint8_t* b = row + 210 * (c >> 3);
+    const int e0 = 32 * static_cast<int>(c & 7), half = e0 >> 7, within = e0 & 127;
+    for (int h = 0; h < 2; ++h) {
+      const uint8x16_t lo = vandq_u8(shr(vld1q_u8(b + 64 * half + (within & 63) + 16 * h), 4 * (within >> 6)), m4);
+      const uint8x16_t hi = vandq_u8(shr(vld1q_u8(b + 128 + 32 * half + 16 * h), 2 * (within >> 5)), vdupq_n_u8(3));
+      q[h] = vsubq_s8(s8(vorrq_u8(lo, vshlq_n_u8(hi, 4))), vdupq_n_s8(32));
+    }
+    const float d = f16(b + 208);
+    const auto* sc = reinterpret_cast<const int8_t*>(b + 192 + e0 / 16);
+    scale_store(w, q, d * static_cast<float>(sc[0]), d * static_cast<float>(sc[1]), nullptr);
+  }
+}
+
+#else
+
+inline void decode_chunk(GType t, const uint8_t* row, int64_t c, uint16_t* w) { decode_chunk_scalar(t, row, c, w); }
+
+#endif
 
 template <int MB>
 void block_dots(const uint16_t* blk, int64_t k, const uint16_t* const* xs, float (*res)[4]) {
@@ -321,6 +408,16 @@ int64_t gguf_row_bytes(GType t, int64_t k) {
     case GType::kQ6_K: return k / 256 * 210;
   }
   return 0;
+}
+
+const char* gguf_implementation() {
+#if defined(MOESERVE_CANON_AVX512)
+  return "avx512bf16";
+#elif defined(MOESERVE_CANON_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
 }
 
 int64_t gguf_block_elems(GType t) {
@@ -345,7 +442,7 @@ void gguf_rows4_dots(const GRow* rows, int64_t k, const uint16_t* const* xs, int
   NextRows next(rows, row_bytes, k);
   for (int64_t c = 0; c < k / 32; ++c) {
     if (prefetch) next.fetch(c);
-    for (int r = 0; r < 4; ++r) decode_chunk_scalar(t, rows[r].bytes, c, blk.data() + 128 * c + 32 * r);
+    for (int r = 0; r < 4; ++r) decode_chunk(t, rows[r].bytes, c, blk.data() + 128 * c + 32 * r);
   }
   switch (mb) {
     case 1: block_dots<1>(blk.data(), k, xs, res); break;
@@ -367,7 +464,7 @@ void gguf_decode_row(const GRow& row, int64_t k, uint16_t* w) {
     case GType::kQ6_K: decode_into<GType::kQ6_K>(row.bytes, k, w); break;
   }
 #else
-  for (int64_t c = 0; c < k / 32; ++c) decode_chunk_scalar(row.type, row.bytes, c, w + 32 * c);
+  for (int64_t c = 0; c < k / 32; ++c) decode_chunk(row.type, row.bytes, c, w + 32 * c);
 #endif
 }
 

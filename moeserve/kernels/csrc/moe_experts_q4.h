@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "gguf_codes.h"  // GGUF blocks: GType, GRow, gguf_rows4_dots, gguf_decode_row
+
 namespace moeserve_q4 {
 
 // ------------------------------------------------------------------------------ 4-bit codes (q4_codes.cpp)
@@ -52,21 +54,6 @@ void int4_tables(const uint16_t* scales, int64_t groups, uint16_t* out);     // 
 // hand with `prefetch` (the pass that reads memory).
 void rows4_dots(const QRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch);
 void decode_row(const QRow& row, int64_t k, uint16_t* w);                    // w[k] = the decoded row (bf16)
-
-// ------------------------------------------------------------------------ GGUF blocks (gguf_codes.cpp)
-enum class GType { kQ8_0, kQ4_0, kQ4_K, kQ5_K, kQ6_K, kMxfp4 };
-
-// One weight row of a GGUF type: its blocks as stored.
-struct GRow {
-  const uint8_t* bytes;
-  GType type;
-};
-
-int64_t gguf_row_bytes(GType t, int64_t k);  // bytes of a row of k values
-int64_t gguf_block_elems(GType t);           // values per block: 32 or 256
-// The same as rows4_dots / decode_row for 4 rows of one GGUF type (consecutive rows of one tensor).
-void gguf_rows4_dots(const GRow* rows, int64_t k, const uint16_t* const* xs, int mb, float (*res)[4], bool prefetch);
-void gguf_decode_row(const GRow& row, int64_t k, uint16_t* w);
 
 // ------------------------------------------------------------------------- the op (moe_experts_q4*.cpp)
 

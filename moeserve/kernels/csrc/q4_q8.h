@@ -26,8 +26,13 @@
 // Activations are stored per span (kSpanBytes): q in that byte order [64 int8], corr [16 int32] = -8 * the sum of
 // lane l's 4 q (so isum = corr + sum n q: vpdpbusd's unsigned x signed bytes), d_x per lane [16 fp32].
 //
-// Implementations: AVX-512 VNNI (vpdpbusd on 64 nibbles per row and span), AVX2 (vpmaddubsw then vpmaddwd on each
-// half: the same int32 lanes, no saturation as 15 * 127 * 2 < 2^15), scalar (the reference, any CPU).
+// Implementations, by the build's ISA: AVX-512 VNNI (vpdpbusd on 64 nibbles per row and span), AVX2 (vpmaddubsw then
+// vpmaddwd on each half: the same int32 lanes, no saturation as 15 * 127 * 2 < 2^15), NEON with the dot product
+// extension (__ARM_FEATURE_DOTPROD: -mcpu=native on Graviton 2+, Grace, Apple M1+; SDOT, 4 lanes of 4 products per
+// instruction), NEON without it (any aarch64: SMULL, then ADDP and SADALP summing each lane's 4 products), scalar (the
+// reference, any CPU; MOESERVE_Q8_FORCE_SCALAR forces it). Integer sums are exact and the fp32 operations IEEE under
+// the caller's FP mode on every path, so the ISAs agree bit for bit (x86 levels and aarch64 under qemu: tests/kernels/
+// test_aarch64_qemu.py); the NEON paths are not timed on ARM hardware.
 #pragma once
 
 #include <cfloat>
@@ -41,6 +46,9 @@
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(MOESERVE_Q8_FORCE_SCALAR)
 #define MOESERVE_Q8_AVX2 1
 #include <immintrin.h>
+#elif defined(__aarch64__) && defined(__ARM_NEON) && !defined(MOESERVE_Q8_FORCE_SCALAR)
+#define MOESERVE_Q8_NEON 1
+#include <arm_neon.h>
 #else
 #define MOESERVE_Q8_SCALAR 1
 #endif
@@ -57,6 +65,10 @@ inline const char* implementation() {
   return "avx512vnni";
 #elif defined(MOESERVE_Q8_AVX2)
   return "avx2";
+#elif defined(MOESERVE_Q8_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  return "neon-dotprod";
+#elif defined(MOESERVE_Q8_NEON)
+  return "neon";
 #else
   return "scalar";
 #endif
@@ -238,6 +250,60 @@ inline void dots4(const uint8_t* const* codes, const uint16_t* const* scales, in
       _mm256_store_ps(lanes + 8, acc[m][r][1]);
       res[m][r] = halving_sum16(lanes);
     }
+}
+
+#elif defined(MOESERVE_Q8_NEON)
+
+// Lanes 4j .. 4j + 3 of a span: isum = corr + the sums of 4 products of the quad's 16 code and q bytes (lane order).
+inline int32x4_t quad_isum(int8x16_t w, int8x16_t q, int32x4_t corr) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(corr, w, q);  // SDOT
+#else  // products of byte pairs summed (|sum| <= 2 * 15 * 127: no overflow), then pairs of those into corr
+  return vpadalq_s16(corr, vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(q)), vmull_high_s8(w, q)));
+#endif
+}
+
+// One input per pass over the 4 rows (16 quads of accumulators; later passes read the rows from L1). The lanes'
+// FMLA and FMUL run under the caller's FPCR, as the x86 paths under the caller's MXCSR.
+template <int MB>
+inline void dots4(const uint8_t* const* codes, const uint16_t* const* scales, int64_t k, const uint8_t* const* xq,
+                  float (*res)[4], bool pf) {
+  const Next next(codes[0], scales[0], k);
+  const uint8x16_t low = vdupq_n_u8(0x0F);
+  const int64_t full = k / kSpan;
+  for (int m = 0; m < MB; ++m) {
+    float32x4_t acc[4][4];
+    for (auto& row : acc)
+      for (auto& quad : row) quad = vdupq_n_f32(0.0f);
+    for (int64_t s = 0; s < spans(k); ++s) {
+      if (pf && m == 0) next.fetch(s);
+      const bool half = s == full;  // block B padded: its codes read as 0, its scale 0
+      const uint8_t* sp = xq[m] + s * kSpanBytes;
+      int8x16_t q[4];
+      int32x4_t corr[4];
+      for (int j = 0; j < 4; ++j) {
+        q[j] = vld1q_s8(reinterpret_cast<const int8_t*>(sp) + 16 * j);
+        corr[j] = vld1q_s32(reinterpret_cast<const int32_t*>(sp + 64) + 4 * j);
+      }
+      float dx[16];
+      std::memcpy(dx, sp + 128, 64);
+      for (int r = 0; r < 4; ++r) {
+        const uint8x16_t c0 = vld1q_u8(codes[r] + 32 * s), c1 = half ? vdupq_n_u8(0) : vld1q_u8(codes[r] + 32 * s + 16);
+        // quads 0-3: low nibbles of block A, of block B, high nibbles of A, of B (lanes l = 4h + j + 8p)
+        const uint8x16_t w[4] = {vandq_u8(c0, low), vandq_u8(c1, low), vshrq_n_u8(c0, 4), vshrq_n_u8(c1, 4)};
+        const float sw[2] = {bf16_value(scales[r][2 * s]), half ? 0.0f : bf16_value(scales[r][2 * s + 1])};
+        for (int j = 0; j < 4; ++j) {
+          const float32x4_t d = vmulq_f32(vdupq_n_f32(sw[j & 1]), vld1q_f32(dx + 4 * j));
+          acc[r][j] = vfmaq_f32(acc[r][j], vcvtq_f32_s32(quad_isum(vreinterpretq_s8_u8(w[j]), q[j], corr[j])), d);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      float lanes[16];
+      for (int j = 0; j < 4; ++j) vst1q_f32(lanes + 4 * j, acc[r][j]);
+      res[m][r] = halving_sum16(lanes);
+    }
+  }
 }
 
 #else

@@ -11,7 +11,17 @@
 //                    uint16 gate_up [2 isz * h] and down [h * isz] (interleaved); int64 token_of [pairs];
 //                    float32 weight_of [pairs]; int64 bounds [n_exp, 2]
 //   kind 2, silu:    nothing (the output: bf16(silu(v)) for the 65536 bf16 bit patterns v, as the expert op rounds)
-// OUT: "MSHARO01", int64 length + the bf16 dot implementation's name, then per record int64 count + uint16 [count].
+//   kind 3, int4-q8: int64 m, n, k; uint16 x [m, k]; uint8 codes [n, k / 2]; uint16 scales [n, k / 32] (csrc/q4_q8.h;
+//                    n % 4 == 0). The output: each x row quantized (q4_q8.h's bytes as uint16 pairs), then the dots.
+//   kind 4, gguf:    int64 type (moeserve_q4::GType), m, n, k; uint16 x [m, k]; uint8 rows [n, row bytes]
+//                    (csrc/gguf_codes.cpp; n % 4 == 0). The output: the decoded rows (bf16 [n, k]), then the dots.
+//                    Dots (kinds 3, 4): for mb = 1 .. 4, [m, n] fp32 as uint16 pairs, each block of 4 rows against
+//                    the inputs in groups of mb (the last one smaller), as the expert op calls them.
+//                    A NaN (dot or decoded weight) is written as the one quiet NaN: only its payload may differ.
+// OUT: "MSHARO01", int64 length + the implementations' names ("<bf16 dot> <int4-q8 dot> <gguf decode>"), then per
+// record int64 count + uint16 [count].
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,7 +30,9 @@
 #include <vector>
 
 #include "dense_gemv_core.h"
+#include "gguf_codes.h"
 #include "moe_interleaved.h"
+#include "q4_q8.h"
 
 namespace {
 
@@ -82,6 +94,83 @@ std::vector<uint16_t> silu_table() {
   return y;
 }
 
+void put_f32(std::vector<uint16_t>& y, float v) {
+  const uint32_t u = std::isnan(v) ? 0x7FC00000u : moeserve_csrc::f_to_bits(v);
+  y.push_back(static_cast<uint16_t>(u & 0xFFFFu));
+  y.push_back(static_cast<uint16_t>(u >> 16));
+}
+
+// The dots section of kinds 3 and 4: dots4(block, inputs, count, res) computes one call's [count][4].
+template <typename Dots4>
+void dots_by_group(std::vector<uint16_t>& y, int64_t m, int64_t n, Dots4&& dots4) {
+  std::vector<float> d(static_cast<size_t>(m * n));
+  for (int mb = 1; mb <= 4; ++mb) {
+    for (int64_t b = 0; b < n / 4; ++b)
+      for (int64_t t0 = 0; t0 < m; t0 += mb) {
+        const int g = static_cast<int>(std::min<int64_t>(mb, m - t0));
+        float res[4][4];
+        dots4(b, t0, g, res);
+        for (int t = 0; t < g; ++t)
+          for (int r = 0; r < 4; ++r) d[(t0 + t) * n + 4 * b + r] = res[t][r];
+      }
+    for (const float v : d) put_f32(y, v);
+  }
+}
+
+std::vector<uint16_t> int4_q8(Reader& in) {
+  const int64_t m = in.i64(), n = in.i64(), k = in.i64();
+  const auto x = in.read<uint16_t>(m * k);
+  const auto codes = in.read<uint8_t>(n * k / 2);
+  const auto scales = in.read<uint16_t>(n * k / 32);
+  const int64_t qb = moeserve_q8::row_bytes(k);
+  std::vector<uint8_t> xq(static_cast<size_t>(m * qb));
+  for (int64_t t = 0; t < m; ++t) moeserve_q8::quantize_row(x.data() + t * k, k, xq.data() + t * qb);
+  std::vector<uint16_t> y(xq.size() / 2);
+  std::memcpy(y.data(), xq.data(), xq.size());
+  dots_by_group(y, m, n, [&](int64_t b, int64_t t0, int g, float (*res)[4]) {
+    const uint8_t* c[4];
+    const uint16_t* s[4];
+    const uint8_t* q[4];
+    for (int r = 0; r < 4; ++r) {
+      c[r] = codes.data() + (4 * b + r) * k / 2;
+      s[r] = scales.data() + (4 * b + r) * k / 32;
+    }
+    for (int t = 0; t < g; ++t) q[t] = xq.data() + (t0 + t) * qb;
+    moeserve_q8::rows4_dots(c, s, k, q, g, res, t0 == 0);
+  });
+  return y;
+}
+
+std::vector<uint16_t> gguf(Reader& in) {
+  const auto type = static_cast<moeserve_q4::GType>(in.i64());
+  const int64_t m = in.i64(), n = in.i64(), k = in.i64(), row_bytes = moeserve_q4::gguf_row_bytes(type, k);
+  const auto x = in.read<uint16_t>(m * k);
+  const auto rows = in.read<uint8_t>(n * row_bytes);
+  std::vector<uint16_t> y(static_cast<size_t>(n * k));
+  for (int64_t r = 0; r < n; ++r) moeserve_q4::gguf_decode_row({rows.data() + r * row_bytes, type}, k, y.data() + r * k);
+  for (uint16_t& w : y)
+    if ((w & 0x7FFFu) > 0x7F80u) w = 0x7FC0u;
+  dots_by_group(y, m, n, [&](int64_t b, int64_t t0, int g, float (*res)[4]) {
+    moeserve_q4::GRow g4[4];
+    const uint16_t* xs[4];
+    for (int r = 0; r < 4; ++r) g4[r] = {rows.data() + (4 * b + r) * row_bytes, type};
+    for (int t = 0; t < g; ++t) xs[t] = x.data() + (t0 + t) * k;
+    moeserve_q4::gguf_rows4_dots(g4, k, xs, g, res, t0 == 0);
+  });
+  return y;
+}
+
+std::vector<uint16_t> record(Reader& in, int threads) {
+  switch (in.i64()) {
+    case 0: return linear(in);
+    case 1: return experts(in, threads);
+    case 2: return silu_table();
+    case 3: return int4_q8(in);
+    case 4: return gguf(in);
+    default: Reader::fail("bad kind");
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -92,15 +181,14 @@ int main(int argc, char** argv) {
   if (in.f == nullptr || out == nullptr) Reader::fail("cannot open the input or the output");
   char magic[8];
   if (std::fread(magic, 1, 8, in.f) != 8 || std::memcmp(magic, "MSHARN01", 8) != 0) Reader::fail("not a harness input");
-  const std::string isa = moeserve_canon::implementation();
+  const std::string isa = std::string(moeserve_canon::implementation()) + " " + moeserve_q8::implementation() + " " +
+                          moeserve_q4::gguf_implementation();
   const int64_t len = static_cast<int64_t>(isa.size());
   std::fwrite("MSHARO01", 1, 8, out);
   std::fwrite(&len, 8, 1, out);
   std::fwrite(isa.data(), 1, isa.size(), out);
   for (int64_t i = 0, records = in.i64(); i < records; ++i) {
-    const int64_t kind = in.i64();
-    const std::vector<uint16_t> y = kind == 0 ? linear(in) : kind == 1 ? experts(in, threads) : kind == 2 ? silu_table()
-                                                                                              : (Reader::fail("bad kind"), std::vector<uint16_t>());
+    const std::vector<uint16_t> y = record(in, threads);
     const int64_t count = static_cast<int64_t>(y.size());
     std::fwrite(&count, 8, 1, out);
     std::fwrite(y.data(), 2, y.size(), out);
