@@ -27,7 +27,7 @@ macros (``__AVX512BF16__``, ``__AVX2__``, ``__ARM_NEON``, ...), and a runtime CP
 only ever narrows that, so a ``target``-attribute AVX-512 function is never chosen in an avx2 build. Each level is
 its own cached library (the flags are part of the key). x86 intrinsics are guarded by their ISA macros, so every
 source compiles for aarch64 (tests/kernels/test_aarch64_qemu.py cross-compiles them, and runs the canonical ops'
-numeric cores under qemu-aarch64 against the x86 builds).
+numeric cores and the 4-bit expert op's dots under qemu-aarch64 against the x86 builds).
 
 Build: ``g++ -O3 <ISA flags> -fopenmp -fPIC -shared -std=c++20`` against the running torch's headers and
 libraries (``-D_GLIBCXX_USE_CXX11_ABI`` matching torch, rpath to torch/lib, so libgomp is torch's own). ``CXX``

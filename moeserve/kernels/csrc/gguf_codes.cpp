@@ -27,8 +27,11 @@
 // Per ISA:
 //   AVX512-BF16  a chunk of 4 rows decoded to 4 x 32 bf16 in registers (MXFP4: one vpermw over the exponent's table
 //                of 16 bf16), then vdpbf16ps for up to 4 inputs
-//   any other    the 4 rows decoded by the scalar reference into a per-thread 4-row block (canonical_dot.h's block
-//                layout), then canonical_dot.h's block4_dots for the inputs: AVX2, NEON and scalar dots
+//   NEON         the 4 rows decoded by NEON (the scalar reference's operations on 4 lanes, the same bits) into a
+//                per-thread 4-row block (canonical_dot.h's block layout), then canonical_dot.h's NEON block4_dots
+//   any other    the same with the scalar reference's decode: AVX2 and scalar dots
+// gguf_implementation() names the decode. Every ISA gives the same bits: the x86 levels and aarch64 under qemu
+// (tests/kernels/test_aarch64_qemu.py, which builds this file alone); the NEON path is not timed on ARM hardware.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
