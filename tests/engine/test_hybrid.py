@@ -84,7 +84,7 @@ def test_hybrid_placements_equal_resident(folder_of, three_tiers, monkeypatch, p
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "gpt_oss", "int8",
-                                  "nvfp4-ct", "mxfp4-gpt-oss", "gguf-gpt-oss"])
+                                  "nvfp4-ct", "mxfp4-gpt-oss"])
 def test_hybrid_mixed_placement_every_canonical_family_and_format(folder_of, three_tiers, monkeypatch,
                                                                    case: str) -> None:
     settings = {"quantization": "int8"} if case == "int8" else {}
