@@ -5,7 +5,8 @@ CI keeps only the tail of a run's output and stops it at its time limit. With `-
 dots and `F`s and nothing else, so this plugin writes one line per failure as it happens (`FAILED <test> (<phase>,
 <s> s): <last line of the error>`), one per test over `LONG_TEST_S`, and stops a test still running after
 `HANG_S` (faulthandler dumps every thread's stack first; SIGALRM then raises in the test, which fails and the run
-goes on). No test may take that long: it is a hang guard, not a speed limit.
+goes on). No test may take that long: it is a hang guard, not a speed limit. With MOESERVE_TEST_TIMES=FILE, each
+test's seconds are appended to FILE as it ends (where the time went, even in a run that was stopped).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 
 HANG_S = 600  # a test still running after this is stopped (a hang: the slowest test takes about a minute)
 LONG_TEST_S = 120.0  # a test over this is named the moment it ends
+TIMES_VARIABLE = "MOESERVE_TEST_TIMES"  # a file: each test's seconds (setup + call + teardown) appended as it ends
 
 
 class TestHung(Exception):
@@ -45,6 +47,7 @@ class RunWatch:
     def __init__(self, config: pytest.Config, hang_s: int = HANG_S, long_s: float = LONG_TEST_S) -> None:
         self.config, self.hang_s, self.long_s = config, hang_s, long_s
         self.seconds: dict[str, float] = {}
+        self.times_file = os.environ.get(TIMES_VARIABLE)
         # the terminal's stderr, taken before a test's output is captured: a stack dump must reach the log at once
         self.stderr = os.fdopen(os.dup(sys.stderr.fileno()), "w")
 
@@ -81,3 +84,6 @@ class RunWatch:
             self._say(f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s): {_what(report)[:300]}")
         if report.when == "teardown" and self.seconds[report.nodeid] > self.long_s:
             self._say(f"long test: {report.nodeid} took {self.seconds[report.nodeid]:.0f} s")
+        if report.when == "teardown" and self.times_file:  # each test's seconds as it ends (a run cut off keeps them)
+            with open(self.times_file, "a") as f:
+                f.write(f"{self.seconds[report.nodeid]:.2f}\t{report.nodeid}\n")
