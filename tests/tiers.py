@@ -27,6 +27,8 @@ TESTS = Path(__file__).resolve().parent
 # cores shared at a load of 5-8, where the tests left in the fast tier took 471 s (215 s on the same cores quiet).
 SLOW: dict[str, str] = {
     "engine/test_parity_transformers.py": "every architecture's batched greedy decode against transformers (470 s)",
+    "models/test_deepseek_v4_serving.py": "DeepSeek-V4 against transformers and through the exactness driver (55 s "
+        "at a load of 5)",
     "models/test_qwen4_exp.py": "Qwen3.8-Flash-Next against transformers and through the exactness driver (120 s at "
         "a load of 12)",
     "bench/test_simulate_oracle.py": "oracle prefetch simulated over the flame trace at every capacity (83 s)",

@@ -38,7 +38,6 @@ from moeserve.models.experts.kernels import choose_expert_kernel
 from moeserve.models.experts.plans import ExpertPlan
 from moeserve.models.experts.remote import serve_layer_calls
 from moeserve.models.numerics import Numerics, choose_numerics
-from moeserve.models.registry import require_served
 from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import read_model
 from moeserve.parallel.identity import digest, first_mismatch, tensor_index_digest
@@ -164,7 +163,6 @@ def run_worker(s: EngineSettings, head: str) -> int:
     if ckpt is None:
         raise ConfigError("moeserve ep-worker needs MODEL: its own local copy of the head's model")
     arch, spec = read_model(ckpt)
-    require_served(arch, str(ckpt.path / "config.json"))
     probe = StartupProbe(fix_mmap_threshold())
     with start_up_errors():
         link, store, kernel, mine = _join(s, ckpt, arch, spec, probe, head, budget)

@@ -37,7 +37,6 @@ from moeserve.memory.rss import fix_mmap_threshold
 from moeserve.models.experts.remote import EpShare
 from moeserve.models.layers.base import ForwardBatch
 from moeserve.models.model import MoeModel, build_model
-from moeserve.models.registry import require_served
 from moeserve.models.spec import ModelSpec
 from moeserve.models.validate import read_model
 from moeserve.preflight import check_engine_settings
@@ -88,7 +87,6 @@ class LLMEngine:
             log.info("model: none given, using the bundled demo model %s", model_path)
         self.checkpoint = ckpt = open_checkpoint(model_path)
         self.arch, self.spec = read_model(ckpt)  # config bounds and tensor shapes checked: nothing sized yet
-        require_served(self.arch, str(ckpt.path / "config.json"))
         probe = StartupProbe(fix_mmap_threshold())  # before the tokenizer and the weights allocate
         self.tokenizer = None
         if not s.skip_tokenizer_init:

@@ -18,15 +18,7 @@ from moeserve.memory.split import LEN_MULTIPLE, MIN_CONTEXT, MemoryNeeds, activa
 from moeserve.models.experts.kernels import batched_workspace_bytes
 from moeserve.models.mixers.gated_delta_rule import CHUNK
 from moeserve.models.mixers.mamba2_ssd import CHUNK as MAMBA_CHUNK
-from moeserve.state.kinds import (
-    CompressedKV,
-    CompressorWindow,
-    IndexedLatentKV,
-    LatentKV,
-    NgramState,
-    RecurrentState,
-    SharedKVWindow,
-)
+from moeserve.state.kinds import IndexedLatentKV, LatentKV, NgramState, RecurrentState
 from moeserve.state.kv_cache import KVGroup, fixed_pool_bytes, kv_groups
 
 
@@ -46,8 +38,10 @@ def memory_needs(spec, s: EngineSettings, dtype: torch.dtype, groups: Sequence[K
     kv_width = (a.num_heads if a.sinks else a.num_kv_heads) * a.head_dim
     o = spec.attention_override  # its layers' own tables beside the model's (Gemma-4's global layers)
     rotary_dims = spec.attention.head_dim + (o.attention.head_dim if o else 0)
-    if spec.compressed is not None:  # DeepSeek-V4: one K=V row read once per entry; entries: context / ratio
-        kv_width = -(-a.head_dim // (2 * min((r for r in spec.compressed.ratios if r), default=1)))
+    if spec.compressed is not None:  # DeepSeek-V4: a query block gathers its sequence's cache rows (the widest)
+        from moeserve.models.mixers.compressed_mixer import row_width
+
+        kv_width = max(row_width(spec, L) for L in range(spec.num_layers))
         rotary_dims = 2 * spec.rope.rotary_dim(a.head_dim)  # the main and the compressed layers' tables
     acts = activation_bytes(batched_tokens, spec.hidden_size, m.intermediate_size or 0, m.top_k,
                             (a.num_heads + 2 * a.num_kv_heads) * a.head_dim, spec.vocab_size, s.max_num_seqs,
@@ -100,23 +94,15 @@ def spec_kv_groups(spec, snapshots: int = 0) -> list[KVGroup]:  # noqa: ANN001 -
 
 
 def compressed_kv_groups(spec) -> list[KVGroup]:  # noqa: ANN001 - ModelSpec
-    """DeepSeek-V4 (ModelSpec.compressed): every layer's window of shared key=value rows; per compression ratio, the
-    pooled entries (with the indexer's keys where it has one) and the compressors' open windows (the projections of
-    up to `ratio` tokens: kv and gate, two series each where windows overlap, the indexer's too, and the previous
-    window's first series). The entry and window groups have layer ids past the model's (num_layers + layer,
-    2 x num_layers + layer), as the n-gram state's."""
-    ca, a, n = spec.compressed, spec.attention, spec.num_layers
-    groups = [KVGroup(SharedKVWindow(ca.window, a.head_dim), tuple(range(n)))]
-    for ratio in sorted({r for r in ca.ratios if r}):
-        for indexed in (True, False):
-            layers = tuple(L for L in range(n) if ca.ratios[L] == ratio and ca.indexed[L] == indexed)
-            if not layers:
-                continue
-            index_width = ca.index_head_dim if indexed else 0
-            values = 6 * (a.head_dim + index_width) if indexed else 2 * a.head_dim
-            groups.append(KVGroup(CompressedKV(ratio, a.head_dim, index_width), tuple(n + L for L in layers)))
-            groups.append(KVGroup(CompressorWindow(conv_shape=(ratio, values)), tuple(2 * n + L for L in layers)))
-    return groups
+    """DeepSeek-V4 (ModelSpec.compressed): per layer one cache row per token (models/mixers/compressed_mixer.py
+    row_width: its key=value row and its compressors' projections), paged as latent rows; one group per width (the
+    sliding, heavily compressed and compressed sparse layers)."""
+    from moeserve.models.mixers.compressed_mixer import row_width
+
+    widths: dict[int, list[int]] = {}
+    for L in range(spec.num_layers):
+        widths.setdefault(row_width(spec, L), []).append(L)
+    return [KVGroup(LatentKV(width), tuple(layers)) for width, layers in widths.items()]
 
 
 def _latent_kind(spec) -> LatentKV | None:  # noqa: ANN001 - ModelSpec

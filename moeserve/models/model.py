@@ -44,9 +44,12 @@ from moeserve.models.layers.block_parts import NoMixer, NoMLP, NoRotary, Relu2ML
 from moeserve.models.layers.hyper import GatedResidual
 from moeserve.models.layers.hyper_layer import HyperLayers
 from moeserve.models.layers.linear import Linear
+from moeserve.models.layers.mhc_layer import ClampedMLP
 from moeserve.models.layers.sandwich import GeGLUMLP
 from moeserve.models.loader import WeightLoader
+from moeserve.models.mhc_build import compressed_ropes, mhc_layer, mhc_pass
 from moeserve.models.mixers.attention import Attention
+from moeserve.models.mixers.compressed_mixer import Ropes, build_compressed_attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mixers.mla import MlaAttention, build_mla
@@ -79,7 +82,7 @@ class ModelOptions:
 class MoeModel:
     def __init__(self, spec: ModelSpec, embed: torch.Tensor, layers: list[DecoderLayer], final_norm: torch.Tensor,
                  head: Linear | None, store: ExpertStore, resident_bytes: int, options: ModelOptions,
-                 final_mixer: GatedResidual | None = None) -> None:
+                 final_mixer: GatedResidual | None = None, layer_pass: LayerPass | None = None) -> None:
         """`head`: the LM head, or None when tied to the embedding (lookups need the table as it is);
         `final_mixer`: with hyper-connections (ModelSpec.hyper), the gated residual before the head (no final norm)."""
         self.spec, self.embed, self.layers = spec, embed, layers
@@ -91,7 +94,8 @@ class MoeModel:
         self.norm = RMS_NORMS[spec.norm_style][0]
         eps = spec.rms_norm_eps
         fused_norms = options.numerics.cpp and all(layer.fuses_norms for layer in layers)
-        self.layer_pass: LayerPass = (HyperLayers(layers, final_mixer) if final_mixer is not None else
+        self.layer_pass: LayerPass = (layer_pass if layer_pass is not None else
+                                      HyperLayers(layers, final_mixer) if final_mixer is not None else
                                       CppLayers(layers, final_norm, eps, scales_in_fp32(spec.norm_style))
                                       if fused_norms else TorchLayers(layers, final_norm, self.norm, eps))
         # Gemma: the rows times sqrt(hidden) cast to the compute dtype first, as transformers' scaled embedding
@@ -230,13 +234,15 @@ def build_model(
                               replace(store_options or StoreOptions(policy=cache_policy), prefetch=False,
                                       host_capacity=0, cache_mode="shared"))
              if spec.ngram is not None else None)
+    ropes = compressed_ropes(spec, max_len, device) if spec.compressed is not None else None
     layers = [_build_layer(load, arch, spec, L, other if o is not None and L in o.layers else rotary, store, kernel,
-                           opts, table) for L in range(spec.num_layers)]
+                           opts, table, ropes) for L in range(spec.num_layers)]
     choices += _layer_choices(ckpt, arch, spec, layers, load)
-    final_norm = _norm(load, names.final_norm, spec) if spec.hyper is None else torch.empty(0)
+    final_norm = _norm(load, names.final_norm, spec) if spec.hyper is None and spec.mhc is None else torch.empty(0)
+    streams = mhc_pass(load, arch, spec, layers, opts) if spec.mhc is not None else None
     final_mixer = gated_residual(load, spec, names.hc_final, False, opts) if spec.hyper is not None else None
     head = _lm_head(load, ckpt, names, spec, embed, opts.dense_int8)
-    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts, final_mixer)
+    model = MoeModel(spec, embed, layers, final_norm, head, store, load.resident_bytes, opts, final_mixer, streams)
     model.ngram_table = table
     if store.prefetcher is not None:
         link_prefetch(model.moe_blocks)
@@ -323,14 +329,14 @@ def _int8_summary(asked: ModelOptions, opts: ModelOptions, int8_linears: int, dt
 
 def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,  # noqa: PLR0913
                  store: ExpertStore, kernel: ExpertKernel, opts: ModelOptions,
-                 table: NgramTable | None = None) -> DecoderLayer:
+                 table: NgramTable | None = None, ropes: Ropes | None = None) -> DecoderLayer:
     """Read layer L's resident weights (attention or linear attention, norms, router, dense or shared MLP)."""
     names, h = arch.names, spec.hidden_size
 
     def n(template: str) -> str:
         return template.format(L=L)
 
-    attn = _token_mixer(load, arch, spec, L, rotary, opts)
+    attn = _token_mixer(load, arch, spec, L, rotary, opts, ropes)
     mlp: MLP
     if L in spec.mlpless_layers:
         mlp = NoMLP()
@@ -359,6 +365,8 @@ def _build_layer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
                          spec.dense_intermediate_size, opts)
     if spec.hyper is not None:
         return hyper_layer(load, arch, spec, L, attn, mlp, opts, table)
+    if spec.mhc is not None:
+        return mhc_layer(load, arch, spec, L, attn, mlp, opts)
     if spec.sandwich is not None:
         dense = (_dense_mlp(load, spec, (names.dense_gate, names.dense_up, names.dense_down), L,
                             spec.dense_intermediate_size, opts) if spec.moe_layers[L] else None)
@@ -379,12 +387,15 @@ def _dense_mlp(load: WeightLoader, spec: ModelSpec, names: tuple[str, str, str],
     h = spec.hidden_size
     if spec.mlp_kind == "relu2":
         return Relu2MLP(load.linear(up, width, h), load.linear(down, h, width), opts.numerics)
+    if spec.moe.expert_kind == "swiglu_clamp" and spec.moe.swiglu_limit is not None:  # DeepSeek-V4's shared expert
+        return ClampedMLP(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
+                          spec.moe.swiglu_limit, opts.numerics)
     return (GeGLUMLP if spec.mlp_kind == "geglu" else DenseMLP)(load.linear(gate, width, h), load.linear(up, width, h), load.linear(down, h, width),
                     opts.numerics)
 
 
 def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int, rotary: Rotary,
-                 opts: ModelOptions) -> TokenMixer:
+                 opts: ModelOptions, ropes: Ropes | None = None) -> TokenMixer:
     """Layer L's token mixer: linear attention (spec.linear_attention), latent attention (spec.mla) or softmax
     attention with per-head keys and values."""
     if L in spec.mixerless_layers:
@@ -393,6 +404,8 @@ def _token_mixer(load: WeightLoader, arch: Architecture, spec: ModelSpec, L: int
         return build_mamba(load, arch, spec, L, opts.numerics)
     if not spec.attention_layers[L]:
         return build_gated_delta(load, arch, spec, L, opts.numerics)
+    if spec.compressed is not None and ropes is not None:
+        return build_compressed_attention(load, arch, spec, L, ropes, opts.numerics)
     if spec.mla is not None:
         return build_mla(load, arch, spec, L, rotary, opts.numerics)
     if spec.qsa is not None:

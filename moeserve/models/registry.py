@@ -123,9 +123,6 @@ class Architecture(ABC):
     # Checkpoint tensors not served, by name prefix, and why (a vision tower, multi-token-prediction layers): never
     # read, counted in no resident size, named in the start-up log (models/validate.py is_skipped)
     unserved: ClassVar[tuple[tuple[str, str], ...]] = ()
-    # An architecture `plan` and `inspect` size from config.json but the engine does not serve yet: what serving it
-    # needs (the engine refuses it in one line saying so: `require_served`); empty when served
-    not_served: ClassVar[str] = ""
 
     @abstractmethod
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
@@ -143,13 +140,6 @@ def register(cls: type[Architecture]) -> type[Architecture]:
     """Class decorator adding an architecture to the registry under its config.json name."""
     _REGISTRY[cls.name] = cls()
     return cls
-
-
-def require_served(arch: Architecture, where: str) -> None:
-    """UnsupportedModelError (one line) for an architecture sized but not served yet (Architecture.not_served)."""
-    if arch.not_served:
-        raise UnsupportedModelError(f"{where}: architecture {arch.name} is not served yet: it needs "
-                                    f"{arch.not_served}")
 
 
 def supported_architectures() -> list[str]:

@@ -12,10 +12,6 @@ manager (state/manager.py) does the rest the same way for every kind.
   `index_width` values per token and layer on the same blocks (paged, cached and recomputed with the latent).
 - `SlidingWindow(window)`: a token attends to the last `window` positions only; blocks that fall out of the
   window are freed as the sequence advances.
-- `SharedKVWindow(window, width)`: a sliding window of one key=value row per token (DeepSeek-V4), and beside it
-  `CompressedKV(ratio, width, index_width)`, one pooled entry per `ratio` tokens for the sequence's whole length,
-  and `CompressorWindow`, the compressor's not yet pooled tokens per sequence (sized by `moeserve plan`; the model
-  is not served yet).
 - `RecurrentState`: a fixed-size state per sequence (linear attention, SSM): one block per sequence whatever its
   length (its "block" is the sequence's state slot, allocated at admission, freed at finish or preemption). A state
   is only valid at the position it was left at, so its prefixes are cached as snapshots: copies of a sequence's
@@ -218,44 +214,6 @@ class NgramState(RecurrentState):
 
     name = "n-gram state"
     decode_differs = False  # one formula for every token
-
-
-class SharedKVWindow(SlidingWindow):
-    """A sliding window whose one key head is also its value (DeepSeek-V4): one `width`-value row per token."""
-
-    def __init__(self, window: int, width: int) -> None:
-        super().__init__(window)
-        self.width = width
-        self.name = f"sliding window {window}, one shared key=value row of {width} values"
-
-    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        return num_layers * block_size * self.width * itemsize
-
-
-class CompressedKV(FullAttention):
-    """DeepSeek-V4's compressed entries: per `ratio` tokens of a sequence one `width`-value entry and, in layers with
-    an indexer, one `index_width`-value indexer key, kept for the sequence's whole length. A block of block_size
-    tokens is sized as holding its block_size / ratio entries (rounded up in bytes). Not shared between sequences
-    yet: no prefix caching."""
-
-    caches_prefixes = False
-
-    def __init__(self, ratio: int, width: int, index_width: int = 0) -> None:
-        self.ratio, self.width, self.index_width = ratio, width, index_width
-        indexed = f" + indexer keys ({index_width} values)" if index_width else ""
-        self.name = f"compressed entries (one of {width} values{indexed} per {ratio} tokens)"
-
-    def block_bytes(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-        return num_layers * -(-block_size * (self.width + self.index_width) * itemsize // self.ratio)
-
-
-class CompressorWindow(RecurrentState):
-    """The open window of a DeepSeek-V4 compressor: per sequence and layer, the projections (`conv_shape`: window
-    slots x values, compute dtype) of the tokens not yet pooled into an entry, and of the previous window where
-    windows overlap. One formula for every token, as the n-gram state."""
-
-    name = "compressor window"
-    decode_differs = False
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -1,6 +1,7 @@
 """DeepSeek-V4 (models/archs/deepseek_v4.py): the spec read from both config.json spellings, its stored formats
 (FP8 with E8M0 scales, MXFP4 experts as DeepSeek ships them) against transformers' decoders, `plan` from the
-published config alone at 24 and 64 GB, and the engine's one-line refusal (sized, not served yet). The tensor map
+published config alone at 24 and 64 GB, and the served model's parts against transformers' (its engine runs:
+tests/models/test_deepseek_v4_serving.py). The tensor map
 against the headers transformers writes: tests/cli/test_config_only.py (case deepseek_v4)."""
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeserve.errors import UnsupportedModelError
 from moeserve.formats.catalog import DeepseekMxfp4Format, Fp8BlockE8m0Format
 from moeserve.formats.quant_config import load_quant_scheme
-from moeserve.models.registry import get_architecture, require_served
+from moeserve.models.registry import get_architecture
 from tests.cli.test_config_only import _lines
 from tests.fixtures.deepseek_v4 import TINY, published_config
 
@@ -110,13 +110,6 @@ def test_plan_from_the_published_config_at_24_and_64_gb(experts: int, tmp_path: 
         state = next(line for line in lines if line.startswith("sequence state:"))
         assert int(state.split()[2]) > 0, state  # bytes/token of the compressed entries
     assert 0 < placed[24] and 3 * placed[24] < placed[64] < 43 * experts, placed
-
-
-def test_the_engine_refuses_it_in_one_line() -> None:
-    arch = get_architecture(published_config(), "config.json")
-    with pytest.raises(UnsupportedModelError, match="DeepseekV4ForCausalLM is not served yet: it needs") as err:
-        require_served(arch, "config.json")
-    assert "\n" not in str(err.value)
 
 
 def _routers(dtype: torch.dtype):

@@ -15,7 +15,8 @@ past the last: the MTP layer's; num_hash_layers; qk_rope_head_dim; rope_scaling 
 Checkpoint names: DeepSeek's own (attn.wq_a, ffn.experts.{E}.w1, hc_attn_fn ...) under `model.` as transformers'
 save_pretrained writes them; the published checkpoint's MTP module (mtp.*) is not served.
 
-Sized (plan, inspect) from config.json; not served yet (Architecture.not_served says what that needs).
+The layers: models/mixers/compressed_mixer.py (attention, torch only), models/layers/mhc_layer.py (the streams),
+models/experts/moe.py (SqrtSoftplus, HashRouting), expert kind swiglu_clamp (models/experts/plans.py).
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ from moeserve.models.spec import (
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 _RATIO_TYPES = {0: SLIDING, 4: CSA, 128: HCA}  # the published compress_ratios, as transformers reads them
-NOT_SERVED = ("its compressed attention (ratios 4 and 128, an indexer, sinks, a sliding window, a shared K=V head, "
-              "the grouped low-rank output), manifold-constrained hyper-connections and hash-routed MoE layers "
-              "in the model; plan and inspect size it")
-
 _L = "model.layers.{L}"
 NAMES = WeightNames(
     lm_head="head",
@@ -163,7 +160,6 @@ class DeepseekV4(Architecture):
     name = "DeepseekV4ForCausalLM"
     names = NAMES
     unserved = (("mtp.", "the multi-token-prediction module (mtp.*): not used for decoding"),)
-    not_served = NOT_SERVED
 
     def spec(self, config: dict[str, Any], where: str) -> ModelSpec:
         return deepseek_v4_spec(self.name, config, where)

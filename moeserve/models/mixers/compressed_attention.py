@@ -8,7 +8,7 @@ it: the queries of positions [first, first + r) of one sequence against
   transformers' torch.topk picks either of two equal scores);
 
 with a learned sink per head in the softmax; the output's rotary part rotated back, then the grouped low-rank
-output projection (`grouped_output`). Pure functions of the block's tensors; not yet wired into a TokenMixer.
+output projection (`grouped_output`). Pure functions of the block's tensors (compressed_mixer.py runs them).
 """
 
 from __future__ import annotations
