@@ -1,7 +1,8 @@
 """DeepSeek-V4 served (models/mixers/compressed_mixer.py, models/layers/mhc_layer.py) on tiny checkpoints transformers
 writes (tests/fixtures/deepseek_v4.py TINY: a sliding, two compressed sparse and a heavily compressed layer, a
 hash-routed layer, two streams): fp32 greedy tokens and logprobs against transformers' own forward, and in the
-default bf16 offloaded == resident, chunked == one pass, batched and preempted == alone, bit for bit.
+default bf16 offloaded == resident, chunked == one pass, prefix hit == miss, batched and preempted == alone, bit for
+bit.
 
 Ties: transformers' indexer takes torch.topk of its scores, which picks either of two equal ones; moeserve the
 earlier entry. The checkpoint has 16 indexer heads (a score of exactly 0, the usual tie, needs all 16 relu(q . k)
@@ -20,6 +21,7 @@ from tests.models.exactness import (
     assert_chunked_equals_one_pass,
     assert_matches_transformers,
     assert_offloaded_equals_resident,
+    assert_prefix_hit_equals_cold,
     random_prompts,
     run_alone,
     run_together,
@@ -48,11 +50,12 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny: dict[str, Path]) ->
     assert "compressed entries" in choices["attention"] if "attention" in choices else True
 
 
-def test_bf16_offloaded_chunked_batched_equal_resident(tiny: dict[str, Path]) -> None:
+def test_bf16_offloaded_chunked_prefix_hit_batched_equal_resident(tiny: dict[str, Path]) -> None:
     folder = tiny["bfloat16"]
     resident = run_together(folder, PROMPTS)
     assert_offloaded_equals_resident(folder, PROMPTS, resident, units=4)
     assert_chunked_equals_one_pass(folder, PROMPTS[0], (16,))
+    assert_prefix_hit_equals_cold(folder, PROMPTS[0], PROMPTS[0][:16] + PROMPTS[2], shared=16)
     solo = run_alone(folder, PROMPTS, max_model_len=64)
     assert_batched_and_preempted_equal_solo(folder, [(0, PROMPTS[0]), (0, PROMPTS[1]), (2, PROMPTS[2])], kv_blocks=5,
                                             steps=6, max_model_len=64, solo=solo)
