@@ -49,7 +49,7 @@ from moeserve.models.layers.sandwich import GeGLUMLP
 from moeserve.models.loader import WeightLoader
 from moeserve.models.mhc_build import compressed_ropes, mhc_layer, mhc_pass
 from moeserve.models.mixers.attention import Attention
-from moeserve.models.mixers.compressed_mixer import Ropes, build_compressed_attention
+from moeserve.models.mixers.compressed_mixer import CompressedAttention, Ropes, build_compressed_attention
 from moeserve.models.mixers.gated_delta import GatedDeltaNet, build_gated_delta
 from moeserve.models.mixers.mamba2 import Mamba2Mixer, build_mamba
 from moeserve.models.mixers.mla import MlaAttention, build_mla
@@ -267,7 +267,8 @@ def _layer_choices(ckpt: Checkpoint, arch: Architecture, spec: ModelSpec, layers
                         f"num_mtp_modules): the multi-token-prediction layers past the {spec.num_layers} served are not loaded ({len(skipped)} tensors, "
                         f"{sum(skipped) / 2**20:.1f} MiB in the checkpoint); greedy decoding does not use them"))
     choices += _unserved(ckpt, arch) + _activation_scales(ckpt, load.scheme)
-    for kind, what in ((Attention, "attention"), (MlaAttention, "latent attention"), (QsaAttention, "sparse attention")):
+    for kind, what in ((Attention, "attention"), (MlaAttention, "latent attention"), (QsaAttention, "sparse attention"),
+                       (CompressedAttention, "compressed attention")):
         found = [layer.attn for layer in layers if isinstance(layer.attn, kind)]
         if found:
             choices.append((what, f"{len(found)} layers; {found[0].describe()}"))  # type: ignore[attr-defined]

@@ -78,7 +78,8 @@ class CompressedAttention(TokenMixer):
         self.compress_rope, self.eps, self.numerics = ropes.compress, spec.rms_norm_eps, numerics
 
     def describe(self) -> str:
-        return "torch: the window, the compressed entries and the indexer's choice per aligned query block"
+        return ("torch: per aligned query block, the sliding window and the compressed entries (pooled from the cached "
+                "rows) the indexer chooses, with sinks")
 
     def linears(self) -> list[Linear]:
         extra = [lin for pair in (self.projections, self.index_projections) if pair is not None for lin in pair]
