@@ -252,7 +252,8 @@ class Fp8BlockE8m0Format(Fp8BlockFormat):
         return {"weight": ("F8_E4M3", shape), "scale": ("F8_E8M0", fp8_block_scale_shape(shape, self.block_size))}
 
     def dequantize(self, tensors: Mapping[str, Tensor], out: Tensor) -> None:
-        scale = torch.ldexp(torch.ones((), dtype=torch.float32), e8m0_as_uint8(tensors["scale"]).to(torch.int32) - 127)
+        exponents = e8m0_as_uint8(tensors["scale"]).to(torch.int32) - 127
+        scale = torch.ldexp(torch.ones(exponents.shape, dtype=torch.float32), exponents)
         dequantize_fp8_block(tensors["weight"], scale, out, self.block_size)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4
+from tests.fixtures.deepseek_v4 import write_tiny_deepseek_v4, write_tiny_shipped
 from tests.models.exactness import (
     assert_batched_and_preempted_equal_solo,
     assert_chunked_equals_one_pass,
@@ -59,3 +59,12 @@ def test_bf16_offloaded_chunked_prefix_hit_batched_equal_resident(tiny: dict[str
     solo = run_alone(folder, PROMPTS, max_model_len=64)
     assert_batched_and_preempted_equal_solo(folder, [(0, PROMPTS[0]), (0, PROMPTS[1]), (2, PROMPTS[2])], kv_blocks=5,
                                             steps=6, max_model_len=64, solo=solo)
+
+
+def test_shipped_formats_serve_offloaded_as_resident(tmp_path: Path) -> None:
+    """As DeepSeek-V4-Flash ships (E8M0-scaled FP8 Linears dequantized at load, MXFP4 experts kept so in every tier
+    and dequantized at use): 4 expert slots give the all-resident run's logits and tokens bit for bit."""
+    folder = write_tiny_shipped(tmp_path / "shipped")
+    resident = run_together(folder, PROMPTS[:2])
+    assert "mxfp4-deepseek" in resident.choices["experts"]
+    assert_offloaded_equals_resident(folder, PROMPTS[:2], resident, units=4)
