@@ -16,9 +16,14 @@ from moeserve.models.experts.moe import CppSigmoidGroups, SigmoidGroups, choose_
 from moeserve.models.numerics import Numerics
 from moeserve.models.registry import get_architecture
 from moeserve.models.spec import MoeSpec
-from tests.kernels.ops import lazy_ops
+from tests.kernels.ops import cpp_ops, lazy_ops
 
 ops = lazy_ops()
+
+
+@pytest.fixture(autouse=True)
+def _kernels() -> None:
+    cpp_ops()  # CppSigmoidGroups calls torch.ops.moeserve itself: load the library (or skip) before each test
 
 CONFIGS = Path(__file__).parents[1] / "data" / "reference_configs"
 MODELS = ["DeepSeek-V3", "Kimi-K2", "GLM-4.5-Air", "Nemotron-3-Nano-30B-A3B"]
