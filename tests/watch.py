@@ -5,7 +5,7 @@ CI keeps only the tail of a run's output and stops it at its time limit. With `-
 dots and `F`s and nothing else, so this plugin writes one line per failure as it happens (`FAILED <test> (<phase>,
 <s> s): <last line of the error>`), one per test over `LONG_TEST_S`, and stops a test still running after
 `HANG_S` (faulthandler dumps every thread's stack first; SIGALRM then raises in the test, which fails and the run
-goes on). No test may take that long: it is a hang guard, not a speed limit. With MOESERVE_TEST_TIMES=FILE, each
+goes on). No test may take that long: it is a hang guard, not a speed limit. With TESTS_TIMES_FILE=FILE, each
 test's seconds are appended to FILE as it ends (where the time went, even in a run that was stopped).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 HANG_S = 600  # a test still running after this is stopped (a hang: the slowest test takes about a minute)
 LONG_TEST_S = 120.0  # a test over this is named the moment it ends
-TIMES_VARIABLE = "MOESERVE_TEST_TIMES"  # a file: each test's seconds (setup + call + teardown) appended as it ends
+TIMES_VARIABLE = "TESTS_TIMES_FILE"  # a file: each test's seconds (setup + call + teardown) appended as it ends
 
 
 class TestHung(Exception):
