@@ -15,6 +15,8 @@ def test_registry_lists_every_format():
         "int4-ct",
         "nvfp4-modelopt",
         "fp8-block",
+        "fp8-block-e8m0",
+        "mxfp4-deepseek",
         "int8-per-channel",
         *(f"gguf-{t}" for t in ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")),
     }

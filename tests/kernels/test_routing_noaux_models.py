@@ -31,8 +31,8 @@ def run(folder: Path, torch_routing: bool, dtype: str, monkeypatch: pytest.Monke
     """(logits of each step, outputs, the routing classes the model built) with kernels=cpp."""
     built: list[type] = []
 
-    def choose(spec, numerics, bias):  # noqa: ANN001, ANN202 - moe.choose_routing's signature
-        routing = choose_routing(spec, replace(numerics, cpp=numerics.cpp and not torch_routing), bias)
+    def choose(spec, numerics, bias, *rest):  # noqa: ANN001, ANN002, ANN202 - moe.choose_routing's signature
+        routing = choose_routing(spec, replace(numerics, cpp=numerics.cpp and not torch_routing), bias, *rest)
         built.append(type(routing))
         return routing
 
