@@ -63,8 +63,10 @@ def unit_nbytes() -> dict[tuple[str, str], int]:
     return {}
 
 
-@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+# bf16 (the default) resident and offloaded; fp32 resident: what an fp32 run adds is its own kernels, and the
+# offloaded runs show the store changes nothing (fp32 offloaded cost ~1 minute of CI for no other path)
+@pytest.mark.parametrize(("dtype", "offloaded"), [("bfloat16", False), ("bfloat16", True), ("float32", False)],
+                         ids=["bfloat16-resident", "bfloat16-offloaded", "float32-resident"])
 @pytest.mark.parametrize("name", MODELS)
 def test_block_size_chunking_prefix_hits_and_preemption_change_no_logit(real_checkpoint, unit_nbytes, name: str,
                                                                           dtype: str, offloaded: bool) -> None:
