@@ -23,12 +23,12 @@ import torch
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.errors import CheckpointError
 from moeserve.models.registry import get_architecture
-from tests.engine.test_parity_transformers import hf_greedy
 from tests.fixtures.checkpoints import write_gpt_oss
 from tests.fixtures.gguf_gpt_oss import write_gguf, write_reference
 from tests.models.exactness import (
     Run,
     assert_offloaded_equals_resident,
+    assert_outs_match_transformers,
     assert_same_run,
     random_prompts,
     run_together,
@@ -56,12 +56,7 @@ def _assert_transformers_tokens(got: Run, folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for prompt, (tokens, logprobs) in zip(PROMPTS, got.outs, strict=True):
-        ref_tokens, ref_logps = hf_greedy(hf, prompt, STEPS)
-        assert tokens == ref_tokens, len(prompt)
-        for lp, ref_lp in zip(logprobs, ref_logps, strict=True):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref_lp[token_id])) < 1e-4, token_id
+    assert_outs_match_transformers(got.outs, hf, PROMPTS, STEPS)
 
 
 def test_config_gives_the_checkpoints_spec(files) -> None:

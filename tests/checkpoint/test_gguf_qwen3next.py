@@ -24,10 +24,10 @@ import torch
 from moeserve.bench.checkpoints import write_tiny_checkpoint
 from moeserve.checkpoint.folder import open_checkpoint
 from moeserve.models.registry import get_architecture
-from tests.engine.test_parity_transformers import hf_greedy
 from tests.fixtures.gguf_qwen3next import write_gguf, write_reference
 from tests.models.exactness import (
     assert_offloaded_equals_resident,
+    assert_outs_match_transformers,
     assert_same_run,
     random_prompts,
     run_together,
@@ -69,12 +69,7 @@ def test_fp32_logits_equal_the_dequantized_weights_and_tokens_equal_transformers
     got = run_together(gguf, PROMPTS, STEPS, dtype="float32", kernels="torch")
     assert_same_run(got, run_together(ref, PROMPTS, STEPS, dtype="float32", kernels="torch"), "GGUF vs dequantized")
     hf = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    for prompt, (tokens, logprobs) in zip(PROMPTS, got.outs, strict=True):
-        ref_tokens, ref_logps = hf_greedy(hf, prompt, STEPS)
-        assert tokens == ref_tokens, len(prompt)
-        for lp, ref_lp in zip(logprobs, ref_logps, strict=True):
-            for token_id, entry in lp.items():
-                assert abs(entry.logprob - float(ref_lp[token_id])) < 1e-4, token_id
+    assert_outs_match_transformers(got.outs, hf, PROMPTS, STEPS)
 
 
 def test_offloaded_equals_resident_with_experts_in_their_ggml_type(files) -> None:

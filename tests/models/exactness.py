@@ -284,6 +284,18 @@ def assert_matches_transformers(folder: Path, ref_model: Any, prompts: list[list
     return dict(llm.engine.choices)
 
 
+def assert_outs_match_transformers(outs: list[tuple[list[int], list]], ref_model: Any, prompts: list[list[int]],
+                                   steps: int = STEPS) -> None:
+    """A run's (tokens, logprobs) per prompt (Run.outs, fp32): transformers' greedy tokens, log-probabilities within
+    1e-4."""
+    for prompt, (tokens, logprobs) in zip(prompts, outs, strict=True):
+        ref_tokens, ref_logps = hf_greedy(ref_model, prompt, steps)
+        assert tokens == ref_tokens, f"prompt of {len(prompt)} tokens"
+        for lp, ref in zip(logprobs, ref_logps, strict=True):
+            for token_id, entry in lp.items():
+                assert abs(entry.logprob - float(ref[token_id])) < 1e-4, (len(prompt), token_id)
+
+
 def assert_near_transformers_bf16(outs: list[tuple[list[int], list]], ref_model: Any, prompts: list[list[int]],
                                   steps: int) -> None:
     """bf16: transformers' greedy tokens until a near-tie (the two engines round bf16 differently inside their
